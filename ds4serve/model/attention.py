@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..state import CompressorDelta, LayerDelta, LayerState
 from .compressor import CompressorWeights, compress_chunk
@@ -68,12 +69,14 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     keys, allowed = _window_keys(kv, chunk, state, cfg.sliding_window)
     delta = LayerDelta(window_rows=kv)
     if w.compressor is not None:
-        comp = compress_chunk(w.compressor, x, chunk.start, state.compressor, ropes["compress"], eps)
+        with profiler.phase("compressor"):
+            comp = compress_chunk(w.compressor, x, chunk.start, state.compressor, ropes["compress"], eps)
         delta.compressor = comp
         entries = _all_entries(state.compressor.entries, comp)
         visible = _causal_entries(chunk.positions, entries.shape[0], state.compressor.rate)
         if w.layer_type == CSA:
-            delta.indexer, visible = _indexer_select(w.indexer, x, q_res, chunk, state, cfg, ropes, visible)
+            with profiler.phase("indexer"):
+                delta.indexer, visible = _indexer_select(w.indexer, x, q_res, chunk, state, cfg, ropes, visible)
         keys = torch.cat([keys, entries])
         allowed = torch.cat([allowed, visible], dim=-1)
 

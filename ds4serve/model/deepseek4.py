@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
@@ -152,17 +153,25 @@ def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerS
                   cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
     """One decoder block: hc_pre, attention, hc_post, hc_pre, MoE, hc_post."""
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    post, comb, y = hc_split(X, b.hc_attn, hc, iters, eps, neps)
-    a, delta = attention(b.attn, rms_norm(y, b.attn_norm, neps), chunk, ls, cfg, ropes)
-    X = hc_merge(X, a, post, comb)
-    post, comb, y = hc_split(X, b.hc_ffn, hc, iters, eps, neps)
-    m = moe(b.moe, rms_norm(y, b.ffn_norm, neps), ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
-    return hc_merge(X, m, post, comb), delta
+    with profiler.phase("hc_pre"):
+        post, comb, y = hc_split(X, b.hc_attn, hc, iters, eps, neps)
+    with profiler.phase("attention"):
+        a, delta = attention(b.attn, rms_norm(y, b.attn_norm, neps), chunk, ls, cfg, ropes)
+    with profiler.phase("hc_post"):
+        X = hc_merge(X, a, post, comb)
+    with profiler.phase("hc_pre"):
+        post, comb, y = hc_split(X, b.hc_ffn, hc, iters, eps, neps)
+    with profiler.phase("moe_ffn"):
+        m = moe(b.moe, rms_norm(y, b.ffn_norm, neps), ids, cfg.top_k, cfg.routed_scaling_factor,
+                cfg.swiglu_limit)
+    with profiler.phase("hc_post"):
+        return hc_merge(X, m, post, comb), delta
 
 
 def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    merged = hc_head(X, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
-    return F.linear(rms_norm(merged, h.norm, cfg.rms_norm_eps), h.head).float()
+    with profiler.phase("output_projection"):
+        merged = hc_head(X, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        return F.linear(rms_norm(merged, h.norm, cfg.rms_norm_eps), h.head).float()
 
 
 # ---- loading ------------------------------------------------------------------------------------

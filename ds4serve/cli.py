@@ -1,0 +1,189 @@
+"""``ds4serve`` command line: make-tiny, inspect, generate (serve, bench and profile register here too)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+from . import envs
+
+Handler = Callable[[argparse.Namespace], int]
+ArgsFn = Callable[[argparse.ArgumentParser], Handler]
+_COMMANDS: dict[str, tuple[ArgsFn, str]] = {}
+
+
+def command(name: str, help_text: str) -> Callable[[ArgsFn], ArgsFn]:
+    """Register a subcommand: the decorated function adds its arguments and returns its handler."""
+
+    def wrap(add_args: ArgsFn) -> ArgsFn:
+        _COMMANDS[name] = (add_args, help_text)
+        return add_args
+
+    return wrap
+
+
+def default_model_dir() -> Path:
+    """The built-in default model: a tiny random checkpoint created once in the cache directory."""
+    from .tiny import TinySpec, make_tiny
+
+    path = envs.get(envs.CACHE_DIR) / "tiny-default-v1"
+    if not (path / "model.safetensors.index.json").is_file():
+        tmp = path.with_name(path.name + ".tmp")
+        make_tiny(tmp, TinySpec(mtp=1))
+        tmp.rename(path)
+    return path
+
+
+@command("make-tiny", "write a tiny random checkpoint of the real architecture")
+def _make_tiny_args(p: argparse.ArgumentParser) -> Handler:
+    from .tiny import FORMATS, QUANT_MODES, TinySpec
+
+    d = TinySpec()
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--experts", type=int, default=d.experts)
+    p.add_argument("--format", choices=FORMATS, default=d.fmt)
+    p.add_argument("--quantize", choices=QUANT_MODES, default=d.quantize)
+    p.add_argument("--mtp", type=int, default=d.mtp, help="number of MTP next-n blocks (mtp.K.*)")
+    p.add_argument("--dspark", action="store_true", help="add the three DSpark draft stages")
+    p.add_argument("--window", type=int, default=d.window, help="sliding window")
+    p.add_argument("--hca-rate", type=int, default=d.hca_rate)
+    p.add_argument("--index-topk", type=int, default=d.index_topk)
+
+    def run(a: argparse.Namespace) -> int:
+        from .tiny import make_tiny
+
+        spec = TinySpec(seed=a.seed, layers=a.layers, experts=a.experts, fmt=a.format, quantize=a.quantize,
+                        mtp=a.mtp, dspark=a.dspark, window=a.window, hca_rate=a.hca_rate,
+                        index_topk=a.index_topk)
+        out = make_tiny(a.out_dir, spec)
+        print(f"wrote {out}")
+        return 0
+
+    return run
+
+
+@command("inspect", "print a checkpoint's config summary, layer pattern, parameters and bytes per dtype")
+def _inspect_args(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("model_dir")
+
+    def run(a: argparse.Namespace) -> int:
+        from .weights import Checkpoint
+
+        ckpt = Checkpoint(a.model_dir)
+        cfg = ckpt.cfg
+        abbrev = {"sliding_attention": "S", "compressed_sparse_attention": "C", "heavily_compressed_attention": "H"}
+        print(f"checkpoint   {ckpt.path} ({ckpt.layout} layout)")
+        print(f"layers       {cfg.num_layers}: {''.join(abbrev[t] for t in cfg.layer_types)} "
+              f"(S sliding, C CSA ratio {cfg.csa_rate}, H HCA ratio {cfg.hca_rate})")
+        print(f"hash layers  {[i for i in range(cfg.num_layers) if cfg.is_hash_layer(i)]}")
+        print(f"dims         hidden {cfg.hidden_size}, heads {cfg.num_heads}x{cfg.head_dim} (rope {cfg.rope_dim}), "
+              f"q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}")
+        print(f"moe          {cfg.n_routed_experts} experts x {cfg.moe_inter}, top-{cfg.top_k}, "
+              f"{cfg.n_shared_experts} shared")
+        print(f"indexer      {cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk}")
+        print(f"drafts       mtp blocks {cfg.n_mtp_layers}, dspark {'yes' if cfg.dspark else 'no'}")
+        print(f"quant        fp8 block {cfg.quant.fp8_block}, experts {cfg.quant.expert_dtype}")
+        params, nbytes = Counter(), Counter()
+        for name in ckpt.names():
+            t = ckpt.raw(name)
+            params[str(t.dtype)] += t.numel()
+            nbytes[str(t.dtype)] += t.numel() * t.element_size()
+        print(f"parameters   {sum(params.values()):,} stored values, {sum(nbytes.values()) / 1e6:.1f} MB")
+        for dt in sorted(nbytes):
+            print(f"  {dt:<24} {params[dt]:>14,} values {nbytes[dt] / 1e6:>10.1f} MB")
+        return 0
+
+    return run
+
+
+@command("generate", "generate text from a prompt, streaming it to the terminal")
+def _generate_args(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
+
+    def run(a: argparse.Namespace) -> int:
+        from .engine import Engine, SamplingParams
+        from .tokenizer import Tokenizer
+
+        model = Path(a.model) if a.model else default_model_dir()
+        dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+        engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, chunk_size=a.chunk_size)
+        tok: Tokenizer = engine.tokenizer
+        text = a.prompt if a.raw else f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>"
+        prompt = tok.encode(text)
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                seed=a.seed)
+        printed = ""
+        out: list[int] = []
+
+        def on_token(token: int) -> None:
+            nonlocal printed
+            out.append(token)
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+
+        t0 = time.perf_counter()
+        result = engine.generate(prompt, params, on_token=on_token)
+        wall = time.perf_counter() - t0
+        sys.stdout.write("\n")
+        if result.error is not None:
+            print(f"error: {result.error.value}: {result.error_message}", file=sys.stderr)
+            return 1
+        n = len(result.tokens)
+        print(f"[{len(prompt)} prompt tokens, prefill {result.timings.prefill_tps(result.stats.prefilled_tokens):.1f} "
+              f"tok/s, {n} generated, decode {result.timings.decode_tps(max(n - 1, 0)):.1f} tok/s, "
+              f"finish {result.finish_reason}, {wall:.2f} s]", file=sys.stderr)
+        return 0
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4serve", description="Exact, fast DeepSeek-V4 serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_handler=add_args(p))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _load_optional_commands()
+    args = build_parser().parse_args(argv)
+    return args._handler(args)
+
+
+def _load_optional_commands() -> None:
+    """Subcommands living in other modules register themselves on import."""
+    import importlib
+
+    for module in ("ds4serve.server.cli", "ds4serve.bench_cli"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name not in (module, "ds4serve.server", "fastapi", "uvicorn"):
+                raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

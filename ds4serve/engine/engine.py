@@ -1,0 +1,339 @@
+"""The engine: one model, one sequence at a time, exact chunked prefill and decode.
+
+Every request starts from a clean :class:`~ds4serve.state.SequenceState` or from a restored
+:class:`~ds4serve.state.Snapshot` whose tokens are a prefix of the prompt (then only the suffix is
+prefilled; an exact-prefix restore forwards nothing and samples from the snapshot's last logits).
+Failures never escape :meth:`Engine.generate`: they come back as a :class:`GenerateResult` with an
+:class:`ErrorCode`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .. import profiler
+from ..config import ModelConfig
+from ..model import DeepSeekV4
+from ..state import SequenceState, Snapshot
+from ..tokenizer import Tokenizer
+from ..weights import Checkpoint
+from .generation import Generation
+from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
+
+log = logging.getLogger("ds4serve.engine")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+PARK_SELECTORS = ("", "all", "target", "draft")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class RequestHandle:
+    """A running generation: iterate it for tokens, ``cancel()`` it, read ``result`` when done."""
+
+    def __init__(self, engine: "Engine", prompt: list[int], params: SamplingParams,
+                 speculative: object | None, snapshot: Snapshot | None):
+        self.prompt = list(prompt) if not isinstance(prompt, list) else prompt
+        self.params = params
+        self.result = GenerateResult()
+        self._cancel = threading.Event()
+        self._tokens = engine._run(self, speculative, snapshot)
+
+    def cancel(self) -> None:
+        """Stop before the next forward; the result ends with ``finish_reason='cancelled'``."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[int]:
+        return self._tokens
+
+
+class Engine:
+    """DeepSeek-V4 inference over one model (or one layer split) with exact incremental state."""
+
+    def __init__(self, model: DeepSeekV4, tokenizer: Tokenizer, *, loader: Callable[[], DeepSeekV4] | None = None,
+                 path: Path | None = None, max_context: int | None = None, chunk_size: int = 512):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
+        self.model: DeepSeekV4 | None = model
+        self.cfg: ModelConfig = model.cfg
+        self.tokenizer = tokenizer
+        self.path = path
+        self._loader = loader
+        self.device = model.device
+        self.dtype = model.dtype
+        self.max_context = max_context or self.cfg.max_position_embeddings
+        self.chunk_size = chunk_size
+        self.draft = None  # a draft model with park()/unpark(), set by speculative decoding
+        self._state: SequenceState | None = None
+        self._pending_restore: Snapshot | None = None
+        self._lock = threading.RLock()
+        self.forward_calls = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: str | torch.dtype = "float32", *, max_context: int | None = None,
+                        chunk_size: int = 512) -> "Engine":
+        path = Path(path)
+        torch_dtype = resolve_dtype(dtype)
+
+        def load() -> DeepSeekV4:
+            return DeepSeekV4.load(Checkpoint(path), dtype=torch_dtype, device=device)
+
+        return cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context,
+                   chunk_size=chunk_size)
+
+    # ---- forward helpers -----------------------------------------------------------------------
+    def _forward(self, ids: list[int], state: SequenceState, logit_rows: torch.Tensor | slice | None):
+        self.forward_calls += 1
+        return self._require_model().forward(ids, state, logit_rows=logit_rows)
+
+    def prefill(self, state: SequenceState, ids: list[int], chunk_sizes: list[int] | None = None,
+                all_logits: bool = False) -> torch.Tensor | None:
+        """Forward ``ids`` chunk by chunk, committing each chunk.
+
+        Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
+        ``all_logits``). Intermediate chunks skip the output head.
+        """
+        sizes = chunk_sizes or _even_chunks(len(ids), self.chunk_size)
+        outs: list[torch.Tensor] = []
+        offset = 0
+        for n, size in enumerate(sizes):
+            chunk = ids[offset:offset + size]
+            last = n == len(sizes) - 1
+            rows = slice(None) if all_logits else (slice(size - 1, size) if last else None)
+            with profiler.step("prefill", size, state.pos, self._require_model().layers):
+                result = self._forward(chunk, state, rows)
+            state.commit(result.delta, size)
+            if result.logits is not None:
+                outs.append(result.logits)
+            offset += size
+        logits = torch.cat(outs) if outs else None
+        if logits is not None:
+            state.last_logits = logits[-1]
+        return logits if all_logits else state.last_logits
+
+    def score(self, token_ids: list[int], chunk_sizes: list[int] | None = None) -> torch.Tensor:
+        """float32 logits ``[len(token_ids), vocab]`` at every position, for any chunking."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("token_ids: expected at least one token")
+        if chunk_sizes is not None and (sum(chunk_sizes) != len(ids) or min(chunk_sizes) < 1):
+            raise ValueError(f"chunk_sizes: expected positive sizes summing to {len(ids)}, got {chunk_sizes}")
+        with self._lock, torch.inference_mode():
+            state = self._require_model().new_state(len(ids))
+            return self.prefill(state, ids, chunk_sizes or [len(ids)], all_logits=True)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def stream(self, prompt_ids: list[int], params: SamplingParams, *, speculative: object | None = None,
+               snapshot: Snapshot | None = None) -> RequestHandle:
+        """Start a generation; iterate the handle for tokens as they are committed."""
+        return RequestHandle(self, prompt_ids, params, speculative, snapshot)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                 on_token: Callable[[int], bool | None] | None = None, speculative: object | None = None,
+                 snapshot: Snapshot | None = None) -> GenerateResult:
+        """Generate until a stop token, ``max_tokens`` or cancellation (``on_token`` returning False)."""
+        handle = self.stream(prompt_ids, params, speculative=speculative, snapshot=snapshot)
+        for token in handle:
+            if on_token is not None and on_token(token) is False:
+                handle.cancel()
+        return handle.result
+
+    def _run(self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None) -> Iterator[int]:
+        res, params = handle.result, handle.params
+        start = time.perf_counter()
+        with self._lock, torch.inference_mode():
+            try:
+                self._require_model()
+                prompt = self._validate(handle.prompt, params)
+                proposer = self._proposer(speculative)
+                state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res)
+                self._pending_restore = None
+                res.timings.prefill_s = time.perf_counter() - start
+                if proposer is None:
+                    yield from self._decode_loop(handle, state, logits, start)
+                else:
+                    yield from self._speculative_loop(handle, state, logits, start, proposer)
+            except GenerateError as exc:
+                res.error, res.error_message, res.finish_reason = exc.code, exc.message, "error"
+            except torch.OutOfMemoryError as exc:
+                res.error, res.error_message, res.finish_reason = ErrorCode.OUT_OF_MEMORY, str(exc), "error"
+                self._state = None
+                _free_memory()
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a structured result
+                log.exception("generation failed")
+                res.error, res.finish_reason = ErrorCode.INTERNAL, "error"
+                res.error_message = f"{type(exc).__name__}: {exc}"
+                self._state = None
+            res.stats.forward_calls = self.forward_calls - res.stats.forward_calls
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise GenerateError(ErrorCode.INVALID_REQUEST, "params: expected a SamplingParams")
+        params.validate(self.cfg.vocab_size)
+        ids = list(prompt)
+        if not ids:
+            raise GenerateError(ErrorCode.INVALID_REQUEST, "prompt: expected at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise GenerateError(ErrorCode.INVALID_REQUEST,
+                                f"prompt: token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+        need = len(ids) + params.max_tokens
+        if need > self.max_context:
+            raise GenerateError(ErrorCode.CONTEXT_OVERFLOW,
+                                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
+                                f"the context of {self.max_context} tokens")
+        return ids
+
+    def _start(self, prompt: list[int], max_tokens: int, snapshot: Snapshot | None, res: GenerateResult
+               ) -> tuple[SequenceState, torch.Tensor]:
+        """A clean or restored state with the prompt prefilled, and the logits after its last token."""
+        res.stats.prompt_tokens = len(prompt)
+        res.stats.forward_calls = self.forward_calls
+        state = self._acquire_state(len(prompt) + max_tokens)
+        reuse = 0
+        if snapshot is not None and _usable(snapshot, prompt):
+            state.restore(snapshot)
+            reuse = snapshot.pos
+        else:
+            state.reset()
+        res.stats.cached_tokens = reuse
+        res.stats.prefilled_tokens = len(prompt) - reuse
+        logits = self.prefill(state, prompt[reuse:]) if reuse < len(prompt) else state.last_logits
+        return state, logits
+
+    def _acquire_state(self, capacity: int) -> SequenceState:
+        if self._state is None or self._state.max_context < capacity:
+            self._state = None
+            self._state = self._require_model().new_state(capacity)
+        return self._state
+
+    def _decode_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor,
+                     start: float) -> Iterator[int]:
+        gen = Generation(handle.prompt, handle.params, handle.result, self.cfg, self.tokenizer, logits.device, start)
+        decode_start = time.perf_counter()
+        while True:
+            if handle.cancelled:
+                gen.cancel()
+                break
+            token = gen.choose(logits)
+            done = gen.accept(token, logits)
+            yield token
+            if done:
+                break
+            if not handle.cancelled:
+                logits = self.decode_step(state, token)
+        handle.result.timings.decode_s = time.perf_counter() - decode_start
+
+    def _proposer(self, speculative: object | None) -> object | None:
+        """The draft proposer for ``speculative`` (None: plain decoding)."""
+        if speculative is None:
+            return None
+        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: {speculative!r} is not available")
+
+    def _speculative_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor, start: float,
+                          proposer: object) -> Iterator[int]:
+        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative decoding with {proposer!r} is not available")
+
+    def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
+        """Forward one token, commit it, return the logits after it."""
+        with profiler.step("decode", 1, state.pos, self._require_model().layers):
+            result = self._forward([token], state, slice(0, 1))
+        state.commit(result.delta, 1)
+        state.last_logits = result.logits[0]
+        return state.last_logits
+
+    # ---- snapshots -----------------------------------------------------------------------------
+    def snapshot(self, device: str | torch.device | None = None) -> Snapshot:
+        """Right-sized copy of the current sequence (its tokens, state and last logits)."""
+        with self._lock:
+            if self._state is None or self._state.pos == 0:
+                raise RuntimeError("snapshot: no sequence has been run yet")
+            return self._state.snapshot(device)
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Arm ``snapshot`` for the next generation whose prompt starts with its tokens."""
+        with self._lock:
+            self._pending_restore = snapshot
+
+    def new_sequence(self, capacity: int) -> SequenceState:
+        return self._require_model().new_state(capacity)
+
+    # ---- park / unpark -------------------------------------------------------------------------
+    def park(self, what: str = "") -> list[str]:
+        """Free the weights and states of ``what`` ('' / 'all', 'target', 'draft'); return what was parked."""
+        with self._lock:
+            parked = []
+            for part in _selected(what):
+                if part == "target" and self.model is not None:
+                    self.model = None
+                    self._state = None
+                    self._pending_restore = None
+                    parked.append("target")
+                elif part == "draft" and self.draft is not None and self.draft.park():
+                    parked.append("draft")
+            _free_memory()
+            return parked
+
+    def unpark(self, what: str = "") -> list[str]:
+        """Reload what :meth:`park` freed, from the same checkpoint and settings."""
+        with self._lock:
+            loaded = []
+            for part in _selected(what):
+                if part == "target" and self.model is None:
+                    if self._loader is None:
+                        raise RuntimeError("unpark: this engine has no loader to reload its weights from")
+                    self.model = self._loader()
+                    loaded.append("target")
+                elif part == "draft" and self.draft is not None and self.draft.unpark():
+                    loaded.append("draft")
+            return loaded
+
+    @property
+    def parked(self) -> bool:
+        return self.model is None
+
+    def _require_model(self) -> DeepSeekV4:
+        if self.model is None:
+            raise GenerateError(ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)")
+        return self.model
+
+
+def _selected(what: str) -> tuple[str, ...]:
+    if what not in PARK_SELECTORS:
+        raise ValueError(f"selector: expected one of {list(PARK_SELECTORS)}, got {what!r}")
+    return ("target", "draft") if what in ("", "all") else (what,)
+
+
+def _usable(snapshot: Snapshot, prompt: list[int]) -> bool:
+    if snapshot.pos > len(prompt) or prompt[: snapshot.pos] != snapshot.tokens:
+        return False
+    return snapshot.pos < len(prompt) or snapshot.last_logits is not None
+
+
+def _even_chunks(n: int, size: int) -> list[int]:
+    return [min(size, n - i) for i in range(0, n, size)]
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

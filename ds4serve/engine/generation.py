@@ -1,0 +1,88 @@
+"""Per-request bookkeeping shared by plain and speculative decoding.
+
+:class:`Generation` decides the next token (sampled, or forced by the reasoning budget), records
+each accepted token (reasoning/answer counts, logprobs, timing) and says when to stop. Both decode
+loops go through it, so stop tokens, budgets and logprobs behave identically in both.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import ModelConfig
+from ..tokenizer import Tokenizer
+from .request import ErrorCode, GenerateResult, SamplingParams
+from .sampler import Sampler
+
+
+class Generation:
+    def __init__(self, prompt: list[int], params: SamplingParams, result: GenerateResult, cfg: ModelConfig,
+                 tokenizer: Tokenizer, device: torch.device, start: float):
+        self.prompt = prompt
+        self.params = params
+        self.result = result
+        self.start = start
+        self.sampler = Sampler(params, cfg.vocab_size, device)
+        self.stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stops.add(cfg.eos_token_id)
+        self.think_end = tokenizer.think_end_id
+        thinking = params.thinking
+        self.reasoning = thinking if thinking is not None else prompt[-1] == tokenizer.think_start_id
+        if params.logprobs is not None:
+            result.logprobs = []
+
+    @property
+    def output(self) -> list[int]:
+        return self.result.tokens
+
+    def forced(self) -> int | None:
+        """The token the reasoning budget forces next (``</think>``), if any."""
+        budget = self.params.reasoning_budget
+        if self.reasoning and budget is not None and self.result.stats.reasoning_tokens >= budget:
+            return self.think_end
+        return None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        forced = self.forced()
+        if forced is not None:
+            return forced
+        return self.sampler.sample(logits, self.prompt, self.output)
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The exact distribution of the next token (one-hot when forced or greedy)."""
+        forced = self.forced()
+        if forced is not None:
+            return torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1]).float().to(logits.device)
+        return self.sampler.distribution(logits, self.prompt, self.output)
+
+    def accept(self, token: int, logits: torch.Tensor) -> bool:
+        """Record ``token`` (sampled from ``logits``); True when generation must stop after it."""
+        res = self.result
+        if self.reasoning:
+            if token == self.think_end:
+                res.stats.budget_forced_close = self.forced() is not None
+                self.reasoning = False
+            else:
+                res.stats.reasoning_tokens += 1
+        elif token not in self.stops:
+            res.stats.answer_tokens += 1
+        if res.logprobs is not None:
+            res.logprobs.append(self.sampler.logprob(logits, token))
+        res.tokens.append(token)
+        if len(res.tokens) == 1:
+            res.timings.first_token_s = time.perf_counter() - self.start
+        if token in self.stops:
+            res.finish_reason = "stop"
+            return True
+        if len(res.tokens) >= self.params.max_tokens:
+            res.finish_reason = "length"
+            return True
+        return False
+
+    def cancel(self) -> None:
+        res = self.result
+        res.finish_reason, res.error = "cancelled", ErrorCode.CANCELLED
+        res.error_message = f"cancelled after {len(res.tokens)} tokens"

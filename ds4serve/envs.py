@@ -1,0 +1,118 @@
+"""Every environment variable ds4serve reads, declared once and read only through this module.
+
+Each variable has a name, a type, a default and a one-line doc; ``docs/ENVIRONMENT.md`` is
+generated from this registry (``python -m ds4serve.envs > docs/ENVIRONMENT.md``) and a test fails
+when the file is stale or when code elsewhere reads ``os.environ`` directly.
+
+Booleans: unset, ``0``, ``false``, ``no``, ``off`` are off; ``1``, ``true``, ``yes``, ``on`` are on;
+anything else is an error naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value of the wrong type."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: str  # "bool" | "int" | "float" | "str" | "path"
+    default: Any
+    doc: str
+
+    def get(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        return _PARSERS[self.kind](self.name, raw.strip())
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise EnvError(f"{name}={raw!r}: expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise EnvError(f"{name}={raw!r}: expected an integer") from exc
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise EnvError(f"{name}={raw!r}: expected a number") from exc
+
+
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "bool": _parse_bool,
+    "int": _parse_int,
+    "float": _parse_float,
+    "str": lambda _name, raw: raw,
+    "path": lambda _name, raw: Path(raw).expanduser(),
+}
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _declare(name: str, kind: str, default: Any, doc: str) -> EnvVar:
+    var = EnvVar(name, kind, default, doc)
+    REGISTRY[name] = var
+    return var
+
+
+CACHE_DIR = _declare(
+    "DS4SERVE_CACHE_DIR", "path", Path.home() / ".cache" / "ds4serve",
+    "Where the built-in default tiny model (and other generated artefacts) are cached.")
+GPU_PROFILE = _declare(
+    "DS4SERVE_GPU_PROFILE", "bool", False,
+    "Enable the per-phase GPU profiler (same as --gpu-profile). Off means no events, no syncs, no output.")
+GPU_PROFILE_FILE = _declare(
+    "DS4SERVE_GPU_PROFILE_FILE", "path", None,
+    "Also write profiler records as JSON lines to this file.")
+LOG_LEVEL = _declare(
+    "DS4SERVE_LOG_LEVEL", "str", "INFO",
+    "Python logging level for ds4serve's loggers (DEBUG, INFO, WARNING, ...).")
+
+
+def get(var: EnvVar) -> Any:
+    """The current value of a registered variable."""
+    return var.get()
+
+
+def markdown() -> str:
+    """``docs/ENVIRONMENT.md``, generated from the registry."""
+    lines = [
+        "# Environment variables",
+        "",
+        "Generated from `ds4serve/envs.py` by `python -m ds4serve.envs > docs/ENVIRONMENT.md`; do not edit.",
+        "",
+        "Booleans accept `1`/`true`/`yes`/`on` and `0`/`false`/`no`/`off` (unset is off); other values are an error.",
+        "",
+        "| variable | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for var in sorted(REGISTRY.values(), key=lambda v: v.name):
+        default = "~/.cache/ds4serve" if var is CACHE_DIR else ("unset" if var.default is None else f"`{var.default}`")
+        lines.append(f"| `{var.name}` | {var.kind} | {default} | {var.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
