@@ -25,7 +25,7 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
         scale = scale.view(torch.uint8)
     if scale.dtype != torch.uint8:
         return scale.float()
-    return torch.ldexp(torch.ones((), dtype=torch.float32), scale.to(torch.int32) - 127)
+    return torch.ldexp(torch.ones(scale.shape, dtype=torch.float32, device=scale.device), scale.to(torch.int32) - 127)
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:

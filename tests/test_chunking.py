@@ -1,0 +1,105 @@
+"""Any chunking of prefill (and decode, a chunk of one) equals the one-shot forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ds4serve import Engine
+from tests.helpers import random_prompt
+
+CHECKPOINTS = {
+    "default": dict(seed=0),
+    "small-windows": dict(seed=2, window=8, hca_rate=8, index_topk=5),
+    "real-window": dict(seed=7, window=128, hca_rate=128, index_topk=16),
+}
+REL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _random_split(n: int, rng: random.Random) -> list[int]:
+    sizes = []
+    while n:
+        sizes.append(min(n, rng.randint(1, 40)))
+        n -= sizes[-1]
+    return sizes
+
+
+def _fixed(n: int, size: int) -> list[int]:
+    return [min(size, n - i) for i in range(0, n, size)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_factory):
+    return {name: Engine.from_pretrained(tiny_factory(**fields)) for name, fields in CHECKPOINTS.items()}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("size", [3, 4, 5, 127, 128, 129])
+def test_fixed_chunk_sizes(engines, name, size):
+    engine = engines[name]
+    ids = random_prompt(300, seed=11)
+    full = engine.score(ids)
+    assert _rel(engine.score(ids, _fixed(300, size)), full) <= REL
+
+
+@pytest.mark.parametrize("name", ["default", "real-window"])
+def test_token_by_token(engines, name):
+    engine = engines[name]
+    ids = random_prompt(300, seed=12)
+    assert _rel(engine.score(ids, [1] * 300), engine.score(ids)) <= REL
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_random_lengths_and_splits(engines, name):
+    engine = engines[name]
+    rng = random.Random(13)
+    for trial in range(4):
+        n = rng.choice([1, 2, rng.randint(3, 300)])
+        ids = random_prompt(n, seed=100 + trial)
+        assert _rel(engine.score(ids, _random_split(n, rng)), engine.score(ids)) <= REL
+
+
+def test_windows_closing_mid_chunk_are_visible_to_later_queries(engines):
+    """Regression for the seed's P0 bug: batched prefill must compress every window it closes.
+
+    The second chunk (positions 10..39) closes HCA windows at positions 15 and 31 and several CSA
+    windows; its later queries must see those entries, and commit must store them.
+    """
+    engine = engines["default"]
+    model, cfg = engine.model, engine.cfg
+    ids = random_prompt(40, seed=14)
+    full = engine.score(ids)
+    assert _rel(engine.score(ids, [10, 30]), full) <= REL
+
+    state = model.new_state(40)
+    engine.prefill(state, ids[:10])
+    result = model.forward(ids[10:], state, logit_rows=slice(None))
+    hca_layer = cfg.layer_types.index("heavily_compressed_attention")
+    assert result.delta.layers[hca_layer].compressor.entries.shape[0] == 40 // cfg.hca_rate
+    assert _rel(result.logits, full[10:]) <= REL
+    state.commit(result.delta, 30)
+    oneshot = model.new_state(40)
+    engine.prefill(oneshot, ids)
+    n = 40 // cfg.hca_rate
+    got = state.layers[hca_layer].compressor.entries[:n]
+    want = oneshot.layers[hca_layer].compressor.entries[:n]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_partial_commit_equals_shorter_chunk(engines):
+    """Verify-then-commit: committing only a prefix of a forward equals forwarding that prefix."""
+    engine = engines["small-windows"]
+    model = engine.model
+    ids = random_prompt(60, seed=15)
+    state = model.new_state(60)
+    engine.prefill(state, ids[:21])
+    probe = model.forward(ids[21:30], state, logit_rows=slice(None))
+    state.commit(probe.delta, 5)  # keep 5 of the 9 verified tokens
+    rest = model.forward(ids[26:], state, logit_rows=slice(None))
+    assert _rel(rest.logits, engine.score(ids)[26:]) <= REL

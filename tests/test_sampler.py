@@ -1,0 +1,105 @@
+"""The sampler on hand-made logits: every transform does what the module docstring documents."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ds4serve.engine.request import SamplingParams
+from ds4serve.engine.sampler import Sampler
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+
+
+def _dist(**kw) -> torch.Tensor:
+    return Sampler(SamplingParams(**kw), 5).distribution(LOGITS, prompt=[], output=[])
+
+
+def test_greedy_is_argmax_after_bias():
+    s = Sampler(SamplingParams(logit_bias={3: 10.0}), 5)
+    assert s.sample(LOGITS, [], []) == 3
+    assert Sampler(SamplingParams(), 5).sample(LOGITS, [], []) == 0
+
+
+def test_temperature_one_is_softmax():
+    assert torch.allclose(_dist(temperature=1.0), torch.softmax(LOGITS, -1))
+
+
+def test_temperature_scales_logits():
+    assert torch.allclose(_dist(temperature=0.5), torch.softmax(LOGITS / 0.5, -1))
+
+
+def test_top_k_keeps_the_k_largest():
+    d = _dist(temperature=1.0, top_k=2)
+    assert torch.count_nonzero(d) == 2 and torch.allclose(d[:2], torch.softmax(LOGITS[:2], -1))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    p = torch.softmax(LOGITS, -1)
+    d = _dist(temperature=1.0, top_p=float(p[0] + 0.01))  # needs the top two
+    assert torch.count_nonzero(d) == 2
+    d = _dist(temperature=1.0, top_p=float(p[0] - 0.01))  # the top one suffices
+    assert torch.count_nonzero(d) == 1
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_max():
+    p = torch.softmax(LOGITS, -1)
+    ratio = float(p[2] / p[0])
+    d = _dist(temperature=1.0, min_p=ratio * 1.01)
+    assert torch.count_nonzero(d) == 2
+    d = _dist(temperature=1.0, min_p=ratio * 0.99)
+    assert torch.count_nonzero(d) == 3
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    s = Sampler(SamplingParams(repetition_penalty=2.0), 5)
+    out = s.adjusted(LOGITS, prompt=[0], output=[3, 3])
+    assert out.tolist() == [1.0, 1.0, 0.5, -2.0, -3.0]
+
+
+def test_frequency_and_presence_penalties_count_output_occurrences():
+    s = Sampler(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), 5)
+    out = s.adjusted(LOGITS, prompt=[1, 1, 1], output=[2, 2, 4])
+    assert out.tolist() == [2.0, 1.0, 0.5 - 1.0 - 0.25, -1.0, -3.0 - 0.5 - 0.25]
+
+
+def test_penalty_window_limits_the_history():
+    s = Sampler(SamplingParams(frequency_penalty=1.0, penalty_window=2), 5)
+    out = s.adjusted(LOGITS, prompt=[], output=[0, 0, 0, 1, 2])
+    assert out.tolist() == [2.0, 0.0, -0.5, -1.0, -3.0]
+
+
+def test_seeded_generators_are_private_and_reproducible():
+    a = Sampler(SamplingParams(temperature=1.0, seed=3), 5)
+    b = Sampler(SamplingParams(temperature=1.0, seed=3), 5)
+    other = Sampler(SamplingParams(temperature=1.0, seed=4), 5)
+    draws_a = [a.sample(LOGITS, [], []) for _ in range(20)]
+    [other.sample(LOGITS, [], []) for _ in range(7)]  # another request must not disturb b
+    assert draws_a == [b.sample(LOGITS, [], []) for _ in range(20)]
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    s = Sampler(SamplingParams(temperature=1.0, seed=0), 5)
+    counts = torch.bincount(torch.tensor([s.sample(LOGITS, [], []) for _ in range(4000)]), minlength=5)
+    expected = torch.softmax(LOGITS, -1) * 4000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5  # p = 0.001 with 4 degrees of freedom
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    s = Sampler(SamplingParams(temperature=2.0, logprobs=2, logit_bias={4: 50.0}), 5)
+    entry = s.logprob(LOGITS, 1)
+    lp = torch.log_softmax(LOGITS, -1)
+    assert math.isclose(entry.logprob, float(lp[1]), rel_tol=1e-6)
+    assert [t for t, _ in entry.top] == [0, 1]
+
+
+@pytest.mark.parametrize("field,value", [("top_k", -1), ("min_p", 1.5), ("repetition_penalty", 0.0),
+                                         ("frequency_penalty", 3.0), ("logprobs", 50), ("temperature", float("nan"))])
+def test_invalid_fields_are_named(field, value):
+    from ds4serve.engine.request import GenerateError
+
+    with pytest.raises(GenerateError, match=field):
+        SamplingParams(**{field: value}).validate(5)
