@@ -103,3 +103,32 @@ def test_partial_commit_equals_shorter_chunk(engines):
     state.commit(probe.delta, 5)  # keep 5 of the 9 verified tokens
     rest = model.forward(ids[26:], state, logit_rows=slice(None))
     assert _rel(rest.logits, engine.score(ids)[26:]) <= REL
+
+
+def test_only_the_last_prefill_chunk_runs_the_head(engines, monkeypatch):
+    engine = engines["default"]
+    rows: list[int] = []
+    original = type(engine.model).logits
+
+    def counting(self, X):
+        rows.append(X.shape[0])
+        return original(self, X)
+
+    monkeypatch.setattr(type(engine.model), "logits", counting)
+    state = engine.model.new_state(100)
+    engine.prefill(state, random_prompt(100, seed=16), chunk_sizes=[40, 40, 20])
+    assert rows == [1]
+
+
+def test_forked_states_continue_independently(engines):
+    engine = engines["small-windows"]
+    model = engine.model
+    ids = random_prompt(50, seed=17)
+    tail_a, tail_b = random_prompt(7, seed=18), random_prompt(5, seed=19)
+    base = model.new_state(60)
+    engine.prefill(base, ids)
+    fork = base.fork()
+    a = engine.prefill(base, tail_a)
+    b = engine.prefill(fork, tail_b)
+    assert _rel(a, engine.score(ids + tail_a)[-1]) <= REL
+    assert _rel(b, engine.score(ids + tail_b)[-1]) <= REL

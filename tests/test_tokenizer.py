@@ -1,0 +1,34 @@
+"""The tokenizer reads special-token ids from tokenizer.json, the checkpoint's own or the bundled one."""
+
+from __future__ import annotations
+
+import json
+
+from ds4serve.tokenizer import Tokenizer
+
+
+def test_special_ids_come_from_the_file(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    assert tok.source == tiny_dir / "tokenizer.json"
+    assert (tok.bos_id, tok.eos_id, tok.think_start_id, tok.think_end_id) == (0, 1, 128821, 128822)
+    assert tok.vocab_size == 129280
+    ids = tok.encode("<｜User｜>Hello<｜Assistant｜><think>")
+    assert ids[0] == tok.user_id and ids[-2:] == [tok.assistant_id, tok.think_start_id]
+    assert tok.decode(ids) == "<｜User｜>Hello<｜Assistant｜><think>"
+
+
+def test_ids_follow_a_modified_file(tiny_dir, tmp_path):
+    data = json.loads((tiny_dir / "tokenizer.json").read_text())
+    for entry in data["added_tokens"]:
+        if entry["content"] == "</think>":
+            entry["content"] = "</reasoning>"
+        elif entry["content"] == "<｜place▁holder▁no▁5｜>":
+            entry["content"] = "</think>"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    assert Tokenizer(tmp_path).think_end_id == 128005
+
+
+def test_falls_back_to_the_bundled_tokenizer(tmp_path):
+    tok = Tokenizer(tmp_path)
+    assert tok.source.name == "tokenizer.json" and tok.source.parent != tmp_path
+    assert tok.bos_id == 0 and tok.user_id == 128803
