@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI and Anthropic APIs over the engine (see docs/API.md)."""

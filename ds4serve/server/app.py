@@ -1,0 +1,246 @@
+"""The FastAPI application: limits and auth, error handling, health, models, metrics, admin routes.
+
+The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_anthropic`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import Engine
+from ..engine.prefix_cache import PrefixCache
+from .errors import APIError, body_for, invalid
+from .metrics import Metrics
+from .routes_anthropic import router as anthropic_router
+from .routes_openai import router as openai_router
+from .scheduler import Scheduler
+from .schemas import ParkRequest
+
+log = logging.getLogger("ds4serve.server")
+
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions", "/v1/messages",
+          "/v1/messages/count_tokens", "/admin/park", "/admin/unpark")
+UNAUTHENTICATED = ("/health",)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 64
+    max_body_bytes: int = 8 << 20
+    max_tokens_limit: int = 32768
+    speculative: object | None = None
+
+
+class Server:
+    """Everything a route needs: the engine, its scheduler, the metrics, the settings."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, cache: PrefixCache | None = None):
+        self.engine = engine
+        self.config = config
+        self.cache = cache
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine, self.metrics, max_queue=config.max_queue, cache=cache)
+        self.started = int(time.time())
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    return JSONResponse(body_for(path, err), status_code=err.status, headers=err.headers)
+
+
+class _Gate:
+    """Pure ASGI middleware: counts requests, checks the API key, enforces the body size limit.
+
+    The body is read here (up to the limit) and replayed, so an oversized body is a 413 whether or
+    not it declares its length; after the body, ``receive`` reaches the client again (disconnects).
+    """
+
+    def __init__(self, app, server: Server):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            err = self._check_auth(scope)
+            body = None
+            if err is None:
+                body, err = await self._read_body(scope, receive)
+            if err is not None:
+                await error_response(path, err)(scope, receive, counting_send)
+                return
+            await self.app(scope, _replay(body, receive), counting_send)
+        finally:
+            route = path if path in ROUTES else "other"
+            self.server.metrics.requests.labels(route, str(status["code"])).inc()
+
+    def _check_auth(self, scope) -> APIError | None:
+        key = self.server.config.api_key
+        if key is None or scope["path"] in UNAUTHENTICATED:
+            return None
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key:
+            return None
+        return APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                        "invalid_api_key")
+
+    async def _read_body(self, scope, receive) -> tuple[bytes, APIError | None]:
+        limit = self.server.config.max_body_bytes
+        too_large = APIError(413, f"request body exceeds the limit of {limit} bytes", "request_too_large")
+        for k, v in scope["headers"]:
+            if k.lower() == b"content-length" and v.isdigit() and int(v) > limit:
+                return b"", too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"", APIError(499, "client disconnected", "cancelled")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return invalid(f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    loc = []
+    for part in first["loc"][1:] if first["loc"][:1] == ("body",) else first["loc"]:
+        if isinstance(part, str) and _is_type_tag(part):
+            break  # pydantic names the union member it tried; the field is what came before
+        loc.append(str(part))
+    if not loc:
+        return invalid("the request body must be a JSON object" if first["type"] != "missing"
+                       else "a JSON request body is required")
+    param = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return invalid(f"{param}: {first['msg']}{more}", param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+
+
+def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None = None) -> FastAPI:
+    server = Server(engine, config, cache)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.scheduler.stop)
+
+    app = FastAPI(title="ds4serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_middleware(_Gate, server=server)
+    app.include_router(openai_router)
+    app.include_router(anthropic_router)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(request.url.path, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return error_response(request.url.path, APIError(exc.status_code, message, code))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request.url.path, APIError(500, f"{type(exc).__name__}: {exc}", "internal"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model_parked": engine.parked, "queue_depth": server.scheduler.queue_depth}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": server.started,
+                                            "owned_by": "ds4serve", "context_length": engine.max_context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/admin/park")
+    async def park(request: Request):
+        what = await _selector(request)
+        parked = await asyncio.to_thread(_call_selector, engine.park, what)
+        if "target" in parked and cache is not None and cache.device.type != "cpu":
+            cache.clear()
+        return {"parked": parked, "model_parked": engine.parked}
+
+    @app.post("/admin/unpark")
+    async def unpark(request: Request):
+        what = await _selector(request)
+        loaded = await asyncio.to_thread(_call_selector, engine.unpark, what)
+        return {"loaded": loaded, "model_parked": engine.parked}
+
+    return app
+
+
+async def _selector(request: Request) -> str:
+    """The park selector from a JSON body ``{"what": ...}`` or the query (``?what=``); '' when absent."""
+    raw = await request.body()
+    if not raw.strip():
+        return request.query_params.get("what", "")
+    try:
+        return ParkRequest.model_validate(json.loads(raw)).what
+    except (ValueError, TypeError) as exc:
+        raise invalid(f"what: expected a JSON body like {{\"what\": \"target\"}} ({exc})", "what") from None
+
+
+def _call_selector(fn, what: str) -> list[str]:
+    try:
+        return fn(what)
+    except ValueError as exc:
+        raise invalid(f"what: {exc}", "what") from None

@@ -1,0 +1,65 @@
+"""``ds4serve serve``: the HTTP server on uvicorn (registered with the main CLI on import)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..cli import Handler, command, default_model_dir
+
+log = logging.getLogger("ds4serve.server")
+
+
+@command("serve", "serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs")
+def _serve_args(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny random model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size")
+    p.add_argument("--speculative", default=None, help="draft for speculative decoding: mtp | dspark | ngram[:K]")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key) on every "
+                                                   "route but /health")
+    p.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses")
+    p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body; larger ones get 413")
+    p.add_argument("--max-tokens-limit", type=int, default=32768, help="largest max_tokens a request may ask for")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024.0, help="memory for prefix snapshots (0: off)")
+    p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
+    p.add_argument("--prefix-cache-disk-mb", type=float, default=None, help="disk budget of --prefix-cache-dir")
+    p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
+
+    def run(a: argparse.Namespace) -> int:
+        import uvicorn
+
+        from .. import profiler
+        from ..engine import Engine
+        from ..engine.prefix_cache import PrefixCache, model_identity
+        from .app import ServerConfig, create_app
+
+        profiler.configure(enabled=True if a.gpu_profile else None)
+        model = Path(a.model) if a.model else default_model_dir()
+        dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+        engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, max_context=a.max_context,
+                                        chunk_size=a.chunk_size)
+        cache = None
+        if a.prefix_cache_mb > 0 or a.prefix_cache_dir:
+            disk_mb = a.prefix_cache_disk_mb
+            cache = PrefixCache(int(a.prefix_cache_mb * 2**20), disk_dir=a.prefix_cache_dir,
+                                model_id=model_identity(model, dtype),
+                                disk_max_bytes=None if disk_mb is None else int(disk_mb * 2**20))
+        config = ServerConfig(model_name=a.served_model_name or model.name, api_key=a.api_key,
+                              max_queue=a.max_queue, max_body_bytes=int(a.max_body_mb * 2**20),
+                              max_tokens_limit=a.max_tokens_limit, speculative=a.speculative)
+        app = create_app(engine, config, cache)
+        if a.model is None:
+            log.info("serving the built-in tiny model from %s: it has RANDOM weights (its output is gibberish)", model)
+        log.info("serving %s on http://%s:%d (context %d tokens)", config.model_name, a.host, a.port,
+                 engine.max_context)
+        uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5)
+        return 0
+
+    return run

@@ -1,0 +1,214 @@
+"""One generation as the routes see it: admission, the token → text → parsed-output pipeline, usage.
+
+Routes build a :class:`CompletionSpec` from their request body, then iterate
+:meth:`Completion.pieces` (streaming) or collect it (non-streaming). The client's connection is
+watched the whole time: a disconnect withdraws the job from the queue or stops it before its next
+forward, whether or not anything is being sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from ..engine import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
+from .chat_format import OutputParser, ParsedDelta
+from .errors import APIError, context_overflow, invalid
+from .scheduler import Job
+from .textstream import Detokenizer, StopMatcher
+
+log = logging.getLogger("ds4serve.server")
+
+
+@dataclass
+class CompletionSpec:
+    prompt: list[int]
+    params: SamplingParams
+    stops: list[str] = field(default_factory=list)
+    thinking: bool = False
+    tools: set[str] | None = None  # callable tool names; None: no tool-call parsing
+    cache_at: int | None = None
+
+
+@dataclass
+class Piece:
+    """Output that became certain: parsed text and calls, and the logprobs of the tokens behind it."""
+
+    delta: ParsedDelta
+    logprobs: list[TokenLogprob]
+
+
+def resolve_max_tokens(server, prompt_len: int, requested: int | None, field_name: str) -> int:
+    """``requested`` checked against the server limit and the context; a default when omitted."""
+    limit, context = server.config.max_tokens_limit, server.engine.max_context
+    if requested is None:
+        room = context - prompt_len
+        if room < 1:
+            raise context_overflow(context, prompt_len, 1)
+        return min(limit, room)
+    if requested > limit:
+        raise invalid(f"{field_name}: {requested} exceeds this server's limit of {limit}", field_name)
+    if prompt_len + requested > context:
+        raise context_overflow(context, prompt_len, requested)
+    return requested
+
+
+def check_prompt(server, prompt: list[int], param: str) -> None:
+    if not prompt:
+        raise invalid(f"{param}: the prompt is empty", param)
+    vocab = server.engine.cfg.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"{param}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+    if len(prompt) >= server.engine.max_context:
+        raise context_overflow(server.engine.max_context, len(prompt), 1)
+
+
+class Completion:
+    def __init__(self, server, request: Request, spec: CompletionSpec):
+        self.server = server
+        self.request = request
+        self.spec = spec
+        tok = server.engine.tokenizer
+        hidden = set(spec.params.stop_token_ids) | ({server.engine.cfg.eos_token_id} if not spec.params.ignore_eos
+                                                    else set())
+        self.detok = Detokenizer(tok, hidden)
+        self.stopper = StopMatcher(spec.stops)
+        self.parser = OutputParser(spec.thinking, spec.tools)
+        self.job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop(),
+                       cache_at=spec.cache_at, speculative=server.config.speculative)
+        self.result: GenerateResult | None = None
+        self._watcher: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Queue the job (raises 429/503 :class:`APIError`) and start watching the connection."""
+        if self.server.engine.parked:
+            raise APIError.from_code(ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it")
+        self.server.scheduler.submit(self.job)
+        self._watcher = asyncio.create_task(self._watch_disconnect())
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.server.scheduler.withdraw(self.job, "disconnect")
+                return
+
+    def close(self) -> None:
+        """Stop watching; if the job is still going (the consumer gave up), cancel it."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.result is None:
+            self.server.scheduler.withdraw(self.job, "disconnect")
+
+    # ---- output --------------------------------------------------------------------------------
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Parsed output as it becomes certain; raises :class:`APIError` if generation fails."""
+        pending: list[TokenLogprob] = []
+        async for event in self.job.stream():
+            if event.logprob is not None:
+                pending.append(event.logprob)
+            text = self.stopper.feed(self.detok.feed(event.token))
+            if self.stopper.hit is not None and not self.job.cancelled:
+                self.server.scheduler.withdraw(self.job, "stop_sequence")
+            delta = self.parser.feed(text)
+            if delta or (pending and self.stopper.hit is None):
+                yield Piece(delta, pending)
+                pending = []
+        self.result = self.job.result
+        self._raise_for_error()
+        tail = self.stopper.feed(self.detok.finish()) + self.stopper.finish()
+        delta = self.parser.feed(tail)
+        delta.extend(self.parser.finish())
+        if delta or pending:
+            yield Piece(delta, pending)
+
+    def _raise_for_error(self) -> None:
+        res = self.result
+        if res.error is None or (res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "stop_sequence"):
+            return
+        if res.error is ErrorCode.CONTEXT_OVERFLOW:
+            raise context_overflow(self.server.engine.max_context, len(self.spec.prompt), self.spec.params.max_tokens)
+        raise APIError.from_code(res.error, res.error_message or res.error.value)
+
+    async def first_then_rest(self) -> tuple[list[Piece], AsyncIterator[Piece]]:
+        """Wait for the first output (so that failures before it get a real HTTP status)."""
+        it = self.pieces().__aiter__()
+        try:
+            first = [await it.__anext__()]
+        except StopAsyncIteration:
+            first = []
+        return first, it
+
+    # ---- summary -------------------------------------------------------------------------------
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI vocabulary: stop, length, tool_calls."""
+        if self.parser.saw_tool_calls:
+            return "tool_calls"
+        if self.result is not None and self.result.finish_reason == "length":
+            return "length"
+        return "stop"
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self.stopper.hit
+
+    def usage(self) -> dict:
+        res = self.result
+        prompt, completion = len(self.spec.prompt), len(res.tokens)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": res.stats.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": res.stats.reasoning_tokens},
+            "timings": {
+                "prefilled_tokens": res.stats.prefilled_tokens,
+                "prefill_ms": round(res.timings.prefill_s * 1e3, 3),
+                "decode_ms": round(res.timings.decode_s * 1e3, 3),
+                "first_token_ms": round(res.timings.first_token_s * 1e3, 3),
+                "forward_calls": res.stats.forward_calls,
+                **({"speculative": res.stats.speculative} if res.stats.speculative else {}),
+            },
+        }
+
+
+async def run_to_end(completion: Completion) -> list[Piece]:
+    """Collect a whole completion (the connection is watched meanwhile); always closes it."""
+    try:
+        return [piece async for piece in completion.pieces()]
+    finally:
+        completion.close()
+
+
+def build_params(*, max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 frequency_penalty: float | None = None, presence_penalty: float | None = None,
+                 seed: int | None = None, logit_bias: dict[str, float] | None = None, logprobs: int | None = None,
+                 reasoning_budget: int | None = None, thinking: bool | None = None, ignore_eos: bool = False,
+                 vocab: int) -> SamplingParams:
+    """SamplingParams from request fields (provider defaults: temperature 1), validated."""
+    bias: dict[int, float] = {}
+    for key, value in (logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise invalid(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        frequency_penalty=frequency_penalty or 0.0, presence_penalty=presence_penalty or 0.0, seed=seed,
+        logit_bias=bias, logprobs=logprobs, reasoning_budget=reasoning_budget, thinking=thinking,
+        ignore_eos=ignore_eos)
+    try:
+        params.validate(vocab)
+    except GenerateError as exc:
+        raise invalid(exc.message, exc.message.split(":", 1)[0].split("[", 1)[0]) from None
+    return params

@@ -1,0 +1,218 @@
+"""Anthropic-compatible routes: ``/v1/messages`` (streaming and not) and ``/v1/messages/count_tokens``."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .chat_format import encode_messages, shared_prefix_length
+from .completion import Completion, CompletionSpec, build_params, check_prompt, resolve_max_tokens, run_to_end
+from .errors import APIError, anthropic_body, invalid
+from .schemas import CountTokensRequest, MessagesRequest, TextBlock
+
+router = APIRouter()
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "\n\n".join(b.text for b in content)
+
+
+def _messages(body: CountTokensRequest) -> list[dict]:
+    """Anthropic turns as OpenAI-style messages: tool results become ``tool`` messages."""
+    out: list[dict] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system)})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "user":
+            texts = []
+            for b in m.content:
+                if b.type == "tool_result":
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+                elif b.type == "text":
+                    texts.append(b.text)
+                else:
+                    raise invalid(f"messages.{i}.content: a user message cannot hold a {b.type} block",
+                                  f"messages.{i}.content")
+            if texts:
+                out.append({"role": "user", "content": "\n\n".join(texts)})
+            continue
+        msg: dict = {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": []}
+        for b in m.content:
+            if b.type == "text":
+                msg["content"] += b.text
+            elif b.type == "thinking":
+                msg["reasoning_content"] += b.thinking
+            elif b.type == "tool_use":
+                msg["tool_calls"].append({"id": b.id, "type": "function",
+                                          "function": {"name": b.name, "arguments": b.input}})
+            elif b.type == "tool_result":
+                raise invalid(f"messages.{i}.content: an assistant message cannot hold a tool_result block",
+                              f"messages.{i}.content")
+        out.append(msg)
+    if out and out[-1]["role"] == "assistant":
+        out[-1]["prefix"] = True  # prefill: the model continues this message
+    return out
+
+
+def _tools(body: CountTokensRequest) -> list[dict] | None:
+    choice = body.tool_choice
+    if not body.tools or (choice is not None and choice.type == "none"):
+        return None
+    names = [t.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise invalid("tools: tool names must be unique", "tools")
+    if choice is not None and choice.type == "tool" and choice.name not in names:
+        raise invalid(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
+    return [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
+                                                                   ("parameters", t.input_schema)) if v is not None}}
+            for t in body.tools]
+
+
+def _encode(server, body: CountTokensRequest):
+    thinking = body.thinking is not None and body.thinking.type == "enabled"
+    tools = _tools(body)
+    encoded = encode_messages(_messages(body), thinking=thinking, tools=tools)
+    return encoded, server.engine.tokenizer.encode(encoded.text), tools
+
+
+def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
+    encoded, prompt, tools = _encode(server, body)
+    check_prompt(server, prompt, "messages")
+    max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    params = build_params(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        reasoning_budget=body.thinking.budget_tokens if body.thinking and encoded.thinking else None,
+        thinking=encoded.thinking, vocab=server.engine.cfg.vocab_size)
+    tok = server.engine.tokenizer
+    return CompletionSpec(prompt=prompt, params=params, stops=list(body.stop_sequences or []),
+                          thinking=encoded.thinking, tools={t["function"]["name"] for t in tools} if tools else None,
+                          cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id))
+
+
+def _stop_reason(completion: Completion) -> str:
+    if completion.finish_reason == "tool_calls":
+        return "tool_use"
+    if completion.stop_sequence is not None:
+        return "stop_sequence"
+    return "max_tokens" if completion.finish_reason == "length" else "end_turn"
+
+
+def _usage(completion: Completion) -> dict:
+    res = completion.result
+    return {"input_tokens": len(completion.spec.prompt), "output_tokens": len(res.tokens),
+            "cache_read_input_tokens": res.stats.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    _, prompt, _ = _encode(request.app.state.server, body)
+    return {"input_tokens": len(prompt)}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    server = request.app.state.server
+    completion = Completion(server, request, messages_spec(server, body))
+    completion.start()
+    mid = "msg_" + secrets.token_hex(12)
+    model = body.model or server.config.model_name
+    if body.stream:
+        return await _stream(completion, mid, model)
+    pieces = await run_to_end(completion)
+    reasoning = "".join(p.delta.reasoning for p in pieces)
+    text = "".join(p.delta.content for p in pieces)
+    content: list[dict] = []
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text or not any(p.delta.tool_calls for p in pieces):
+        content.append({"type": "text", "text": text})
+    for p in pieces:
+        for call in p.delta.tool_calls:
+            content.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name,
+                            "input": json.loads(call.arguments)})
+    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+                         "stop_reason": _stop_reason(completion), "stop_sequence": completion.stop_sequence,
+                         "usage": _usage(completion)})
+
+
+class _Blocks:
+    """Content-block bookkeeping of one Anthropic stream: which block is open, at which index."""
+
+    def __init__(self) -> None:
+        self.index, self.kind = -1, None
+
+    def open(self, kind: str, block: dict) -> list[str]:
+        out = self.close()
+        self.index, self.kind = self.index + 1, kind
+        return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+    def delta(self, kind: str, block: dict, delta: dict) -> list[str]:
+        out = self.open(kind, block) if self.kind != kind or kind == "tool_use" else []
+        return out + [_event("content_block_delta", {"index": self.index, "delta": delta})]
+
+    def piece(self, piece) -> list[str]:
+        d, out = piece.delta, []
+        if d.reasoning:
+            out += self.delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
+                              {"type": "thinking_delta", "thinking": d.reasoning})
+        if d.content:
+            out += self.delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": d.content})
+        for call in d.tool_calls:
+            out += self.delta("tool_use", {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                                           "name": call.name, "input": {}},
+                              {"type": "input_json_delta", "partial_json": call.arguments})
+        return out
+
+
+async def _stream(completion: Completion, mid: str, model: str) -> StreamingResponse:
+    try:
+        first, rest = await completion.first_then_rest()
+    except APIError:
+        completion.close()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        blocks = _Blocks()
+        try:
+            yield _event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(completion.spec.prompt), "output_tokens": 0}}})
+            for piece in first:
+                for e in blocks.piece(piece):
+                    yield e
+            async for piece in rest:
+                for e in blocks.piece(piece):
+                    yield e
+            if blocks.index < 0:
+                for e in blocks.open("text", {"type": "text", "text": ""}):
+                    yield e
+            for e in blocks.close():
+                yield e
+            yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(completion),
+                                                     "stop_sequence": completion.stop_sequence},
+                                           "usage": {"output_tokens": len(completion.result.tokens)}})
+            yield _event("message_stop", {})
+        except APIError as err:
+            yield f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n"
+        finally:
+            completion.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

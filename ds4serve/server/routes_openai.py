@@ -1,0 +1,304 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .chat_format import BOS, encode_messages, shared_prefix_length
+from .completion import (Completion, CompletionSpec, Piece, build_params, check_prompt, resolve_max_tokens,
+                         run_to_end)
+from .errors import APIError, invalid, openai_body
+from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
+
+router = APIRouter()
+
+_EFFORT_MAX = ("max", "xhigh")
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _thinking(body: ChatRequest) -> tuple[bool, str | None]:
+    """Thinking mode and the encoder's effort from ``thinking``, ``chat_template_kwargs`` or
+    ``reasoning_effort`` (first one given wins); chat mode by default."""
+    effort = "max" if body.reasoning_effort in _EFFORT_MAX else None
+    if body.thinking is not None:
+        return body.thinking.type == "enabled", effort
+    kwargs = body.chat_template_kwargs or {}
+    for key in ("thinking", "enable_thinking"):
+        if key in kwargs:
+            if not isinstance(kwargs[key], bool):
+                raise invalid(f"chat_template_kwargs.{key}: expected a boolean", f"chat_template_kwargs.{key}")
+            return kwargs[key], effort
+    if body.reasoning_effort is not None:
+        return body.reasoning_effort != "none", effort
+    return False, None
+
+
+def _messages(body: ChatRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(body.messages):
+        msg: dict = {"role": m.role, "content": m.text()}
+        if m.role == "assistant":
+            msg["reasoning_content"] = m.reasoning_content or m.reasoning
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+            if i == len(body.messages) - 1:
+                msg["prefix"] = True  # continue this assistant message
+        elif m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _tools(body: ChatRequest) -> list[dict] | None:
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise invalid("tool_choice: only allowed when tools are given", "tool_choice")
+    if not body.tools or choice == "none":
+        return None
+    names = {t.function.name for t in body.tools}
+    if len(names) != len(body.tools):
+        raise invalid("tools: tool names must be unique", "tools")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise invalid(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools]
+
+
+def _response_format(body: ChatRequest) -> dict | None:
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "object"}
+    schema = (rf.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise invalid("response_format.json_schema.schema: expected a JSON schema object",
+                      "response_format.json_schema.schema")
+    return schema
+
+
+def chat_spec(server, body: ChatRequest) -> CompletionSpec:
+    thinking, effort = _thinking(body)
+    tools = _tools(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
+    encoded = encode_messages(_messages(body), thinking=thinking, reasoning_effort=effort, tools=tools,
+                              response_format=_response_format(body))
+    tok = server.engine.tokenizer
+    prompt = tok.encode(encoded.text)
+    check_prompt(server, prompt, "messages")
+    field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(server, len(prompt), body.max_completion_tokens or body.max_tokens, field_name)
+    params = build_params(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        reasoning_budget=body.thinking.budget_tokens if body.thinking else None, thinking=thinking,
+        ignore_eos=body.ignore_eos, vocab=server.engine.cfg.vocab_size)
+    return CompletionSpec(
+        prompt=prompt, params=params, stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        thinking=thinking, tools={t["function"]["name"] for t in tools} if tools else None,
+        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id))
+
+
+def _mint(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def _token_logprobs(tok, piece: Piece) -> list[dict]:
+    def entry(token: int, logprob: float) -> dict:
+        text = tok.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in piece.logprobs]
+
+
+def _tool_calls(piece: Piece, start: int) -> list[dict]:
+    return [{"index": start + i, "id": _mint("call_"), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(piece.delta.tool_calls)]
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    server = request.app.state.server
+    spec = chat_spec(server, body)
+    completion = Completion(server, request, spec)
+    completion.start()
+    model = body.model or server.config.model_name
+    rid, created = _mint("chatcmpl-"), int(time.time())
+    tok = server.engine.tokenizer
+    if body.stream:
+        return await _stream_chat(completion, rid, created, model, tok, body)
+    pieces = await run_to_end(completion)
+    content = "".join(p.delta.content for p in pieces)
+    reasoning = "".join(p.delta.reasoning for p in pieces)
+    calls: list[dict] = []
+    for p in pieces:
+        calls.extend(_tool_calls(p, len(calls)))
+    message: dict = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    logprobs = {"content": [e for p in pieces for e in _token_logprobs(tok, p)]} if body.logprobs else None
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                     "finish_reason": completion.finish_reason}],
+        "usage": completion.usage(),
+    })
+
+
+async def _stream_chat(completion: Completion, rid: str, created: int, model: str, tok,
+                       body: ChatRequest) -> StreamingResponse:
+    try:
+        first, rest = await completion.first_then_rest()
+    except APIError:
+        completion.close()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                            "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    async def events() -> AsyncIterator[str]:
+        n_calls = 0
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for piece in _chain(first, rest):
+                d = piece.delta
+                lps = _token_logprobs(tok, piece) if body.logprobs else None
+                if d.reasoning:
+                    yield chunk({"reasoning_content": d.reasoning}, logprobs=lps)
+                    lps = None
+                if d.content or lps:
+                    yield chunk({"content": d.content}, logprobs=lps)
+                if d.tool_calls:
+                    yield chunk({"tool_calls": _tool_calls(piece, n_calls)})
+                    n_calls += len(d.tool_calls)
+            yield chunk({}, finish=completion.finish_reason)
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": completion.usage()})
+            yield _sse("[DONE]")
+        except APIError as err:
+            yield _sse(openai_body(err))
+            yield _sse("[DONE]")
+        finally:
+            completion.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _chain(first: list[Piece], rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    for piece in first:
+        yield piece
+    async for piece in rest:
+        yield piece
+
+
+# ---- /v1/completions ------------------------------------------------------------------------------
+
+def _completion_prompt(server, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid("prompt: only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text = prompt if prompt.startswith(BOS) else BOS + prompt
+        return server.engine.tokenizer.encode(text)
+    return list(prompt)
+
+
+def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
+    prompt = _completion_prompt(server, body)
+    check_prompt(server, prompt, "prompt")
+    max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    params = build_params(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias, logprobs=body.logprobs,
+        ignore_eos=body.ignore_eos, vocab=server.engine.cfg.vocab_size)
+    return CompletionSpec(prompt=prompt, params=params,
+                          stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []))
+
+
+def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for p in pieces:
+        for lp in p.logprobs:
+            text = tok.decode([lp.token])
+            tokens.append(text)
+            lps.append(lp.logprob)
+            tops.append({tok.decode([t]): v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    server = request.app.state.server
+    completion = Completion(server, request, completion_spec(server, body))
+    completion.start()
+    model = body.model or server.config.model_name
+    rid, created = _mint("cmpl-"), int(time.time())
+    tok = server.engine.tokenizer
+    want_lp = body.logprobs is not None
+    if not body.stream:
+        pieces = await run_to_end(completion)
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": "".join(p.delta.content for p in pieces),
+                         "logprobs": _legacy_logprobs(tok, pieces, 0) if want_lp else None,
+                         "finish_reason": completion.finish_reason}],
+            "usage": completion.usage(),
+        })
+    try:
+        first, rest = await completion.first_then_rest()
+    except APIError:
+        completion.close()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(text: str, finish: str | None, logprobs: dict | None) -> str:
+        return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+
+    async def events() -> AsyncIterator[str]:
+        offset = 0
+        try:
+            async for piece in _chain(first, rest):
+                lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
+                offset += len(piece.delta.content)
+                yield chunk(piece.delta.content, None, lps)
+            yield chunk("", completion.finish_reason, None)
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": completion.usage()})
+            yield _sse("[DONE]")
+        except APIError as err:
+            yield _sse(openai_body(err))
+            yield _sse("[DONE]")
+        finally:
+            completion.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,222 @@
+"""The live server driven by the official openai and anthropic SDKs: chat, completions, messages,
+streaming, reasoning, logprobs, usage, stop strings, the prefix cache and disconnect cancellation."""
+
+from __future__ import annotations
+
+import threading
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from ds4serve import Engine, SamplingParams
+from ds4serve.engine.prefix_cache import PrefixCache
+from ds4serve.server.app import ServerConfig, create_app
+from ds4serve.server.chat_format import encode_messages
+
+from .server_harness import metric, running, wait_for
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024)
+    app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY, max_queue=1, max_tokens_limit=512),
+                     PrefixCache(64 << 20))
+    with running(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(base):
+    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
+
+
+def chat(oai, content: str, **kw):
+    return oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_health_is_open_and_models_need_the_key(base, oai):
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    r = httpx.get(f"{base}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_chat_non_streaming_with_logprobs_and_usage(oai):
+    r = chat(oai, "Hello there", max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
+    assert r.usage.completion_tokens == 5 and r.usage.total_tokens == r.usage.prompt_tokens + 5
+    assert len(choice.logprobs.content) == 5
+    for entry in choice.logprobs.content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+    assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
+
+
+def test_chat_streaming_matches_non_streaming_and_ends_with_usage(oai):
+    expected = chat(oai, "Stream me", max_tokens=6, temperature=0).choices[0].message.content
+    chunks = list(chat(oai, "Stream me", max_tokens=6, temperature=0, stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_reasoning_content_with_a_thinking_budget(oai):
+    r = chat(oai, "Think first", max_tokens=5, temperature=0,
+             extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}})
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"]
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2
+    streamed = list(chat(oai, "Think first", max_tokens=5, temperature=0, stream=True,
+                         extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}}))
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in streamed)
+    content = "".join(c.choices[0].delta.content or "" for c in streamed)
+    assert reasoning == msg.model_extra["reasoning_content"] and content == (msg.content or "")
+
+
+def test_stop_string_truncates_and_finishes_with_stop(oai):
+    full = chat(oai, "Stop test", max_tokens=8, temperature=0, logprobs=True).choices[0]
+    pieces = [e.token for e in full.logprobs.content]
+    stop = pieces[3]
+    assert stop.strip()
+    cut = chat(oai, "Stop test", max_tokens=8, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == full.message.content[:full.message.content.index(stop)]
+
+
+def test_completions_plain_and_streaming(oai):
+    r = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert len(r.choices[0].logprobs.tokens) == 4 and r.usage.completion_tokens == 4
+    assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
+    streamed = list(oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_anthropic_messages_plain_streaming_and_count_tokens(claude, engine):
+    msgs = [{"role": "user", "content": "Bonjour"}]
+    r = claude.messages.create(model="tiny", max_tokens=4, messages=msgs, extra_body={"temperature": 0})
+    assert r.type == "message" and r.stop_reason == "max_tokens" and r.usage.output_tokens == 4
+    assert [b.type for b in r.content] == ["text"]
+    with claude.messages.stream(model="tiny", max_tokens=4, messages=msgs, extra_body={"temperature": 0}) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == r.content[0].text and final.stop_reason == "max_tokens"
+    n = claude.messages.count_tokens(model="tiny", messages=msgs, system="Be brief.").input_tokens
+    assert n == len(engine.tokenizer.encode(encode_messages([{"role": "system", "content": "Be brief."}] + msgs,
+                                                         thinking=False).text))
+
+
+def test_anthropic_thinking_blocks(claude):
+    r = claude.messages.create(model="tiny", max_tokens=5, extra_body={"temperature": 0},
+                               messages=[{"role": "user", "content": "Think"}],
+                               thinking={"type": "enabled", "budget_tokens": 2})
+    assert r.content[0].type == "thinking" and r.content[0].thinking
+    with claude.messages.stream(model="tiny", max_tokens=5, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": "Think"}],
+                                thinking={"type": "enabled", "budget_tokens": 2}) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == [b.type for b in r.content]
+    assert final.content[0].thinking == r.content[0].thinking
+
+
+def test_second_turn_forwards_only_new_tokens_and_matches_a_cold_run(oai, base, engine):
+    """Multi-turn chat hits the prefix cache and gives what a cold engine gives with the same seed."""
+    first = [{"role": "user", "content": "Tell me a story about a prefix cache"}]
+    r1 = oai.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0.7, seed=5)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "And then?"}]
+    prefilled_before = metric(base, "ds4serve_prefilled_tokens_total", AUTH)
+    r2 = oai.chat.completions.create(model="tiny", messages=second, max_tokens=6, temperature=0.7, seed=5)
+    prompt1 = engine.tokenizer.encode(encode_messages(first, thinking=False).text)
+    prompt2 = engine.tokenizer.encode(encode_messages(second, thinking=False).text)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r2.usage.prompt_tokens == len(prompt2)
+    assert cached >= len(prompt1)
+    assert metric(base, "ds4serve_prefilled_tokens_total", AUTH) - prefilled_before == len(prompt2) - cached
+    cold = engine.generate(prompt2, SamplingParams(max_tokens=6, temperature=0.7, seed=5))
+    eos = engine.cfg.eos_token_id
+    assert r2.choices[0].message.content == engine.tokenizer.decode([t for t in cold.tokens if t != eos])
+
+
+def test_streaming_disconnect_cancels_within_one_step_and_server_recovers(base, oai):
+    cancelled = metric(base, "ds4serve_cancelled_total", AUTH, reason="disconnect")
+    after = metric(base, "ds4serve_tokens_after_cancel_total", AUTH)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data:")
+            if chunks == 3:
+                break
+    wait_for(lambda: metric(base, "ds4serve_cancelled_total", AUTH, reason="disconnect") == cancelled + 1)
+    assert metric(base, "ds4serve_tokens_after_cancel_total", AUTH) - after <= 1
+    assert metric(base, "ds4serve_generations_total", AUTH, finish_reason="cancelled") >= 1
+    assert chat(oai, "next", max_tokens=2, temperature=0).choices[0].finish_reason == "length"
+
+
+def test_non_streaming_disconnect_cancels(base, oai):
+    cancelled = metric(base, "ds4serve_cancelled_total", AUTH, reason="disconnect")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "long again"}], "max_tokens": 400}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/chat/completions", json=body, headers=AUTH, timeout=1.0)
+    wait_for(lambda: metric(base, "ds4serve_cancelled_total", AUTH, reason="disconnect") == cancelled + 1)
+    assert chat(oai, "next", max_tokens=2, temperature=0).choices[0].finish_reason == "length"
+
+
+def test_full_queue_answers_429_with_retry_after(base, oai):
+    """max_queue=1: one request runs, one waits, the third is refused; the server then recovers."""
+    long_body = {"model": "tiny", "messages": [{"role": "user", "content": "occupy"}], "max_tokens": 400,
+                 "stream": True}
+    started = threading.Event()
+    stop = threading.Event()
+
+    def occupy():
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=long_body, headers=AUTH, timeout=30) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    return
+
+    holder = threading.Thread(target=occupy)
+    holder.start()
+    assert started.wait(20)
+    waiting = threading.Thread(target=lambda: httpx.post(f"{base}/v1/chat/completions", json={**long_body,
+                               "stream": False, "max_tokens": 2}, headers=AUTH, timeout=30))
+    waiting.start()
+    wait_for(lambda: httpx.get(f"{base}/health").json()["queue_depth"] == 1)
+    r = httpx.post(f"{base}/v1/chat/completions", json={**long_body, "stream": False}, headers=AUTH, timeout=30)
+    stop.set()
+    holder.join(30)
+    waiting.join(30)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert chat(oai, "after", max_tokens=2, temperature=0).choices[0].finish_reason == "length"
+
+
+def test_metrics_expose_the_documented_series(base, oai):
+    before = metric(base, "ds4serve_requests_total", AUTH, route="/v1/chat/completions", status="200")
+    chat(oai, "count me", max_tokens=1)
+    text = httpx.get(f"{base}/metrics", headers=AUTH).text
+    for name in ("ds4serve_requests_total", "ds4serve_queue_depth", "ds4serve_time_to_first_token_seconds_bucket",
+                 "ds4serve_inter_token_seconds_bucket", "ds4serve_prefix_cache_hits_total",
+                 "ds4serve_speculative_accepted_tokens_total", "ds4serve_generated_tokens_total"):
+        assert name in text, name
+    assert metric(base, "ds4serve_requests_total", AUTH, route="/v1/chat/completions", status="200") == before + 1

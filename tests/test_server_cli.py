@@ -1,0 +1,45 @@
+"""``ds4serve serve`` on a fresh cache directory (what ``make serve`` runs) answers the OpenAI SDK."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from .server_harness import free_port
+
+LAUNCH = "from ds4serve.cli import main; raise SystemExit(main())"
+
+
+def test_serve_builds_the_default_model_and_answers(tmp_path):
+    port = free_port()
+    env = {**os.environ, "DS4SERVE_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--port", str(port), "--max-context", "512",
+                             "--prefix-cache-dir", str(tmp_path / "snapshots")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-default-v1"]
+        r = client.chat.completions.create(model="tiny-default-v1", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+        assert list((tmp_path / "snapshots").rglob("*.safetensors")), "the disk tier holds the prompt's snapshot"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "RANDOM weights" in out

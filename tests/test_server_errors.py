@@ -1,0 +1,138 @@
+"""Bad input gets the right status and error shape, naming the field, and leaves the server healthy;
+parked models answer 503; admin selectors are validated."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ds4serve import Engine
+from ds4serve.server.app import ServerConfig, create_app
+
+from .server_harness import running
+
+CHAT, COMP, MSGS = "/v1/chat/completions", "/v1/completions", "/v1/messages"
+OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+OK_MSGS = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def chat(**kw):
+    return {**OK_CHAT, **kw}
+
+
+def msgs(**kw):
+    return {**OK_MSGS, **kw}
+
+
+# (route, body: dict or raw bytes, status, the param the error must name (OpenAI routes) or None)
+CASES = [
+    (CHAT, b"{not json", 400, None),
+    (CHAT, b"[1, 2]", 400, None),
+    (CHAT, b"", 400, None),
+    (CHAT, chat(messages="hi"), 400, "messages"),
+    (CHAT, chat(messages=[]), 400, "messages"),
+    (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
+    (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages.0.content"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages.0.content"),
+    (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
+    (CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=100000), 400, "max_tokens"),
+    (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (CHAT, chat(temperature=-1), 400, "temperature"),
+    (CHAT, chat(temperature="hot"), 400, "temperature"),
+    (CHAT, chat(top_p=0), 400, "top_p"),
+    (CHAT, chat(n=2), 400, "n"),
+    (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias"),
+    (CHAT, chat(stop=["x"] * 20), 400, "stop"),
+    (CHAT, chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
+    (CHAT, chat(chat_template_kwargs={"thinking": "yes"}), 400, "chat_template_kwargs.thinking"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools.0.function.name"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]), 400,
+     "tools.0.function.parameters"),
+    (CHAT, chat(tools=[{"type": "retrieval"}]), 400, "tools.0.type"),
+    (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    (CHAT, chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),
+    (CHAT, chat(max_tokens=250, messages=[{"role": "user", "content": "word " * 20}]), 400, "messages"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x" * 40000}]), 413, None),
+    (COMP, {"model": "tiny", "max_tokens": 2}, 400, "prompt"),
+    (COMP, {"prompt": [[1, 2], [3]], "max_tokens": 2}, 400, "prompt"),
+    (COMP, {"prompt": [999999], "max_tokens": 2}, 400, "prompt"),
+    (COMP, {"prompt": "hi", "echo": True}, 400, "echo"),
+    (MSGS, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, 400, None),
+    (MSGS, msgs(messages=[{"role": "system", "content": "hi"}]), 400, None),
+    (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None),
+    (MSGS, msgs(tools=[{"name": "f"}]), 400, None),
+    (MSGS, msgs(thinking={"type": "sometimes"}), 400, None),
+    (MSGS, msgs(temperature=1.5), 400, None),
+    (MSGS, msgs(max_tokens=0), 400, None),
+    ("/v1/messages/count_tokens", {"model": "tiny", "messages": []}, 400, None),
+    ("/v1/nope", OK_CHAT, 404, None),
+    ("/admin/park", {"what": "everything"}, 400, "what"),
+]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, max_context=256)
+    app = create_app(engine, ServerConfig(model_name="tiny", max_body_bytes=32 << 10, max_tokens_limit=1000))
+    with running(app) as url:
+        yield url
+
+
+def post(base: str, path: str, body: dict | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    return httpx.post(base + path, json=body, timeout=30)
+
+
+def test_the_table_has_enough_cases():
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("path,body,status,param", CASES, ids=[f"{i}:{c[0]}" for i, c in enumerate(CASES)])
+def test_bad_request_gets_status_and_shape(base, path, body, status, param):
+    r = post(base, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    if path.startswith("/v1/messages"):
+        assert err["type"] == "error" and err["error"]["type"] and err["error"]["message"]
+    else:
+        assert err["error"]["message"] and err["error"]["type"] and err["error"]["code"]
+        if param is not None:
+            assert err["error"]["param"] == param
+            assert param.split(".")[0] in err["error"]["message"]
+    assert post(base, CHAT, OK_CHAT).status_code == 200  # still serving
+
+
+def test_context_overflow_uses_the_openai_wording(base):
+    err = post(base, CHAT, chat(messages=[{"role": "user", "content": "word " * 400}])).json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert err["message"].startswith("This model's maximum context length is 256 tokens.")
+
+
+def test_wrong_method_is_405(base):
+    r = httpx.get(base + CHAT)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_park_makes_requests_503_until_unpark(base):
+    r = post(base, "/admin/park", {"what": "target"})
+    assert r.status_code == 200 and r.json() == {"parked": ["target"], "model_parked": True}
+    try:
+        assert httpx.get(base + "/health").json()["model_parked"] is True
+        r = post(base, CHAT, OK_CHAT)
+        assert r.status_code == 503 and "unpark" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "model_parked" and r.headers["retry-after"]
+        r = post(base, MSGS, OK_MSGS)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        assert post(base, "/admin/park", {"what": "target"}).json()["parked"] == []
+    finally:
+        r = post(base, "/admin/unpark", b"")
+    assert r.status_code == 200 and r.json() == {"loaded": ["target"], "model_parked": False}
+    assert post(base, CHAT, OK_CHAT).status_code == 200

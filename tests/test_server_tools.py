@@ -1,0 +1,190 @@
+"""Tool calls end to end, with a test-only engine wrapper that emits a scripted completion.
+
+:class:`ScriptedEngine` runs the real engine on every prompt (so admission, the prefix cache and
+stats behave as in production) but replaces the sampled tokens by a script: a DSML tool-call
+completion, a malformed one, or a failure after some tokens. It lives here, not in the package.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from ds4serve import Engine, SamplingParams
+from ds4serve.engine import ErrorCode
+from ds4serve.server.app import ServerConfig, create_app
+from ds4serve.server.chat_format import encode_messages
+
+from .server_harness import running
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
+        '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+FAIL = object()  # script marker: the engine fails at this point
+
+
+class ScriptedHandle:
+    def __init__(self, inner: Engine, prompt: list[int], snapshot, script: list):
+        self.result = inner.generate(prompt, SamplingParams(max_tokens=1, temperature=0), snapshot=snapshot)
+        self.result.tokens, self.result.finish_reason = [], "length"
+        self.script = script
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def __iter__(self):
+        for item in self.script:
+            if self._cancelled:
+                self.result.finish_reason, self.result.error = "cancelled", ErrorCode.CANCELLED
+                return
+            if item is FAIL:
+                self.result.finish_reason, self.result.error = "error", ErrorCode.INTERNAL
+                self.result.error_message = "scripted failure"
+                return
+            self.result.tokens.append(item)
+            yield item
+        self.result.finish_reason = "stop"
+
+
+class ScriptedEngine:
+    """The real engine with scripted generations (queued in ``scripts``); records the prompts."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+        self.scripts: list[list] = []
+        self.prompts: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def script(self, text: str, fail: bool = False) -> None:
+        tokens = self.inner.tokenizer.encode(text)
+        self.scripts.append(tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id]))
+
+    def stream(self, prompt, params, *, speculative=None, snapshot=None) -> ScriptedHandle:
+        self.prompts.append(list(prompt))
+        return ScriptedHandle(self.inner, prompt, snapshot, self.scripts.pop(0))
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_dir):
+    return ScriptedEngine(Engine.from_pretrained(tiny_dir, max_context=1024))
+
+
+@pytest.fixture(scope="module")
+def base(scripted):
+    with running(create_app(scripted, ServerConfig(model_name="tiny"))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(base):
+    return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+
+
+def test_openai_tool_call_round_trip(oai, scripted):
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    scripted.script("Let me check." + CALL)
+    r = oai.chat.completions.create(model="tiny", messages=question, tools=[WEATHER], max_tokens=100)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+    history = question + [
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18}'}]
+    scripted.script("It is 18°C.")
+    r2 = oai.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=100)
+    assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content == "It is 18°C."
+    expected = encode_messages(history, thinking=False, tools=[WEATHER]).text
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(expected)
+    assert expected.endswith('<｜User｜><tool_result>{"temp": 18}</tool_result><｜Assistant｜></think>')
+
+
+def test_openai_streamed_tool_call(oai, scripted):
+    scripted.script("Let me check." + CALL)
+    chunks = list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                              tools=[WEATHER], max_tokens=100, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert content == "Let me check."
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert calls[0].id.startswith("call_") and json.loads(calls[0].function.arguments)["city"] == "Paris"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_malformed_tool_call_is_returned_as_content(oai, scripted):
+    broken = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="nope">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    scripted.script("x" + broken)
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], tools=[WEATHER],
+                                    max_tokens=100)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == "x" + broken.lstrip("\n")
+
+
+def test_anthropic_tool_use_round_trip_and_stream(claude, scripted):
+    tools = [{"name": "get_weather", "description": "Get weather",
+              "input_schema": WEATHER["function"]["parameters"]}]
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    scripted.script("Let me check." + CALL)
+    r = claude.messages.create(model="tiny", max_tokens=100, messages=question, tools=tools)
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["text", "tool_use"]
+    use = r.content[1]
+    assert use.name == "get_weather" and use.input == {"city": "Paris", "days": 2} and use.id.startswith("toolu_")
+
+    scripted.script("Let me check." + CALL)
+    with claude.messages.stream(model="tiny", max_tokens=100, messages=question, tools=tools) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[1].input == {"city": "Paris", "days": 2}
+
+    scripted.script("It is 18°C.")
+    r2 = claude.messages.create(model="tiny", max_tokens=100, tools=tools, messages=question + [
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                          {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"temp": 18}'}]}])
+    assert r2.content[0].text == "It is 18°C." and r2.stop_reason == "end_turn"
+    prompt = scripted.inner.tokenizer.decode(scripted.prompts[-1])
+    assert CALL + "<｜end▁of▁sentence｜><｜User｜><tool_result>{\"temp\": 18}</tool_result>" in prompt
+
+
+def test_engine_failure_is_500_before_output_and_an_error_event_after(base, scripted):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "fail"}], "max_tokens": 50}
+    scripted.script("", fail=True)
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal"
+
+    scripted.script("", fail=True)
+    r = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal"
+
+    scripted.script("Hello", fail=True)
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200
+    assert json.loads(events[-2])["error"]["code"] == "internal" and events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2]) == "Hello"
+
+    scripted.script("Hello", fail=True)
+    anth = {"model": "tiny", "max_tokens": 50, "messages": [{"role": "user", "content": "fail"}], "stream": True}
+    with httpx.stream("POST", f"{base}/v1/messages", json=anth, timeout=30) as r:
+        kinds = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-1] == "error" and "message_stop" not in kinds
