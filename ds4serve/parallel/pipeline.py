@@ -1,0 +1,356 @@
+"""Layer ranges on separate processes: a torch.distributed pipeline (NCCL on GPUs, gloo on CPUs).
+
+Rank 0 owns the first layers, the embedding and the engine; rank ``r`` owns the ``r``-th layer
+range; the last rank owns the head. Rank 0 drives everything through :class:`PipelineModel`,
+which the engine uses like a :class:`~ds4serve.model.DeepSeekV4`:
+
+* every state operation (allocate, forward, commit, reset, restore, snapshot, fork) is broadcast
+  to all ranks on a gloo *control* group, so each rank applies it to its own layers' state;
+* the hidden streams ``[S, hc, D]`` travel rank to rank on the default group; the last rank
+  sends the final streams and the asked-for logits back to rank 0;
+* each rank keeps the deltas of its forwards until rank 0 commits one (verify-then-commit works
+  across ranks unchanged).
+
+A rank that dies or stops answering turns into :class:`PipelineError` on the ranks that talk to
+it: at once when its process is gone (its sockets close), at the latest after the data timeout
+otherwise. After an error the pipeline is marked broken and every later call fails fast.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import profiler
+from ..config import ModelConfig
+from ..model import DeepSeekV4
+from ..model.deepseek4 import ForwardResult
+from ..state import ChunkDelta, SequenceState, Snapshot
+
+log = logging.getLogger("ds4serve.parallel")
+
+IDLE_TIMEOUT = datetime.timedelta(days=7)  # workers wait this long for rank 0's next request
+
+
+class PipelineError(RuntimeError):
+    """A rank of the pipeline failed, died or stopped answering."""
+
+
+@dataclass
+class PipelineDelta(ChunkDelta):
+    """Rank 0's part of a pipeline forward's delta; ``seq`` names the other ranks' parts."""
+
+    seq: int = -1
+
+
+@dataclass
+class Groups:
+    """The communicators of one process: data (hidden streams) and two gloo groups."""
+
+    rank: int
+    world: int
+    control: Any  # rank 0's operations, broadcast; waits as long as a worker may stay idle
+    objects: Any  # snapshots and the start-up handshake; bounded by the data timeout
+
+    @classmethod
+    def create(cls, timeout: datetime.timedelta) -> "Groups":
+        """Groups on an initialised default process group (collective: every rank calls this)."""
+        return cls(rank=dist.get_rank(), world=dist.get_world_size(),
+                   control=dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
+                   objects=dist.new_group(backend="gloo", timeout=timeout))
+
+
+@contextmanager
+def _comm(what: str, peer: int | str) -> Iterator[None]:  # peer: a rank, or a range such as "1-3"
+    """Turn a communication failure into a PipelineError naming the peer."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except RuntimeError as exc:  # gloo and NCCL report lost peers and timeouts as RuntimeError subclasses
+        raise PipelineError(f"pipeline: {what} with rank {peer} failed (the rank died, hung or exited): "
+                            f"{exc}") from exc
+
+
+def shard_handshake(shard: DeepSeekV4, groups: Groups) -> list[tuple[int, int, int]]:
+    """Every rank's (layer start, layer stop, weight bytes), checked to tile the model in rank order."""
+    mine = (shard.layers.start, shard.layers.stop, shard.nbytes())
+    table: list[Any] = [None] * groups.world
+    with _comm("the start-up handshake", "any"):
+        dist.all_gather_object(table, mine, group=groups.objects)
+    stop = 0
+    for rank, (a, b, _) in enumerate(table):
+        if a != stop:
+            raise PipelineError(f"layer_split: rank {rank} holds layers {a}..{b - 1}, expected to start at {stop}")
+        stop = b
+    if stop != shard.cfg.num_layers:
+        raise PipelineError(f"layer_split: the ranks cover layers 0..{stop - 1} of {shard.cfg.num_layers}")
+    return table
+
+
+class _Link:
+    """Hidden streams, logits and captured streams between this rank and its neighbours."""
+
+    def __init__(self, shard: DeepSeekV4, groups: Groups):
+        self.shard = shard
+        self.groups = groups
+        self.cfg: ModelConfig = shard.cfg
+
+    def streams(self, tokens: int) -> torch.Tensor:
+        return torch.empty(tokens, self.cfg.hc_mult, self.cfg.hidden_size, dtype=self.shard.dtype,
+                           device=self.shard.device)
+
+    def send(self, t: torch.Tensor, dst: int, what: str) -> None:
+        with _comm(f"sending {what}", dst):
+            dist.send(t.contiguous(), dst=dst)
+
+    def recv(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        with _comm(f"receiving {what}", src):
+            dist.recv(t, src=src)
+        return t
+
+
+class PipelineModel:
+    """Rank 0's view of the whole pipeline, usable by :class:`~ds4serve.engine.Engine`."""
+
+    def __init__(self, shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, int]]):
+        if groups.rank != 0:
+            raise ValueError("PipelineModel lives on rank 0; other ranks run serve_shard()")
+        if groups.world < 2:
+            raise ValueError("a pipeline needs at least 2 ranks; use Engine.from_pretrained for one device")
+        self.shard = shard
+        self.groups = groups
+        self.link = _Link(shard, groups)
+        self.table = table
+        self.cfg: ModelConfig = shard.cfg
+        self.layers = range(0, self.cfg.num_layers)
+        self.dtype = shard.dtype
+        self.device = shard.device
+        self._sids = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._freed: list[int] = []
+        self._broken: str | None = None
+        self._workers = "1" if groups.world == 2 else f"1-{groups.world - 1}"
+
+    # ---- control -------------------------------------------------------------------------------
+    def _op(self, *op: Any) -> None:
+        """Broadcast one operation (and the states freed since the last one) to every rank."""
+        if self._broken is not None:
+            raise PipelineError(f"pipeline is down: {self._broken}")
+        freed = list(self._freed)
+        self._freed.clear()
+        try:
+            with _comm(f"broadcasting {op[0]!r}", self._workers):
+                dist.broadcast_object_list([(freed, op)], src=0, group=self.groups.control)
+        except PipelineError as exc:
+            self._broken = str(exc)
+            raise
+
+    def _guarded(self, fn, *args):
+        if self._broken is not None:
+            raise PipelineError(f"pipeline is down: {self._broken}")
+        try:
+            return fn(*args)
+        except PipelineError as exc:
+            self._broken = str(exc)
+            raise
+
+    def close(self) -> None:
+        """Stop every worker (they return from serve_shard) and leave the process groups."""
+        if self._broken is None:
+            self._op("stop")
+            self._broken = "closed"
+
+    # ---- model interface -----------------------------------------------------------------------
+    def new_state(self, max_context: int) -> "PipelineState":
+        sid = next(self._sids)
+        self._op("new", sid, max_context)
+        local = self.shard.new_state(max_context)
+        state = PipelineState(layers=local.layers, max_context=max_context, window=local.window, sid=sid, model=self)
+        weakref.finalize(state, self._freed.append, sid)
+        return state
+
+    def forward(self, token_ids: list[int] | torch.Tensor, state: "PipelineState", *,
+                hidden: torch.Tensor | None = None, logit_rows: torch.Tensor | slice | None = None,
+                capture: tuple[int, ...] = ()) -> ForwardResult:
+        if hidden is not None:
+            raise ValueError("hidden: the pipeline starts at layer 0 and embeds the tokens itself")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).tolist()
+        if not ids:
+            raise ValueError("empty chunk")
+        if state.pos + len(ids) > state.max_context:
+            raise ValueError(f"chunk of {len(ids)} at position {state.pos} exceeds the state's {state.max_context}")
+        rows = logit_rows.cpu() if isinstance(logit_rows, torch.Tensor) else logit_rows
+        seq = next(self._seqs)
+        self._op("forward", state.sid, seq, ids, rows, tuple(capture))
+        return self._guarded(self._forward, ids, state, seq, rows, tuple(capture))
+
+    def _forward(self, ids: list[int], state: "PipelineState", seq: int, rows: Any,
+                 capture: tuple[int, ...]) -> ForwardResult:
+        local = self.shard.forward(ids, state, capture=capture)
+        self.link.send(local.hidden, 1, "hidden streams")
+        captured = dict(local.captured)
+        last = self.groups.world - 1
+        for rank in range(1, self.groups.world):
+            start, stop, _ = self.table[rank]
+            for layer in sorted(set(capture) & set(range(start, stop))):
+                captured[layer] = self.link.recv(self.link.streams(len(ids)), rank, f"layer {layer} streams")
+        final = self.link.recv(self.link.streams(len(ids)), last, "final streams")
+        logits = None
+        if rows is not None:
+            n_rows = torch.arange(len(ids))[rows].numel()
+            buf = torch.empty(n_rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+            logits = self.link.recv(buf, last, "logits")
+        delta = PipelineDelta(start=local.delta.start, tokens=local.delta.tokens, layers=local.delta.layers, seq=seq)
+        return ForwardResult(hidden=final, delta=delta, logits=logits, captured=captured)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.shard.tensors()
+
+    def nbytes(self) -> int:
+        """Weight bytes of the whole pipeline (every rank's shard)."""
+        return sum(b for _, _, b in self.table)
+
+    # ---- state operations (called by PipelineState) --------------------------------------------
+    def _snapshot_parts(self, sid: int) -> dict[int, dict[str, torch.Tensor]]:
+        self._op("snapshot", sid)
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for rank in range(1, self.groups.world):
+            part: list[Any] = [None]
+            self._guarded(_recv_object, part, rank, self.groups)
+            layers.update(part[0])
+        return layers
+
+    def _restore_parts(self, sid: int, snap: Snapshot) -> None:
+        self._op("restore", sid, snap.pos, list(snap.tokens))
+        for rank in range(1, self.groups.world):
+            start, stop, _ = self.table[rank]
+            part = {i: {k: v.cpu() for k, v in snap.layers[i].items()} for i in range(start, stop)}
+            self._guarded(_send_object, part, rank, self.groups)
+
+
+def _recv_object(box: list[Any], src: int, groups: Groups) -> None:
+    with _comm("receiving a snapshot", src):
+        dist.recv_object_list(box, src=src, group=groups.objects)
+
+
+def _send_object(obj: Any, dst: int, groups: Groups) -> None:
+    with _comm("sending a snapshot", dst):
+        dist.send_object_list([obj], dst=dst, group=groups.objects)
+
+
+@dataclass(eq=False)
+class PipelineState(SequenceState):
+    """Rank 0's layers of one sequence; every change is mirrored on the other ranks."""
+
+    sid: int = 0
+    model: PipelineModel | None = None
+
+    def commit(self, delta: ChunkDelta, n: int) -> None:
+        if not isinstance(delta, PipelineDelta):
+            raise ValueError("delta: expected the delta of a PipelineModel forward")
+        super().commit(delta, n)
+        self.model._op("commit", self.sid, delta.seq, n)
+
+    def reset(self) -> None:
+        super().reset()
+        self.model._op("reset", self.sid)
+
+    def snapshot(self, device: torch.device | str | None = None) -> Snapshot:
+        snap = super().snapshot(device)
+        remote = self.model._snapshot_parts(self.sid)
+        if device is not None:
+            remote = {i: {k: v.to(device) for k, v in part.items()} for i, part in remote.items()}
+        snap.layers.update(remote)
+        return snap
+
+    def restore(self, snap: Snapshot) -> None:
+        missing = set(self.model.layers) - set(snap.layers)
+        if missing:
+            raise ValueError(f"snapshot covers layers {sorted(snap.layers)}, the pipeline has {self.model.layers}")
+        local = Snapshot(pos=snap.pos, tokens=snap.tokens, layers={i: snap.layers[i] for i in self.layers},
+                         last_logits=snap.last_logits)
+        super().restore(local)
+        self.model._restore_parts(self.sid, snap)
+
+    def fork(self) -> "PipelineState":
+        copy = super().fork()
+        sid = next(self.model._sids)
+        self.model._op("fork", self.sid, sid)
+        state = PipelineState(layers=copy.layers, max_context=copy.max_context, window=copy.window, pos=copy.pos,
+                              last_logits=copy.last_logits, tokens=copy.tokens, sid=sid, model=self.model)
+        weakref.finalize(state, self.model._freed.append, sid)
+        return state
+
+
+def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, int]]) -> None:
+    """A worker rank's loop: apply rank 0's operations until it says stop.
+
+    Raises :class:`PipelineError` when rank 0 or a neighbour dies or stops answering.
+    """
+    link = _Link(shard, groups)
+    rank, last = groups.rank, groups.world - 1
+    states: dict[int, SequenceState] = {}
+    pending: dict[int, dict[int, ChunkDelta]] = {}
+    with torch.inference_mode():
+        while True:
+            box: list[Any] = [None]
+            with _comm("waiting for the next operation", 0):
+                dist.broadcast_object_list(box, src=0, group=groups.control)
+            freed, op = box[0]
+            for sid in freed:
+                states.pop(sid, None)
+                pending.pop(sid, None)
+            kind, args = op[0], op[1:]
+            if kind == "stop":
+                return
+            if kind == "new":
+                sid, max_context = args
+                states[sid] = shard.new_state(max_context)
+                pending[sid] = {}
+            elif kind == "forward":
+                sid, seq, ids, rows, capture = args
+                state = states[sid]
+                hidden = link.recv(link.streams(len(ids)), rank - 1, "hidden streams")
+                with profiler.step("decode" if len(ids) == 1 else "prefill", len(ids), state.pos, shard.layers):
+                    out = shard.forward(ids, state, hidden=hidden, logit_rows=rows if rank == last else None,
+                                        capture=capture)
+                pending[sid][seq] = out.delta
+                for layer in sorted(out.captured):
+                    link.send(out.captured[layer], 0, f"layer {layer} streams")
+                if rank == last:
+                    link.send(out.hidden, 0, "final streams")
+                    if out.logits is not None:
+                        link.send(out.logits, 0, "logits")
+                else:
+                    link.send(out.hidden, rank + 1, "hidden streams")
+            elif kind == "commit":
+                sid, seq, n = args
+                states[sid].commit(pending[sid][seq], n)
+                pending[sid] = {}
+            elif kind == "reset":
+                states[args[0]].reset()
+                pending[args[0]] = {}
+            elif kind == "snapshot":
+                snap = states[args[0]].snapshot("cpu")
+                _send_object(snap.layers, 0, groups)
+            elif kind == "restore":
+                sid, pos, tokens = args
+                part: list[Any] = [None]
+                _recv_object(part, 0, groups)
+                states[sid].restore(Snapshot(pos=pos, tokens=tokens, layers=part[0]))
+                pending[sid] = {}
+            elif kind == "fork":
+                src, sid = args
+                states[sid] = states[src].fork()
+                pending[sid] = {}
+            else:
+                raise PipelineError(f"pipeline: unknown operation {kind!r} from rank 0")

@@ -1,0 +1,192 @@
+"""The torch.distributed pipeline on 2 gloo processes (127.0.0.1): exact logits, cancellation, lost ranks.
+
+Each test starts the ranks as spawned processes; every wait on them is bounded, so a hang fails
+the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4serve import SamplingParams
+from tests.helpers import random_prompt
+
+SPLIT = [2, 4]
+TIMEOUT = datetime.timedelta(seconds=20)
+JOIN_S = 60
+PROMPT = random_prompt(45, seed=21)
+CHUNKS = [5, 1, 20, 19]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, port: int, path: str):
+    import torch.distributed as dist
+
+    from ds4serve.parallel.worker import init_pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=TIMEOUT)
+    return init_pipeline(path, layer_split=SPLIT, max_context=256, timeout=TIMEOUT)
+
+
+def _rank_main(rank: int, port: int, path: str, scenario: str, out: str, ready, go) -> None:
+    """One rank: rank 0 runs ``scenario`` and saves what it saw to ``out``; the others serve."""
+    import torch.distributed as dist
+
+    from ds4serve.engine import Engine
+    from ds4serve.parallel.pipeline import PipelineError, PipelineModel, serve_shard
+    from ds4serve.tokenizer import Tokenizer
+
+    shard, groups, table = _join(rank, port, path)
+    code = 0
+    try:
+        if rank != 0:
+            ready.put((rank, os.getpid()))
+            serve_shard(shard, groups, table)
+        else:
+            model = PipelineModel(shard, groups, table)
+            engine = Engine(model, Tokenizer(path), max_context=256)
+            ready.put((rank, os.getpid()))
+            go.wait(JOIN_S)
+            torch.save(SCENARIOS[scenario](engine), out)
+            model.close()
+    except PipelineError as exc:
+        Path(out + f".rank{rank}.err").write_text(str(exc))
+        code = 3
+    finally:
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+def _exact(engine) -> dict:
+    model = engine.model
+    out = {"score": engine.score(PROMPT, CHUNKS), "generate": engine.generate(PROMPT, GREEDY).tokens}
+    snap = engine.snapshot()
+    out["snapshot_layers"] = sorted(snap.layers)
+    engine.restore(snap)
+    cont = engine.generate(snap.tokens + [17], GREEDY)
+    out["restored"], out["restored_cached"] = cont.tokens, cont.stats.cached_tokens
+    seen: list[int] = []
+    out["cancelled"] = engine.generate(PROMPT, GREEDY, on_token=lambda t: seen.append(t) or len(seen) < 2).finish_reason
+    out["after_cancel"] = engine.generate(PROMPT, GREEDY).tokens
+    state = model.new_state(64)
+    engine.prefill(state, PROMPT[:30])
+    verify = model.forward(PROMPT[30:35], state, logit_rows=slice(None))
+    state.commit(verify.delta, 2)
+    tail = model.forward(PROMPT[35:38], state, logit_rows=slice(None))
+    out["verify"], out["tail"], out["tail_hidden"] = verify.logits, tail.logits, tail.hidden
+    out["nbytes"] = model.nbytes()
+    return out
+
+
+def _after_peer_loss(engine) -> dict:
+    first = engine.generate(PROMPT, GREEDY)
+    second = engine.generate(PROMPT, GREEDY)
+    return {"first": (first.finish_reason, first.error_message), "second": (second.finish_reason, second.error_message)}
+
+
+SCENARIOS = {"exact": _exact, "peer_loss": _after_peer_loss, "idle": lambda engine: {}}
+
+
+def _start(tmp_path: Path, path: Path, scenario: str):
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Queue(), ctx.Event()
+    port, out = _free_port(), str(tmp_path / "result.pt")
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(path), scenario, out, ready, go)) for r in range(2)]
+    for p in procs:
+        p.start()
+    pids = dict(ready.get(timeout=JOIN_S) for _ in procs)
+    return procs, pids, go, out
+
+
+def _stop(procs) -> list[int]:
+    for p in procs:
+        p.join(JOIN_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, engine) -> dict:
+    out = {"score": engine.score(PROMPT, CHUNKS), "generate": engine.generate(PROMPT, GREEDY).tokens}
+    snap = engine.snapshot()
+    engine.restore(snap)
+    cont = engine.generate(snap.tokens + [17], GREEDY)
+    out["restored"], out["restored_cached"] = cont.tokens, cont.stats.cached_tokens
+    state = engine.new_sequence(64)
+    engine.prefill(state, PROMPT[:30])
+    verify = engine.model.forward(PROMPT[30:35], state, logit_rows=slice(None))
+    state.commit(verify.delta, 2)
+    tail = engine.model.forward(PROMPT[35:38], state, logit_rows=slice(None))
+    out["verify"], out["tail"], out["tail_hidden"] = verify.logits, tail.logits, tail.hidden
+    out["nbytes"] = engine.model.nbytes()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
+    procs, _, go, out = _start(tmp_path, tiny_dir, "exact")
+    go.set()
+    assert _stop(procs) == [0, 0]  # rank 0 closed the pipeline and the worker returned cleanly
+    got = torch.load(out)
+    for key in ("score", "verify", "tail", "tail_hidden"):
+        assert torch.equal(got[key], reference[key]), key
+    assert got["generate"] == reference["generate"]
+    assert got["restored"] == reference["restored"] and got["restored_cached"] == reference["restored_cached"]
+    assert got["snapshot_layers"] == list(range(6))
+    assert got["cancelled"] == "cancelled" and got["after_cancel"] == reference["generate"]
+    assert got["nbytes"] == reference["nbytes"]
+
+
+@pytest.mark.timeout(180)
+def test_killed_worker_gives_an_error_not_a_hang(tmp_path, tiny_dir):
+    procs, pids, go, out = _start(tmp_path, tiny_dir, "peer_loss")
+    os.kill(pids[1], signal.SIGKILL)
+    procs[1].join(JOIN_S)
+    go.set()
+    codes = _stop(procs)
+    assert codes[0] == 0  # rank 0 survived: the failure came back as a result
+    got = torch.load(out)
+    reason, message = got["first"]
+    assert reason == "error" and "rank 1" in message
+    assert got["second"][0] == "error" and "pipeline is down" in got["second"][1]
+
+
+@pytest.mark.timeout(180)
+def test_worker_exits_with_an_error_when_rank0_dies(tmp_path, tiny_dir):
+    procs, pids, go, out = _start(tmp_path, tiny_dir, "idle")
+    os.kill(pids[0], signal.SIGKILL)
+    codes = _stop(procs)
+    assert codes[1] == 3
+    assert "rank 0" in Path(out + ".rank1.err").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_launcher_generates_the_single_device_tokens(tiny_dir, reference):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "ds4serve.parallel.worker", "--model", str(tiny_dir),
+           "--layer-split", "3,3", "--max-context", "256", "--timeout-s", "20", "--max-tokens", str(GREEDY.max_tokens),
+           "--prompt-ids", ",".join(map(str, PROMPT))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"tokens: {','.join(map(str, reference['generate']))}" in run.stdout
