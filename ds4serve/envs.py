@@ -1,7 +1,7 @@
 """Every environment variable ds4serve reads, declared once and read only through this module.
 
 Each variable has a name, a type, a default and a one-line doc; ``docs/ENVIRONMENT.md`` is
-generated from this registry (``python -m ds4serve.envs > docs/ENVIRONMENT.md``) and a test fails
+generated from this registry (``python -m ds4serve.envdoc``) and a test fails
 when the file is stale or when code elsewhere reads ``os.environ`` directly.
 
 Booleans: unset, ``0``, ``false``, ``no``, ``off`` are off; ``1``, ``true``, ``yes``, ``on`` are on;
@@ -72,6 +72,10 @@ REGISTRY: dict[str, EnvVar] = {}
 
 
 def _declare(name: str, kind: str, default: Any, doc: str) -> EnvVar:
+    if kind not in _PARSERS:
+        raise ValueError(f"{name}: kind must be one of {sorted(_PARSERS)}, got {kind!r}")
+    if name in REGISTRY:
+        raise ValueError(f"{name}: declared twice")
     var = EnvVar(name, kind, default, doc)
     REGISTRY[name] = var
     return var
@@ -89,6 +93,10 @@ GPU_PROFILE_FILE = _declare(
 LOG_LEVEL = _declare(
     "DS4SERVE_LOG_LEVEL", "str", "INFO",
     "Python logging level for ds4serve's loggers (DEBUG, INFO, WARNING, ...).")
+TIMING = _declare(
+    "DS4SERVE_TIMING", "bool", False,
+    "Log one line of host wall times and tokens/s per request (prefill, decode, verify, draft) and put the "
+    "same numbers in the result's stats.host_timing.")
 
 
 def get(var: EnvVar) -> Any:
@@ -101,7 +109,7 @@ def markdown() -> str:
     lines = [
         "# Environment variables",
         "",
-        "Generated from `ds4serve/envs.py` by `python -m ds4serve.envs > docs/ENVIRONMENT.md`; do not edit.",
+        "Generated from `ds4serve/envs.py` by `python -m ds4serve.envdoc`; do not edit.",
         "",
         "Booleans accept `1`/`true`/`yes`/`on` and `0`/`false`/`no`/`off` (unset is off); other values are an error.",
         "",
@@ -109,10 +117,17 @@ def markdown() -> str:
         "|---|---|---|---|",
     ]
     for var in sorted(REGISTRY.values(), key=lambda v: v.name):
-        default = "~/.cache/ds4serve" if var is CACHE_DIR else ("unset" if var.default is None else f"`{var.default}`")
-        lines.append(f"| `{var.name}` | {var.kind} | {default} | {var.doc} |")
+        lines.append(f"| `{var.name}` | {var.kind} | {_shown_default(var.default)} | {var.doc} |")
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    print(markdown(), end="")
+def _shown_default(default: Any) -> str:
+    """A default as the doc shows it: the same on every machine (paths under home start with ``~``)."""
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return f"`{int(default)}`"
+    if isinstance(default, Path) and default.is_relative_to(Path.home()):
+        return f"`~/{default.relative_to(Path.home()).as_posix()}`"
+    return f"`{default}`"
+

@@ -122,6 +122,7 @@ class GenerateStats:
     answer_tokens: int = 0
     budget_forced_close: bool = False
     speculative: dict = field(default_factory=dict)
+    host_timing: dict = field(default_factory=dict)  # DS4SERVE_TIMING: per-mode host wall times (see profiler)
 
 
 @dataclass
