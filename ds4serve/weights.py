@@ -315,6 +315,17 @@ class Checkpoint:
             return t.to(device=device, dtype=torch.int64)
         return t.to(device=device, dtype=dtype)
 
+    def quantized(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None] | None:
+        """``(data, scale, block)`` of an FP8 tensor, ``(packed, scale, None)`` of an MXFP4 expert, as
+        stored; None for a tensor stored unquantized."""
+        t = self.raw(name)
+        if t.dtype == torch.float8_e4m3fn:
+            scale = self.raw(_scale_name(name))
+            return t, scale, self.cfg.quant.fp8_block or _infer_block(t.shape, scale.shape)
+        if t.dtype in (torch.int8, torch.uint8) and _EXPERT_RE.match(name):
+            return t, self.raw(_scale_name(name)), None
+        return None
+
     def experts(self, prefix: str, which: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
         """Routed experts' ``which`` (w1 / w2 / w3) weights of block ``prefix`` stacked: ``[E, out, in]``."""
         return torch.stack([

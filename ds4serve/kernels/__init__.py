@@ -1,0 +1,35 @@
+"""Triton kernels for the GPU hot spots, each beside the torch reference it must match.
+
+The model code in :mod:`ds4serve.model` stays the reference; it calls :func:`enabled` to decide,
+per call, whether a kernel applies (CUDA tensors, Triton importable, kernels not switched off).
+On CPU the tests run the kernels themselves under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+# Checked without importing triton, so that tests can still choose the interpreter before it loads.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+_switched_off = False
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """True when the model should dispatch to a Triton kernel for tensors like ``t``."""
+    return HAVE_TRITON and t.is_cuda and not _switched_off
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run the torch reference path everywhere inside this scope (baselines, A/B checks)."""
+    global _switched_off
+    previous, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = previous

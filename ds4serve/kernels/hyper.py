@@ -1,0 +1,49 @@
+"""mHC coefficients in one launch: sigmoid pre/post and the Sinkhorn-normalised comb matrix.
+
+The torch reference (:func:`ds4serve.model.hyper.hc_coefficients` on CPU tensors) spends two
+small kernels per Sinkhorn half-step, about 80 launches per site; here one program per token
+keeps the ``hc x hc`` matrix in registers for all iterations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _hc_coeff_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
+                     HC: tl.constexpr):
+    t = tl.program_id(0)
+    n_mix: tl.constexpr = (2 + HC) * HC
+    j = tl.arange(0, HC)
+    row = t * n_mix
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    pre = tl.load(mix_ptr + row + j) * s_pre + tl.load(base_ptr + j)
+    post = tl.load(mix_ptr + row + HC + j) * s_post + tl.load(base_ptr + HC + j)
+    tl.store(pre_ptr + t * HC + j, tl.sigmoid(pre) + eps)
+    tl.store(post_ptr + t * HC + j, 2.0 * tl.sigmoid(post))
+    cell = j[:, None] * HC + j[None, :]
+    c = tl.load(mix_ptr + row + 2 * HC + cell) * s_comb + tl.load(base_ptr + 2 * HC + cell)
+    c = tl.exp(c - tl.max(c, axis=1)[:, None])
+    c = c / tl.sum(c, axis=1)[:, None] + eps
+    c = c / (tl.sum(c, axis=0)[None, :] + eps)
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + eps)
+    tl.store(comb_ptr + t * HC * HC + cell, c)
+
+
+def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pre [S,hc], post [S,hc], comb [S,hc,hc])`` from fp32 ``mixes [S, (2+hc)*hc]``."""
+    S = mixes.shape[0]
+    mixes = mixes.contiguous()
+    pre = torch.empty(S, hc, device=mixes.device, dtype=torch.float32)
+    post = torch.empty_like(pre)
+    comb = torch.empty(S, hc, hc, device=mixes.device, dtype=torch.float32)
+    _hc_coeff_kernel[(S,)](mixes, base, scale, pre, post, comb, iters, eps, HC=hc, num_warps=1)
+    return pre, post, comb

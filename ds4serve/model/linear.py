@@ -1,0 +1,114 @@
+"""Weights that may stay quantized on the GPU, and the projections that read them.
+
+A weight is a dense tensor (bf16 / fp32), an :class:`FP8Weight` (e4m3 with fp32 block scales)
+or an :class:`FP4Weight` (MXFP4: packed e2m1 pairs with uint8 e8m0 exponents per 32 inputs).
+:func:`linear` and :func:`grouped_linear` read FP8 in place through the Triton GEMV for a few
+rows on CUDA (decode); otherwise they dequantise exactly and run the dense product, which is
+the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..quant import dequant_fp4, dequant_fp8, e8m0_to_float
+
+GEMV_MAX_ROWS = 8  # up to this many activation rows, FP8 projections run as GEMV kernels
+
+
+@dataclass
+class FP8Weight:
+    data: torch.Tensor  # float8_e4m3fn [..., out, in]
+    scale: torch.Tensor  # fp32 [..., ceil(out/b0), ceil(in/b1)]
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_fp8(self.data, self.scale, self.block, dtype)
+
+    def __getitem__(self, e: int) -> "FP8Weight":
+        return FP8Weight(self.data[e], self.scale[e], self.block)
+
+
+@dataclass
+class FP4Weight:
+    data: torch.Tensor  # int8 [..., out, in/2], low nibble = even input
+    scale: torch.Tensor  # uint8 e8m0 exponents [..., out, in/32]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_fp4(self.data, self.scale, dtype)
+
+    def __getitem__(self, e: int) -> "FP4Weight":
+        return FP4Weight(self.data[e], self.scale[e])
+
+
+Weight = torch.Tensor | FP8Weight | FP4Weight
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` as a dense tensor of ``dtype`` (a no-op for dense weights)."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """``x @ w.T`` for a dense or quantized weight ``w [out, in]``."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    if isinstance(w, FP8Weight) and _gemv_applies(x):
+        from ..kernels.gemv import fp8_gemv
+
+        return fp8_gemv(x, w.data, w.scale, w.block).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
+    """``x [S, G, K]`` times ``w [G*R, K]``, group g using rows ``[gR, (g+1)R)``: ``[S, G*R]``."""
+    S = x.shape[0]
+    if isinstance(w, FP8Weight) and _gemv_applies(x):
+        from ..kernels.gemv import fp8_gemv
+
+        return fp8_gemv(x, w.data, w.scale, w.block, groups=groups)
+    wd = dense(w, x.dtype)
+    return torch.einsum("sgi,gri->sgr", x, wd.view(groups, wd.shape[0] // groups, -1)).reshape(S, -1)
+
+
+def _gemv_applies(x: torch.Tensor) -> bool:
+    return kernels.enabled(x) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Weight:
+    """Quantize a dense ``[out, in]`` (or stacked ``[E, out, in]``) weight on its own device."""
+    if w.dim() == 3:
+        parts = [quantize_fp8(m, block) for m in w]
+        return FP8Weight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), block)
+    rows, cols = w.shape
+    br, bc = -(-rows // block[0]), -(-cols // block[1])
+    padded = w.new_zeros((br * block[0], bc * block[1]), dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    amax = padded.view(br, block[0], bc, block[1]).abs().amax(dim=(1, 3)).clamp_min(1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return FP8Weight((w.float() / full).to(torch.float8_e4m3fn), scale, block)
+
+
+def fp8_from_checkpoint(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                        device: torch.device | str) -> FP8Weight:
+    """An :class:`FP8Weight` from stored e4m3 data and ue8m0 scales."""
+    return FP8Weight(data.to(device), e8m0_to_float(scale).to(device), block)
+
+
+def fp4_from_checkpoint(data: torch.Tensor, scale: torch.Tensor, device: torch.device | str) -> FP4Weight:
+    """An :class:`FP4Weight` from stored packed codes and ue8m0 scales (kept as uint8 exponents)."""
+    exps = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
+    return FP4Weight(data.view(torch.int8).to(device), exps.to(device))
