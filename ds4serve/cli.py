@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from . import envs
+from . import envs, profiler
 
 Handler = Callable[[argparse.Namespace], int]
 ArgsFn = Callable[[argparse.ArgumentParser], Handler]
@@ -108,6 +108,8 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--devices", default=None, help="split the layers over these devices, e.g. cuda:0,cuda:1")
+    p.add_argument("--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -116,14 +118,21 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
+    p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
+    p.add_argument("--speculative", default=None, help="speculative decoding draft: mtp, dspark or ngram "
+                   "(NAME:K for at most K drafts per step)")
 
     def run(a: argparse.Namespace) -> int:
         from .engine import Engine, SamplingParams
         from .tokenizer import Tokenizer
 
+        profiler.configure(enabled=True if a.gpu_profile else None)
         model = Path(a.model) if a.model else default_model_dir()
-        dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
-        engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, chunk_size=a.chunk_size)
+        devices = a.devices.split(",") if a.devices else None
+        first = devices[0] if devices else a.device
+        dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
+        engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, chunk_size=a.chunk_size,
+                                        devices=devices, layer_split=_int_list("--layer-split", a.layer_split))
         tok: Tokenizer = engine.tokenizer
         text = a.prompt if a.raw else f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>"
         prompt = tok.encode(text)
@@ -142,7 +151,7 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
                 printed = text
 
         t0 = time.perf_counter()
-        result = engine.generate(prompt, params, on_token=on_token)
+        result = engine.generate(prompt, params, on_token=on_token, speculative=a.speculative)
         wall = time.perf_counter() - t0
         sys.stdout.write("\n")
         if result.error is not None:
@@ -152,9 +161,22 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
         print(f"[{len(prompt)} prompt tokens, prefill {result.timings.prefill_tps(result.stats.prefilled_tokens):.1f} "
               f"tok/s, {n} generated, decode {result.timings.decode_tps(max(n - 1, 0)):.1f} tok/s, "
               f"finish {result.finish_reason}, {wall:.2f} s]", file=sys.stderr)
+        spec = result.stats.speculative
+        if spec:
+            print(f"[speculative {spec['method']}: {spec['steps']} verify steps, {spec['tokens_per_forward']:.2f} "
+                  f"tokens per target forward, acceptance {spec['acceptance_rate']:.0%}]", file=sys.stderr)
         return 0
 
     return run
+
+
+def _int_list(flag: str, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,17 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _load_optional_commands()
-    args = build_parser().parse_args(argv)
-    return args._handler(args)
+    try:
+        logging.basicConfig(level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        _load_optional_commands()
+        args = build_parser().parse_args(argv)
+        return args._handler(args)
+    except envs.EnvError as exc:  # a malformed environment variable: say which, without a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _load_optional_commands() -> None:
     """Subcommands living in other modules register themselves on import."""
     import importlib
 
-    for module in ("ds4serve.server.cli", "ds4serve.bench_cli"):
+    for module in ("ds4serve.server.cli", "ds4serve.bench_cli", "ds4serve.profile_cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -186,4 +212,8 @@ def _load_optional_commands() -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run as `python -m ds4serve.cli`: delegate to the importable module so that subcommands
+    # registered by other modules land in the same registry.
+    from ds4serve.cli import main as _main
+
+    raise SystemExit(_main())

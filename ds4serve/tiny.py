@@ -190,6 +190,8 @@ def make_tiny(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     cfg = tiny_config(spec)
     tensors = random_tensors(cfg, spec.seed)
     if spec.dspark:
+        if spec.mtp:
+            raise ValueError("--dspark: the DSpark stages occupy mtp.0-2, so --mtp must be 0")
         from .engine.dspark_weights import dspark_random_tensors  # provided by the speculative engine
 
         tensors.update(dspark_random_tensors(cfg, spec.seed))

@@ -24,7 +24,9 @@ from ..model import DeepSeekV4
 from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
+from .cuda_graphs import DecodeGraph
 from .generation import Generation
+from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
 
 log = logging.getLogger("ds4serve.engine")
@@ -86,32 +88,45 @@ class Engine:
         self._pending_restore: Snapshot | None = None
         self._lock = threading.RLock()
         self.forward_calls = 0
+        self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
+        self._graph: DecodeGraph | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: str | torch.dtype = "float32", *, max_context: int | None = None,
-                        chunk_size: int = 512) -> "Engine":
+                        chunk_size: int = 512, devices: list[str | torch.device] | None = None,
+                        layer_split: list[int] | None = None) -> "Engine":
+        """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md)."""
         path = Path(path)
         torch_dtype = resolve_dtype(dtype)
+        if layer_split is not None and devices is None:
+            raise ValueError("layer_split: needs devices=[...] naming one device per layer range")
 
         def load() -> DeepSeekV4:
             return DeepSeekV4.load(Checkpoint(path), dtype=torch_dtype, device=device)
 
+        if devices is not None:
+            from ..parallel import split_loader
+
+            load = split_loader(path, devices, torch_dtype, layer_split=layer_split, max_context=max_context)
         return cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context,
                    chunk_size=chunk_size)
 
     # ---- forward helpers -----------------------------------------------------------------------
-    def _forward(self, ids: list[int], state: SequenceState, logit_rows: torch.Tensor | slice | None):
+    def _forward(self, ids: list[int], state: SequenceState, logit_rows: torch.Tensor | slice | None,
+                 capture: tuple[int, ...] = ()):
         self.forward_calls += 1
-        return self._require_model().forward(ids, state, logit_rows=logit_rows)
+        return self._require_model().forward(ids, state, logit_rows=logit_rows, capture=capture)
 
     def prefill(self, state: SequenceState, ids: list[int], chunk_sizes: list[int] | None = None,
-                all_logits: bool = False) -> torch.Tensor | None:
+                all_logits: bool = False, on_chunk: "PromptFeed | None" = None) -> torch.Tensor | None:
         """Forward ``ids`` chunk by chunk, committing each chunk.
 
         Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
-        ``all_logits``). Intermediate chunks skip the output head.
+        ``all_logits``). Intermediate chunks skip the output head. ``on_chunk`` receives each
+        committed chunk's forward result (with the layers it asks to capture).
         """
+        capture = () if on_chunk is None else on_chunk.capture_layers
         sizes = chunk_sizes or _even_chunks(len(ids), self.chunk_size)
         outs: list[torch.Tensor] = []
         offset = 0
@@ -119,9 +134,12 @@ class Engine:
             chunk = ids[offset:offset + size]
             last = n == len(sizes) - 1
             rows = slice(None) if all_logits else (slice(size - 1, size) if last else None)
+            start = state.pos
             with profiler.step("prefill", size, state.pos, self._require_model().layers):
-                result = self._forward(chunk, state, rows)
+                result = self._forward(chunk, state, rows, capture)
             state.commit(result.delta, size)
+            if on_chunk is not None:
+                on_chunk(start, chunk, result)
             if result.logits is not None:
                 outs.append(result.logits)
             offset += size
@@ -161,17 +179,21 @@ class Engine:
         res, params = handle.result, handle.params
         start = time.perf_counter()
         with self._lock, torch.inference_mode():
+            calls = self.forward_calls
             try:
-                self._require_model()
-                prompt = self._validate(handle.prompt, params)
-                proposer = self._proposer(speculative)
-                state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res)
-                self._pending_restore = None
-                res.timings.prefill_s = time.perf_counter() - start
-                if proposer is None:
-                    yield from self._decode_loop(handle, state, logits, start)
-                else:
-                    yield from self._speculative_loop(handle, state, logits, start, proposer)
+                with profiler.request(res):
+                    self._require_model()
+                    prompt = self._validate(handle.prompt, params)
+                    proposer = self._proposer(speculative)
+                    feed = None if proposer is None else PromptFeed(proposer)
+                    state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
+                                                feed)
+                    self._pending_restore = None
+                    res.timings.prefill_s = time.perf_counter() - start
+                    if feed is None:
+                        yield from self._decode_loop(handle, state, logits, start)
+                    else:
+                        yield from speculative_decode(self, handle, state, logits, start, feed)
             except GenerateError as exc:
                 res.error, res.error_message, res.finish_reason = exc.code, exc.message, "error"
             except torch.OutOfMemoryError as exc:
@@ -183,7 +205,7 @@ class Engine:
                 res.error, res.finish_reason = ErrorCode.INTERNAL, "error"
                 res.error_message = f"{type(exc).__name__}: {exc}"
                 self._state = None
-            res.stats.forward_calls = self.forward_calls - res.stats.forward_calls
+            res.stats.forward_calls = self.forward_calls - calls
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
@@ -203,11 +225,14 @@ class Engine:
                                 f"the context of {self.max_context} tokens")
         return ids
 
-    def _start(self, prompt: list[int], max_tokens: int, snapshot: Snapshot | None, res: GenerateResult
-               ) -> tuple[SequenceState, torch.Tensor]:
-        """A clean or restored state with the prompt prefilled, and the logits after its last token."""
+    def _start(self, prompt: list[int], max_tokens: int, snapshot: Snapshot | None, res: GenerateResult,
+               feed: "PromptFeed | None" = None) -> tuple[SequenceState, torch.Tensor]:
+        """A clean or restored state with the prompt prefilled, and the logits after its last token.
+
+        With a speculative ``feed``, the draft proposer starts from the restored tokens and sees
+        every prefilled chunk (its target features captured in the same forward).
+        """
         res.stats.prompt_tokens = len(prompt)
-        res.stats.forward_calls = self.forward_calls
         state = self._acquire_state(len(prompt) + max_tokens)
         reuse = 0
         if snapshot is not None and _usable(snapshot, prompt):
@@ -217,8 +242,11 @@ class Engine:
             state.reset()
         res.stats.cached_tokens = reuse
         res.stats.prefilled_tokens = len(prompt) - reuse
-        logits = self.prefill(state, prompt[reuse:]) if reuse < len(prompt) else state.last_logits
-        return state, logits
+        if feed is not None:
+            feed.proposer.begin(prompt[:reuse], state.max_context)
+        if reuse == len(prompt):
+            return state, state.last_logits
+        return state, self.prefill(state, prompt[reuse:], on_chunk=feed)
 
     def _acquire_state(self, capacity: int) -> SequenceState:
         if self._state is None or self._state.max_context < capacity:
@@ -247,19 +275,35 @@ class Engine:
         """The draft proposer for ``speculative`` (None: plain decoding)."""
         if speculative is None:
             return None
-        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: {speculative!r} is not available")
+        from .drafts import resolve_proposer
 
-    def _speculative_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor, start: float,
-                          proposer: object) -> Iterator[int]:
-        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative decoding with {proposer!r} is not available")
+        return resolve_proposer(self, speculative)
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
         """Forward one token, commit it, return the logits after it."""
-        with profiler.step("decode", 1, state.pos, self._require_model().layers):
-            result = self._forward([token], state, slice(0, 1))
+        model = self._require_model()
+        graph = self._decode_graph(model, state)
+        if graph is None:
+            with profiler.step("decode", 1, state.pos, model.layers):
+                result = self._forward([token], state, slice(0, 1))
+        else:
+            self.forward_calls += 1
+            with profiler.step("decode", 1, state.pos, model.layers, graph=True):
+                result = graph.step(token)
         state.commit(result.delta, 1)
-        state.last_logits = result.logits[0]
+        state.last_logits = result.logits[0] if graph is None else result.logits[0].clone()
         return state.last_logits
+
+    def _decode_graph(self, model: DeepSeekV4, state: SequenceState) -> DecodeGraph | None:
+        """The decode step captured for ``state`` (None: eager, not on CUDA, or not a whole model)."""
+        if self.eager or not isinstance(model, DeepSeekV4) or model.device.type != "cuda":
+            return None
+        if model.embed is None or model.head is None:
+            return None
+        if self._graph is None or self._graph.state is not state or self._graph.model is not model:
+            self._graph = None
+            self._graph = DecodeGraph(model, state)
+        return self._graph
 
     # ---- snapshots -----------------------------------------------------------------------------
     def snapshot(self, device: str | torch.device | None = None) -> Snapshot:
@@ -285,6 +329,7 @@ class Engine:
             for part in _selected(what):
                 if part == "target" and self.model is not None:
                     self.model = None
+                    self._graph = None
                     self._state = None
                     self._pending_restore = None
                     parked.append("target")

@@ -20,13 +20,18 @@ _switched_off = False
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """True when the model should dispatch to a Triton kernel for tensors like ``t``."""
-    return HAVE_TRITON and t.is_cuda and not _switched_off
+    """True when the model should dispatch to a Triton kernel for tensors like ``t``.
+
+    False while torch.compile traces a region (:mod:`ds4serve.kernels.regions`): Inductor then
+    sees the torch reference and fuses it with its neighbours.
+    """
+    return HAVE_TRITON and t.is_cuda and not _switched_off and not torch.compiler.is_compiling()
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
-    """Run the torch reference path everywhere inside this scope (baselines, A/B checks)."""
+    """Run the torch reference path everywhere inside this scope (baselines, A/B checks); compiled
+    regions (:mod:`ds4serve.kernels.regions`) check :func:`enabled` too, so they are off as well."""
     global _switched_off
     previous, _switched_off = _switched_off, True
     try:

@@ -18,22 +18,33 @@ from ..quant import dequant_fp8
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, rows_per_group, x_stride, s_cols,
                      SB_R: tl.constexpr, SB_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A program's rows lie in one scale row (SB_R % BLOCK_R == 0), so the block scales multiply the
+    # activation vector (BLOCK_K products) rather than every weight of the tile.
     first = tl.program_id(0) * BLOCK_R
     token = tl.program_id(1)
     rows = first + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     x = x_ptr + token * x_stride + (first // rows_per_group) * n_in
+    s_row = s_ptr + (first // SB_R) * s_cols
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         cmask = cols < n_in
-        m = rmask[:, None] & cmask[None, :]
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * n_in + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + (rows // SB_R)[:, None] * s_cols + (cols // SB_C)[None, :], mask=m, other=0.0)
-        xv = tl.load(x + cols, mask=cmask, other=0.0).to(tl.float32)
-        acc += w * s * xv[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        xs = tl.load(x + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(s_row + cols // SB_C, mask=cmask,
+                                                                                 other=0.0)
+        acc += w * xs[None, :]
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * n_rows + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+def rows_per_program(scale_rows: int, cap: int = 16) -> int:
+    """The largest power of two up to ``cap`` dividing the scale block's rows."""
+    block = cap
+    while scale_rows % block:
+        block //= 2
+    return block
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -43,14 +54,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     x2 = x.reshape(-1, groups * n_in).contiguous()
     N = x2.shape[0]
     rows_per_group = n_rows // groups
-    block_r = 16
+    block_r = rows_per_program(block[0])
     if rows_per_group % block_r:
         raise ValueError(f"fp8_gemv: rows per group ({rows_per_group}) must be a multiple of {block_r}")
     out = torch.empty(N, n_rows, device=x.device, dtype=x.dtype)
-    block_k = min(256, triton.next_power_of_2(max(n_in, 16)))
+    block_k = min(512, triton.next_power_of_2(max(n_in, 16)))
     _fp8_gemv_kernel[(triton.cdiv(n_rows, block_r), N)](
         x2, weight, scale, out, n_rows, n_in, rows_per_group, x2.stride(0), scale.shape[1],
-        SB_R=block[0], SB_C=block[1], BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        SB_R=block[0], SB_C=block[1], BLOCK_R=block_r, BLOCK_K=block_k, num_warps=8, num_stages=3)
     return out
 
 

@@ -35,7 +35,11 @@ def _e2m1(code):
 @triton.jit
 def _tile_dot(w_ptr, s_ptr, x_ptr, rows, rmask, d0, n_in, s_cols, acc,
               QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``acc [R, BLOCK_D or BLOCK_D/2] += W[rows, d0:d0+BLOCK_D] * x[d0:...]`` elementwise (reduced later)."""
+    """``acc [R, BLOCK_D or BLOCK_D/2] += W[rows, d0:d0+BLOCK_D] * x[d0:...]`` elementwise (reduced later).
+
+    FP8: the tile's rows lie in one scale row (checked by the caller), so the block scales multiply
+    the activation slice, not every weight.
+    """
     if QUANT == 2:
         half: tl.constexpr = BLOCK_D // 2
         j = tl.arange(0, half)
@@ -54,10 +58,9 @@ def _tile_dot(w_ptr, s_ptr, x_ptr, rows, rmask, d0, n_in, s_cols, acc,
         cmask = cols < n_in
         m = rmask[:, None] & cmask[None, :]
         w = tl.load(w_ptr + rows[:, None] * n_in + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        if QUANT == 1:
-            s = tl.load(s_ptr + (rows // SB_R)[:, None] * s_cols + (cols // SB_C)[None, :], mask=m, other=0.0)
-            w = w * s
         xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        if QUANT == 1:
+            xv = xv * tl.load(s_ptr + (tl.min(rows, axis=0) // SB_R) * s_cols + cols // SB_C, mask=cmask, other=0.0)
         acc += w * xv[None, :]
     return acc
 
@@ -152,8 +155,11 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     idx = idx.contiguous()
     weights = weights.contiguous().float()
     h = torch.empty(N * k, inter, device=x.device, dtype=torch.float32)
-    block_d = _pow2(D, 256 if w1.quant != FP8 else min(256, w1.block[1] * 2))
+    block_d = _pow2(D, 256)
     block_i = _pow2(inter, 16)
+    block_o = _pow2(D, 16)
+    if w1.quant == FP8 and (w1.block[0] % block_i or w2.block[0] % block_o):
+        raise ValueError(f"moe_fused: FP8 scale blocks of {w1.block[0]} rows do not hold {block_i}-row tiles")
     ss, sc = w1.scale_dims()
     _gate_up_kernel[(N * k, triton.cdiv(inter, block_i))](
         x, idx, w1.data, w3.data, w1.scale, w3.scale, h, D, inter, k, float(limit),
@@ -162,7 +168,6 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     accumulate = out is not None
     if out is None:
         out = torch.empty(N, D, device=x.device, dtype=x.dtype)
-    block_o = _pow2(D, 16)
     block_k = _pow2(inter, 256)
     ss, sc = w2.scale_dims()
     _down_kernel[(N, triton.cdiv(D, block_o))](

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
+from ..kernels.regions import region
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .compressor import CompressorWeights, compress_chunk
 from .linear import Weight, grouped_linear, linear
@@ -74,6 +75,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     kv = Rope.apply(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)
 
     keys, allowed = _window_keys(kv, chunk, state, cfg.sliding_window)
+    keys, allowed = [keys], [allowed]
     delta = LayerDelta(window_rows=kv)
     if w.compressor is not None:
         with profiler.phase("compressor"):
@@ -85,11 +87,10 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
         if w.layer_type == CSA:
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, x, q_res, chunk, state, cfg, ropes, visible)
-        keys = torch.cat([keys, entries])
-        allowed = torch.cat([allowed, visible], dim=-1)
+        keys.append(entries)
+        allowed.append(visible)
 
-    out = _core(q, keys, allowed, w.sinks, hd ** -0.5)
-    out = Rope.apply(out, cos, sin, inverse=True)
+    out = _attend(q, keys, allowed, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b), delta
 
@@ -113,6 +114,7 @@ def _window_keys(kv: torch.Tensor, chunk: ChunkInfo, state: LayerState, window: 
     return keys, allowed
 
 
+@region
 def _window_keys_static(kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole ring with this token's row in its slot; slot s holds the latest position = s mod W."""
@@ -123,6 +125,7 @@ def _window_keys_static(kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
     return keys, (key_pos >= 0).unsqueeze(0)
 
 
+@region
 def _all_entries(state: CompressorState, delta: CompressorDelta, static_pos: torch.Tensor | None
                  ) -> torch.Tensor:
     """Committed entries then the chunk's; static: the whole buffer with the token's entry in its slot."""
@@ -133,6 +136,7 @@ def _all_entries(state: CompressorState, delta: CompressorDelta, static_pos: tor
     return torch.where(here.unsqueeze(-1), delta.entries, committed)
 
 
+@region
 def _causal_entries(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:
     """Entry e is visible to the query at t iff e < (t + 1) // rate."""
     e = torch.arange(n_entries, device=positions.device)
@@ -151,16 +155,34 @@ def _indexer_select(w: IndexerWeights, x: torch.Tensor, q_res: torch.Tensor, chu
     if n_entries == 0:
         return delta, visible
     cos, sin = chunk.rope["compress"]
-    q = Rope.apply(linear(q_res, w.wq_b).view(S, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+    q = linear(q_res, w.wq_b).view(S, cfg.index_n_heads, cfg.index_head_dim)
+    head_w = linear(x, w.weights_proj)
+    return delta, _index_top(q, cos, sin, keys, head_w, visible, min(cfg.index_topk, n_entries))
+
+
+@region
+def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor,
+               visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``."""
+    ih, dim = q.shape[1], q.shape[2]
+    q = Rope.apply(q, cos, sin)
     scores = torch.matmul(q.float(), keys.float().t())  # [S, ih, T]
-    scores = F.relu(scores) * cfg.index_head_dim ** -0.5
-    head_w = linear(x, w.weights_proj).float() * cfg.index_n_heads ** -0.5
-    scores = (scores * head_w.unsqueeze(-1)).sum(dim=1)  # [S, T]
+    scores = F.relu(scores) * dim ** -0.5
+    scores = (scores * (head_w.float() * ih ** -0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]
     scores = scores.masked_fill(~visible, float("-inf"))
-    top = scores.topk(min(cfg.index_topk, n_entries), dim=-1).indices
+    top = scores.topk(k, dim=-1).indices
     selected = torch.zeros_like(visible)
     selected.scatter_(-1, top, True)
-    return delta, selected & visible
+    return selected & visible
+
+
+@region
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
+            scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention over the concatenated key parts, then the inverse RoPE of the output."""
+    keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]
+    mask = torch.cat(allowed, dim=-1) if len(allowed) > 1 else allowed[0]
+    return Rope.apply(_core(q, keys_all, mask, sinks, scale), cos, sin, inverse=True)
 
 
 _CORE_SCORES = 1 << 28  # fp32 elements of one block of attention scores

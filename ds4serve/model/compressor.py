@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.regions import region
 from ..state import CompressorDelta, CompressorState
 from .linear import Weight, linear
 from .norms import rms_norm
@@ -78,11 +79,18 @@ def _compress_token(w: CompressorWeights, x: torch.Tensor, start: int, pos: torc
     """One token at device position ``pos``: the open window's rows (``[rate, width]``, this token's
     row in its slot; commit reads the first ``pos % rate + 1``) and the entry the window gives if this
     token closes it (masked out by the caller and not committed otherwise)."""
+    rows_kv, rows_gate, entry = _pool_token(linear(x, w.wkv), linear(x, w.wgate), pos, w, state, rope, eps)
+    return CompressorDelta(rows_kv, rows_gate, entry, start // state.rate)
+
+
+@region
+def _pool_token(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, w: CompressorWeights,
+                state: CompressorState, rope: Rope, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The open window's rows with this token's projections in its slot, and the window's entry."""
     rate, dim = state.rate, w.norm.shape[0]
     slot = pos % rate
-    kv = linear(x, w.wkv)
-    gate = linear(x, w.wgate).float() + w.ape[slot]
-    here = (torch.arange(rate, device=x.device) == slot).unsqueeze(-1)
+    gate = gate.float() + w.ape[slot]
+    here = (torch.arange(rate, device=kv.device) == slot).unsqueeze(-1)
     rows_kv = torch.where(here, kv, state.buf_kv)
     rows_gate = torch.where(here, gate, state.buf_gate)
     win_kv, win_gate = rows_kv, rows_gate
@@ -92,4 +100,4 @@ def _compress_token(w: CompressorWeights, x: torch.Tensor, start: int, pos: torc
     pooled = (win_kv * win_gate.softmax(dim=0, dtype=torch.float32).to(win_kv.dtype)).sum(dim=0, keepdim=True)
     entry = rms_norm(pooled, w.norm, eps)
     cos, sin = rope.cos_sin(pos - slot, entry.dtype)
-    return CompressorDelta(rows_kv, rows_gate, Rope.apply(entry, cos, sin), start // rate)
+    return rows_kv, rows_gate, Rope.apply(entry, cos, sin)

@@ -9,6 +9,7 @@ it ends at the last layer, so a layer split reuses this class shard by shard.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
+from ..kernels import regions
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention
@@ -129,21 +131,22 @@ class DeepSeekV4:
             X = hidden.to(device=self.device, dtype=self.dtype)
         if positions is not None and S != 1:
             raise ValueError(f"a static step runs one token, got {S}")
-        chunk = self.chunk_info(state.pos, S, positions)
         deltas: dict[int, LayerDelta] = {}
         captured: dict[int, torch.Tensor] = {}
-        for i in self.layers:
-            X, deltas[i] = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg, self.ropes)
-            if i in capture:
-                captured[i] = X
+        with regions.static_step() if positions is not None else nullcontext():
+            chunk = self.chunk_info(state.pos, S, positions)
+            for i in self.layers:
+                X, deltas[i] = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg, self.ropes)
+                if i in capture:
+                    captured[i] = X
+            logits = None
+            if logit_rows is not None and self.head is not None:
+                logits = self.logits(X[logit_rows])
         if isinstance(token_ids, torch.Tensor):
             tokens = [] if positions is not None else ids.tolist()
         else:
             tokens = [int(t) for t in token_ids]
         delta = ChunkDelta(start=state.pos, tokens=tokens, layers=deltas)
-        logits = None
-        if logit_rows is not None and self.head is not None:
-            logits = self.logits(X[logit_rows])
         return ForwardResult(hidden=X, delta=delta, logits=logits, captured=captured)
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.regions import region
 from .norms import unweighted_rms_norm
 
 
@@ -23,6 +24,7 @@ class HCSite:
     scale: torch.Tensor  # [3] fp32
 
 
+@region
 def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, norm_eps: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse ``X`` for the sublayer; return ``(post [S,hc], comb [S,hc,hc], collapsed [S,D])``."""
@@ -53,12 +55,14 @@ def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
     return pre, post, comb
 
 
+@region
 def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``X'_k = post_k * out + sum_j comb[j, k] X_j`` with post/comb rounded to X's dtype."""
     dtype = X.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), X)
 
 
+@region
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
     """Final merge of the streams: sigmoid weights (no Sinkhorn), fp32 sum cast to X's dtype."""

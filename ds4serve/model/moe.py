@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.regions import region
 from .linear import FP8Weight, Weight, linear
 
 FUSED_MAX_PAIRS = 64  # (token, expert) pairs up to which the fused kernel runs (decode, short verify)
@@ -27,6 +28,7 @@ class MoEWeights:
     shared_w2: Weight  # [D, I]
 
 
+@region
 def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k], expert ids [N, k])`` for tokens ``x [N, D]``."""
@@ -57,8 +59,16 @@ def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, sca
     if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
         return _moe_fused(w, x, idx, weights, limit)
     out = torch.zeros_like(x)
-    for expert in torch.unique(idx).tolist():
-        token, slot = torch.where(idx == expert)
+    # (token, slot) pairs grouped by expert in row-major order: one host sync for the counts
+    pairs = torch.argsort(idx.flatten(), stable=True)
+    counts = torch.bincount(idx.flatten(), minlength=w.gate.shape[0]).tolist()
+    first = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        group = pairs[first:first + n]
+        first += n
+        token, slot = group // idx.shape[1], group % idx.shape[1]
         y = swiglu(x[token], w.w1[expert], w.w3[expert], w.w2[expert], limit) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.regions import region
 
+
+@region
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Weighted RMSNorm; ``weight`` is kept in fp32 and the product is cast once to x's dtype."""
     xf = x.float()
@@ -12,6 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
+@region
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMSNorm (per-head q, mHC input): fp32 statistics, the factor cast to x's dtype."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

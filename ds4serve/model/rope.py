@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import RopeSpec
+from ..kernels.regions import region
 
 
 class Rope:
@@ -28,6 +29,7 @@ class Rope:
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     @staticmethod
+    @region
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``2*cos.shape[-1]`` channels of ``x``.
 

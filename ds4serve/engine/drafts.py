@@ -1,0 +1,336 @@
+"""The built-in draft proposers (n-gram lookup, MTP, DSpark) and the draft weights an engine holds.
+
+``Engine.generate(speculative=...)`` accepts a :class:`~ds4serve.engine.speculative.DraftProposer`
+or a string ``NAME`` / ``NAME:K`` with ``NAME`` in ``ngram``, ``mtp``, ``dspark`` and ``K`` the
+most drafts per step. Model drafts load once from the engine's checkpoint into
+:class:`DraftModels` (``engine.draft``), which ``park("draft")`` frees.
+
+The draft caches start where speculative decoding starts: the prompt was prefilled before the
+proposer existed, so the MTP and DSpark windows hold generated positions only (RoPE depends on
+relative positions, so they count positions from 0). The first step therefore has no MTP draft.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .. import profiler
+from ..config import SLIDING, ModelConfig
+from ..model import DeepSeekV4
+from ..model.dspark import DSparkWeights, base_logits, block_merged, confidence, context_rows, load_dspark, \
+    markov_bias, target_features
+from ..model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits, mtp_names
+from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
+from ..weights import Checkpoint, block_shapes
+from .dspark_weights import dspark_shapes
+from .request import ErrorCode, GenerateError
+from .sampler import Sampler
+from .speculative import Committed, Draft, DraftProposer, pick
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+METHODS = ("mtp", "dspark", "ngram")
+MAX_DRAFT_TOKENS = 16
+_SPEC_RE = re.compile(r"^(?P<name>[a-z]+)(?::(?P<k>\d+))?$")
+
+
+# ---- n-gram lookup ----------------------------------------------------------------------------
+class NgramProposer(DraftProposer):
+    """Prompt lookup: the continuation of the latest earlier occurrence of the longest suffix match.
+
+    Suffixes of ``max_ngram`` down to ``min_ngram`` tokens are looked up in an index of every
+    earlier n-gram of prompt + output (built incrementally); no weights needed.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_draft_tokens: int = 4, *, max_ngram: int = 3, min_ngram: int = 1, **policy):
+        super().__init__(max_draft_tokens, **policy)
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"ngram sizes: expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+
+    def begin(self, history: list[int], max_context: int) -> None:
+        self._index = {}
+        self._indexed = 0
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        last = len(history) - 1  # n-grams ending before the last token are candidates
+        for end in range(self._indexed, last):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self._index[tuple(history[end + 1 - n:end + 1])] = end
+        self._indexed = max(self._indexed, last)
+        for n in self.sizes:
+            if len(history) > n:
+                end = self._index.get(tuple(history[-n:]))
+                if end is not None:
+                    return Draft(history[end + 1:end + 1 + k])
+        return Draft()
+
+
+# ---- model drafts -----------------------------------------------------------------------------
+@dataclass
+class TargetParts:
+    """What a model draft shares with the target: the embedding, the head, and the RoPE tables and
+    device of the part that holds the head (the last shard of a layer split)."""
+
+    cfg: ModelConfig
+    embed: torch.Tensor
+    head: torch.Tensor
+    last: DeepSeekV4
+
+    @property
+    def device(self) -> torch.device:
+        return self.last.device
+
+
+def target_parts(model: object) -> TargetParts:
+    shards = getattr(model, "shards", None) or [model]
+    first, last = shards[0], shards[-1]
+    if not (isinstance(first, DeepSeekV4) and isinstance(last, DeepSeekV4) and first.embed is not None
+            and last.head is not None):
+        raise GenerateError(ErrorCode.INVALID_REQUEST, "speculative: model drafts need the target's embedding and "
+                            "head in this process (a multi-host pipeline does not have them); use 'ngram'")
+    return TargetParts(first.cfg, first.embed, last.head.head, last)
+
+
+def _draft_state(cfg: ModelConfig, stages: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device) -> SequenceState:
+    layers = {s: allocate_layer(cfg, SLIDING, max_context, dtype, device) for s in range(stages)}
+    return SequenceState(layers=layers, max_context=max_context, window=cfg.sliding_window)
+
+
+def _draft_layers(cfg: ModelConfig, stages: int) -> range:
+    """Profiler layer ids of draft stages: numbered after the target's layers, as in the checkpoint."""
+    return range(cfg.num_layers, cfg.num_layers + stages)
+
+
+class MTPProposer(DraftProposer):
+    """The checkpoint's MTP block chained ``k`` times; its window holds committed positions only.
+
+    After each verify the block runs over the committed rows (target streams ``H_i`` with the
+    next token), commits them to its window and keeps the last row's streams and logits: they
+    give the first draft of the next step. Further drafts chain the block's own output streams
+    through a scratch copy of the window that is then dropped.
+    """
+
+    name = "mtp"
+
+    def __init__(self, weights: MTPWeights, target: TargetParts, max_draft_tokens: int = 3, **policy):
+        super().__init__(max_draft_tokens, **policy)
+        self.w = weights
+        self.target = target
+        self.cfg = target.cfg
+        self.state: SequenceState | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (streams [1, hc, D], logits [V])
+
+    def begin(self, history: list[int], max_context: int) -> None:
+        t = self.target.last
+        self.state = _draft_state(self.cfg, 1, max_context + MAX_DRAFT_TOKENS + 1, t.dtype, t.device)
+        self._last = None
+
+    def _run(self, state: SequenceState, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+        """Forward rows at ``state.pos`` and commit them to ``state``; return the output streams."""
+        t = self.target
+        ids = torch.tensor(next_ids, dtype=torch.long, device=t.device)
+        with profiler.step("draft", len(next_ids), state.pos, _draft_layers(self.cfg, 1)):
+            G, delta = mtp_forward(self.w, hidden, ids, t.embed, t.last.chunk_info(state.pos, len(next_ids)),
+                                   state.layers[0], self.cfg, t.last.ropes)
+        state.commit(ChunkDelta(start=state.pos, tokens=list(next_ids), layers={0: delta}), len(next_ids))
+        self.forwards += 1
+        return G
+
+    def observe(self, committed: Committed) -> None:
+        next_ids = committed.tokens[1:] + [committed.next_token]
+        G = self._run(self.state, committed.hidden, next_ids)[-1:]
+        self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0])
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        if self._last is None or k < 1:
+            return Draft()
+        G, logits = self._last
+        token, q = pick(logits, sampler)
+        tokens, probs = [token], [q]
+        scratch = self.state.fork() if k > 1 else None
+        while len(tokens) < k:
+            G = self._run(scratch, G, [token])
+            token, q = pick(mtp_logits(self.w, G, self.target.head, self.cfg)[0], sampler)
+            tokens.append(token)
+            probs.append(q)
+        return Draft(tokens, None if sampler.greedy else probs)
+
+
+class DSparkProposer(DraftProposer):
+    """DSpark: one pass of the three stages drafts a block; the confidence head sets the width.
+
+    Each stage's context ring receives the rows of committed positions only, from the target
+    features captured inside the verify forward.
+    """
+
+    name = "dspark"
+    confidence_scheduled = True
+
+    def __init__(self, weights: DSparkWeights, target: TargetParts, max_draft_tokens: int | None = None, **policy):
+        super().__init__(weights.spec.block_size if max_draft_tokens is None else max_draft_tokens, **policy)
+        self.w = weights
+        self.target = target
+        self.cfg = target.cfg
+        self.capture_layers = tuple(weights.spec.target_layer_ids)
+        self.state: SequenceState | None = None
+
+    def begin(self, history: list[int], max_context: int) -> None:
+        t = self.target.last
+        self.state = _draft_state(self.cfg, len(self.w.stages), max_context + 1, t.dtype, t.device)
+
+    def observe(self, committed: Committed) -> None:
+        n, pos = len(committed.tokens), self.state.pos
+        cos, sin = self.target.last.chunk_info(pos, n).rope["main"]
+        rows = context_rows(self.w, target_features(committed.captured, self.capture_layers), cos, sin, self.cfg)
+        delta = ChunkDelta(start=pos, tokens=committed.tokens, layers={s: LayerDelta(r) for s, r in enumerate(rows)})
+        self.state.commit(delta, n)
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        t, spec, pos = self.target, self.w.spec, self.state.pos
+        seed = history[-1]
+        ids = torch.tensor([seed] + [spec.noise_token_id] * (spec.block_size - 1), dtype=torch.long, device=t.device)
+        cos, sin = t.last.chunk_info(pos, spec.block_size).rope["main"]
+        slots = torch.arange(max(0, pos - self.state.window), pos, device=t.device) % self.state.window
+        context = [self.state.layers[s].window[slots] for s in range(len(self.w.stages))]
+        with profiler.step("draft", spec.block_size, pos, _draft_layers(self.cfg, len(self.w.stages))):
+            merged = block_merged(self.w, ids, t.embed, context, cos, sin, self.cfg)
+            logits = base_logits(self.w, merged, t.head, self.cfg)
+        self.forwards += 1
+        tokens, probs, conf = [], [], []
+        prev = seed
+        for j in range(min(k, spec.block_size)):
+            conf.append(confidence(self.w, merged[j], prev))
+            prev, q = pick(logits[j] + markov_bias(self.w, prev), sampler)
+            tokens.append(prev)
+            probs.append(q)
+        return Draft(tokens, None if sampler.greedy else probs, conf)
+
+
+# ---- loading and selection --------------------------------------------------------------------
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Logical shapes of the first MTP block's tensors."""
+    D, hc = cfg.hidden_size, cfg.hc_mult
+    own = dict(zip(mtp_names(0), [(D, D), (D, D), (D,), (D,), (D,), (hc, hc * D), (hc,), (1,)]))
+    return {**own, **{f"mtp.0.{n}": s for n, s in block_shapes(cfg, 0, SLIDING, hash_moe=False).items()}}
+
+
+def tensor_problems(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    problems = []
+    for name, shape in shapes.items():
+        if not ckpt.has(name):
+            problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+        elif (actual := ckpt._logical_shape(name)) != shape:
+            problems.append(f"tensor {name}: expected shape {list(shape)}, got {list(actual)}")
+    return problems
+
+
+def check_config(cfg: ModelConfig, where: object, kind: str) -> None:
+    """Raise :class:`GenerateError` (invalid_request) when the config has no draft of ``kind``."""
+    if kind == "mtp":
+        if cfg.dspark is not None:
+            raise GenerateError(ErrorCode.INVALID_REQUEST, "speculative: 'mtp' needs an MTP next-n block, but this "
+                                "checkpoint's mtp.* tensors are DSpark stages; use 'dspark'")
+        if cfg.n_mtp_layers < 1:
+            raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: 'mtp' needs an MTP block, but {where} has "
+                                "num_nextn_predict_layers = 0")
+    elif cfg.dspark is None:
+        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: 'dspark' needs DSpark draft stages, but "
+                            f"{where} has no dspark_block_size")
+
+
+def check_draft(ckpt: Checkpoint, kind: str) -> None:
+    """Raise :class:`GenerateError` (invalid_request) when ``ckpt`` cannot serve draft ``kind``."""
+    check_config(ckpt.cfg, ckpt.path / "config.json", kind)
+    problems = tensor_problems(ckpt, mtp_shapes(ckpt.cfg) if kind == "mtp" else dspark_shapes(ckpt.cfg))
+    if problems:
+        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: the {kind} draft of {ckpt.path} is unusable "
+                            f"({len(problems)} problem(s)): " + "; ".join(problems[:10]))
+
+
+class DraftModels:
+    """Draft weights of an engine's checkpoint by kind, loaded on first use; parkable as 'draft'."""
+
+    def __init__(self, loaders: dict[str, Callable[[], object]]):
+        self._loaders = loaders
+        self._loaded: dict[str, object] = {}
+        self._parked: set[str] = set()
+
+    def get(self, kind: str) -> object:
+        if kind in self._parked:
+            raise GenerateError(ErrorCode.MODEL_PARKED, "the draft model is parked; unpark 'draft' first")
+        if kind not in self._loaded:
+            self._loaded[kind] = self._loaders[kind]()
+        return self._loaded[kind]
+
+    @property
+    def loaded(self) -> list[str]:
+        return sorted(self._loaded)
+
+    def park(self) -> bool:
+        if not self._loaded:
+            return False
+        self._parked.update(self._loaded)
+        self._loaded.clear()
+        return True
+
+    def unpark(self) -> bool:
+        if not self._parked:
+            return False
+        for kind in sorted(self._parked):
+            self._loaded[kind] = self._loaders[kind]()
+        self._parked.clear()
+        return True
+
+
+def _engine_drafts(engine: "Engine") -> DraftModels:
+    if engine.draft is None:
+        if engine.path is None:
+            raise GenerateError(ErrorCode.INVALID_REQUEST, "speculative: this engine has no checkpoint path to load "
+                                "a draft model from")
+        path, dtype, device = engine.path, engine.dtype, engine.device
+
+        def loader(kind: str) -> Callable[[], object]:
+            def load() -> object:
+                ckpt = Checkpoint(path)
+                check_draft(ckpt, kind)
+                return load_mtp(ckpt, 0, dtype, device) if kind == "mtp" else load_dspark(ckpt, dtype, device)
+            return load
+
+        engine.draft = DraftModels({kind: loader(kind) for kind in ("mtp", "dspark")})
+    return engine.draft
+
+
+def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
+    """The proposer for ``speculative``: a DraftProposer as is, or ``'mtp' | 'dspark' | 'ngram'[:K]``."""
+    if isinstance(speculative, DraftProposer):
+        return speculative
+    m = _SPEC_RE.match(speculative) if isinstance(speculative, str) else None
+    if m is None or m["name"] not in METHODS:
+        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: expected one of {list(METHODS)} (optionally "
+                            f"'NAME:K' for at most K drafts per step) or a DraftProposer, got {speculative!r}")
+    name = m["name"]
+    k = None if m["k"] is None else int(m["k"])
+    if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise GenerateError(ErrorCode.INVALID_REQUEST,
+                            f"speculative: K in '{speculative}' must be in [1, {MAX_DRAFT_TOKENS}]")
+    if name == "ngram":
+        return NgramProposer() if k is None else NgramProposer(k)
+    check_config(engine.cfg, "the checkpoint's config.json" if engine.path is None else engine.path / "config.json",
+                 name)
+    target = target_parts(engine._require_model())
+    weights = _engine_drafts(engine).get(name)
+    if name == "mtp":
+        return MTPProposer(weights, target) if k is None else MTPProposer(weights, target, k)
+    return DSparkProposer(weights, target, k)

@@ -1,0 +1,326 @@
+"""Lossless speculative decoding: the proposer interface, exact verification, the decode loop.
+
+One step drafts up to ``k`` tokens after the seed (the last emitted, not yet forwarded token),
+runs **one** target forward over ``[seed, d1 .. dk]`` that writes nothing, then walks the rows:
+row ``i`` gives the target's exact next-token distribution after ``seed, d1 .. di`` (penalties,
+bias, temperature, top-k/p, min-p and the reasoning budget included, through
+:class:`~ds4serve.engine.generation.Generation`). Draft ``d(i+1)`` is accepted with probability
+``min(1, p/q)``; the first rejection draws from ``normalize(max(p - q, 0))`` and ends the step;
+when every draft is accepted the bonus token is drawn from the last row. The state then commits
+exactly the tokens whose rows were used, so the state after any step equals plain decoding's.
+
+Greedy requests are the special case of one-hot ``p`` (accept iff the draft is the argmax), so
+temperature 0 reproduces plain decoding token for token, whatever the draft proposes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from .. import profiler
+from ..model import ForwardResult
+from ..state import SequenceState
+from .generation import Generation
+from .sampler import Sampler
+
+if TYPE_CHECKING:
+    from .engine import Engine, RequestHandle
+
+DEFAULT_THRESHOLDS = (0.40, 0.30)  # survival products that widen the verify to 3, then 4 tokens
+DEFAULT_EWMA_ALPHA = 0.3
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, when they were sampled, the exact distributions they were drawn from."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] | None = None  # [V] per token; None = deterministic (one-hot) drafts
+    confidence: list[float] | None = None  # P(draft i accepted | drafts before it accepted)
+
+
+@dataclass
+class Committed:
+    """What one verify step committed to the target state, as a draft model needs it."""
+
+    start: int  # position of the first committed token
+    tokens: list[int]  # the committed tokens (the seed and the accepted drafts)
+    next_token: int  # the token emitted after them: the next step's seed
+    hidden: torch.Tensor  # [n, hc, D] target streams after the last layer (before hc_head)
+    captured: dict[int, torch.Tensor]  # layer -> [n, hc, D] streams after that layer
+
+
+class DraftProposer:
+    """Proposes draft tokens for the next verify step.
+
+    The engine calls :meth:`begin` once per request with the committed context, :meth:`propose`
+    before each verify step and :meth:`observe` after each step that generation continues from.
+    A proposer keeps any per-request state (draft caches) aligned with ``observe``: only committed
+    tokens ever reach it. ``capture_layers`` names target layers whose output streams
+    :meth:`observe` needs; they are captured inside the verify forward at no extra pass.
+    """
+
+    name = "draft"
+    capture_layers: tuple[int, ...] = ()
+    confidence_scheduled = False  # True when drafts carry a confidence that sets the verify width
+
+    def __init__(self, max_draft_tokens: int = 4, *, adaptive: bool = True,
+                 thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS, ewma_alpha: float = DEFAULT_EWMA_ALPHA):
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens: expected an integer >= 0, got {max_draft_tokens}")
+        self.max_draft_tokens = max_draft_tokens
+        self.adaptive = adaptive
+        self.thresholds = tuple(thresholds)
+        self.ewma_alpha = ewma_alpha
+        self.forwards = 0  # draft model passes, for the stats
+
+    def begin(self, history: list[int], max_context: int) -> None:
+        """A new request whose committed tokens are ``history``."""
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        """Up to ``k`` tokens to follow ``history`` (its last token is the seed, not yet committed).
+
+        Sampled drafts must be drawn with ``sampler.draw`` and come with their distributions.
+        """
+        raise NotImplementedError
+
+    def observe(self, committed: Committed) -> None:
+        """The target committed ``committed.tokens``; the next seed is ``committed.next_token``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_draft_tokens={self.max_draft_tokens})"
+
+
+class PromptFeed:
+    """Hands the prefilled prompt to a proposer chunk by chunk, so its draft starts with context.
+
+    :meth:`DraftProposer.observe` needs the token after each row, so a chunk is passed on once the
+    next one arrives; the last chunk waits for the first sampled token (:meth:`flush`).
+    """
+
+    def __init__(self, proposer: DraftProposer):
+        self.proposer = proposer
+        self.capture_layers = tuple(proposer.capture_layers)
+        self._tail: tuple[int, list[int], ForwardResult] | None = None
+
+    def __call__(self, start: int, tokens: list[int], result: ForwardResult) -> None:
+        self.flush(tokens[0])
+        self._tail = (start, list(tokens), result)
+
+    def flush(self, next_token: int) -> None:
+        if self._tail is None:
+            return
+        start, tokens, result = self._tail
+        self._tail = None
+        self.proposer.observe(Committed(start=start, tokens=tokens, next_token=next_token, hidden=result.hidden,
+                                        captured=dict(result.captured)))
+
+
+def pick(logits: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
+    """A draft token from draft logits ``[V]``: argmax when greedy, else sampled at the temperature."""
+    if sampler.greedy:
+        return int(logits.argmax()), None
+    probs = torch.softmax(logits.float() / sampler.params.temperature, dim=-1)
+    return sampler.draw(probs), probs
+
+
+def verify_token(p: torch.Tensor, draft: int, q: torch.Tensor | None, sampler: Sampler) -> tuple[int, bool]:
+    """Accept ``draft`` under target distribution ``p`` given draft distribution ``q`` (None: one-hot).
+
+    Returns ``(token, accepted)``: the draft with probability ``min(1, p[d]/q[d])``, otherwise a
+    token drawn from ``normalize(max(p - q, 0))``. The token is then distributed exactly as ``p``.
+    """
+    pd = float(p[draft])
+    qd = 1.0 if q is None else float(q[draft])
+    if pd >= qd or (pd > 0 and sampler.uniform() * qd < pd):
+        return draft, True
+    residual = p.clone() if q is None else (p - q.to(p.device)).clamp_min(0)
+    residual[draft] = 0.0
+    total = float(residual.sum())
+    if total <= 0:  # p == q up to rounding: rejection had probability ~0; fall back to p without the draft
+        residual = p.clone()
+        residual[draft] = 0.0
+        total = float(residual.sum())
+    return sampler.draw(residual / total), False
+
+
+class WidthPolicy:
+    """How many drafts to request and to verify each step.
+
+    Fixed (``adaptive=False``): always ``max_draft_tokens``. Adaptive with a confidence head: one
+    draft, plus one more for each leading survival product ``c1*..*c(j+1)`` that reaches
+    ``thresholds[j-1]`` (defaults: 2 drafts if c1*c2 >= 0.40, 3 if also c1*c2*c3 >= 0.30).
+    Adaptive without one: ``round(EWMA of accepted drafts) + 1``.
+    """
+
+    def __init__(self, proposer: DraftProposer):
+        self.max_draft = proposer.max_draft_tokens
+        self.adaptive = proposer.adaptive
+        self.by_confidence = proposer.adaptive and proposer.confidence_scheduled
+        self.thresholds = proposer.thresholds
+        self.alpha = proposer.ewma_alpha
+        self.ewma = float(self.max_draft)
+
+    def budget(self, limit: int) -> int:
+        """Drafts to ask for, at most ``limit`` (tokens left in the request and the context)."""
+        k = self.max_draft
+        if self.adaptive and not self.by_confidence:
+            k = min(k, int(self.ewma + 0.5) + 1)
+        return max(0, min(k, limit))
+
+    def verify_count(self, draft: Draft, k: int) -> int:
+        """Drafts of ``draft`` to verify (at most ``k``)."""
+        n = min(len(draft.tokens), k)
+        if self.by_confidence and draft.confidence and n > 1:
+            n = min(n, confident_prefix(draft.confidence, self.thresholds))
+        return n
+
+    def update(self, accepted: int) -> None:
+        self.ewma = self.alpha * accepted + (1 - self.alpha) * self.ewma
+
+
+def confident_prefix(confidence: list[float], thresholds: tuple[float, ...]) -> int:
+    """1 + the number of leading thresholds met by the survival products of ``confidence``."""
+    n, survival = 1, confidence[0]
+    for j, threshold in enumerate(thresholds):
+        if j + 1 >= len(confidence):
+            break
+        survival *= confidence[j + 1]
+        if survival < threshold:
+            break
+        n = j + 2
+    return n
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-request speculative counters; ``as_dict`` goes to ``GenerateResult.stats.speculative``."""
+
+    method: str
+    steps: int = 0  # verify forwards of the target
+    drafted: int = 0  # drafts verified
+    accepted: int = 0
+    emitted: int = 0  # tokens produced by verify steps (accepted drafts + corrections + bonuses)
+    draft_forwards: int = 0
+    widths: Counter = field(default_factory=Counter)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        self.widths[drafted + 1] += 1
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def as_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "method": self.method,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "draft_forwards": self.draft_forwards,
+            "mean_accepted": self.accepted / steps,
+            "tokens_per_forward": self.emitted / steps,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "acceptance_by_position": [a / d for a, d in zip(self.accepted_at, self.drafted_at)],
+            "verify_widths": dict(sorted(self.widths.items())),
+        }
+
+
+def speculative_decode(engine: "Engine", handle: "RequestHandle", state: SequenceState, logits: torch.Tensor,
+                       start: float, feed: PromptFeed) -> Iterator[int]:
+    """The speculative decode loop: tokens one at a time, as plain decoding would produce them.
+
+    ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine.
+    """
+    proposer = feed.proposer
+    model = engine._require_model()
+    res, params = handle.result, handle.params
+    gen = Generation(handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start)
+    stats = SpeculativeStats(proposer.name)
+    policy = WidthPolicy(proposer)
+    history = list(state.tokens)
+    capture = feed.capture_layers
+    draft_passes = proposer.forwards
+    decode_start = time.perf_counter()
+    try:
+        if handle.cancelled:
+            gen.cancel()
+            return
+        seed = gen.choose(logits)
+        done = gen.accept(seed, logits)
+        history.append(seed)
+        yield seed
+        if not done:
+            feed.flush(seed)
+        while not done:
+            if handle.cancelled:
+                gen.cancel()
+                break
+            limit = min(params.max_tokens - len(res.tokens), state.max_context - state.pos) - 1
+            k = policy.budget(limit)
+            draft = _checked(proposer.propose(history, k, gen.sampler), engine.cfg.vocab_size) if k else Draft()
+            n = policy.verify_count(draft, k)
+            block = [seed] + draft.tokens[:n]
+            with profiler.step("verify", len(block), state.pos, model.layers):
+                out = model.forward(block, state, logit_rows=slice(None), capture=capture)
+            engine.forward_calls += 1
+            emitted = accepted = 0
+            for i in range(len(block)):
+                if i and handle.cancelled:
+                    break
+                row = out.logits[i]
+                ok = False
+                if i < n:
+                    q = None if draft.probs is None else draft.probs[i]
+                    token, ok = verify_token(gen.distribution(row), block[i + 1], q, gen.sampler)
+                else:
+                    token = gen.choose(row)
+                accepted += ok
+                emitted += 1
+                done = gen.accept(token, row)
+                history.append(token)
+                yield token
+                if done or not ok:
+                    break
+            committed_at = state.pos
+            state.commit(out.delta, emitted)
+            state.last_logits = out.logits[emitted - 1]
+            seed = history[-1]
+            stats.record(n, accepted, emitted)
+            policy.update(accepted)
+            if not done and not handle.cancelled:
+                proposer.observe(Committed(start=committed_at, tokens=block[:emitted], next_token=seed,
+                                           hidden=out.hidden[:emitted],
+                                           captured={layer: x[:emitted] for layer, x in out.captured.items()}))
+    finally:
+        stats.draft_forwards = proposer.forwards - draft_passes
+        res.stats.speculative = stats.as_dict()
+        res.timings.decode_s = time.perf_counter() - decode_start
+
+
+def _checked(draft: Draft, vocab_size: int) -> Draft:
+    bad = [t for t in draft.tokens if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"draft proposer returned token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if draft.probs is not None and len(draft.probs) < len(draft.tokens):
+        raise ValueError(f"draft proposer returned {len(draft.probs)} distributions for {len(draft.tokens)} tokens")
+    return draft
+
+
+__all__ = ["Draft", "Committed", "DraftProposer", "PromptFeed", "WidthPolicy", "SpeculativeStats", "verify_token", "pick",
+           "confident_prefix", "speculative_decode"]

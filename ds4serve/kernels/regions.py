@@ -1,0 +1,115 @@
+"""Compiled regions: the static decode step's small elementwise chains fused by Inductor.
+
+A batch-1 decode step is bound by the weights it streams, but its torch code also issues a few
+hundred tiny kernels per layer (norms, RoPE, mHC collapse/merge, compressor pooling, indexer
+masking, the softmax with sinks), a few microseconds each even inside a CUDA graph. Functions of
+:mod:`ds4serve.model` that hold such chains, and read no large weight, are marked with
+:func:`region`. Inside a static step (:func:`static_step`, entered by the forward when it runs the
+CUDA-graph path) on CUDA tensors, a region runs as ``torch.compile`` made it: Inductor fuses each
+chain into one or a few Triton kernels, which the decode graph then captures like any other
+kernel. Everywhere else (CPU, prefill chunks, kernels switched off) the function runs as written,
+so the torch code stays the one reference.
+
+Regions nest: a region called while another is being traced is traced inline. While tracing,
+:func:`ds4serve.kernels.enabled` is False, so a region never calls a hand-written Triton kernel
+and Inductor sees plain torch ops. Casts between dtypes are kept where the code writes them
+(``emulate_precision_casts``), so fused bf16 chains round where the eager code rounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+_RECOMPILE_LIMIT = 64  # shapes differ per layer kind and per state size; each is compiled once
+
+_local = threading.local()
+_switched_off = False
+_forced_backend: str | None = None  # tests: compile on any device with this backend, full graphs
+
+
+def _static_depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+@contextmanager
+def static_step() -> Iterator[None]:
+    """Scope of a static one-token step: regions called inside it may run compiled."""
+    _local.depth = _static_depth() + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run every region as written (A/B timings)."""
+    global _switched_off
+    previous, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = previous
+
+
+@contextmanager
+def forced(backend: str = "aot_eager") -> Iterator[None]:
+    """Tests: compile regions on any device with ``backend`` and ``fullgraph=True`` (a graph break
+    is then an error), so CPU tests check that every region traces whole and matches eager."""
+    global _forced_backend
+    previous, _forced_backend = _forced_backend, backend
+    try:
+        yield
+    finally:
+        _forced_backend = previous
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _active(args: tuple, kwargs: dict) -> str | None:
+    """The backend to compile with for this call, or None to run the function as written."""
+    if _switched_off or _static_depth() == 0:
+        return None
+    t = _first_tensor(args, kwargs)
+    if t is None:
+        return None
+    if _forced_backend is not None:
+        return _forced_backend
+    from . import enabled
+
+    return "inductor" if enabled(t) else None
+
+
+def region(fn: F) -> F:
+    """Mark ``fn`` as a compiled region (see the module doc); the plain function is ``fn.eager``."""
+    compiled: dict[str, Callable] = {}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        backend = _active(args, kwargs)
+        if backend is None:
+            return fn(*args, **kwargs)
+        if backend not in compiled:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+            options = _INDUCTOR_OPTIONS if backend == "inductor" else None
+            compiled[backend] = torch.compile(fn, backend=backend, options=options,
+                                              fullgraph=_forced_backend is not None)
+        return compiled[backend](*args, **kwargs)
+
+    call.eager = fn  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]

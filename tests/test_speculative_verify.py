@@ -1,0 +1,119 @@
+"""Exactness of the verification rule on synthetic distributions (a chi-square test of sampling
+losslessness), the width policy and the n-gram lookup."""
+
+from __future__ import annotations
+
+import torch
+
+from ds4serve.engine import SamplingParams
+from ds4serve.engine.drafts import NgramProposer
+from ds4serve.engine.sampler import Sampler
+from ds4serve.engine.speculative import Draft, DraftProposer, WidthPolicy, confident_prefix, verify_token
+
+V = 4
+TRIALS = 6000
+ALPHA = 1e-3
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic and its p-value (chi-square survival via the regularised gamma)."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = probs.numel() - 1
+    return stat, float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                               torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _dists(seed: int, sharp: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(V + 1, V, generator=g, dtype=torch.float64) * sharp, dim=-1).float()
+
+
+def test_two_draft_chain_samples_the_target_joint_distribution():
+    """Target p(x1) p(x2|x1); a biased draft q(x1) q(x2|x1); tokens from two verified positions."""
+    p = _dists(1, 1.0)  # p[0] = p(x1); p[1 + a] = p(x2 | x1 = a)
+    q = _dists(2, 2.0)  # a different, sharper draft
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=123), V)
+    counts = torch.zeros(V, V)
+    for _ in range(TRIALS):
+        d1 = sampler.draw(q[0])
+        d2 = sampler.draw(q[1 + d1])
+        x1, ok = verify_token(p[0], d1, q[0], sampler)
+        if ok:
+            x2, _ = verify_token(p[1 + x1], d2, q[1 + d1], sampler)
+        else:  # a rejection ends the step; the next token comes from the next forward
+            x2 = sampler.draw(p[1 + x1])
+        counts[x1, x2] += 1
+    target = (p[0].unsqueeze(1) * p[1:]).flatten()
+    _, p_value = _chi2(counts.flatten(), target)
+    assert p_value > ALPHA
+    drafted = (q[0].unsqueeze(1) * q[1:]).flatten()
+    power, _ = _chi2(drafted * TRIALS, target)  # what accepting every draft would score
+    assert power > 20 * V * V
+
+
+def test_deterministic_draft_of_an_unlikely_token_keeps_the_target_distribution():
+    p = _dists(3, 1.0)[0]
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7), V)
+    unlikely = int(p.argmin())
+    counts = torch.zeros(V)
+    for _ in range(TRIALS):
+        counts[verify_token(p, unlikely, None, sampler)[0]] += 1
+    assert _chi2(counts, p)[1] > ALPHA
+
+
+def test_one_hot_target_accepts_exactly_its_argmax():
+    sampler = Sampler(SamplingParams(seed=0), V)
+    p = torch.nn.functional.one_hot(torch.tensor(3), V).float()
+    q = torch.full((V,), 1.0 / V)
+    assert verify_token(p, 3, q, sampler) == (3, True)
+    assert verify_token(p, 1, q, sampler) == (3, False)
+    assert verify_token(p, 1, None, sampler) == (3, False)
+
+
+class _Fixed(DraftProposer):
+    def propose(self, history, k, sampler):
+        return Draft([1] * k)
+
+
+def test_confidence_thresholds_set_the_verify_width():
+    thresholds = (0.40, 0.30)
+    assert confident_prefix([0.9, 0.5, 0.7, 0.9], thresholds) == 3  # 0.45 >= 0.40, 0.315 >= 0.30
+    assert confident_prefix([0.9, 0.5, 0.6, 0.9], thresholds) == 2  # 0.27 < 0.30
+    assert confident_prefix([0.9, 0.4, 0.9, 0.9], thresholds) == 1  # 0.36 < 0.40
+    assert confident_prefix([0.99] * 5, (0.5, 0.5, 0.5)) == 4
+    prop = _Fixed(5)
+    prop.confidence_scheduled = True
+    policy = WidthPolicy(prop)
+    assert policy.budget(10) == 5 and policy.budget(2) == 2
+    assert policy.verify_count(Draft([1] * 5, confidence=[0.9, 0.5, 0.7, 0.9, 0.9]), 5) == 3
+    assert policy.verify_count(Draft([1] * 5, confidence=[0.9, 0.5, 0.7, 0.9, 0.9]), 2) == 2
+
+
+def test_acceptance_ewma_narrows_and_widens_the_budget():
+    policy = WidthPolicy(_Fixed(6))
+    assert policy.budget(100) == 6
+    for _ in range(12):
+        policy.update(0)
+    assert policy.budget(100) == 1
+    for _ in range(12):
+        policy.update(6)
+    assert policy.budget(100) == 6
+    fixed = WidthPolicy(_Fixed(4, adaptive=False))
+    fixed.update(0)
+    assert fixed.budget(100) == 4 and fixed.budget(0) == 0
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
+    sampler = Sampler(SamplingParams(), 100)
+    prop = NgramProposer(4, max_ngram=3)
+    history = [5, 6, 7, 8, 9, 1, 2, 3, 50, 60, 2, 3]
+    prop.begin(history, 100)
+    assert prop.propose(history, 4, sampler).tokens == [50, 60, 2, 3]  # "2 3" matched at 6-7
+    history += [50, 61]
+    assert prop.propose(history, 2, sampler).tokens == []  # no earlier "61"
+    history += [7]
+    assert prop.propose(history, 2, sampler).tokens == [8, 9]
+    latest = [1, 2, 9, 1, 2, 8, 1, 2]
+    prop.begin(latest, 100)
+    assert prop.propose(latest, 2, sampler).tokens == [8, 1]
