@@ -180,23 +180,36 @@ async def _stream_chat(completion: Completion, rid: str, created: int, model: st
 
     async def events() -> AsyncIterator[str]:
         n_calls = 0
+        yield chunk({"role": "assistant", "content": ""})
+        async for piece in _chain(first, rest):
+            d = piece.delta
+            lps = _token_logprobs(tok, piece) if body.logprobs else None
+            if d.reasoning:
+                yield chunk({"reasoning_content": d.reasoning}, logprobs=lps)
+                lps = None
+            if d.content or lps:
+                yield chunk({"content": d.content}, logprobs=lps)
+            if d.tool_calls:
+                yield chunk({"tool_calls": _tool_calls(piece, n_calls)})
+                n_calls += len(d.tool_calls)
+        yield chunk({}, finish=completion.finish_reason)
+
+    usage_head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    return _sse_response(completion, events(), usage_head if include_usage else None)
+
+
+def _sse_response(completion: Completion, events: AsyncIterator[str], usage_head: dict | None) -> StreamingResponse:
+    """The OpenAI stream: ``events``, then the usage chunk when asked for, then ``[DONE]``.
+
+    A failure after the stream started becomes an error event followed by ``[DONE]``.
+    """
+
+    async def body() -> AsyncIterator[str]:
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for piece in _chain(first, rest):
-                d = piece.delta
-                lps = _token_logprobs(tok, piece) if body.logprobs else None
-                if d.reasoning:
-                    yield chunk({"reasoning_content": d.reasoning}, logprobs=lps)
-                    lps = None
-                if d.content or lps:
-                    yield chunk({"content": d.content}, logprobs=lps)
-                if d.tool_calls:
-                    yield chunk({"tool_calls": _tool_calls(piece, n_calls)})
-                    n_calls += len(d.tool_calls)
-            yield chunk({}, finish=completion.finish_reason)
-            if include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": completion.usage()})
+            async for event in events:
+                yield event
+            if usage_head is not None:
+                yield _sse({**usage_head, "choices": [], "usage": completion.usage()})
             yield _sse("[DONE]")
         except APIError as err:
             yield _sse(openai_body(err))
@@ -204,7 +217,7 @@ async def _stream_chat(completion: Completion, rid: str, created: int, model: st
         finally:
             completion.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _chain(first: list[Piece], rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
@@ -285,20 +298,11 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         offset = 0
-        try:
-            async for piece in _chain(first, rest):
-                lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
-                offset += len(piece.delta.content)
-                yield chunk(piece.delta.content, None, lps)
-            yield chunk("", completion.finish_reason, None)
-            if include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": completion.usage()})
-            yield _sse("[DONE]")
-        except APIError as err:
-            yield _sse(openai_body(err))
-            yield _sse("[DONE]")
-        finally:
-            completion.close()
+        async for piece in _chain(first, rest):
+            lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
+            offset += len(piece.delta.content)
+            yield chunk(piece.delta.content, None, lps)
+        yield chunk("", completion.finish_reason, None)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    usage_head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    return _sse_response(completion, events(), usage_head if include_usage else None)
