@@ -4,7 +4,8 @@
 
 Prints, for bf16 on cuda:0: max relative logit error against the float32 CPU forward, greedy
 tokens, torch.cuda.memory_allocated before/after park("target") and after unpark, and whether
-generation while parked returns model_parked and after unpark reproduces the same tokens.
+generation while parked returns model_parked and after unpark reproduces the same tokens. Passes
+when parking frees at least 95% of the model's weights + sequence-state bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> int:
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     tokens = gpu.generate(ids[:50], params).tokens
     torch.cuda.synchronize()
+    owned = gpu.model.nbytes() + gpu._state.nbytes()  # weights + the sequence state park must free
     loaded = torch.cuda.memory_allocated()
     parked = gpu.park("target")
     after_park = torch.cuda.memory_allocated()
@@ -44,6 +46,7 @@ def main() -> int:
         "bf16_vs_fp32_max_rel_err": rel,
         "bf16_vs_fp32_argmax_agreement": agree,
         "greedy_tokens": tokens,
+        "weights_and_state_bytes": owned,
         "memory_allocated_loaded": loaded,
         "memory_allocated_parked": after_park,
         "memory_allocated_unparked": after_unpark,
@@ -52,7 +55,8 @@ def main() -> int:
         "same_tokens_after_unpark": again == tokens,
     }
     print(json.dumps(report, indent=2))
-    ok = refused.error == ErrorCode.MODEL_PARKED and again == tokens and after_park < loaded / 2
+    # The rest of memory_allocated (cuBLAS workspaces, the CUDA-graph pool) is the process's, not the model's.
+    ok = refused.error == ErrorCode.MODEL_PARKED and again == tokens and loaded - after_park >= 0.95 * owned
     print("PARK CHECK", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

