@@ -30,6 +30,9 @@ from proxy import build_proxy, bytes_per_token, flash_config  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph  # noqa: E402
+from ds4serve.kernels.switches import NAMES, using  # noqa: E402
+
+NO_EFFECT_ON_BF16 = ("gemv_split", "moe_wide")  # FP8 / MXFP4 kernels only
 
 
 def log(msg: str) -> None:
@@ -111,11 +114,19 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     with torch.inference_mode():
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
-            state = model.new_state(ctx + 2 * args.steps + 16)
+            # every A/B arm commits its warm-up and measured steps to the same state
+            state = model.new_state(ctx + (args.steps + 4) * max(2, len(args.arms)) + 16)
             t0 = time.perf_counter()
             prefill(model, state, ids, 2048)
             torch.cuda.synchronize()
             log(f"ctx {ctx}: prefilled in {time.perf_counter() - t0:.1f} s")
+            if args.arms:
+                out[f"decode_{ctx}"] = decode_arms(model, state, variant, ids[-1], args, out, ceil)
+                out.pop("arms_so_far", None)
+                del state
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
             row: dict = {}
             if variant == "bf16" and ctx == args.contexts[0]:
                 with kernels.disabled():
@@ -164,6 +175,68 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def arm_switches(arm: str) -> dict[str, bool]:
+    """``base`` = every switch off (the previous round), ``all`` = every switch on, else one name
+    or several joined by ``+``."""
+    if arm == "base":
+        return {n: False for n in NAMES}
+    if arm == "all":
+        return {n: True for n in NAMES}
+    on = set(arm.split("+"))
+    return {n: n in on for n in NAMES}
+
+
+def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: dict) -> dict:
+    """Graph decode for each A/B arm of switches over the same prefilled state."""
+    rows: dict = {}
+    for arm in args.arms:
+        if variant == "bf16" and arm in NO_EFFECT_ON_BF16:
+            continue
+        t0 = time.perf_counter()
+        try:
+            with using(**arm_switches(arm)):
+                graph = DecodeGraph(model, state)
+                compile_s = time.perf_counter() - t0
+                ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
+                replay = cuda_ms(graph.graph.replay, 10)
+                if args.kernel_profile and arm == args.arms[-1]:
+                    kernel_profile(graph, f"{variant} arm {arm}", args.kernel_profile)
+        except Exception as exc:  # noqa: BLE001 - a failed arm is a result
+            traceback.print_exc()
+            rows[arm] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            continue
+        finally:
+            graph = None
+            gc.collect()
+        rows[arm] = {"graph_ms": ms, "graph_replay_gpu_ms": replay, "capture_s": compile_s,
+                     "tokens_per_s": 1e3 / ms, "GBps": out["bytes_per_token_GB"] / ms * 1e3,
+                     "fraction_of_copy_bw": out["bytes_per_token_GB"] / ms * 1e3 / ceil["copy_GBps"],
+                     "replay_fraction_of_copy_bw": out["bytes_per_token_GB"] / replay * 1e3 / ceil["copy_GBps"],
+                     "first_tokens": tokens[:8]}
+        out.setdefault("arms_so_far", {})[arm] = rows[arm]
+        if args.save_partial is not None:
+            args.save_partial(variant, out)
+        log(f"{variant} arm {arm}: graph {ms:.2f} ms/token, replay {replay:.2f} ms "
+            f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {compile_s:.0f} s")
+    return rows
+
+
+def kernel_profile(graph: DecodeGraph, title: str, path: Path, top: int = 40) -> None:
+    """Kernels of three graph replays by total GPU time (appended to ``path``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graph.graph.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=90)
+    except Exception as exc:  # noqa: BLE001 - the profile is a diagnostic, never a failed arm
+        table = f"profile failed: {type(exc).__name__}: {exc}"
+    with open(path, "a") as f:
+        f.write(f"## {title}: kernels of 3 graph replays\n\n{table}\n\n")
 
 
 def bench_peer(args) -> dict:
@@ -219,7 +292,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--peer-steps", type=int, default=6)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
+                   "graph decode only")
+    p.add_argument("--kernel-profile", type=Path, default=None, help="kernel table of the last arm")
     args = p.parse_args()
+    args.arms = [a for a in args.arms.split(",") if a]
+    args.save_partial = None
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.prefill_variants = args.prefill_variants.split(",")
@@ -237,6 +315,11 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
+    def save_partial(variant: str, out: dict) -> None:
+        results[variant] = out
+        save()
+
+    args.save_partial = save_partial
     results["ceilings"] = ceil = ceilings()
     log(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     save()
@@ -263,7 +346,16 @@ def summary(r: dict, layers: int) -> str:
     lines = ["| variant | ctx | eager torch ms | eager kernels ms | graph ms | tok/s | GB/s | % copy | replay % copy |",
              "|---|---|---|---|---|---|---|---|---|"]
     for v in ("bf16", "fp8", "fp8+fp4"):
-        for key, row in sorted((k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_")):
+        for key, arms in sorted((k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_")):
+            for arm, row in arms.items() if "graph_ms" not in arms else ():
+                if "graph_ms" in row:
+                    lines.append(f"| {v} [{arm}] | {key[7:]} | - | - | {row['graph_ms']:.2f} | "
+                                 f"{row['tokens_per_s']:.1f} | {row['GBps']:.0f} | "
+                                 f"{100 * row['fraction_of_copy_bw']:.1f} | "
+                                 f"{100 * row['replay_fraction_of_copy_bw']:.1f} |")
+    for v in ("bf16", "fp8", "fp8+fp4"):
+        for key, row in sorted((k, x) for k, x in r.get(v, {}).items()
+                               if k.startswith("decode_") and "graph_ms" in x):
             f = lambda k, fmt="{:.2f}": fmt.format(row[k]) if k in row else "-"  # noqa: E731
             lines.append(f"| {v} | {key[7:]} | {f('eager_torch_ms')} | {f('eager_kernels_ms')} | {f('graph_ms')} | "
                          f"{f('tokens_per_s', '{:.1f}')} | {f('GBps', '{:.0f}')} | "
@@ -274,7 +366,7 @@ def summary(r: dict, layers: int) -> str:
                 lines.append(f"prefill {v} chunk {key[8:]}: {row['tokens_per_s']:.0f} tok/s, "
                              f"{100 * row['weight_flops_fraction_of_matmul']:.1f}% of the matmul rate")
     peer = r.get("peer", {})
-    if "decode_ms_per_layer" in peer and "bf16" in r and "decode_512" in r["bf16"]:
+    if "decode_ms_per_layer" in peer and "graph_ms" in r.get("bf16", {}).get("decode_512", {}):
         ours = r["bf16"]["decode_512"]["graph_ms"] / layers
         lines.append(f"per-layer decode: peer {peer['decode_ms_per_layer']:.2f} ms, ours {ours:.3f} ms "
                      f"({peer['decode_ms_per_layer'] / ours:.0f}x)")

@@ -25,9 +25,10 @@ import torch
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine.cuda_graphs import DecodeGraph, delta_at
-from ds4serve.kernels.gemv import fp8_gemv, fp8_gemv_ref
+from ds4serve.kernels.gemv import GemvConfig, default_config, fp8_gemv, fp8_gemv_ref
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
+from ds4serve.kernels.switches import NAMES, SWITCHES, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
@@ -94,23 +95,33 @@ def check_kernels() -> None:
                 stacks, dense = [ExpertStack(m) for m in mats], mats
             nbytes = sum(s.data[0].numel() * s.data.element_size() for s in stacks) * k
         ref = moe_ref(x, idx, wts, *dense, 10.0)
-        poison_allocator(D * 2)
-        out = moe_fused(x, idx, wts, *stacks, 10.0)
-        ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0))
-        err = rel(out, ref)
-        record(f"kernel moe_fused {quant} N=1 k=6", err <= 1e-2, rel_err=err, ms=ms, GBps=nbytes / ms / 1e6)
+        for wide in ((False, True) if quant != "bf16" else (False,)):
+            with using(moe_wide=wide):
+                poison_allocator(D * 2)
+                out = moe_fused(x, idx, wts, *stacks, 10.0)
+                ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0))
+            err = rel(out, ref)
+            record(f"kernel moe_fused {quant} N=1 k=6 moe_wide={wide}", err <= 1e-2, rel_err=err, ms=ms,
+                   GBps=nbytes / ms / 1e6)
         del dense, stacks
     for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
         w = quantize_fp8(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5)
         x = torch.randn(1, groups, cols, device="cuda", dtype=torch.bfloat16)
         xin = x if groups > 1 else x[:, 0]
         ref = fp8_gemv_ref(x, w.data, w.scale, w.block, groups)
-        poison_allocator(rows * 2)
-        out = fp8_gemv(xin, w.data, w.scale, w.block, groups)
-        ms = timed(lambda: fp8_gemv(xin, w.data, w.scale, w.block, groups))
-        err = rel(out, ref)
-        record(f"kernel fp8_gemv {rows}x{cols} groups={groups}", err <= 1e-2, rel_err=err, ms=ms,
-               GBps=rows * cols / ms / 1e6)
+        for split in (False, True):
+            with using(gemv_split=split):
+                cfg = default_config(rows, cols, 1, w.block)
+            configs = [cfg] if not split else [cfg, GemvConfig(16, 1024, cfg.split, 8, 3),
+                                               GemvConfig(8, 512, cfg.split * 2, 4, 4),
+                                               GemvConfig(16, 256, cfg.split, 4, 4)]
+            for c in configs:
+                poison_allocator(rows * 2)
+                out = fp8_gemv(xin, w.data, w.scale, w.block, groups, config=c)
+                ms = timed(lambda: fp8_gemv(xin, w.data, w.scale, w.block, groups, config=c))
+                err = rel(out, ref)
+                record(f"kernel fp8_gemv {rows}x{cols} groups={groups} {c}", err <= 1e-2, rel_err=err, ms=ms,
+                       GBps=rows * cols / ms / 1e6)
         bf = w.dequantize(torch.bfloat16)
         ms_bf16 = timed(lambda: torch.nn.functional.linear(x[:, 0], bf)) if groups == 1 else float("nan")
         record(f"torch bf16 gemv {rows}x{cols} (reference speed)", True, ms=ms_bf16,
@@ -191,7 +202,14 @@ def check_graphs(root: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--switches", default=None,
+                   help="kernels.switches to turn on (all, none, or names joined by +); default: their defaults")
     args = p.parse_args()
+    if args.switches is not None:
+        on = set(NAMES) if args.switches == "all" else {n for n in args.switches.split("+") if n != "none"}
+        for name in NAMES:
+            setattr(SWITCHES, name, name in on)
+    print(f"switches: {SWITCHES}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp))):
             try:

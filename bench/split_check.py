@@ -64,6 +64,7 @@ def main() -> int:
         chunks = [64, 1, 100, a.prompt_tokens - 165]
 
         unsplit = Engine(DeepSeekV4.load(ckpt, dtype=dtype, device=a.device), tokenizer=None)
+        unsplit.eager = True  # compare the split against the same (eager) decode path, not the CUDA graph
         ref_logits, ref_tokens = greedy(unsplit, prompt, a.steps, chunks)
         unsplit.park("target")
 

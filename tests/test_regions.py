@@ -7,10 +7,19 @@ functionalised as Inductor would receive them) must reproduce the plain static s
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the block-region test runs the kernels as ops
+
 from ds4serve.engine.cuda_graphs import delta_at
+from ds4serve import kernels
 from ds4serve.kernels import regions
+from ds4serve.kernels.switches import using
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.norms import rms_norm
 from ds4serve.weights import Checkpoint
@@ -23,8 +32,15 @@ def test_region_runs_plain_outside_a_static_step():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
 
 
-def test_static_step_with_compiled_regions_matches_plain(tiny_factory):
-    """Static decode with every region traced (CSA and HCA windows close, the ring wraps)."""
+@pytest.mark.parametrize("block_regions", [False, True])
+def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_regions):
+    """Static decode with every region traced (CSA and HCA windows close, the ring wraps); with
+    ``block_regions`` each whole decoder block is one traced graph calling the kernels as custom ops
+    (run by Triton's interpreter on CPU)."""
+    if block_regions:
+        pytest.importorskip("triton", reason="the block regions call the Triton kernels")
+        if torch.cuda.is_available():
+            pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
     path = tiny_factory(seed=2, window=8, hca_rate=8, index_topk=5)
     model = DeepSeekV4.load(Checkpoint(path))
     ids = random_prompt(30, seed=5)
@@ -37,7 +53,8 @@ def test_static_step_with_compiled_regions_matches_plain(tiny_factory):
             step = dict(logit_rows=slice(0, 1), positions=torch.tensor([pos]))
             ref = model.forward(torch.tensor([t]), plain, **step)
             plain.commit(delta_at(ref.delta, pos, t), 1)
-            with regions.forced("aot_eager"):
+            kernel_scope = kernels.on_any_device() if block_regions else contextlib.nullcontext()
+            with regions.forced("aot_eager"), using(block_regions=block_regions), kernel_scope:
                 out = model.forward(torch.tensor([t]), traced, **step)
             traced.commit(delta_at(out.delta, pos, t), 1)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()

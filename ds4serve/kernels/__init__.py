@@ -17,15 +17,21 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 _switched_off = False
+_on_any_device = False  # tests: kernels on CPU tensors too (Triton's interpreter)
 
 
 def enabled(t: torch.Tensor) -> bool:
     """True when the model should dispatch to a Triton kernel for tensors like ``t``.
 
-    False while torch.compile traces a region (:mod:`ds4serve.kernels.regions`): Inductor then
-    sees the torch reference and fuses it with its neighbours.
+    While torch.compile traces a region (:mod:`ds4serve.kernels.regions`), False unless the
+    kernels are traced as custom ops (:mod:`ds4serve.kernels.ops`, ``SWITCHES.block_regions``):
+    Inductor then sees the torch reference of the small regions and fuses it with its neighbours.
     """
-    return HAVE_TRITON and t.is_cuda and not _switched_off and not torch.compiler.is_compiling()
+    if not (HAVE_TRITON and (t.is_cuda or _on_any_device) and not _switched_off):
+        return False
+    from .switches import SWITCHES
+
+    return SWITCHES.block_regions or not torch.compiler.is_compiling()
 
 
 @contextmanager
@@ -38,3 +44,14 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _switched_off = previous
+
+
+@contextmanager
+def on_any_device() -> Iterator[None]:
+    """Tests: dispatch to the kernels for CPU tensors as well (run with ``TRITON_INTERPRET=1``)."""
+    global _on_any_device
+    previous, _on_any_device = _on_any_device, True
+    try:
+        yield
+    finally:
+        _on_any_device = previous

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .switches import SWITCHES
+
 DENSE, FP8, FP4 = 0, 1, 2
 
 
@@ -33,14 +35,46 @@ def _e2m1(code):
 
 
 @triton.jit
+def _e2m1_twice(code):
+    """2 x the e2m1 value of ``code`` (int32, 0..15) from integer arithmetic, exactly:
+    magnitudes 0, 1, 2, 3, 4, 6, 8, 12 for the codes 0..7, negated for 8..15."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    v = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32)
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
 def _tile_dot(w_ptr, s_ptr, x_ptr, rows, rmask, d0, n_in, s_cols, acc,
-              QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, BLOCK_D: tl.constexpr):
+              QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, BLOCK_D: tl.constexpr,
+              INT_FP4: tl.constexpr = False):
     """``acc [R, BLOCK_D or BLOCK_D/2] += W[rows, d0:d0+BLOCK_D] * x[d0:...]`` elementwise (reduced later).
 
     FP8: the tile's rows lie in one scale row (checked by the caller), so the block scales multiply
-    the activation slice, not every weight.
+    the activation slice, not every weight. MXFP4 with ``INT_FP4``: codes decoded from integer
+    arithmetic and one ``exp2`` per 32-input scale group, broadcast over the group's 16 bytes (the
+    same exact values as the per-element ``exp2`` decode).
     """
-    if QUANT == 2:
+    if QUANT == 2 and INT_FP4:
+        half: tl.constexpr = BLOCK_D // 2
+        j = tl.arange(0, half)
+        cols = d0 // 2 + j
+        cmask = cols < n_in // 2
+        m = rmask[:, None] & cmask[None, :]
+        packed = tl.load(w_ptr + rows[:, None] * (n_in // 2) + cols[None, :], mask=m, other=0)
+        byte = packed.to(tl.int32) & 0xFF
+        groups: tl.constexpr = half // 16
+        g = d0 // 32 + tl.arange(0, groups)
+        gm = rmask[:, None] & (g < s_cols)[None, :]
+        exps = tl.load(s_ptr + rows[:, None] * s_cols + g[None, :], mask=gm, other=127)
+        group_scale = tl.exp2(exps.to(tl.float32) - 128.0)  # 0.5 x the scale: the codes are doubled
+        scale = tl.reshape(tl.broadcast_to(group_scale[:, :, None], [group_scale.shape[0], groups, 16]),
+                           [group_scale.shape[0], half])
+        xe = tl.load(x_ptr + d0 + 2 * j, mask=cmask, other=0.0).to(tl.float32)
+        xo = tl.load(x_ptr + d0 + 2 * j + 1, mask=cmask, other=0.0).to(tl.float32)
+        acc += scale * (_e2m1_twice(byte & 15) * xe[None, :] + _e2m1_twice(byte >> 4) * xo[None, :])
+    elif QUANT == 2:
         half: tl.constexpr = BLOCK_D // 2
         j = tl.arange(0, half)
         cols = d0 // 2 + j
@@ -69,7 +103,7 @@ def _tile_dot(w_ptr, s_ptr, x_ptr, rows, rmask, d0, n_in, s_cols, acc,
 def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, n_in, n_inter, top_k, limit,
                     w_expert_stride, s_expert_stride, s_cols,
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                    BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, INT_FP4: tl.constexpr):
     pair = tl.program_id(0)
     token = pair // top_k
     e = tl.load(idx_ptr + pair).to(tl.int64)
@@ -84,8 +118,8 @@ def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, n_in,
     acc_g = tl.zeros([BLOCK_I, width], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I, width], dtype=tl.float32)
     for d0 in range(0, n_in, BLOCK_D):
-        acc_g = _tile_dot(w1, s1, x, rows, rmask, d0, n_in, s_cols, acc_g, QUANT, SB_R, SB_C, BLOCK_D)
-        acc_u = _tile_dot(w3, s3, x, rows, rmask, d0, n_in, s_cols, acc_u, QUANT, SB_R, SB_C, BLOCK_D)
+        acc_g = _tile_dot(w1, s1, x, rows, rmask, d0, n_in, s_cols, acc_g, QUANT, SB_R, SB_C, BLOCK_D, INT_FP4)
+        acc_u = _tile_dot(w3, s3, x, rows, rmask, d0, n_in, s_cols, acc_u, QUANT, SB_R, SB_C, BLOCK_D, INT_FP4)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     if limit > 0:
@@ -99,7 +133,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, n_in,
 def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, s2_ptr, out_ptr, n_out, n_inter, top_k,
                  w_expert_stride, s_expert_stride, s_cols,
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+                 BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, INT_FP4: tl.constexpr):
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     rmask = rows < n_out
@@ -112,7 +146,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, s2_ptr, out_ptr, n_out, n_inter
         part = tl.zeros([BLOCK_O, width], dtype=tl.float32)
         for i0 in range(0, n_inter, BLOCK_I):
             part = _tile_dot(w2_ptr + e * w_expert_stride, s2_ptr + e * s_expert_stride, h_ptr + pair * n_inter,
-                             rows, rmask, i0, n_inter, s_cols, part, QUANT, SB_R, SB_C, BLOCK_I)
+                             rows, rmask, i0, n_inter, s_cols, part, QUANT, SB_R, SB_C, BLOCK_I, INT_FP4)
         acc += part * weight
     out = tl.sum(acc, axis=1)
     if ACCUMULATE:
@@ -155,7 +189,9 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     idx = idx.contiguous()
     weights = weights.contiguous().float()
     h = torch.empty(N * k, inter, device=x.device, dtype=torch.float32)
-    block_d = _pow2(D, 256)
+    wide = SWITCHES.moe_wide and w1.quant != DENSE
+    widen = (1 if not wide else 2 if w1.quant == FP8 else 4)  # bytes per tile as for bf16
+    block_d = _pow2(D, 256 * widen)
     block_i = _pow2(inter, 16)
     block_o = _pow2(D, 16)
     if w1.quant == FP8 and (w1.block[0] % block_i or w2.block[0] % block_o):
@@ -164,16 +200,18 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     _gate_up_kernel[(N * k, triton.cdiv(inter, block_i))](
         x, idx, w1.data, w3.data, w1.scale, w3.scale, h, D, inter, k, float(limit),
         w1.data.stride(0), ss, sc,
-        QUANT=w1.quant, SB_R=w1.block[0], SB_C=w1.block[1], BLOCK_I=block_i, BLOCK_D=block_d, num_warps=4)
+        QUANT=w1.quant, SB_R=w1.block[0], SB_C=w1.block[1], BLOCK_I=block_i, BLOCK_D=block_d, INT_FP4=wide,
+        num_warps=4)
     accumulate = out is not None
     if out is None:
         out = torch.empty(N, D, device=x.device, dtype=x.dtype)
-    block_k = _pow2(inter, 256)
+    wide = SWITCHES.moe_wide and w2.quant != DENSE
+    block_k = _pow2(inter, 256 * (1 if not wide else 2 if w2.quant == FP8 else 4))
     ss, sc = w2.scale_dims()
     _down_kernel[(N, triton.cdiv(D, block_o))](
         h, idx, weights, w2.data, w2.scale, out, D, inter, k, w2.data.stride(0), ss, sc,
         QUANT=w2.quant, SB_R=w2.block[0], SB_C=w2.block[1], ACCUMULATE=accumulate,
-        BLOCK_O=block_o, BLOCK_I=block_k, num_warps=4)
+        BLOCK_O=block_o, BLOCK_I=block_k, INT_FP4=wide, num_warps=4)
     return out
 
 

@@ -9,6 +9,7 @@ it ends at the last layer, so a layer split reuses this class shard by shard.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels import regions
+from ..kernels.regions import region
+from ..kernels.switches import SWITCHES
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention
@@ -168,7 +171,27 @@ class DeepSeekV4:
 
 def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
                   cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
-    """One decoder block: hc_pre, attention, hc_post, hc_pre, MoE, hc_post."""
+    """One decoder block: hc_pre, attention, hc_post, hc_pre, MoE, hc_post.
+
+    A static step with ``SWITCHES.block_regions`` runs the block as one compiled region. Its chunk
+    start is then given as 0: the compiled code must not depend on the host position (a new
+    position would recompile), and the only use of it, the delta's ``first_entry``, is set per step
+    by :func:`ds4serve.engine.cuda_graphs.delta_at` anyway.
+    """
+    if chunk.static and SWITCHES.block_regions:
+        return _static_block(b, X, dataclasses.replace(chunk, start=0), ls, ids, cfg, ropes)
+    return _block(b, X, chunk, ls, ids, cfg, ropes)
+
+
+@region
+def _static_block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
+                  cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+    """:func:`_block` as one compiled region (see :func:`block_forward`)."""
+    return _block(b, X, chunk, ls, ids, cfg, ropes)
+
+
+def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
+           cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     with profiler.phase("hc_pre"):
         post, comb, y = hc_split(X, b.hc_attn, hc, iters, eps, neps)

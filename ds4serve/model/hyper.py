@@ -33,7 +33,7 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     """
     mixes = _hc_mixes(X, site.fn, norm_eps)
     if kernels.enabled(mixes):
-        from ..kernels.hyper import hc_coefficients as coefficients
+        from ..kernels.ops import hc_coefficients as coefficients
     else:
         coefficients = hc_coefficients
     pre, post, comb = coefficients(mixes, site.base.float(), site.scale.float(), hc, iters, eps)

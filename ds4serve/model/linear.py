@@ -66,9 +66,9 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     if isinstance(w, FP8Weight) and _gemv_applies(x):
-        from ..kernels.gemv import fp8_gemv
+        from ..kernels import ops
 
-        return fp8_gemv(x, w.data, w.scale, w.block).view(*x.shape[:-1], w.shape[0])
+        return ops.fp8_gemv(x, w.data, w.scale, w.block[0], w.block[1], 1).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w.dequantize(x.dtype))
 
 
@@ -76,9 +76,9 @@ def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     """``x [S, G, K]`` times ``w [G*R, K]``, group g using rows ``[gR, (g+1)R)``: ``[S, G*R]``."""
     S = x.shape[0]
     if isinstance(w, FP8Weight) and _gemv_applies(x):
-        from ..kernels.gemv import fp8_gemv
+        from ..kernels import ops
 
-        return fp8_gemv(x, w.data, w.scale, w.block, groups=groups)
+        return ops.fp8_gemv(x, w.data, w.scale, w.block[0], w.block[1], groups)
     wd = dense(w, x.dtype)
     return torch.einsum("sgi,gri->sgr", x, wd.view(groups, wd.shape[0] // groups, -1)).reshape(S, -1)
 

@@ -77,20 +77,18 @@ def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, sca
 def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float
                ) -> torch.Tensor:
     """Decode path: no host synchronisation, experts read in place, shared expert added in place."""
-    from ..kernels.moe import moe_fused
+    from ..kernels import ops
 
-    out = moe_fused(x, idx, weights, _stack(w.w1), _stack(w.w3), _stack(w.w2), limit)
-    one = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
-    return moe_fused(x, one, torch.ones(one.shape, device=x.device), _stack(w.shared_w1, True),
-                     _stack(w.shared_w3, True), _stack(w.shared_w2, True), limit, out=out)
+    return ops.moe_decode(x, idx, weights, *_parts(w.w1), *_parts(w.w3), *_parts(w.w2), _block(w.w1),
+                          *_parts(w.shared_w1), *_parts(w.shared_w3), *_parts(w.shared_w2), _block(w.shared_w1),
+                          limit)
 
 
-def _stack(w: Weight, single: bool = False):
-    """The kernel's view of a stacked expert weight (``single``: one matrix seen as a stack of 1)."""
-    from ..kernels.moe import ExpertStack
+def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(data, scale or None) of a dense, FP8 or MXFP4 weight, as the kernel op takes them."""
+    return (w, None) if isinstance(w, torch.Tensor) else (w.data, w.scale)
 
-    if isinstance(w, torch.Tensor):
-        return ExpertStack(w.unsqueeze(0) if single else w)
-    scale = w.scale.unsqueeze(0) if single else w.scale
-    data = w.data.unsqueeze(0) if single else w.data
-    return ExpertStack(data, scale, w.block if isinstance(w, FP8Weight) else (1, 32))
+
+def _block(w: Weight) -> list[int]:
+    """The scale block of ``w`` as the kernel op takes it (MXFP4: one exponent per 32 inputs)."""
+    return list(w.block) if isinstance(w, FP8Weight) else [1, 32]

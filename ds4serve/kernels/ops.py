@@ -1,0 +1,67 @@
+"""The hand-written kernels as torch operators, so that compiled regions can span them.
+
+``torch.compile`` traces a ``torch.library`` custom op as one opaque node whose output shapes come
+from its fake implementation. With the kernels behind these ops, a compiled region can hold a whole
+decoder block (``SWITCHES.block_regions``): the FP8 GEMVs, the fused MoE and the mHC Sinkhorn stay
+hand-written launches, and Inductor fuses every elementwise chain between them. Outside compiled
+code an op call is the launcher plus one dispatcher hop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gemv, hyper, moe
+
+_LIB = "ds4serve"
+
+
+@torch.library.custom_op(f"{_LIB}::fp8_gemv", mutates_args=())
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int,
+             groups: int) -> torch.Tensor:
+    """:func:`ds4serve.kernels.gemv.fp8_gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``)."""
+    return gemv.fp8_gemv(x, weight, scale, (block_rows, block_cols), groups)
+
+
+@fp8_gemv.register_fake
+def _(x, weight, scale, block_rows, block_cols, groups):
+    return x.new_empty(x.numel() // (groups * weight.shape[1]), weight.shape[0])
+
+
+@torch.library.custom_op(f"{_LIB}::hc_coefficients", mutates_args=())
+def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ds4serve.kernels.hyper.hc_coefficients`: ``(pre, post, comb)`` in fp32."""
+    return hyper.hc_coefficients(mixes, base, scale, hc, iters, eps)
+
+
+@hc_coefficients.register_fake
+def _(mixes, base, scale, hc, iters, eps):
+    S = mixes.shape[0]
+    pre = mixes.new_empty(S, hc, dtype=torch.float32)
+    return pre, torch.empty_like(pre), mixes.new_empty(S, hc, hc, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::moe_decode", mutates_args=())
+def moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+               w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
+               w2: torch.Tensor, s2: torch.Tensor | None, routed_block: list[int],
+               sw1: torch.Tensor, ss1: torch.Tensor | None, sw3: torch.Tensor, ss3: torch.Tensor | None,
+               sw2: torch.Tensor, ss2: torch.Tensor | None, shared_block: list[int], limit: float) -> torch.Tensor:
+    """Routed experts ``[E, out, in]`` (scales None when dense) plus the shared expert ``[out, in]``,
+    for tokens ``x [N, D]`` routed to ``idx [N, k]`` with ``weights [N, k]``: four kernel launches."""
+    rb, sb = (routed_block[0], routed_block[1]), (shared_block[0], shared_block[1])
+    out = moe.moe_fused(x, idx, weights, moe.ExpertStack(w1, s1, rb), moe.ExpertStack(w3, s3, rb),
+                        moe.ExpertStack(w2, s2, rb), limit)
+    one = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+
+    def single(w: torch.Tensor, s: torch.Tensor | None) -> moe.ExpertStack:
+        return moe.ExpertStack(w.unsqueeze(0), None if s is None else s.unsqueeze(0), sb)
+
+    return moe.moe_fused(x, one, torch.ones(one.shape, device=x.device), single(sw1, ss1), single(sw3, ss3),
+                         single(sw2, ss2), limit, out=out)
+
+
+@moe_decode.register_fake
+def _(x, idx, weights, w1, s1, w3, s3, w2, s2, routed_block, sw1, ss1, sw3, ss3, sw2, ss2, shared_block, limit):
+    return torch.empty_like(x)

@@ -1,0 +1,46 @@
+"""The decode optimisations that one benchmark run compares, each switchable on its own.
+
+Off means the behaviour of the previous GPU round, so that a single device call can time every
+combination in one process (``bench/bench_gpu.py --arms``). The defaults are what the 2026-11-29
+(third) run found fastest among the configurations that passed the GPU checks; ``gemv_split`` stays
+off: it did not speed up the decode step and slowed the GEMV itself (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass
+class Switches:
+    # Each decoder block of a static step is one compiled region; the Triton kernels are custom ops
+    # inside it (kernels/ops.py), so Inductor fuses everything elementwise between them.
+    block_regions: bool = True
+    # FP8 GEMV: wider tiles and split-K over the input so that long inputs keep every SM streaming.
+    gemv_split: bool = False
+    # Fused MoE on FP8 / MXFP4 experts: tiles of the bf16 kernel's byte size and an MXFP4 decode
+    # from integer arithmetic (no exp2 per element).
+    moe_wide: bool = True
+
+
+SWITCHES = Switches()
+NAMES = tuple(f.name for f in dataclasses.fields(Switches))
+
+
+@contextmanager
+def using(**changes: bool) -> Iterator[Switches]:
+    """Set some switches inside this scope (A/B runs, tests); unknown names are an error."""
+    unknown = set(changes) - set(NAMES)
+    if unknown:
+        raise ValueError(f"unknown switches: {sorted(unknown)}")
+    previous = dataclasses.replace(SWITCHES)
+    for name, value in changes.items():
+        setattr(SWITCHES, name, value)
+    try:
+        yield SWITCHES
+    finally:
+        for name in NAMES:
+            setattr(SWITCHES, name, getattr(previous, name))
