@@ -8,15 +8,8 @@ import pytest
 
 from ds4serve.server.chat_format import (BOS, EOS, REASONING_EFFORT_MAX, OutputParser, ParsedDelta, encode_messages,
                                          parse_tool_block, render_tools, shared_prefix_length)
+from tests.helpers import CALL, WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
-CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
-        '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
 HISTORY = [
     {"role": "system", "content": "You are helpful."},
     {"role": "user", "content": "Weather in Paris?"},

@@ -18,17 +18,10 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.engine import ErrorCode
 from ds4serve.server.app import ServerConfig, create_app
 from ds4serve.server.chat_format import encode_messages
+from tests.helpers import CALL, WEATHER
 
 from .server_harness import running
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
-CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
-        '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
 FAIL = object()  # script marker: the engine fails at this point
 
 

@@ -8,16 +8,17 @@ On CPU the tests run the kernels themselves under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import importlib.util
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import AbstractContextManager
 
 import torch
+
+from .scoped import Scoped
 
 # Checked without importing triton, so that tests can still choose the interpreter before it loads.
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
-_switched_off = False
-_on_any_device = False  # tests: kernels on CPU tensors too (Triton's interpreter)
+_SWITCHED_OFF = Scoped(False)
+_ON_ANY_DEVICE = Scoped(False)  # tests: kernels on CPU tensors too (Triton's interpreter)
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -27,31 +28,19 @@ def enabled(t: torch.Tensor) -> bool:
     kernels are traced as custom ops (:mod:`ds4serve.kernels.ops`, ``SWITCHES.block_regions``):
     Inductor then sees the torch reference of the small regions and fuses it with its neighbours.
     """
-    if not (HAVE_TRITON and (t.is_cuda or _on_any_device) and not _switched_off):
+    if not (HAVE_TRITON and (t.is_cuda or _ON_ANY_DEVICE.value) and not _SWITCHED_OFF.value):
         return False
     from .switches import SWITCHES
 
     return SWITCHES.block_regions or not torch.compiler.is_compiling()
 
 
-@contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> AbstractContextManager:
     """Run the torch reference path everywhere inside this scope (baselines, A/B checks); compiled
     regions (:mod:`ds4serve.kernels.regions`) check :func:`enabled` too, so they are off as well."""
-    global _switched_off
-    previous, _switched_off = _switched_off, True
-    try:
-        yield
-    finally:
-        _switched_off = previous
+    return _SWITCHED_OFF.set(True)
 
 
-@contextmanager
-def on_any_device() -> Iterator[None]:
+def on_any_device() -> AbstractContextManager:
     """Tests: dispatch to the kernels for CPU tensors as well (run with ``TRITON_INTERPRET=1``)."""
-    global _on_any_device
-    previous, _on_any_device = _on_any_device, True
-    try:
-        yield
-    finally:
-        _on_any_device = previous
+    return _ON_ANY_DEVICE.set(True)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Callable, Iterator, TypeVar
 
 import torch
+
+from .scoped import Scoped
 
 F = TypeVar("F", bound=Callable)
 
@@ -31,8 +33,8 @@ _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 _RECOMPILE_LIMIT = 64  # shapes differ per layer kind and per state size; each is compiled once
 
 _local = threading.local()
-_switched_off = False
-_forced_backend: str | None = None  # tests: compile on any device with this backend, full graphs
+_SWITCHED_OFF = Scoped(False)
+_FORCED_BACKEND: Scoped[str | None] = Scoped(None)  # tests: compile on any device with this backend, full graphs
 
 
 def _static_depth() -> int:
@@ -49,27 +51,15 @@ def static_step() -> Iterator[None]:
         _local.depth -= 1
 
 
-@contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> AbstractContextManager:
     """Run every region as written (A/B timings)."""
-    global _switched_off
-    previous, _switched_off = _switched_off, True
-    try:
-        yield
-    finally:
-        _switched_off = previous
+    return _SWITCHED_OFF.set(True)
 
 
-@contextmanager
-def forced(backend: str = "aot_eager") -> Iterator[None]:
+def forced(backend: str = "aot_eager") -> AbstractContextManager:
     """Tests: compile regions on any device with ``backend`` and ``fullgraph=True`` (a graph break
     is then an error), so CPU tests check that every region traces whole and matches eager."""
-    global _forced_backend
-    previous, _forced_backend = _forced_backend, backend
-    try:
-        yield
-    finally:
-        _forced_backend = previous
+    return _FORCED_BACKEND.set(backend)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -81,13 +71,13 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _active(args: tuple, kwargs: dict) -> str | None:
     """The backend to compile with for this call, or None to run the function as written."""
-    if _switched_off or _static_depth() == 0:
+    if _SWITCHED_OFF.value or _static_depth() == 0:
         return None
     t = _first_tensor(args, kwargs)
     if t is None:
         return None
-    if _forced_backend is not None:
-        return _forced_backend
+    if _FORCED_BACKEND.value is not None:
+        return _FORCED_BACKEND.value
     from . import enabled
 
     return "inductor" if enabled(t) else None
@@ -108,7 +98,7 @@ def region(fn: F) -> F:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             options = _INDUCTOR_OPTIONS if backend == "inductor" else None
             compiled[backend] = torch.compile(fn, backend=backend, options=options,
-                                              fullgraph=_forced_backend is not None)
+                                              fullgraph=_FORCED_BACKEND.value is not None)
         return compiled[backend](*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]
