@@ -119,6 +119,9 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
     p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
+    p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
+    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
+                   "(default on GPU: kept quantized and read in place by the kernels)")
     p.add_argument("--speculative", default=None, help="speculative decoding draft: mtp, dspark or ngram "
                    "(NAME:K for at most K drafts per step)")
 
@@ -132,7 +135,8 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
         first = devices[0] if devices else a.device
         dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
         engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, chunk_size=a.chunk_size,
-                                        devices=devices, layer_split=_int_list("--layer-split", a.layer_split))
+                                        devices=devices, layer_split=_int_list("--layer-split", a.layer_split),
+                                        quantized=False if a.dequantize else None, eager=a.eager)
         tok: Tokenizer = engine.tokenizer
         text = a.prompt if a.raw else f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>"
         prompt = tok.encode(text)

@@ -101,6 +101,27 @@ class SequenceState:
         self.pos += n
         self.tokens.extend(delta.tokens[:n])
 
+    def write_token(self, delta: "ChunkDelta", pos: torch.Tensor) -> None:
+        """The device half of committing a static one-token delta at device position ``pos``.
+
+        Reads no host value (it is captured in the decode graph, after the forward); the caller then
+        calls :meth:`advance` with the token. Buffer rows past the open window's committed ones are
+        overwritten with the delta's copies of them, which nothing reads.
+        """
+        for idx, ld in delta.layers.items():
+            ls = self.layers[idx]
+            ls.window.index_copy_(0, pos % self.window, ld.window_rows)
+            for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
+                if cd is not None:
+                    _write_compressor_token(c, cd, pos)
+
+    def advance(self, token: int) -> None:
+        """The host half of committing one token whose rows :meth:`write_token` wrote."""
+        if self.pos + 1 > self.max_context:
+            raise ValueError(f"committing 1 token at {self.pos} exceeds the context of {self.max_context}")
+        self.pos += 1
+        self.tokens.append(token)
+
     def reset(self) -> None:
         """Forget everything: the next forward starts at position 0. Buffers are reused, not freed."""
         self.pos = 0
@@ -244,6 +265,22 @@ def _commit_compressor(c: CompressorState, cd: CompressorDelta, pos: int, n: int
     keep, start = end % c.rate, closed * c.rate
     c.buf_kv[:keep] = cd.rows_kv[start:start + keep]
     c.buf_gate[:keep] = cd.rows_gate[start:start + keep]
+
+
+def _write_compressor_token(c: CompressorState, cd: CompressorDelta, pos: torch.Tensor) -> None:
+    """Static commit of one token: the open window's rows, and the entry (plus the CSA overlap half)
+    when this token closes the window; ``cd`` is the static delta of :func:`_pool_token`."""
+    c.buf_kv.copy_(cd.rows_kv)
+    c.buf_gate.copy_(cd.rows_gate)
+    if c.entries.shape[0] == 0:
+        return
+    closing = (pos % c.rate == c.rate - 1).view(1, 1)
+    row = (pos // c.rate).clamp(max=c.entries.shape[0] - 1)  # a window can close only below capacity
+    c.entries.index_copy_(0, row, torch.where(closing, cd.entries, c.entries.index_select(0, row)))
+    if c.overlap:
+        half = c.ov_kv.shape[-1]
+        c.ov_kv.copy_(torch.where(closing, cd.rows_kv[:, :half], c.ov_kv))
+        c.ov_gate.copy_(torch.where(closing, cd.rows_gate[:, :half], c.ov_gate))
 
 
 def allocate_layer(cfg: ModelConfig, layer_type: str, max_context: int, dtype: torch.dtype,

@@ -29,3 +29,31 @@ def test_static_decode_matches_eager(tiny_factory):
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
             assert err <= 1e-5, f"position {pos}: relative error {err:.3g}"
     assert static.tokens == eager.tokens
+
+
+def test_device_commit_of_static_steps_equals_host_commit(tiny_factory):
+    """``write_token`` + ``advance`` (the commit the decode graph captures) leaves the same committed
+    state as ``commit`` of the same static deltas, across ring wraps and closing CSA/HCA windows,
+    and the following static steps give the same logits."""
+    path = tiny_factory(seed=4, window=8, hca_rate=8, index_topk=5)
+    model = DeepSeekV4.load(Checkpoint(path))
+    ids = random_prompt(60, seed=9)
+    host, device = model.new_state(64), model.new_state(64)
+    for state in (host, device):
+        state.commit(model.forward(ids[:13], state).delta, 13)
+    with torch.inference_mode():
+        for t in ids[13:]:
+            pos = host.pos
+            ref = model.forward(torch.tensor([t]), host, logit_rows=slice(0, 1), positions=torch.tensor([pos]))
+            host.commit(delta_at(ref.delta, pos, t), 1)
+            where = torch.tensor([pos])
+            out = model.forward(torch.tensor([t]), device, logit_rows=slice(0, 1), positions=where)
+            device.write_token(out.delta, where)
+            device.advance(t)
+            assert torch.equal(out.logits, ref.logits), f"position {pos}"
+    a, b = host.snapshot(), device.snapshot()
+    assert a.pos == b.pos == 60 and a.tokens == b.tokens
+    for layer, saved in a.layers.items():
+        assert saved.keys() == b.layers[layer].keys()
+        for name, tensor in saved.items():
+            assert torch.equal(tensor, b.layers[layer][name]), f"layer {layer} {name}"

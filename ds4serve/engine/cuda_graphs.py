@@ -5,8 +5,10 @@ position are read from two device tensors, every shape is independent of the pos
 synchronises with the host. :class:`DecodeGraph` captures that step over one
 :class:`~ds4serve.state.SequenceState` (its tensors are read in place, so the graph belongs to that
 state object), then each :meth:`DecodeGraph.step` writes the token and position into the input
-tensors, replays, and returns a :class:`~ds4serve.model.ForwardResult` whose delta the caller
-commits as usual (verify-then-commit is unchanged: the graph writes nothing to the state).
+tensors and replays. Plain decoding always commits the one token it ran, so the graph also holds
+that commit (:meth:`~ds4serve.state.SequenceState.write_token`, device writes at the device
+position): a step is one replay plus the host counters. Verify steps, which commit only part of a
+chunk, stay outside the graph and use verify-then-commit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..state import ChunkDelta, SequenceState
 
 
 class DecodeGraph:
-    """A captured one-token forward of ``model`` over ``state`` (logits of the token included)."""
+    """A captured one-token forward of ``model`` over ``state`` and its commit (logits included)."""
 
     def __init__(self, model: DeepSeekV4, state: SequenceState, warmup: int = 2):
         if model.device.type != "cuda":
@@ -32,26 +34,28 @@ class DecodeGraph:
         side = torch.cuda.Stream(model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):  # compile kernels and create library handles outside the capture
-            for _ in range(warmup):
+            for _ in range(warmup):  # forwards only: warming up must not write the state
                 self._forward()
         torch.cuda.current_stream(model.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._out = self._forward()
+            state.write_token(self._out.delta, self.pos)
 
     def _forward(self) -> ForwardResult:
         return self.model.forward(self.token, self.state, logit_rows=slice(0, 1), positions=self.pos)
 
-    def step(self, token: int) -> ForwardResult:
-        """Run the token at ``state.pos``; the result's tensors are overwritten by the next step."""
+    def step(self, token: int) -> torch.Tensor:
+        """Run ``token`` at ``state.pos`` and commit it; returns its logits ``[1, V]``, a buffer that
+        the next step overwrites."""
         pos = self.state.pos
         if pos + 1 > self.state.max_context:
             raise ValueError(f"decode at position {pos} exceeds the state's {self.state.max_context}")
         self.token.fill_(token)
         self.pos.fill_(pos)
         self.graph.replay()
-        out = self._out
-        return ForwardResult(hidden=out.hidden, delta=delta_at(out.delta, pos, token), logits=out.logits)
+        self.state.advance(token)
+        return self._out.logits
 
 
 def delta_at(template: ChunkDelta, pos: int, token: int) -> ChunkDelta:

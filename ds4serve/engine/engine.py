@@ -95,22 +95,32 @@ class Engine:
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: str | torch.dtype = "float32", *, max_context: int | None = None,
                         chunk_size: int = 512, devices: list[str | torch.device] | None = None,
-                        layer_split: list[int] | None = None) -> "Engine":
-        """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md)."""
+                        layer_split: list[int] | None = None, quantized: bool | None = None,
+                        eager: bool = False) -> "Engine":
+        """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
+
+        ``quantized`` keeps FP8 / MXFP4 tensors quantized in memory, read in place by the GPU kernels
+        (default: on CUDA devices; elsewhere they are dequantised once at load, exactly);
+        ``eager`` never captures the decode step as a CUDA graph.
+        """
+        if quantized is None:
+            quantized = torch.device((devices or [device])[0]).type == "cuda"
         path = Path(path)
         torch_dtype = resolve_dtype(dtype)
         if layer_split is not None and devices is None:
             raise ValueError("layer_split: needs devices=[...] naming one device per layer range")
 
         def load() -> DeepSeekV4:
-            return DeepSeekV4.load(Checkpoint(path), dtype=torch_dtype, device=device)
+            return DeepSeekV4.load(Checkpoint(path), dtype=torch_dtype, device=device, quantized=quantized)
 
         if devices is not None:
             from ..parallel import split_loader
 
-            load = split_loader(path, devices, torch_dtype, layer_split=layer_split, max_context=max_context)
-        return cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context,
-                   chunk_size=chunk_size)
+            load = split_loader(path, devices, torch_dtype, layer_split=layer_split, max_context=max_context,
+                                quantized=quantized)
+        engine = cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context, chunk_size=chunk_size)
+        engine.eager = eager
+        return engine
 
     # ---- forward helpers -----------------------------------------------------------------------
     def _forward(self, ids: list[int], state: SequenceState, logit_rows: torch.Tensor | slice | None,
@@ -286,12 +296,12 @@ class Engine:
         if graph is None:
             with profiler.step("decode", 1, state.pos, model.layers):
                 result = self._forward([token], state, slice(0, 1))
+            state.commit(result.delta, 1)
+            state.last_logits = result.logits[0]
         else:
             self.forward_calls += 1
             with profiler.step("decode", 1, state.pos, model.layers, graph=True):
-                result = graph.step(token)
-        state.commit(result.delta, 1)
-        state.last_logits = result.logits[0] if graph is None else result.logits[0].clone()
+                state.last_logits = graph.step(token)[0].clone()
         return state.last_logits
 
     def _decode_graph(self, model: DeepSeekV4, state: SequenceState) -> DecodeGraph | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemv, hyper, moe
+from . import gemv, hyper, indexer, moe
 
 _LIB = "ds4serve"
 
@@ -65,3 +65,16 @@ def moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
 @moe_decode.register_fake
 def _(x, idx, weights, w1, s1, w3, s3, w2, s2, routed_block, sw1, ss1, sw3, ss3, sw2, ss2, shared_block, limit):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{_LIB}::index_top", mutates_args=())
+def index_top(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+              ) -> torch.Tensor:
+    """:func:`ds4serve.kernels.indexer.index_top`: bool ``[S, T]``, the visible entries among the ``k``
+    best by lightning-indexer score for ``q [S, ih, dim]`` (after RoPE) over ``keys [T, dim]``."""
+    return indexer.index_top(q, keys, head_w, visible, k)
+
+
+@index_top.register_fake
+def _(q, keys, head_w, visible, k):
+    return visible.new_empty(q.shape[0], keys.shape[0])

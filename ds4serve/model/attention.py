@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import profiler
+from .. import kernels, profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels.regions import region
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
+from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
 from .linear import Weight, grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
@@ -74,9 +75,8 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     q = Rope.apply(q, cos, sin)
     kv = Rope.apply(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)
 
-    keys, allowed = _window_keys(kv, chunk, state, cfg.sliding_window)
-    keys, allowed = [keys], [allowed]
     delta = LayerDelta(window_rows=kv)
+    entries = visible = None
     if w.compressor is not None:
         with profiler.phase("compressor"):
             comp = compress_chunk(w.compressor, x, chunk.start, state.compressor, ropes["compress"], eps,
@@ -87,10 +87,8 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
         if w.layer_type == CSA:
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, x, q_res, chunk, state, cfg, ropes, visible)
-        keys.append(entries)
-        allowed.append(visible)
 
-    out = _attend(q, keys, allowed, w.sinks, hd ** -0.5, cos, sin)
+    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b), delta
 
@@ -99,19 +97,22 @@ def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
     return chunk.positions if chunk.static else None
 
 
-def _window_keys(kv: torch.Tensor, chunk: ChunkInfo, state: LayerState, window: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Committed ring rows still in reach of the chunk, then the chunk's rows, with the window mask."""
+def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: LayerState,
+                 entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor, scale: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention over the window (and the entries ``visible`` admits), then the inverse RoPE.
+
+    A static step reads the whole ring and entry buffers, masked (:func:`_attend`); a chunk runs
+    block-wise over the ring rows in reach and its own rows (:mod:`.chunk_attention`).
+    """
     if chunk.static:
-        return _window_keys_static(kv, chunk.positions, state.window)
-    start = chunk.start
-    first = max(0, start - window + 1)
-    old_pos = torch.arange(first, start, device=kv.device)
-    key_pos = torch.cat([old_pos, chunk.positions])
-    keys = torch.cat([state.window[old_pos % window], kv]) if start > first else kv
-    q_pos = chunk.positions.unsqueeze(-1)
-    allowed = (key_pos <= q_pos) & (key_pos > q_pos - window)
-    return keys, allowed
+        keys, allowed = _window_keys_static(kv, chunk.positions, state.window)
+        if entries is None:
+            return _attend(q, [keys], [allowed], sinks, scale, cos, sin)
+        return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin)
+    seq = window_sequence(kv, state.window, chunk.start)
+    out = chunk_attention(q, seq, chunk.start, entries, visible, sinks, scale)
+    return Rope.apply(out, cos, sin, inverse=True)
 
 
 @region
@@ -163,9 +164,18 @@ def _indexer_select(w: IndexerWeights, x: torch.Tensor, q_res: torch.Tensor, chu
 @region
 def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor,
                visible: torch.Tensor, k: int) -> torch.Tensor:
-    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``."""
+    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``.
+
+    With the kernels (:mod:`ds4serve.kernels.indexer`) the per-head scores never reach memory and
+    the selection needs no sort; among scores equal to the k-th largest they keep the lowest entry
+    indices, where ``torch.topk`` leaves the choice unspecified.
+    """
     ih, dim = q.shape[1], q.shape[2]
     q = Rope.apply(q, cos, sin)
+    if kernels.enabled(q):
+        from ..kernels import ops
+
+        return ops.index_top(q, keys, head_w, visible, k)
     scores = torch.matmul(q.float(), keys.float().t())  # [S, ih, T]
     scores = F.relu(scores) * dim ** -0.5
     scores = (scores * (head_w.float() * ih ** -0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]

@@ -40,10 +40,21 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     return post, comb, _collapse(pre, X)
 
 
+MIX_REDUCE_MAX_ROWS = 8  # up to this many rows the mixes are a product-sum (fused), else a matmul
+
+
 @region
 def _hc_mixes(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """fp32 mixes ``[S, (2+hc)*hc]`` of the normalised flattened streams."""
-    return F.linear(unweighted_rms_norm(X.flatten(-2).float(), norm_eps), fn.float())
+    """fp32 mixes ``[S, (2+hc)*hc]`` of the normalised flattened streams.
+
+    For decode-sized chunks the product is written as a broadcast multiply and sum: in a compiled
+    region Inductor fuses it with the norm into one reduction, where a matmul of 24 output columns
+    would be a cuBLAS dot kernel plus a reduce kernel per site.
+    """
+    flat = unweighted_rms_norm(X.flatten(-2).float(), norm_eps)
+    if flat.shape[0] <= MIX_REDUCE_MAX_ROWS:
+        return (flat.unsqueeze(-2) * fn.float()).sum(-1)
+    return F.linear(flat, fn.float())
 
 
 @region

@@ -36,10 +36,31 @@ def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, s
     if w.tid2eid is not None:
         idx = w.tid2eid[token_ids]
     else:
-        idx = torch.topk(scores + w.bias, top_k, dim=-1, sorted=False).indices
+        idx = top_k_indices(scores + w.bias, top_k)
     weights = scores.gather(1, idx)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, idx
+
+
+RANK_MAX_ROWS = 64  # up to this many rows, top-k by pairwise ranks (decode, verify); else torch.topk
+
+
+def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values of each row of ``x [N, E]`` (best first; ties: lower index).
+
+    For a few rows the ranks come from pairwise comparisons (``[N, E, E]``): plain elementwise work
+    that a compiled decode region fuses into the router's kernel, where ``torch.topk`` would launch
+    a sort of its own per layer. Any NaN still yields indices in range.
+    """
+    if x.shape[0] > RANK_MAX_ROWS:
+        return torch.topk(x, k, dim=-1).indices
+    E = x.shape[-1]
+    e = torch.arange(E, device=x.device)
+    mine, other = x.unsqueeze(-1), x.unsqueeze(-2)
+    above = (other > mine) | ((other == mine) & (e < e.unsqueeze(-1)))  # [N, me, other]: other ranks above me
+    rank = above.sum(-1)
+    slot = torch.arange(k, device=x.device).view(1, k, 1)
+    return torch.where(rank.unsqueeze(1) == slot, e, E).amin(-1).clamp(max=E - 1)
 
 
 def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) -> torch.Tensor:

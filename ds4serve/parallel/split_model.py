@@ -47,10 +47,11 @@ class SplitModel:
 
     @classmethod
     def load(cls, ckpt: Checkpoint, ranges: list[range], devices: list[torch.device | str],
-             dtype: torch.dtype = torch.float32) -> "SplitModel":
+             dtype: torch.dtype = torch.float32, quantized: bool = False) -> "SplitModel":
         if len(ranges) != len(devices):
             raise ValueError(f"devices: expected {len(ranges)} devices for {len(ranges)} layer ranges, got {len(devices)}")
-        return cls([DeepSeekV4.load(ckpt, layers=r, dtype=dtype, device=d) for r, d in zip(ranges, devices)])
+        return cls([DeepSeekV4.load(ckpt, layers=r, dtype=dtype, device=d, quantized=quantized)
+                    for r, d in zip(ranges, devices)])
 
     @property
     def devices(self) -> list[torch.device]:
@@ -91,7 +92,8 @@ def handoff(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def split_loader(path: str | Path, devices: list[str | torch.device], dtype: torch.dtype, *,
-                 layer_split: list[int] | None = None, max_context: int | None = None) -> Callable[[], SplitModel]:
+                 layer_split: list[int] | None = None, max_context: int | None = None,
+                 quantized: bool = False) -> Callable[[], SplitModel]:
     """Choose the layer ranges once (logged) and return a loader that builds the split model.
 
     The ranges are fixed here so that reloading after a park gives the same placement whatever
@@ -101,4 +103,4 @@ def split_loader(path: str | Path, devices: list[str | torch.device], dtype: tor
     ranges = plan_split(cfg, devices, dtype, max_context=max_context or cfg.max_position_embeddings,
                         layer_split=layer_split)
     log.info("layer split: %s", describe(cfg, devices, ranges, dtype, max_context or cfg.max_position_embeddings))
-    return lambda: SplitModel.load(Checkpoint(path), ranges, devices, dtype)
+    return lambda: SplitModel.load(Checkpoint(path), ranges, devices, dtype, quantized=quantized)

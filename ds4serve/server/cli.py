@@ -31,6 +31,9 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
     p.add_argument("--prefix-cache-disk-mb", type=float, default=None, help="disk budget of --prefix-cache-dir")
     p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
+    p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
+    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
+                   "(default on GPU: kept quantized and read in place by the kernels)")
 
     def run(a: argparse.Namespace) -> int:
         import uvicorn
@@ -44,7 +47,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         model = Path(a.model) if a.model else default_model_dir()
         dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
         engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, max_context=a.max_context,
-                                        chunk_size=a.chunk_size)
+                                        chunk_size=a.chunk_size, quantized=False if a.dequantize else None, eager=a.eager)
         cache = None
         if a.prefix_cache_mb > 0 or a.prefix_cache_dir:
             disk_mb = a.prefix_cache_disk_mb

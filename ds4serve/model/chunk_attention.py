@@ -1,0 +1,94 @@
+"""Attention of a chunk of queries over its sliding window and the compressed entries, block-wise.
+
+A query at position ``t`` sees the window keys at ``t-W+1 .. t``, the compressed entries its mask
+allows, and the per-head sink. Instead of one dense ``[S, W-1+S]`` masked matrix per head, the
+queries run in blocks of ``B`` consecutive rows: a block's reachable window keys are the ``B+W-1``
+consecutive rows of the window sequence (the committed ring rows in reach, then the chunk's own)
+that end at its last query, and the compressed entries are appended to every block's keys, so that
+each query has one softmax over window keys, entries and sink, as the dense formulation has.
+
+With one shared K=V head the heads fold into the rows of a batched matrix product: a block is
+``[B*H, d] @ [d, B+W-1+E]``, bf16 tensor-core work on the GPU. Logits, mask and softmax are those
+of the dense path: scores in the activation dtype times the scale, fp32 softmax with the sink
+column, probabilities cast to the keys' dtype before the product with the values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORES_BUDGET = 1 << 28  # fp32 logits of the blocks that run together (about 1 GiB)
+
+
+def window_sequence(kv: torch.Tensor, ring: torch.Tensor, start: int) -> torch.Tensor:
+    """The ``W-1+S`` window rows at positions ``start-W+1 ..``: ring rows in reach, then ``kv [S, d]``.
+
+    Rows at negative positions (a chunk starting before ``W-1``) are zeros; the mask never admits them.
+    """
+    window = ring.shape[0]
+    reach = min(start, window - 1)
+    parts = [kv.new_zeros(window - 1 - reach, kv.shape[1])]
+    if reach:
+        parts.append(ring[torch.arange(start - reach, start, device=kv.device) % window])
+    return torch.cat([*parts, kv])
+
+
+def chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: torch.Tensor | None,
+                    visible: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of ``q [S, H, d]`` at positions ``start ..`` with a per-head sink.
+
+    ``seq`` is :func:`window_sequence` (its length fixes the window ``W``); ``entries [E, d]`` are
+    the compressed keys, ``visible [S, E]`` which of them each query sees (None: no entries).
+    Returns ``[S, H, d]`` in the dtype of ``q``.
+    """
+    S, H = q.shape[0], q.shape[1]
+    window = seq.shape[0] - S + 1
+    block = min(S, window)
+    if entries is not None and entries.shape[0] == 0:
+        entries = visible = None
+    n_entries = 0 if entries is None else entries.shape[0]
+    per_block = block * H * (block + window + n_entries)
+    run = max(1, SCORES_BUDGET // per_block) * block
+    outs = []
+    for first in range(0, S - S % block, run):
+        rows = min(run, S - S % block - first)
+        outs.append(_blocks(q[first:first + rows], seq, start, first, block, window, entries,
+                            None if visible is None else visible[first:first + rows], sinks, scale))
+    if S % block:
+        first = S - S % block
+        outs.append(_blocks(q[first:], seq, start, first, S % block, window, entries,
+                            None if visible is None else visible[first:], sinks, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _blocks(q: torch.Tensor, seq: torch.Tensor, start: int, first: int, block: int, window: int,
+            entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Chunk rows ``first ..`` in blocks of ``block`` queries: ``q [n*block, H, d]`` → ``[n*block, H, d]``."""
+    n, H, d = q.shape[0] // block, q.shape[1], q.shape[2]
+    span = block + window - 1
+    # block i reads seq rows first + i*block .. + span - 1 (positions start - W + 1 + first + i*block ..)
+    keys = seq[first:first + (n - 1) * block + span].unfold(0, span, block).transpose(1, 2)  # [n, span, d]
+    allowed = _window_mask(n, block, window, start - window + 1 + first, q.device)
+    if entries is not None:
+        keys = torch.cat([keys, entries.expand(n, -1, -1)], dim=1)
+        allowed = torch.cat([allowed.expand(n, -1, -1), visible.reshape(n, block, -1)], dim=2)
+    K = keys.shape[1]
+    scores = torch.matmul(q.reshape(n, block * H, d), keys.transpose(1, 2)).mul_(scale).view(n, block, H, K)
+    logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=q.device)
+    torch.where(allowed.unsqueeze(2), scores, float("-inf"), out=logits[..., :K])
+    logits[..., K] = sinks.float()
+    probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
+    return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)
+
+
+def _window_mask(n: int, block: int, window: int, first_key: int, device: torch.device) -> torch.Tensor:
+    """``[n or 1, block, block+W-1]``: query r of block i sees key c iff ``r <= c <= r+W-1`` and the
+    key's position ``first_key + i*block + c`` is not negative."""
+    r = torch.arange(block, device=device).unsqueeze(-1)
+    c = torch.arange(block + window - 1, device=device)
+    band = (c >= r) & (c <= r + window - 1)
+    if first_key >= 0:
+        return band.unsqueeze(0)
+    pos = first_key + block * torch.arange(n, device=device).unsqueeze(-1) + c  # [n, span]
+    return band & (pos >= 0).unsqueeze(1)

@@ -1,0 +1,150 @@
+"""The lightning-indexer kernels (scores, sort-free top-k) against the torch reference, tiny sizes.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before the
+kernel modules are imported), as in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
+
+from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import ops  # noqa: E402
+from ds4serve.kernels.indexer import ScoresConfig, SelectConfig, index_scores, select_top  # noqa: E402
+from ds4serve.model.attention import _index_top  # noqa: E402
+from ds4serve.model.rope import Rope  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IH, DIM, ROPE = 16, 64, 8  # dim^-0.5 and ih^-0.5 are powers of two: small integer inputs score exactly
+SMALL_SELECT = SelectConfig(block=16, bits=4, warps=1)  # several steps per pass over a 40-entry row
+
+
+def _scores_ref(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """The reference's math (model.attention._index_top) on already rotated queries."""
+    ih, dim = q.shape[1], q.shape[2]
+    scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * dim ** -0.5
+    scores = (scores * (head_w.float() * ih ** -0.5).unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def _lowest_index_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The documented rule: the k largest finite scores, the lowest indices first among equal ones."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
+    return chosen & (scores > float("-inf"))
+
+
+def _visible(gen: torch.Generator, S: int, T: int, counts: list[int]) -> torch.Tensor:
+    """``counts[s]`` visible entries at random positions of row s."""
+    vis = torch.zeros(S, T, dtype=torch.bool)
+    for s, n in enumerate(counts):
+        vis[s, torch.randperm(T, generator=gen)[:n]] = True
+    return vis.to(DEVICE)
+
+
+def _inputs(gen: torch.Generator, S: int, T: int, integer: bool, dtype=torch.bfloat16):
+    """``q [S,IH,DIM]``, ``keys [T,DIM]``, ``head_w [S,IH]``; ``integer``: small integers, so that
+    every score is exact in any summation order and equal keys give equal (tied) scores."""
+    if integer:
+        q = torch.randint(-2, 3, (S, IH, DIM), generator=gen).float()
+        keys = torch.randint(-2, 3, (T, DIM), generator=gen).float()
+        head_w = torch.randint(-3, 4, (S, IH), generator=gen).float()
+    else:
+        q, keys, head_w = torch.randn(S, IH, DIM, generator=gen), torch.randn(T, DIM, generator=gen), \
+            torch.randn(S, IH, generator=gen)
+    return q.to(DEVICE, dtype), keys.to(DEVICE, dtype), head_w.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("S,dtype,config", [(1, torch.bfloat16, None), (3, torch.bfloat16, ScoresConfig(2, 16)),
+                                            (3, torch.float32, ScoresConfig(1, 32))])
+def test_scores_match_reference(S, dtype, config):
+    gen = torch.Generator().manual_seed(S)
+    T = 45  # not a multiple of the entry tile
+    q, keys, head_w = _inputs(gen, S, T, integer=False, dtype=dtype)
+    visible = _visible(gen, S, T, [30, 0, T][:S])
+    got = index_scores(q, keys, head_w, visible, config)
+    want = _scores_ref(q, keys, head_w, visible)
+    assert torch.equal(torch.isneginf(got), ~visible)
+    assert torch.allclose(got[visible], want[visible], rtol=1e-5, atol=1e-5)
+
+
+def test_select_top_counts_ties_and_masked_rows():
+    """Rows: many ties at the k-th score (integers), fewer / exactly k finite scores, all masked,
+    and -0.0 tied with +0.0 at the threshold."""
+    gen = torch.Generator().manual_seed(7)
+    T, k = 40, 6
+    scores = torch.randint(0, 5, (6, T), generator=gen).float()
+    scores[1, 3:] = float("-inf")  # 3 finite < k
+    scores[2, k:] = float("-inf")  # exactly k finite
+    scores[3] = float("-inf")
+    scores[4] = torch.where(torch.arange(T) % 2 == 0, -0.0, 0.0)
+    scores[4, [5, 17]] = 1.0
+    scores[5, 11] = float("-inf")
+    scores[5, 30:] = -torch.arange(10.0) - 1  # negatives below the zeros and integers
+    scores = scores.to(DEVICE)
+    got = select_top(scores, k, SMALL_SELECT)
+    assert torch.equal(got, _lowest_index_top(scores, k))
+    assert got.sum(dim=1).tolist() == [k, 3, k, 0, k, k]
+    assert got[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 5, 17]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+def test_select_top_radix_widths(bits):
+    """Every radix width finds the same k-th largest score, here of signed random scores."""
+    gen = torch.Generator().manual_seed(bits)
+    scores = torch.randn(2, 37, generator=gen).to(DEVICE)
+    scores[1, ::3] = float("-inf")
+    got = select_top(scores, 9, SelectConfig(block=16, bits=bits, warps=1))
+    assert torch.equal(got, _lowest_index_top(scores, 9))
+
+
+@pytest.mark.parametrize("S,integer", [(1, True), (3, True), (3, False)])
+def test_index_top_op_matches_reference(S, integer):
+    """Through the custom op (``_index_top`` with the kernels on) against ``_index_top.eager``:
+    visible counts above and below k, an all-masked row; integer inputs with repeated keys make
+    ties at the k-th score, where the op keeps the lowest indices and torch.topk any of them."""
+    gen = torch.Generator().manual_seed(20 + S)
+    T, k = 37, 8
+    q, keys, head_w = _inputs(gen, S, T, integer=integer)
+    if integer:
+        keys[20:30] = keys[10]
+    visible = _visible(gen, S, T, [T, 5, 0][:S])
+    turns = torch.randint(0, 4, (S, ROPE // 2), generator=gen)  # quarter turns keep integers integers
+    cos = torch.tensor([1.0, 0.0, -1.0, 0.0])[turns].to(DEVICE, q.dtype)
+    sin = torch.tensor([0.0, 1.0, 0.0, -1.0])[turns].to(DEVICE, q.dtype)
+    want = _index_top.eager(q, cos, sin, keys, head_w, visible, k)
+    with kernels.on_any_device():
+        got = _index_top.eager(q, cos, sin, keys, head_w, visible, k)
+    if not integer:
+        assert torch.equal(got, want)
+        return
+    scores = _scores_ref(Rope.apply(q, cos, sin), keys, head_w, visible)
+    assert torch.equal(got, _lowest_index_top(scores, k))
+
+    def chosen(sel: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(~sel, float("-inf")).sort(dim=-1, descending=True).values
+
+    assert torch.equal(chosen(got), chosen(want))  # the same scores, whichever tied entries
+
+
+def test_index_top_op_traces_as_one_node():
+    """The op compiles whole (fullgraph) between torch code and gives the launcher's result."""
+    gen = torch.Generator().manual_seed(3)
+    S, T = 1, 24
+    q, keys, head_w = _inputs(gen, S, T, integer=False)
+    visible = _visible(gen, S, T, [20])
+
+    def fn(q, keys):
+        return ops.index_top(q * 1, keys + 0, head_w, visible, 5)
+
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, keys)
+    assert torch.equal(got, select_top(index_scores(q, keys, head_w, visible), 5))
+    assert got.sum() == 5
