@@ -32,7 +32,7 @@ from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph  # noqa: E402
 from ds4serve.kernels.switches import NAMES, using  # noqa: E402
 
-NO_EFFECT_ON_BF16 = ("gemv_split", "moe_wide")  # FP8 / MXFP4 kernels only
+NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
 
 
 def log(msg: str) -> None:
@@ -135,6 +135,8 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             graph = DecodeGraph(model, state)
             row["graph_ms"], _ = decode_ms(graph_step(graph), state, args.steps, ids[-1])
             row["graph_replay_gpu_ms"] = cuda_ms(graph.graph.replay, 10)
+            if args.kernel_profile and ctx == args.contexts[0]:
+                kernel_profile(graph, f"{variant} ctx {ctx}", args.kernel_profile)
             ms = row["graph_ms"]
             row["tokens_per_s"] = 1e3 / ms
             row["GBps"] = out["bytes_per_token_GB"] / ms * 1e3
@@ -292,7 +294,8 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
                    "graph decode only")
-    p.add_argument("--kernel-profile", type=Path, default=None, help="kernel table of the last arm")
+    p.add_argument("--kernel-profile", type=Path, default=None,
+                   help="append kernel tables of graph replays here (first context, or the last arm)")
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
     args.save_partial = None

@@ -25,10 +25,10 @@ import torch
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine.cuda_graphs import DecodeGraph, delta_at
-from ds4serve.kernels.gemv import GemvConfig, default_config, fp8_gemv, fp8_gemv_ref
+from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_ref
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
-from ds4serve.kernels.switches import NAMES, SWITCHES, using
+from ds4serve.kernels.switches import NAMES, SWITCHES
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
@@ -73,59 +73,72 @@ def fp4_random(E: int, rows: int, cols: int) -> FP4Weight:
     return FP4Weight(data, exps)
 
 
-def check_kernels() -> None:
-    D, inter, E, k = 4096, 2048, 32, 6
-    for quant in ("bf16", "fp8", "fp4"):
-        x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
-        idx = torch.randperm(E, device="cuda")[:k].view(1, k)
-        wts = torch.rand(1, k, device="cuda")
-        shapes = [(E, inter, D), (E, inter, D), (E, D, inter)]
-        if quant == "fp4":
-            q = [fp4_random(*s) for s in shapes]
-            stacks = [ExpertStack(w.data, w.scale) for w in q]
-            dense = [w.dequantize(torch.bfloat16) for w in q]
-            nbytes = sum(w.data[0].numel() + w.scale[0].numel() for w in q) * k
-        else:
-            mats = [torch.randn(s, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5 for s in shapes]
-            if quant == "fp8":
-                q = [quantize_fp8(m) for m in mats]
-                stacks = [ExpertStack(w.data, w.scale, w.block) for w in q]
-                dense = [w.dequantize(torch.bfloat16) for w in q]
-            else:
-                stacks, dense = [ExpertStack(m) for m in mats], mats
-            nbytes = sum(s.data[0].numel() * s.data.element_size() for s in stacks) * k
-        ref = moe_ref(x, idx, wts, *dense, 10.0)
-        for wide in ((False, True) if quant != "bf16" else (False,)):
-            with using(moe_wide=wide):
-                poison_allocator(D * 2)
-                out = moe_fused(x, idx, wts, *stacks, 10.0)
-                ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0))
-            err = rel(out, ref)
-            record(f"kernel moe_fused {quant} N=1 k=6 moe_wide={wide}", err <= 1e-2, rel_err=err, ms=ms,
-                   GBps=nbytes / ms / 1e6)
-        del dense, stacks
+def check_gemv() -> None:
+    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K
+    and a CUDA-core one. Each timing repeats one weight (L2-warm below 50 MB): bench/sweep_gemv.py
+    measures the DRAM rates."""
     for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
-        w = quantize_fp8(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5)
-        x = torch.randn(1, groups, cols, device="cuda", dtype=torch.bfloat16)
-        xin = x if groups > 1 else x[:, 0]
-        ref = fp8_gemv_ref(x, w.data, w.scale, w.block, groups)
-        for split in (False, True):
-            with using(gemv_split=split):
-                cfg = default_config(rows, cols, 1, w.block)
-            configs = [cfg] if not split else [cfg, GemvConfig(16, 1024, cfg.split, 8, 3),
-                                               GemvConfig(8, 512, cfg.split * 2, 4, 4),
-                                               GemvConfig(16, 256, cfg.split, 4, 4)]
-            for c in configs:
-                poison_allocator(rows * 2)
-                out = fp8_gemv(xin, w.data, w.scale, w.block, groups, config=c)
-                ms = timed(lambda: fp8_gemv(xin, w.data, w.scale, w.block, groups, config=c))
-                err = rel(out, ref)
-                record(f"kernel fp8_gemv {rows}x{cols} groups={groups} {c}", err <= 1e-2, rel_err=err, ms=ms,
-                       GBps=rows * cols / ms / 1e6)
-        bf = w.dequantize(torch.bfloat16)
-        ms_bf16 = timed(lambda: torch.nn.functional.linear(x[:, 0], bf)) if groups == 1 else float("nan")
-        record(f"torch bf16 gemv {rows}x{cols} (reference speed)", True, ms=ms_bf16,
-               GBps=2 * rows * cols / ms_bf16 / 1e6)
+        dense_w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5
+        q = quantize_fp8(dense_w)
+        for tokens in (1, 4):
+            x = torch.randn(tokens, groups, cols, device="cuda", dtype=torch.bfloat16)
+            xin = x if groups > 1 else x[:, 0]
+            for kind, w, s, block in (("bf16", dense_w, None, None), ("fp8", q.data, q.scale, q.block)):
+                ref = gemv_ref(x, w, s, block, groups)
+                default = default_config(kind, rows, cols, tokens, groups, block)
+                for c in (default, GemvConfig(64, 128, split=4, dot=True),
+                          GemvConfig(16, 512 if tokens == 1 else 128, split=2)):
+                    poison_allocator(tokens * rows * 4 * max(c.split, 1))
+                    out = gemv(xin, w, s, block, groups, config=c)
+                    ms = timed(lambda: gemv(xin, w, s, block, groups, config=c))
+                    err = rel(out, ref)
+                    record(f"kernel gemv {kind} {rows}x{cols} groups={groups} N={tokens} {c}", err <= 1e-2,
+                           rel_err=err, ms=ms, GBps=w.numel() * w.element_size() / ms / 1e6)
+            if groups == 1:
+                ms = timed(lambda: torch.nn.functional.linear(xin, dense_w))
+                record(f"torch bf16 gemv {rows}x{cols} N={tokens} (reference speed)", True, ms=ms,
+                       GBps=2 * rows * cols / ms / 1e6)
+
+
+def check_moe() -> None:
+    """Fused MoE at the proxy's shapes: 6 routed experts of 32 plus the shared expert (bf16, FP8 with
+    FP8 shared, MXFP4 with FP8 shared). Timings repeat one layer's weights; bench/sweep_moe.py
+    measures the DRAM rates and picks the tiles."""
+    D, inter, E, k = 4096, 2048, 32, 6
+    shapes = [(inter, D), (inter, D), (D, inter)]
+    for quant in ("bf16", "fp8", "fp4"):
+        if quant == "fp4":
+            routed = [fp4_random(E, *s) for s in shapes]
+            stacks = [ExpertStack(w.data, w.scale) for w in routed]
+        else:
+            mats = [torch.randn(E, *s, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5 for s in shapes]
+            routed = [quantize_fp8(m) for m in mats] if quant == "fp8" else mats
+            stacks = [ExpertStack(m) if quant == "bf16" else ExpertStack(m.data, m.scale, m.block) for m in routed]
+        shared_mats = [torch.randn(s, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5 for s in shapes]
+        shared_w = shared_mats if quant == "bf16" else [quantize_fp8(m) for m in shared_mats]
+        shared = tuple(ExpertStack(m) if quant == "bf16" else ExpertStack(m.data, m.scale, m.block) for m in shared_w)
+        shared_dense = [m if quant == "bf16" else m.dequantize(torch.float32) for m in shared_w]
+        for tokens in (1, 4):
+            x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+            idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(tokens)])
+            wts = torch.rand(tokens, k, device="cuda")
+            used, local = torch.unique(idx, return_inverse=True)
+            dense = [m[used] if quant == "bf16" else m[used].dequantize(torch.float32) for m in routed]
+            ref = moe_ref(x, local, wts, *dense, 10.0, shared=tuple(shared_dense))
+            poison_allocator(tokens * (k + 1) * (D + inter) * 4)
+            out = moe_fused(x, idx, wts, *stacks, 10.0, shared=shared)
+            ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0, shared=shared))
+            err = rel(out, ref)
+            nbytes = sum(s.data[0].nbytes + (s.scale[0].nbytes if s.quant else 0) for s in stacks) * used.numel()
+            nbytes += sum(s.data.nbytes + (s.scale.nbytes if s.quant else 0) for s in shared)
+            record(f"kernel moe_fused {quant} routed + shared N={tokens} k=6", err <= 1e-2, rel_err=err, ms=ms,
+                   GBps=nbytes / ms / 1e6)
+            del dense
+
+
+def check_kernels() -> None:
+    check_moe()
+    check_gemv()
     mixes = torch.randn(7, 24, device="cuda")
     base, scale = 0.1 * torch.randn(24, device="cuda"), 1 + 0.1 * torch.randn(3, device="cuda")
     got = hc_coefficients(mixes, base, scale, 4, 20, 1e-6)

@@ -64,12 +64,12 @@ def _inputs(gen: torch.Generator, S: int, T: int, integer: bool, dtype=torch.bfl
 
 
 @pytest.mark.parametrize("S,dtype,config", [(1, torch.bfloat16, None), (3, torch.bfloat16, ScoresConfig(2, 16)),
-                                            (3, torch.float32, ScoresConfig(1, 32))])
+                                            (3, torch.float32, ScoresConfig(1, 32)), (10, torch.bfloat16, None)])
 def test_scores_match_reference(S, dtype, config):
     gen = torch.Generator().manual_seed(S)
     T = 45  # not a multiple of the entry tile
     q, keys, head_w = _inputs(gen, S, T, integer=False, dtype=dtype)
-    visible = _visible(gen, S, T, [30, 0, T][:S])
+    visible = _visible(gen, S, T, [[30, 0, T][s % 3] for s in range(S)])
     got = index_scores(q, keys, head_w, visible, config)
     want = _scores_ref(q, keys, head_w, visible)
     assert torch.equal(torch.isneginf(got), ~visible)
@@ -78,10 +78,10 @@ def test_scores_match_reference(S, dtype, config):
 
 def test_select_top_counts_ties_and_masked_rows():
     """Rows: many ties at the k-th score (integers), fewer / exactly k finite scores, all masked,
-    and -0.0 tied with +0.0 at the threshold."""
+    -0.0 tied with +0.0 at the threshold, and a visible prefix (a decode buffer) ending mid-tile."""
     gen = torch.Generator().manual_seed(7)
     T, k = 40, 6
-    scores = torch.randint(0, 5, (6, T), generator=gen).float()
+    scores = torch.randint(0, 5, (7, T), generator=gen).float()
     scores[1, 3:] = float("-inf")  # 3 finite < k
     scores[2, k:] = float("-inf")  # exactly k finite
     scores[3] = float("-inf")
@@ -89,10 +89,11 @@ def test_select_top_counts_ties_and_masked_rows():
     scores[4, [5, 17]] = 1.0
     scores[5, 11] = float("-inf")
     scores[5, 30:] = -torch.arange(10.0) - 1  # negatives below the zeros and integers
+    scores[6, 21:] = float("-inf")
     scores = scores.to(DEVICE)
     got = select_top(scores, k, SMALL_SELECT)
     assert torch.equal(got, _lowest_index_top(scores, k))
-    assert got.sum(dim=1).tolist() == [k, 3, k, 0, k, k]
+    assert got.sum(dim=1).tolist() == [k, 3, k, 0, k, k, k]
     assert got[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 5, 17]
 
 

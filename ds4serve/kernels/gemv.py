@@ -1,18 +1,39 @@
-"""FP8 block-scaled GEMV for a few activation rows (decode): ``y = x W^T`` with W read as FP8.
+"""GEMV for a few activation rows (decode): ``y = x W^T`` with every weight byte read once per call.
 
-``W [R, K]`` is float8 e4m3 with fp32 block scales ``[ceil(R/b0), ceil(K/b1)]``; it is dequantised
-in registers, so each weight byte is read once per call. ``groups > 1`` is the grouped low-rank
-output projection of DeepSeek-V4: output rows ``[g R/G, (g+1) R/G)`` read input group ``g`` of
-``x [N, G, K]``. :func:`fp8_gemv_ref` is the torch reference.
+``x [N, K]`` (N independent tokens, up to 8 in the model, 16 at most) times ``W [R, K]`` gives
+``[N, R]`` in ``x``'s dtype with fp32 accumulation. ``W`` is dense (bf16 / fp32) or float8 e4m3
+with fp32 block scales ``[ceil(R/b0), ceil(K/b1)]``, dequantised in registers. ``groups > 1`` is
+the grouped low-rank output projection of DeepSeek-V4: output rows ``[g R/G, (g+1) R/G)`` read
+input group ``g`` of ``x [N, G, K]``. :func:`gemv_ref` is the torch reference.
 
-Batch-1 decode is bound by the bytes in flight: a projection with few output rows and a long
-input (``wo_b``: 4096 x 8192) gives too few programs to keep every SM streaming. With split-K
-(:class:`GemvConfig` ``split > 1``) each program reads one slice of the input, writes an fp32
-partial, and a second launch sums the slices in a fixed order (deterministic, unlike atomics).
+Batch-1 decode streams weights, so what counts is the bytes in flight per SM. Two kernels share one
+launcher and one :class:`GemvConfig`; a loop step reads ``BLOCK_K`` inputs as sub-tiles of one FP8
+scale column each (the whole step for dense weights), so a block scale is one number per sub-tile:
+
+* CUDA cores (``dot=False``): a ``[N, BLOCK_R, sub-tile]`` fp32 accumulator, reduced over K once
+  at the end; a program's rows lie in one scale row, so an FP8 scale multiplies the activations
+  rather than every weight. Any dtype; the only path for fp32 activations.
+* tensor cores (``dot=True``, bf16 activations): ``tl.dot`` of the weight sub-tile (FP8 converted
+  to bf16, which is exact) with the activations as a ``[sub-tile, 16]`` tile, tokens padded to 16.
+  Products are exact and accumulate in fp32; an FP8 block scale multiplies the partial of its
+  sub-tile (per row when a tile spans scale rows), exact up to summation order for the power-of-two
+  scales of real checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
+
+Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
+``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
+issues one tile at a time and waits for it). Split-K (``split > 1``) gives a projection with few
+output rows enough programs: each reads one slice of the input and writes an fp32 partial, and a
+second launch sums the slices in a fixed order (deterministic, unlike atomics).
+
+:func:`default_config` reads :data:`TABLE`, filled by ``bench/sweep_gemv.py`` on the target GPU,
+and falls back to a heuristic for other shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,111 +41,307 @@ import triton
 import triton.language as tl
 
 from ..quant import dequant_fp8
-from .switches import SWITCHES
 
-TARGET_PROGRAMS = 1024  # split-K aims for at least this many programs (~8 per SM on an H200)
+DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
+SMS = 132  # streaming multiprocessors of the target GPU (H200)
+TABLED_BLOCK = (128, 128)  # the FP8 scale block of real checkpoints, which the table was swept with
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_r: int  # output rows per program (divides the scale block's rows)
-    block_k: int  # input columns per loop step
+    block_r: int  # weight rows per program (a power of two)
+    block_k: int  # inputs per loop step (a power of two)
     split: int = 1  # slices of the input, one program each; summed by a second launch
-    warps: int = 8
-    stages: int = 3
+    warps: int = 4
+    stages: int = 4  # loop steps in flight (cp.async pipeline depth)
+    dot: bool = False  # tensor cores: tl.dot with the activations padded to 16 rows
+
+
+# (kind, R, K, N bucket (1 or 4), groups) -> config, for DeepSeek-V4-Flash's decode projections; FP8
+# entries hold for 128x128 scale blocks. Filled from `bench/sweep_gemv.py` on the H200 (2026-11-29,
+# bench/results/2026-11-29-h200-sweep-gemv.log): the fastest passing config per shape.
+TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
+    ("bf16", 64, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 64, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 256, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 256, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 512, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 512, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 1024, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 1024, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 2048, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 2048, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 4096, 2048, 1, 1): GemvConfig(block_r=16, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 4096, 2048, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=6, dot=True),
+    ("bf16", 4096, 8192, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 4096, 8192, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=6, dot=True),
+    ("bf16", 8192, 1024, 1, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=6, dot=True),
+    ("bf16", 8192, 1024, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=6, dot=True),
+    ("bf16", 8192, 4096, 1, 8): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=6, dot=True),
+    ("bf16", 8192, 4096, 4, 8): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=6, dot=True),
+    ("bf16", 32768, 1024, 1, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=8, stages=3, dot=True),
+    ("bf16", 32768, 1024, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=8, stages=3, dot=True),
+    ("bf16", 129280, 4096, 1, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
+    ("bf16", 129280, 4096, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=4, stages=4, dot=True),
+    ("fp8", 64, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=4, warps=2, stages=4, dot=False),
+    ("fp8", 64, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=4, warps=2, stages=4, dot=False),
+    ("fp8", 256, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=4, warps=2, stages=4, dot=False),
+    ("fp8", 256, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=4, warps=2, stages=4, dot=False),
+    ("fp8", 512, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 512, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=2, warps=2, stages=4, dot=False),
+    ("fp8", 1024, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 1024, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 2048, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 2048, 4096, 4, 1): GemvConfig(block_r=32, block_k=256, split=4, warps=2, stages=4, dot=True),
+    ("fp8", 4096, 2048, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 4096, 2048, 4, 1): GemvConfig(block_r=32, block_k=256, split=2, warps=2, stages=4, dot=True),
+    ("fp8", 4096, 8192, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 4096, 8192, 4, 1): GemvConfig(block_r=32, block_k=256, split=4, warps=2, stages=4, dot=True),
+    ("fp8", 8192, 1024, 1, 1): GemvConfig(block_r=16, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 8192, 1024, 4, 1): GemvConfig(block_r=64, block_k=256, split=1, warps=4, stages=3, dot=True),
+    ("fp8", 8192, 4096, 1, 8): GemvConfig(block_r=16, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 8192, 4096, 4, 8): GemvConfig(block_r=32, block_k=256, split=2, warps=2, stages=4, dot=True),
+    ("fp8", 32768, 1024, 1, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
+    ("fp8", 32768, 1024, 4, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
+}
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
-                     n_tokens, SB_R: tl.constexpr, SB_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr):
-    # A program's rows lie in one scale row (SB_R % BLOCK_R == 0), so the block scales multiply the
-    # activation vector (BLOCK_K products) rather than every weight of the tile.
+def _store(out_ptr, y, offsets, mask, split, n_tokens, n_rows, PARTIAL: tl.constexpr):
+    if PARTIAL:
+        tl.store(out_ptr + split * n_tokens * n_rows + offsets, y, mask=mask)
+    else:
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_to(w, DTYPE: tl.constexpr):
+    # e4m3 -> fp16 -> fp32 -> DTYPE, each step exact: a direct e4m3 -> bf16 conversion compiles to one
+    # F2F.BF16.F16 per element on sm_90, a slow conversion unit that would cap the rate near the
+    # bandwidth; this chain runs on the packed and fp16 pipes instead.
+    return w.to(tl.float16).to(tl.float32).to(DTYPE)
+
+
+@triton.jit
+def _scale(s_ptr, rows, rmask, first, kc, s_cols, SB_R: tl.constexpr, SB_C: tl.constexpr, PER_ROW: tl.constexpr):
+    # The block scale of inputs [kc, kc + SUB_K): one scalar, or one per row when a tile spans scale
+    # rows. A sub-tile past the input's end (all weights masked to 0) reads the last scale column.
+    col = tl.minimum(kc // SB_C, s_cols - 1)
+    if PER_ROW:
+        s = tl.load(s_ptr + (rows // SB_R) * s_cols + col, mask=rmask, other=0.0)[:, None]
+    else:
+        s = tl.load(s_ptr + (first // SB_R) * s_cols + col)
+    return s
+
+
+@triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
+def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
+                     n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
+                     PARTIAL: tl.constexpr):
+    # A step reads BLOCK_K inputs as sub-tiles of SUB_K (one scale column each, for FP8), so that the
+    # scale is one number per sub-tile and the accumulator holds only SUB_K columns.
     first = tl.program_id(0) * BLOCK_R
-    token = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(1)
     rows = first + tl.arange(0, BLOCK_R)
+    tokens = tl.arange(0, N_PAD)
     rmask = rows < n_rows
-    x = x_ptr + token * x_stride + (first // rows_per_group) * n_in
-    s_row = s_ptr + (first // SB_R) * s_cols
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
+    tmask = tokens < n_tokens
+    w_rows = w_ptr + rows[None, :, None].to(tl.int64) * n_in
+    x_rows = x_ptr + tokens[:, None, None] * x_stride + (first // rows_per_group) * n_in
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, n_in)
-    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < k_hi
-        w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        xs = tl.load(x + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(s_row + cols // SB_C, mask=cmask,
-                                                                                 other=0.0)
-        acc += w * xs[None, :]
-    y = tl.sum(acc, axis=1)
-    if PARTIAL:
-        tl.store(out_ptr + (split * n_tokens + token) * n_rows + rows, y, mask=rmask)
-    else:
-        tl.store(out_ptr + token * n_rows + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+    acc = tl.zeros([N_PAD, BLOCK_R, SUB_K], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            cols = k0 + j * SUB_K + tl.arange(0, SUB_K)[None, None, :]
+            cmask = cols < k_hi
+            w = tl.load(w_rows + cols, mask=rmask[None, :, None] & cmask, other=0.0).to(tl.float32)
+            xs = tl.load(x_rows + cols, mask=tmask[:, None, None] & cmask, other=0.0).to(tl.float32)
+            if SCALED:
+                xs *= _scale(s_ptr, rows, rmask, first, k0 + j * SUB_K, s_cols, SB_R, SB_C, False)
+            acc += w * xs
+    y = tl.sum(acc, axis=2)
+    _store(out_ptr, y, tokens[:, None] * n_rows + rows[None, :], tmask[:, None] & rmask[None, :], split, n_tokens,
+           n_rows, PARTIAL)
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, n, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
+def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
+                     n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
+                     PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    first = tl.program_id(0) * BLOCK_R
+    split = tl.program_id(1)
+    rows = first + tl.arange(0, BLOCK_R)
+    tokens = tl.arange(0, N_PAD)
+    rmask = rows < n_rows
+    tmask = tokens < n_tokens
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
+    x_cols = x_ptr + tokens[None, :] * x_stride + (first // rows_per_group) * n_in
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, n_in)
+    acc = tl.zeros([BLOCK_R, N_PAD], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            cols = k0 + j * SUB_K + tl.arange(0, SUB_K)
+            cmask = cols < k_hi
+            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            xt = tl.load(x_cols + cols[:, None], mask=cmask[:, None] & tmask[None, :], other=0.0).to(DOT_DTYPE)
+            if SCALED:
+                s = _scale(s_ptr, rows, rmask, first, k0 + j * SUB_K, s_cols, SB_R, SB_C, SB_R % BLOCK_R != 0)
+                acc += tl.dot(_fp8_to(w, DOT_DTYPE), xt) * s
+            else:
+                acc = tl.dot(w.to(DOT_DTYPE), xt, acc)
+    _store(out_ptr, acc, tokens[None, :] * n_rows + rows[:, None], rmask[:, None] & tmask[None, :], split, n_tokens,
+           n_rows, PARTIAL)
+
+
+@triton.jit(do_not_specialize=["n_split"])
+def _sum_splits_kernel(part_ptr, out_ptr, n, n_split, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     acc = tl.load(part_ptr + i, mask=m, other=0.0)
-    for s in range(1, SPLIT):
+    for s in range(1, n_split):
         acc += tl.load(part_ptr + s * n + i, mask=m, other=0.0)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rows_per_program(scale_rows: int, cap: int = 16) -> int:
-    """The largest power of two up to ``cap`` dividing the scale block's rows."""
+def weight_kind(x_dtype: torch.dtype, weight_dtype: torch.dtype, scaled: bool) -> str:
+    """``"fp8"`` / ``"bf16"``: those weights times bf16 activations (tensor cores allowed);
+    ``"fp32"`` for anything else (fp32 activations or weights: CUDA cores, fp32 products)."""
+    if x_dtype == torch.bfloat16 and (scaled or weight_dtype == torch.bfloat16):
+        return "fp8" if scaled else "bf16"
+    return "fp32"
+
+
+def table_key(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int) -> tuple[str, int, int, int, int]:
+    """The :data:`TABLE` key: the sweep times one token and four (2..8 share the four-token entry)."""
+    return kind, n_rows, n_in, 1 if n_tokens == 1 else 4, groups
+
+
+def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_tokens: int, groups: int,
+                   block: tuple[int, int] | None) -> str | None:
+    """Why ``cfg`` cannot run this product, or None when it can (``block``: FP8 scale block, None if dense)."""
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_r, cfg.block_k))
+    if not pow2 or cfg.split < 1:
+        return f"{cfg}: block_r and block_k must be powers of two, split >= 1"
+    if n_rows % groups or (groups > 1 and (n_rows // groups) % cfg.block_r):
+        return f"{cfg}: {cfg.block_r}-row tiles must divide the rows per group ({n_rows} / {groups})"
+    if block is not None and block[1] % cfg.block_k and cfg.block_k % block[1]:
+        return f"{cfg}: block_k must divide the scale block's columns or be a multiple of them ({block})"
+    if cfg.dot:
+        if kind == "fp32" or n_tokens > DOT_ROWS:
+            return f"{cfg}: tensor cores need bf16 activations and at most {DOT_ROWS} rows"
+        if min(cfg.block_r, cfg.block_k, block[1] if block is not None else 16) < 16:
+            return f"{cfg}: tensor-core tiles (and scale blocks) are at least 16 wide"
+    elif block is not None and block[0] % cfg.block_r:
+        return f"{cfg}: {cfg.block_r}-row tiles must divide the scale block's rows ({block})"
+    return None
+
+
+def default_config(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int = 1,
+                   block: tuple[int, int] | None = None) -> GemvConfig:
+    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`)."""
+    if kind == "bf16" or (kind == "fp8" and block == TABLED_BLOCK):
+        hit = TABLE.get(table_key(kind, n_rows, n_in, n_tokens, groups))
+        if hit is not None and config_problem(hit, kind, n_rows, n_tokens, groups, block) is None:
+            return hit
+    return _heuristic(kind, n_rows, n_in, n_tokens, groups, block)
+
+
+def split_for(programs: int, n_in: int, block_k: int, target: int = 2 * SMS, min_steps: int = 4) -> int:
+    """The smallest power-of-two split giving ``target`` programs, keeping ``min_steps`` steps per slice."""
+    split = 1
+    while programs * split < target and n_in // (2 * split) >= min_steps * block_k:
+        split *= 2
+    return split
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two up to ``cap`` dividing ``n``."""
     block = cap
-    while scale_rows % block:
+    while n % block:
         block //= 2
     return block
 
 
-def default_config(n_rows: int, n_in: int, n_tokens: int, block: tuple[int, int]) -> GemvConfig:
-    """The previous round's fixed shape, or (``SWITCHES.gemv_split``) wider tiles plus split-K."""
-    block_k = min(512, triton.next_power_of_2(max(n_in, 16)))
-    if not SWITCHES.gemv_split:
-        return GemvConfig(rows_per_program(block[0]), block_k)
-    block_r = rows_per_program(block[0])
-    programs = triton.cdiv(n_rows, block_r) * n_tokens
-    split = 1
-    while programs * split < TARGET_PROGRAMS and n_in // (2 * split) >= block_k:
-        split *= 2
-    return GemvConfig(block_r, block_k, split, warps=4, stages=4)
+def _heuristic(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int,
+               block: tuple[int, int] | None) -> GemvConfig:
+    per_group = n_rows // groups if groups > 1 else 0  # 0: any tile height divides it
+    if kind != "fp32" and n_tokens <= DOT_ROWS:
+        block_r = min(_pow2_divisor(per_group, 64), 64 if n_rows >= 2048 else 32 if n_rows >= 256 else 16)
+        cfg = GemvConfig(block_r, _block_k(128, block), warps=block_r // 16, stages=4, dot=True)
+        if config_problem(cfg, kind, n_rows, n_tokens, groups, block) is None:
+            return _with_split(cfg, n_rows, n_in)
+    block_r = _pow2_divisor(math.gcd(block[0] if block is not None else 0, per_group), 16)
+    block_k = _block_k(min(max(64, 512 // triton.next_power_of_2(n_tokens)), triton.next_power_of_2(n_in)), block)
+    return _with_split(GemvConfig(block_r, block_k, warps=4, stages=4), n_rows, n_in)
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-             groups: int = 1, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x [N, K]`` (or ``[N, G, K]`` with ``groups=G``) times FP8 ``weight [R, K]`` → ``[N, R]``."""
+def _block_k(want: int, block: tuple[int, int] | None) -> int:
+    """``want``, or the largest power of two below it that fits the scale block's columns."""
+    if block is None or block[1] % want == 0 or want % block[1] == 0:
+        return want
+    return _pow2_divisor(block[1], want)
+
+
+def _with_split(cfg: GemvConfig, n_rows: int, n_in: int) -> GemvConfig:
+    return dataclasses.replace(cfg, split=split_for(triton.cdiv(n_rows, cfg.block_r), n_in, cfg.block_k))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         block: tuple[int, int] | None = None, groups: int = 1, config: GemvConfig | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [N, K]`` (or ``[N, G, K]`` with ``groups=G``) times ``weight [R, K]`` → ``[N, R]``.
+
+    ``scale`` (with its ``block``) makes ``weight`` FP8 e4m3; ``out`` is an optional contiguous
+    ``[N, R]`` destination of ``x``'s dtype."""
     n_rows, n_in = weight.shape
     x2 = x.reshape(-1, groups * n_in).contiguous()
-    N = x2.shape[0]
-    rows_per_group = n_rows // groups
-    cfg = config or default_config(n_rows, n_in, N, block)
-    if block[0] % cfg.block_r or rows_per_group % cfg.block_r:
-        raise ValueError(f"fp8_gemv: {cfg.block_r}-row tiles must divide the scale block ({block[0]}) "
-                         f"and the rows per group ({rows_per_group})")
-    out = torch.empty(N, n_rows, device=x.device, dtype=x.dtype)
+    n_tokens = x2.shape[0]
+    if scale is not None and (block is None or weight.dtype != torch.float8_e4m3fn):
+        raise ValueError("gemv: block scales need a float8_e4m3fn weight and their block")
+    if not weight.is_contiguous():
+        raise ValueError("gemv: the weight must be contiguous (copying it would cost more than the product)")
+    block = block if scale is not None else None
+    kind = weight_kind(x2.dtype, weight.dtype, scale is not None)
+    cfg = config or default_config(kind, n_rows, n_in, n_tokens, groups, block)
+    problem = config_problem(cfg, kind, n_rows, n_tokens, groups, block)
+    if problem:
+        raise ValueError(f"gemv: {problem}")
+    if out is None:
+        out = torch.empty(n_tokens, n_rows, device=x.device, dtype=x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(n_in, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(n_in, k_per_split)
-    target = out if split == 1 else torch.empty(split, N, n_rows, device=x.device, dtype=torch.float32)
-    _fp8_gemv_kernel[(triton.cdiv(n_rows, cfg.block_r), N, split)](
-        x2, weight, scale, target, n_rows, n_in, k_per_split, rows_per_group, x2.stride(0), scale.shape[1], N,
-        SB_R=block[0], SB_C=block[1], BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, PARTIAL=split > 1,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+    target = out if split == 1 else torch.empty(split, n_tokens, n_rows, device=x.device, dtype=torch.float32)
+    sb_r, sb_c = block or (1, 1)
+    args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0),
+            scale.shape[1] if scale is not None else 0, n_tokens)
+    consts = dict(SCALED=scale is not None, SB_R=sb_r, SB_C=sb_c, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+                  SUB_K=min(cfg.block_k, sb_c) if scale is not None else cfg.block_k, STAGES=cfg.stages,
+                  PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages)
+    grid = (triton.cdiv(n_rows, cfg.block_r), split)
+    if cfg.dot:
+        _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(), **consts)
+    else:
+        _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
     if split > 1:
-        n = N * n_rows
-        _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, SPLIT=split, BLOCK=1024, num_warps=4)
+        n = n_tokens * n_rows
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4)
     return out
 
 
-def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                 groups: int = 1) -> torch.Tensor:
+def _dot_dtype() -> tl.dtype:
+    """bf16 operands on the GPU; fp32 in Triton's interpreter, whose tl.dot multiplies the bit patterns of
+    bf16 (stored as uint16) as integers. The products are exact in fp32 either way."""
+    return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+             block: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
     """Torch reference in fp32: dequantise, then a (grouped) matrix product."""
-    w = dequant_fp8(weight, scale, block, torch.float32)
+    w = weight.float() if scale is None else dequant_fp8(weight, scale, block, torch.float32)
     n_rows, n_in = w.shape
     xf = x.float().reshape(-1, groups, n_in)
     y = torch.einsum("ngk,grk->ngr", xf, w.view(groups, n_rows // groups, n_in))

@@ -8,13 +8,15 @@ chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two
   ``[rows*ih, dim]`` queries with a ``[dim, BLOCK_T]`` key tile on the tensor cores (fp32
   accumulation; bf16 products are exact in fp32, so only the summation order differs from the
   reference), applies relu and the head weights and sums the heads in registers: only the
-  ``[S, T]`` fp32 scores reach memory, ``-inf`` where an entry is not visible.
+  ``[S, T]`` fp32 scores reach memory, ``-inf`` where an entry is not visible. A tile with no
+  visible entry reads no keys: the static decode buffer is sized for the longest context.
 * :func:`select_top`: one program per query row finds the k-th largest score by a radix select on
   the order-preserving unsigned image of the fp32 bits (``bits`` bits per pass, each pass counting
   ``2**bits`` candidate thresholds over the row at once), then keeps every score above it and,
   among the scores equal to it, the lowest entry indices until ``k`` are taken. ``torch.topk``
   leaves the order among equal values unspecified, so this tie rule is as exact as the reference.
-  A row with at most ``k`` finite scores keeps all of them without the radix passes.
+  A row with at most ``k`` finite scores keeps all of them without the radix passes, and the
+  passes end after the row's last finite score.
 
 Every row of every chunk size uses both kernels (decode, verify and prefill): the selection has no
 host synchronisation and no value-dependent shape, so the static decode step can be captured in a
@@ -29,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG_INF_KEY = 0x007FFFFF  # the key of -inf: below every finite score
+_NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # the key of -inf: below every finite score
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,16 @@ class ScoresConfig:
 
 @dataclass(frozen=True)
 class SelectConfig:
-    block: int = 512  # scores read per step of a pass over the row
-    bits: int = 4  # radix bits per pass: 1, 2, 4 or 8
+    block: int = 1024  # scores read per step of a pass over the row
+    bits: int = 2  # radix bits per pass: 1, 2, 4 or 8
     warps: int = 8
 
 
 def default_scores_config(rows: int) -> ScoresConfig:
-    """Decode / verify rows: narrow entry tiles, so that a 2048-entry buffer fills 64 programs;
-    prefill chunks: two rows per program, so that each key tile is read once for 128 head rows."""
-    return ScoresConfig(1, 32) if rows <= 8 else ScoresConfig(2, 64)
+    """Decode / verify rows: narrow entry tiles, so that a 2048-entry buffer fills 128 programs;
+    prefill chunks: two rows per program, so that each key tile is read once for 128 head rows
+    (the fastest of ``bench/sweep_indexer.py`` on the H200, 2026-11-29)."""
+    return ScoresConfig(1, 16) if rows <= 8 else ScoresConfig(2, 64)
 
 
 @triton.jit
@@ -62,22 +65,25 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, S, T, IH, D, qk_scale,
     r = tl.arange(0, BLOCK_S * IH_P)  # (query row, head) pairs, heads fastest
     rs = s0 + r // IH_P
     rh = r % IH_P
-    rows_in = (rs < S) & (rh < IH)
-    d = tl.arange(0, D_P)
-    q = tl.load(q_ptr + rs[:, None] * sq_s + rh[:, None] * sq_h + d[None, :] * sq_d,
-                mask=rows_in[:, None] & (d[None, :] < D), other=0.0)
-    kt = tl.load(k_ptr + t[None, :] * sk_t + d[:, None] * sk_d, mask=(t[None, :] < T) & (d[:, None] < D), other=0.0)
-    if WIDEN:  # exact: bf16 products and their fp32 sums are the same either way
-        q = q.to(tl.float32)
-        kt = kt.to(tl.float32)
-    dots = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_S*IH_P, BLOCK_T] fp32
-    w = tl.load(w_ptr + rs * sw_s + rh * sw_h, mask=rows_in, other=0.0).to(tl.float32) * w_scale
-    heads = tl.maximum(dots, 0.0) * qk_scale * w[:, None]
-    score = tl.sum(tl.reshape(heads, [BLOCK_S, IH_P, BLOCK_T]), axis=1)
     s = s0 + tl.arange(0, BLOCK_S)
     inside = (s[:, None] < S) & (t[None, :] < T)
-    vis = tl.load(vis_ptr + s[:, None] * sv_s + t[None, :] * sv_t, mask=inside, other=0)
-    tl.store(out_ptr + s[:, None] * T + t[None, :], tl.where(vis != 0, score, float("-inf")), mask=inside)
+    vis = tl.load(vis_ptr + s[:, None] * sv_s + t[None, :] * sv_t, mask=inside, other=0) != 0
+    score = tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32)
+    if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:  # a static decode buffer is mostly not visible yet
+        rows_in = (rs < S) & (rh < IH)
+        d = tl.arange(0, D_P)
+        q = tl.load(q_ptr + rs[:, None] * sq_s + rh[:, None] * sq_h + d[None, :] * sq_d,
+                    mask=rows_in[:, None] & (d[None, :] < D), other=0.0)
+        kt = tl.load(k_ptr + t[None, :] * sk_t + d[:, None] * sk_d, mask=(t[None, :] < T) & (d[:, None] < D),
+                     other=0.0)
+        if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
+            q = q.to(tl.float32)
+            kt = kt.to(tl.float32)
+        dots = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_S*IH_P, BLOCK_T] fp32
+        w = tl.load(w_ptr + rs * sw_s + rh * sw_h, mask=rows_in, other=0.0).to(tl.float32) * w_scale
+        heads = tl.maximum(dots, 0.0) * qk_scale * w[:, None]
+        score = tl.where(vis, tl.sum(tl.reshape(heads, [BLOCK_S, IH_P, BLOCK_T]), axis=1), float("-inf"))
+    tl.store(out_ptr + s[:, None] * T + t[None, :], score, mask=inside)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor,
@@ -86,14 +92,14 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visi
     where ``visible [S, T]`` is False; ``q [S, ih, dim]`` and ``keys [T, dim]`` of one dtype."""
     S, ih, dim = q.shape
     T = keys.shape[0]
-    # Triton's interpreter (CPU tensors) multiplies bf16 tiles as their raw 16-bit patterns: widen first.
     cfg = config or default_scores_config(S)
     out = torch.empty(S, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(S, cfg.block_s), triton.cdiv(T, cfg.block_t))
     _scores_kernel[grid](q, keys, head_w, visible, out, S, T, ih, dim, dim ** -0.5, ih ** -0.5,
                          *q.stride(), *keys.stride(), *head_w.stride(), *visible.stride(),
                          BLOCK_S=cfg.block_s, BLOCK_T=cfg.block_t, IH_P=max(16, triton.next_power_of_2(ih)),
-                         D_P=max(16, triton.next_power_of_2(dim)), WIDEN=not q.is_cuda, num_warps=cfg.warps)
+                         D_P=max(16, triton.next_power_of_2(dim)), WIDEN=not q.is_cuda,
+                         num_warps=cfg.warps)
     return out
 
 
@@ -106,18 +112,18 @@ def _key(x):
 
 
 @triton.jit
-def _kth_key(row_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _kth_key(row_ptr, end, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest), built ``BITS`` bits a pass."""
     R: tl.constexpr = 1 << BITS
     offs = tl.arange(0, BLOCK)
     digits = tl.arange(0, R).to(tl.uint32)
     prefix = tl.full((), 0, tl.uint32)
     for p in tl.static_range(32 // BITS):
-        shift: tl.constexpr = 32 - BITS * (p + 1)
+        shift = 32 - BITS * (p + 1)
         cand = prefix | (digits << shift)
         acc = tl.zeros([BLOCK, R], tl.int32)
-        for t0 in range(0, T, BLOCK):
-            inside = t0 + offs < T
+        for t0 in range(0, end, BLOCK):
+            inside = t0 + offs < end
             u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
             acc += ((u[:, None] >= cand[None, :]) & inside[:, None]).to(tl.int32)
         reached = tl.sum((tl.sum(acc, axis=0) >= k).to(tl.int32), axis=0)  # >= 1: digit 0 keeps the invariant
@@ -131,27 +137,31 @@ def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.const
     dst = out_ptr + tl.program_id(0) * T
     offs = tl.arange(0, BLOCK)
     finite = 0
+    end = 0  # one past the last finite score: the passes stop there (decode: the context, not the buffer)
     for t0 in range(0, T, BLOCK):
-        x = tl.load(row_ptr + t0 + offs, mask=t0 + offs < T, other=float("-inf"))
-        finite += tl.sum((x > float("-inf")).to(tl.int32), axis=0)
+        fin = tl.load(row_ptr + t0 + offs, mask=t0 + offs < T, other=float("-inf")) > float("-inf")
+        finite += tl.sum(fin.to(tl.int32), axis=0)
+        end = tl.maximum(end, tl.max(tl.where(fin, t0 + offs + 1, 0), axis=0))
     threshold = tl.full((), _NEG_INF_KEY, tl.uint32)
-    ties = 0  # how many scores equal to the threshold are still to take
+    quota = 0  # how many of the scores equal to the threshold to take
     if finite > k:
-        threshold = _kth_key(row_ptr, T, k, BLOCK, BITS)
+        threshold = _kth_key(row_ptr, end, k, BLOCK, BITS)
         above = 0
-        for t0 in range(0, T, BLOCK):
-            inside = t0 + offs < T
+        for t0 in range(0, end, BLOCK):
+            inside = t0 + offs < end
             u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
             above += tl.sum(((u > threshold) & inside).to(tl.int32), axis=0)
-        ties = k - above
+        quota = k - above
     taken = 0
-    for t0 in range(0, T, BLOCK):
+    for t0 in range(0, end, BLOCK):
         inside = t0 + offs < T
         u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
         tie = (u == threshold) & inside
         rank = tl.cumsum(tie.to(tl.int32), axis=0) + taken  # 1-based among this row's ties
         taken += tl.sum(tie.to(tl.int32), axis=0)
-        tl.store(dst + t0 + offs, (u > threshold) | (tie & (rank <= ties)), mask=inside)
+        tl.store(dst + t0 + offs, (u > threshold) | (tie & (rank <= quota)), mask=inside)
+    for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
+        tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
 
 
 def select_top(scores: torch.Tensor, k: int, config: SelectConfig | None = None) -> torch.Tensor:

@@ -1,223 +1,404 @@
 """Fused MoE for a few tokens (decode, small verify blocks): selected experts read in place.
 
-Two launches per call, no host synchronisation, static shapes (CUDA-graph safe):
+Tokens ``x [N, D]`` each go through their own ``k`` routed experts plus the shared expert, which
+is one more slot (``S = k + 1`` slots a token). Three launches a call, no host synchronisation,
+static shapes (CUDA-graph safe):
 
-1. gate-up: one program per (token, slot) pair and block of intermediate rows computes
-   ``h = silu(clamp(w1[e] x, max=L)) * clamp(w3[e] x, -L, L)`` in fp32;
-2. down: one program per token and block of output rows accumulates ``sum_j weight_j * w2[e_j] h_j``
-   over the token's slots, optionally adding into an existing output (routed + shared expert).
+1. gate-up: one program per (token, slot) pair and block of intermediate rows reads the w1 and w3
+   rows together and writes ``h = silu(clamp(w1 x, max=L)) * clamp(w3 x, -L, L)`` in fp32
+   (times 2^64 for MXFP4 experts, see :func:`_e2m1`);
+2. down: one program per pair and block of output rows writes the fp32 partial
+   ``weight * w2 h`` (the shared slot's weight is 1) to ``[N, S, D]``;
+3. a sum over the slots in a fixed order (deterministic), cast to ``x.dtype``.
+
+A program picks its expert's base pointers from its slot, so the shared expert rides in the same
+launches. When its format differs from the routed experts' (MXFP4 routed, FP8 shared), the kernels
+hold both paths and a program branches on its slot (one tile shape for both, the routed format's).
 
 Expert weights are read where they lie in the stacked ``[E, out, in]`` tensors, as bf16/fp32,
 FP8 e4m3 with fp32 block scales ``[E, out/b0, in/b1]``, or MXFP4 (two e2m1 codes a byte, low nibble
-first, uint8 e8m0 exponents ``[E, out, in/32]``); they are dequantised in registers.
+first, uint8 e8m0 exponents ``[E, out, in/32]``), and dequantised in registers. The tile shapes
+come from :data:`CONFIGS`, one entry per format (``bench/sweep_moe.py`` measures them).
 :func:`moe_ref` is the torch reference (it gathers dense copies of the selected experts).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
-from .switches import SWITCHES
-
 DENSE, FP8, FP4 = 0, 1, 2
+X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
 
 
-@triton.jit
-def _e2m1(code):
-    """e2m1 code (int32, 0..15) -> fp32 value."""
-    mag = code & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    v = tl.where(e == 0, m * 0.5, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where(code >= 8, -v, v)
+@dataclass(frozen=True)
+class Tile:
+    """One launch's tiling: a program reads ``rows`` weight rows, ``block_k`` inputs a loop step.
 
-
-@triton.jit
-def _e2m1_twice(code):
-    """2 x the e2m1 value of ``code`` (int32, 0..15) from integer arithmetic, exactly:
-    magnitudes 0, 1, 2, 3, 4, 6, 8, 12 for the codes 0..7, negated for 8..15."""
-    mag = code & 7
-    e = mag >> 1
-    m = mag & 1
-    v = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32)
-    return tl.where(code >= 8, -v, v)
-
-
-@triton.jit
-def _tile_dot(w_ptr, s_ptr, x_ptr, rows, rmask, d0, n_in, s_cols, acc,
-              QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, BLOCK_D: tl.constexpr,
-              INT_FP4: tl.constexpr = False):
-    """``acc [R, BLOCK_D or BLOCK_D/2] += W[rows, d0:d0+BLOCK_D] * x[d0:...]`` elementwise (reduced later).
-
-    FP8: the tile's rows lie in one scale row (checked by the caller), so the block scales multiply
-    the activation slice, not every weight. MXFP4 with ``INT_FP4``: codes decoded from integer
-    arithmetic and one ``exp2`` per 32-input scale group, broadcast over the group's 16 bytes (the
-    same exact values as the per-element ``exp2`` decode).
+    Both are lowered to powers of two dividing the matrix (FP8 rows also the scale block), so no
+    load is masked. ``stages`` is passed on to Triton, whose software pipelining (3.6) leaves loops
+    without ``tl.dot`` alone: the bytes in flight come from the tile and the programs per SM.
     """
-    if QUANT == 2 and INT_FP4:
-        half: tl.constexpr = BLOCK_D // 2
-        j = tl.arange(0, half)
-        cols = d0 // 2 + j
-        cmask = cols < n_in // 2
-        m = rmask[:, None] & cmask[None, :]
-        packed = tl.load(w_ptr + rows[:, None] * (n_in // 2) + cols[None, :], mask=m, other=0)
-        byte = packed.to(tl.int32) & 0xFF
-        groups: tl.constexpr = half // 16
-        g = d0 // 32 + tl.arange(0, groups)
-        gm = rmask[:, None] & (g < s_cols)[None, :]
-        exps = tl.load(s_ptr + rows[:, None] * s_cols + g[None, :], mask=gm, other=127)
-        group_scale = tl.exp2(exps.to(tl.float32) - 128.0)  # 0.5 x the scale: the codes are doubled
-        scale = tl.reshape(tl.broadcast_to(group_scale[:, :, None], [group_scale.shape[0], groups, 16]),
-                           [group_scale.shape[0], half])
-        xe = tl.load(x_ptr + d0 + 2 * j, mask=cmask, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + d0 + 2 * j + 1, mask=cmask, other=0.0).to(tl.float32)
-        acc += scale * (_e2m1_twice(byte & 15) * xe[None, :] + _e2m1_twice(byte >> 4) * xo[None, :])
-    elif QUANT == 2:
-        half: tl.constexpr = BLOCK_D // 2
-        j = tl.arange(0, half)
-        cols = d0 // 2 + j
-        cmask = cols < n_in // 2
-        m = rmask[:, None] & cmask[None, :]
-        packed = tl.load(w_ptr + rows[:, None] * (n_in // 2) + cols[None, :], mask=m, other=0)
-        byte = packed.to(tl.int32) & 0xFF
-        exps = tl.load(s_ptr + rows[:, None] * s_cols + ((d0 + 2 * j) // 32)[None, :], mask=m, other=127)
-        scale = tl.exp2(exps.to(tl.float32) - 127.0)
-        xe = tl.load(x_ptr + d0 + 2 * j, mask=cmask, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + d0 + 2 * j + 1, mask=cmask, other=0.0).to(tl.float32)
-        acc += scale * (_e2m1(byte & 15) * xe[None, :] + _e2m1(byte >> 4) * xo[None, :])
+
+    rows: int
+    block_k: int
+    warps: int = 4
+    stages: int = 1
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    gate_up: Tile
+    down: Tile
+
+
+# Per format (ExpertStack.format): the best of bench/sweep_moe.py on the H200 (2026-11-29, before
+# the MXFP4 + FP8 shared kernel was one launch); fp32 (tests, tiny models) is not swept.
+CONFIGS: dict[str, MoEConfig] = {
+    "bf16": MoEConfig(Tile(16, 512), Tile(16, 512)),
+    "fp32": MoEConfig(Tile(16, 256), Tile(16, 256)),
+    "fp8": MoEConfig(Tile(32, 512), Tile(64, 256)),
+    "fp4": MoEConfig(Tile(8, 1024), Tile(16, 2048)),
+}
+
+
+@triton.jit
+def _e2m1(b):
+    """uint8 bytes of two e2m1 codes (low nibble first) -> fp32 values times 2^-126, exactly.
+
+    A code's sign goes to bit 31 and its exponent and mantissa bits to bits 24..22 (one integer
+    multiply places both copies), which reads as the e2m1 value times 2^-126: 0.5 as an fp32
+    subnormal, the others as zero or normals. No exp2 and no select. The products with activations
+    scaled by 2^64 are normal numbers again; the group scale takes the remaining 2^62.
+    """
+    b32 = b.to(tl.int32)
+    lo = ((b32 & 0xF) * 0x10400000) & -2118123520  # mask 0x81C00000
+    hi = ((b32 & 0xF0) * 0x01040000) & -2118123520
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scale(e):
+    """uint8 e8m0 exponents -> fp32 ``2^(e - 127) * 2^62`` from its bits (exponents up to 192).
+
+    With the activations' 2^64 (magnitudes below 2^64) every factor is a power of two applied
+    exactly, so the MXFP4 dot products are the exact dequantised ones up to fp32 rounding.
+    """
+    return ((e.to(tl.int32) + 62) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The block scales of inputs ``[k0, k0 + BLOCK_K)`` in this program's scale row: a scalar, or
+    ``[1, BLOCK_K]`` picked from one scalar per block (a gather would change the layout)."""
+    first = k0 // SB_C
+    if BLOCK_K <= SB_C:
+        return tl.load(s_ptr + first)
     else:
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cmask = cols < n_in
-        m = rmask[:, None] & cmask[None, :]
-        w = tl.load(w_ptr + rows[:, None] * n_in + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        block = ((k0 + tl.arange(0, BLOCK_K)) // SB_C)[None, :]
+        s = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+        for c in tl.static_range(BLOCK_K // SB_C):
+            s = tl.where(block == first + c, tl.load(s_ptr + first + c), s)
+        return s
+
+
+@triton.jit
+def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr):
+    """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape.
+
+    The tile repeats one row (row stride 0): Triton gives the loads of one shape in a loop the same
+    register layout, so activations and weights meet with no data moved between threads, and the
+    repeated rows compile to one load. MXFP4: ``[R, BLOCK_K / 2, 2]``, the (even, odd) inputs of
+    each weight byte read as one word, times ``SCALE``.
+    """
+    zero = (rows * 0)[:, None]
+    if QUANT == 2:
+        cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
+        ty: tl.constexpr = x_ptr.dtype.element_ty
+        if ty == tl.float32:
+            w = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + zero + cols)
+            even = w.to(tl.int32).to(tl.float32, bitcast=True)
+            odd = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        else:
+            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + zero + cols)
+            if ty == tl.bfloat16:
+                even = (w << 16).to(tl.float32, bitcast=True)
+                odd = (w & -65536).to(tl.float32, bitcast=True)
+            else:
+                even = w.to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+                odd = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+        if SCALE != 1.0:
+            even *= SCALE
+            odd *= SCALE
+        return tl.join(even, odd)
+    else:
+        return tl.load(x_ptr + zero + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
+                QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight rows ``rows`` and inputs
+    ``[k0, k0 + BLOCK_K)`` with the activations from :func:`_activations`, summed over each thread's
+    16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
+    and a chain of FMAs, in the registers that hold the vector.
+
+    FP8: a program's rows lie in one scale row (the launcher makes sure) and ``s_ptr`` points at
+    it, so the block scales multiply the activations, not every weight.
+    """
+    R: tl.constexpr = rows.shape[0]
+    if QUANT == 2:
+        b = tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+        lo, hi = _e2m1(b)
+        part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
+        e = tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
+        acc += part * _group_scale(e)
+    else:
+        w = tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
         if QUANT == 1:
-            xv = xv * tl.load(s_ptr + (tl.min(rows, axis=0) // SB_R) * s_cols + cols // SB_C, mask=cmask, other=0.0)
-        acc += w * xv[None, :]
+            xv = xv * _fp8_scales(s_ptr, k0, SB_C, BLOCK_K)
+        acc += tl.sum(tl.reshape(w * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
     return acc
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, n_in, n_inter, top_k, limit,
-                    w_expert_stride, s_expert_stride, s_cols,
-                    QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                    BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, INT_FP4: tl.constexpr):
-    pair = tl.program_id(0)
-    token = pair // top_k
-    e = tl.load(idx_ptr + pair).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    rmask = rows < n_inter
-    w1 = w1_ptr + e * w_expert_stride
-    w3 = w3_ptr + e * w_expert_stride
-    s1 = s1_ptr + e * s_expert_stride
-    s3 = s3_ptr + e * s_expert_stride
-    x = x_ptr + token * n_in
-    width: tl.constexpr = BLOCK_D // 2 if QUANT == 2 else BLOCK_D
-    acc_g = tl.zeros([BLOCK_I, width], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I, width], dtype=tl.float32)
-    for d0 in range(0, n_in, BLOCK_D):
-        acc_g = _tile_dot(w1, s1, x, rows, rmask, d0, n_in, s_cols, acc_g, QUANT, SB_R, SB_C, BLOCK_D, INT_FP4)
-        acc_u = _tile_dot(w3, s3, x, rows, rmask, d0, n_in, s_cols, acc_u, QUANT, SB_R, SB_C, BLOCK_D, INT_FP4)
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
+def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
+                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
+    if QUANT == 1:
+        s1 += (row0 // SB_R) * s_cols
+        s3 += (row0 // SB_R) * s_cols
+    rows = row0 + tl.arange(0, BLOCK_R)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
+        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+    g = tl.sum(acc1, axis=1)
+    u = tl.sum(acc3, axis=1)
     if limit > 0:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + pair * n_inter + rows, h, mask=rmask)
+    if QUANT == 2:
+        h *= X_SCALE  # the MXFP4 down projection reads h scaled
+    return h
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, s2_ptr, out_ptr, n_out, n_inter, top_k,
-                 w_expert_stride, s_expert_stride, s_cols,
-                 QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, INT_FP4: tl.constexpr):
-    token = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-    rmask = rows < n_out
-    width: tl.constexpr = BLOCK_I // 2 if QUANT == 2 else BLOCK_I
-    acc = tl.zeros([BLOCK_O, width], dtype=tl.float32)
-    for j in range(top_k):
-        pair = token * top_k + j
-        e = tl.load(idx_ptr + pair).to(tl.int64)
-        weight = tl.load(wt_ptr + pair).to(tl.float32)
-        part = tl.zeros([BLOCK_O, width], dtype=tl.float32)
-        for i0 in range(0, n_inter, BLOCK_I):
-            part = _tile_dot(w2_ptr + e * w_expert_stride, s2_ptr + e * s_expert_stride, h_ptr + pair * n_inter,
-                             rows, rmask, i0, n_inter, s_cols, part, QUANT, SB_R, SB_C, BLOCK_I, INT_FP4)
-        acc += part * weight
-    out = tl.sum(acc, axis=1)
-    if ACCUMULATE:
-        out += tl.load(out_ptr + token * n_out + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * n_out + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
+               QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
+    if QUANT == 1:
+        s2 += (row0 // SB_R) * s_cols
+    rows = row0 + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in range(0, n_inter, BLOCK_K):
+        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
+        acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+    return tl.sum(acc, axis=1)
 
 
-def _pow2(n: int, cap: int) -> int:
-    return min(cap, triton.next_power_of_2(max(n, 16)))
+@triton.jit
+def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_stride, s_stride, row_len, s_cols,
+                    sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, srow_len, ss_cols, n_in, n_inter, top_k, n_slots, limit,
+                    QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                    SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
+                    MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
+    shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
+    pair = tl.program_id(0)
+    token = pair // n_slots
+    slot = pair % n_slots
+    row0 = tl.program_id(1) * BLOCK_R
+    x = x_ptr + token * n_in
+    e = tl.load(idx_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
+    if MIXED:
+        if slot < top_k:
+            h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
+                              s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K)
+        else:
+            h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K)
+    else:
+        shared = slot >= top_k
+        h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
+                          tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
+                          tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
+                          tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K)
+    tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
+
+
+@triton.jit
+def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_stride, row_len, s_cols,
+                 sw2_ptr, ss2_ptr, srow_len, ss_cols, n_out, n_inter, top_k, n_slots,
+                 QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                 SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
+                 MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
+    pair = tl.program_id(0)
+    token = pair // n_slots
+    slot = pair % n_slots
+    row0 = tl.program_id(1) * BLOCK_R
+    h = h_ptr + pair * n_inter
+    e = tl.load(idx_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
+    weight = tl.load(wt_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.float32)
+    if MIXED:
+        if slot < top_k:
+            y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
+                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K)
+        else:
+            y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
+                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K)
+    else:
+        shared = slot >= top_k
+        y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
+                       tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
+                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K)
+    y *= tl.where(slot < top_k, weight, 1.0)
+    tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
+
+
+@triton.jit
+def _sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr):
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_out
+    part = part_ptr + token * n_slots * n_out + cols
+    acc = tl.load(part, mask=m, other=0.0)
+    for j in range(1, n_slots):
+        acc += tl.load(part + j * n_out, mask=m, other=0.0)
+    tl.store(out_ptr + token * n_out + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 class ExpertStack:
-    """The kernel's view of one stacked expert matrix ``[E, out, in]`` (dense, FP8 or MXFP4)."""
+    """The kernel's view of one expert matrix, stacked ``[E, out, in]`` or single ``[out, in]`` (the
+    shared expert): dense, FP8 (``scale`` fp32 blocks of ``block``) or MXFP4 (int8 / uint8 packed
+    data, uint8 exponents)."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)):
-        self.data = data
+        if data.dim() == 2:
+            data = data.unsqueeze(0)
+            scale = None if scale is None else scale.unsqueeze(0)
+        if data.stride(2) != 1 or data.stride(1) != data.shape[2]:
+            raise ValueError("ExpertStack: each expert's rows must be contiguous")
         self.quant = DENSE if scale is None else (FP4 if data.dtype in (torch.int8, torch.uint8) else FP8)
-        self.scale = scale if scale is not None else data  # unused pointer when dense
-        self.block = block if self.quant == FP8 else (1, 32)
+        self.data = data.view(torch.uint8) if self.quant == FP4 else data
+        self.scale = scale.contiguous() if scale is not None else data  # an unused pointer when dense
+        self.block = tuple(block) if self.quant == FP8 else (1, 32) if self.quant == FP4 else (1, 1)
         self.out = data.shape[1]
         self.inp = data.shape[2] * (2 if self.quant == FP4 else 1)
+        # inputs a thread sums in registers: a 16-byte vector (MXFP4: one scale group)
+        self.vec = 32 if self.quant == FP4 else 16 // data.element_size()
+        self.row_len = data.shape[2]  # elements (MXFP4: bytes) of a row
+        dense = self.quant == DENSE
+        self.s_stride, self.s_cols = (0, 0) if dense else (self.scale.stride(0), self.scale.shape[2])
 
-    def scale_dims(self) -> tuple[int, int]:
-        """(expert stride, columns) of the scale tensor."""
-        if self.quant == DENSE:
-            return 0, 0
-        return self.scale.stride(0), self.scale.shape[2]
+    @property
+    def format(self) -> str:
+        """The key of this stack's tiles in :data:`CONFIGS`."""
+        if self.quant != DENSE:
+            return "fp8" if self.quant == FP8 else "fp4"
+        return "fp32" if self.data.dtype == torch.float32 else "bf16"
+
+    def same_format(self, other: "ExpertStack") -> bool:
+        """Whether one code path reads both (same dtypes and scale blocks)."""
+        return (self.quant, self.data.dtype, self.scale.dtype, self.block) == (
+            other.quant, other.data.dtype, other.scale.dtype, other.block)
+
+
+Experts = tuple[ExpertStack, ExpertStack, ExpertStack]  # (w1, w3, w2)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap``."""
+    p = 1
+    while 2 * p <= cap and n % (2 * p) == 0:
+        p *= 2
+    return p
+
+
+def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, int]:
+    """(rows, block_k) of ``tile`` for a launch reading both stacks: powers of two dividing their
+    matrices; FP8 rows also dividing the scale block's rows, FP8 steps nested with the scale block's
+    columns; whole vectors a step."""
+    vec = max(s.vec for s in stacks)
+    rows, block_k = tile.rows, max(tile.block_k, vec)
+    for s in stacks:
+        (sb_r, sb_c), inp = s.block, s.inp
+        rows = _pow2_divisor(math.gcd(s.out, sb_r) if s.quant == FP8 else s.out, rows)
+        block_k = _pow2_divisor(math.gcd(inp, sb_c) if s.quant == FP8 and sb_c & (sb_c - 1) else inp, block_k)
+    if block_k < vec:
+        raise ValueError(f"moe_fused: the inputs of {[(s.inp, s.block) for s in stacks]} (FP8 blocks) do not "
+                         f"split into {vec}-input vectors")
+    return rows, block_k
+
+
+def _config(stack: ExpertStack, configs: Mapping[str, MoEConfig] | None) -> MoEConfig:
+    return (configs or {}).get(stack.format) or CONFIGS[stack.format]
+
+
+def _formats(a: ExpertStack, b: ExpertStack) -> dict:
+    """The kernels' compile-time parameters for routed stack ``a`` and shared stack ``b``."""
+    return dict(QUANT=a.quant, SB_R=a.block[0], SB_C=a.block[1], VEC=a.vec,
+                SQUANT=b.quant, SSB_R=b.block[0], SSB_C=b.block[1], SVEC=b.vec, MIXED=not a.same_format(b))
 
 
 def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: ExpertStack, w3: ExpertStack,
-              w2: ExpertStack, limit: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out (+)= sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` for ``x [N, D]``, ``idx [N, k]``.
-
-    When ``out`` is given the result is added to it (in place) and it is returned.
-    """
+              w2: ExpertStack, limit: float, shared: Experts | None = None,
+              configs: Mapping[str, MoEConfig] | None = None) -> torch.Tensor:
+    """``sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` (plus the ``shared`` expert, weight 1)
+    for tokens ``x [N, D]`` routed to ``idx [N, k]``. Tiles: the routed format's entry of ``configs``
+    or else :data:`CONFIGS`."""
     N, D = x.shape
     k = idx.shape[1]
-    inter = w1.out
+    sw1, sw3, sw2 = shared or (w1, w3, w2)
+    if (sw1.out, sw1.inp, sw2.out, sw2.inp) != (w1.out, w1.inp, w2.out, w2.inp):
+        raise ValueError("moe_fused: the shared expert's shapes differ from the routed experts'")
+    slots = k + (shared is not None)
     x = x.contiguous()
     idx = idx.contiguous()
-    weights = weights.contiguous().float()
-    h = torch.empty(N * k, inter, device=x.device, dtype=torch.float32)
-    wide = SWITCHES.moe_wide and w1.quant != DENSE
-    widen = (1 if not wide else 2 if w1.quant == FP8 else 4)  # bytes per tile as for bf16
-    block_d = _pow2(D, 256 * widen)
-    block_i = _pow2(inter, 16)
-    block_o = _pow2(D, 16)
-    if w1.quant == FP8 and (w1.block[0] % block_i or w2.block[0] % block_o):
-        raise ValueError(f"moe_fused: FP8 scale blocks of {w1.block[0]} rows do not hold {block_i}-row tiles")
-    ss, sc = w1.scale_dims()
-    _gate_up_kernel[(N * k, triton.cdiv(inter, block_i))](
-        x, idx, w1.data, w3.data, w1.scale, w3.scale, h, D, inter, k, float(limit),
-        w1.data.stride(0), ss, sc,
-        QUANT=w1.quant, SB_R=w1.block[0], SB_C=w1.block[1], BLOCK_I=block_i, BLOCK_D=block_d, INT_FP4=wide,
-        num_warps=4)
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty(N, D, device=x.device, dtype=x.dtype)
-    wide = SWITCHES.moe_wide and w2.quant != DENSE
-    block_k = _pow2(inter, 256 * (1 if not wide else 2 if w2.quant == FP8 else 4))
-    ss, sc = w2.scale_dims()
-    _down_kernel[(N, triton.cdiv(D, block_o))](
-        h, idx, weights, w2.data, w2.scale, out, D, inter, k, w2.data.stride(0), ss, sc,
-        QUANT=w2.quant, SB_R=w2.block[0], SB_C=w2.block[1], ACCUMULATE=accumulate,
-        BLOCK_O=block_o, BLOCK_I=block_k, INT_FP4=wide, num_warps=4)
+    weights = weights.contiguous()
+    h = torch.empty(N, slots, w1.out, device=x.device, dtype=torch.float32)
+    part = torch.empty(N, slots, D, device=x.device, dtype=torch.float32)
+    config = _config(w1, configs)
+    rows, block_k = _shape(config.gate_up, (w1, sw1))
+    _gate_up_kernel[(N * slots, w1.out // rows)](
+        x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
+        sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
+        **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k,
+        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages)
+    rows, block_k = _shape(config.down, (w2, sw2))
+    _down_kernel[(N * slots, D // rows)](
+        h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
+        sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
+        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k,
+        num_warps=config.down.warps, num_stages=config.down.stages)
+    out = torch.empty_like(x)
+    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4)
     return out
 
 
 def moe_ref(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-            w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """Torch reference on dense ``[E, out, in]`` stacks, computed in fp32."""
+            w2: torch.Tensor, limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+    """Torch reference on dense ``[E, out, in]`` stacks (and a dense ``[out, in]`` shared expert, weight 1),
+    computed in fp32."""
+    if shared is not None:
+        E = w1.shape[0]
+        w1, w3, w2 = (torch.cat([w.float(), s.float().unsqueeze(0)]) for w, s in zip((w1, w3, w2), shared))
+        idx = torch.cat([idx, torch.full_like(idx[:, :1], E)], dim=1)
+        weights = torch.cat([weights.float(), torch.ones_like(weights[:, :1], dtype=torch.float32)], dim=1)
     xf = x.float()
     g = torch.einsum("nd,nkid->nki", xf, w1[idx].float())
     u = torch.einsum("nd,nkid->nki", xf, w3[idx].float())

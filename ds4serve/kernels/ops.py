@@ -2,7 +2,7 @@
 
 ``torch.compile`` traces a ``torch.library`` custom op as one opaque node whose output shapes come
 from its fake implementation. With the kernels behind these ops, a compiled region can hold a whole
-decoder block (``SWITCHES.block_regions``): the FP8 GEMVs, the fused MoE and the mHC Sinkhorn stay
+decoder block (``SWITCHES.block_regions``): the GEMVs, the fused MoE and the mHC Sinkhorn stay
 hand-written launches, and Inductor fuses every elementwise chain between them. Outside compiled
 code an op call is the launcher plus one dispatcher hop.
 """
@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from . import gemv, hyper, indexer, moe
+from . import hyper, indexer, moe
+from .gemv import gemv as _gemv
 
 _LIB = "ds4serve"
 
 
-@torch.library.custom_op(f"{_LIB}::fp8_gemv", mutates_args=())
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int,
-             groups: int) -> torch.Tensor:
-    """:func:`ds4serve.kernels.gemv.fp8_gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``)."""
-    return gemv.fp8_gemv(x, weight, scale, (block_rows, block_cols), groups)
+@torch.library.custom_op(f"{_LIB}::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block_rows: int, block_cols: int,
+         groups: int) -> torch.Tensor:
+    """:func:`ds4serve.kernels.gemv.gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``): ``weight`` FP8
+    with its block scales, or dense with ``scale`` None (the block sizes are then ignored)."""
+    return _gemv(x, weight, scale, None if scale is None else (block_rows, block_cols), groups)
 
 
-@fp8_gemv.register_fake
+@gemv.register_fake
 def _(x, weight, scale, block_rows, block_cols, groups):
     return x.new_empty(x.numel() // (groups * weight.shape[1]), weight.shape[0])
 
@@ -49,17 +51,12 @@ def moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                sw1: torch.Tensor, ss1: torch.Tensor | None, sw3: torch.Tensor, ss3: torch.Tensor | None,
                sw2: torch.Tensor, ss2: torch.Tensor | None, shared_block: list[int], limit: float) -> torch.Tensor:
     """Routed experts ``[E, out, in]`` (scales None when dense) plus the shared expert ``[out, in]``,
-    for tokens ``x [N, D]`` routed to ``idx [N, k]`` with ``weights [N, k]``: four kernel launches."""
+    for tokens ``x [N, D]`` routed to ``idx [N, k]`` with ``weights [N, k]``: three kernel launches,
+    the shared expert one more slot in them."""
     rb, sb = (routed_block[0], routed_block[1]), (shared_block[0], shared_block[1])
-    out = moe.moe_fused(x, idx, weights, moe.ExpertStack(w1, s1, rb), moe.ExpertStack(w3, s3, rb),
-                        moe.ExpertStack(w2, s2, rb), limit)
-    one = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
-
-    def single(w: torch.Tensor, s: torch.Tensor | None) -> moe.ExpertStack:
-        return moe.ExpertStack(w.unsqueeze(0), None if s is None else s.unsqueeze(0), sb)
-
-    return moe.moe_fused(x, one, torch.ones(one.shape, device=x.device), single(sw1, ss1), single(sw3, ss3),
-                         single(sw2, ss2), limit, out=out)
+    routed = [moe.ExpertStack(w, s, rb) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    shared = tuple(moe.ExpertStack(w, s, sb) for w, s in ((sw1, ss1), (sw3, ss3), (sw2, ss2)))
+    return moe.moe_fused(x, idx, weights, *routed, limit, shared=shared)
 
 
 @moe_decode.register_fake

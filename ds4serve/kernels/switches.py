@@ -2,8 +2,8 @@
 
 Off means the behaviour of the previous GPU round, so that a single device call can time every
 combination in one process (``bench/bench_gpu.py --arms``). The defaults are what the 2026-11-29
-(third) run found fastest among the configurations that passed the GPU checks; ``gemv_split`` stays
-off: it did not speed up the decode step and slowed the GEMV itself (bench/RESULTS.md).
+(third) run found fastest among the configurations that passed the GPU checks. The GEMV's tiles and
+split-K are per shape (``kernels/gemv.py`` ``TABLE``, swept by ``bench/sweep_gemv.py``), not a switch.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ class Switches:
     # Each decoder block of a static step is one compiled region; the Triton kernels are custom ops
     # inside it (kernels/ops.py), so Inductor fuses everything elementwise between them.
     block_regions: bool = True
-    # FP8 GEMV: wider tiles and split-K over the input so that long inputs keep every SM streaming.
-    gemv_split: bool = False
-    # Fused MoE on FP8 / MXFP4 experts: tiles of the bf16 kernel's byte size and an MXFP4 decode
-    # from integer arithmetic (no exp2 per element).
-    moe_wide: bool = True
+    # Dense bf16 projections of a few rows run as the Triton GEMV (kernels/gemv.py) instead of cuBLAS.
+    gemv_dense: bool = True
 
 
 SWITCHES = Switches()

@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 
 SCORES_BUDGET = 1 << 28  # fp32 logits of the blocks that run together (about 1 GiB)
+# Keys per block padded (masked) to a multiple of this: with an odd count (255 window keys, +E entries)
+# the batched products' leading dimensions are unaligned and cuBLAS falls back to slow sm75/sm80 kernels.
+KEY_ALIGN = 32
 
 
 def window_sequence(kv: torch.Tensor, ring: torch.Tensor, start: int) -> torch.Tensor:
@@ -49,15 +52,13 @@ def chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: tor
     n_entries = 0 if entries is None else entries.shape[0]
     per_block = block * H * (block + window + n_entries)
     run = max(1, SCORES_BUDGET // per_block) * block
-    outs = []
-    for first in range(0, S - S % block, run):
-        rows = min(run, S - S % block - first)
-        outs.append(_blocks(q[first:first + rows], seq, start, first, block, window, entries,
-                            None if visible is None else visible[first:first + rows], sinks, scale))
-    if S % block:
-        first = S - S % block
-        outs.append(_blocks(q[first:], seq, start, first, S % block, window, entries,
-                            None if visible is None else visible[first:], sinks, scale))
+    full = S - S % block
+    runs = [(first, min(run, full - first), block) for first in range(0, full, run)]
+    if S % block:  # the last rows: one shorter block
+        runs.append((full, S % block, S % block))
+    outs = [_blocks(q[first:first + rows], seq, start, first, size, window, entries,
+                    None if visible is None else visible[first:first + rows], sinks, scale)
+            for first, rows, size in runs]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -69,14 +70,22 @@ def _blocks(q: torch.Tensor, seq: torch.Tensor, start: int, first: int, block: i
     span = block + window - 1
     # block i reads seq rows first + i*block .. + span - 1 (positions start - W + 1 + first + i*block ..)
     keys = seq[first:first + (n - 1) * block + span].unfold(0, span, block).transpose(1, 2)  # [n, span, d]
-    allowed = _window_mask(n, block, window, start - window + 1 + first, q.device)
+    allowed = _window_mask(n, block, window, start - window + 1 + first, q.device).expand(n, -1, -1)
+    key_parts, mask_parts = [keys], [allowed]
     if entries is not None:
-        keys = torch.cat([keys, entries.expand(n, -1, -1)], dim=1)
-        allowed = torch.cat([allowed.expand(n, -1, -1), visible.reshape(n, block, -1)], dim=2)
+        key_parts.append(entries.expand(n, -1, -1))
+        mask_parts.append(visible.reshape(n, block, -1))
+    pad = -sum(k.shape[1] for k in key_parts) % KEY_ALIGN
+    if pad:
+        key_parts.append(keys.new_zeros(n, pad, d))
+        mask_parts.append(allowed.new_zeros(n, block, pad))
+    keys = torch.cat(key_parts, dim=1)
+    allowed = torch.cat(mask_parts, dim=2)
     K = keys.shape[1]
     scores = torch.matmul(q.reshape(n, block * H, d), keys.transpose(1, 2)).mul_(scale).view(n, block, H, K)
     logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=q.device)
-    torch.where(allowed.unsqueeze(2), scores, float("-inf"), out=logits[..., :K])
+    bias = torch.where(allowed, 0.0, float("-inf")).unsqueeze(2)  # fp32 [n or 1, block, 1, K]
+    torch.add(scores, bias, out=logits[..., :K])
     logits[..., K] = sinks.float()
     probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
     return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)

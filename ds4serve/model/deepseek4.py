@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
@@ -26,7 +25,7 @@ from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention
 from .compressor import CompressorWeights
 from .hyper import HCSite, hc_head, hc_merge, hc_split
-from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint
+from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
 from .rope import Rope
@@ -211,7 +210,7 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
 def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     with profiler.phase("output_projection"):
         merged = hc_head(X, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
-        return F.linear(rms_norm(merged, h.norm, cfg.rms_norm_eps), h.head).float()
+        return linear(rms_norm(merged, h.norm, cfg.rms_norm_eps), h.head).float()
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -57,9 +57,19 @@ def _hc_mixes(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tenso
     return F.linear(flat, fn.float())
 
 
+def _stream_kernels(X: torch.Tensor) -> bool:
+    """Chunks longer than a verify block use :mod:`ds4serve.kernels.hc_streams`; a decode step's
+    products stay torch code, which the compiled decode regions fuse with their neighbours."""
+    return X.shape[0] > MIX_REDUCE_MAX_ROWS and kernels.enabled(X)
+
+
 @region
 def _collapse(pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """``sum_k pre_k X_k`` in fp32, cast to X's dtype."""
+    if _stream_kernels(X):
+        from ..kernels.hc_streams import hc_collapse
+
+        return hc_collapse(pre, X)
     return (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
 
 
@@ -82,6 +92,10 @@ def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
 @region
 def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``X'_k = post_k * out + sum_j comb[j, k] X_j`` with post/comb rounded to X's dtype."""
+    if _stream_kernels(X):
+        from ..kernels.hc_streams import hc_merge as merge
+
+        return merge(X, out, post, comb)
     dtype = X.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), X)
 

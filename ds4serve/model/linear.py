@@ -2,9 +2,9 @@
 
 A weight is a dense tensor (bf16 / fp32), an :class:`FP8Weight` (e4m3 with fp32 block scales)
 or an :class:`FP4Weight` (MXFP4: packed e2m1 pairs with uint8 e8m0 exponents per 32 inputs).
-:func:`linear` and :func:`grouped_linear` read FP8 in place through the Triton GEMV for a few
-rows on CUDA (decode); otherwise they dequantise exactly and run the dense product, which is
-the reference the kernels are tested against.
+:func:`linear` and :func:`grouped_linear` read FP8 (and, with ``SWITCHES.gemv_dense``, dense bf16)
+weights in place through the Triton GEMV for a few rows on CUDA (decode); otherwise they dequantise
+exactly and run the dense product, which is the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.switches import SWITCHES
 from ..quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
-GEMV_MAX_ROWS = 8  # up to this many activation rows, FP8 projections run as GEMV kernels
+GEMV_MAX_ROWS = 8  # up to this many activation rows (tokens), projections run as GEMV kernels
 
 
 @dataclass
@@ -63,28 +64,39 @@ def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """``x @ w.T`` for a dense or quantized weight ``w [out, in]``."""
+    if _gemv_applies(x, w, 1):
+        return _gemv(x, w, 1).view(*x.shape[:-1], w.shape[0])
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
-    if isinstance(w, FP8Weight) and _gemv_applies(x):
-        from ..kernels import ops
-
-        return ops.fp8_gemv(x, w.data, w.scale, w.block[0], w.block[1], 1).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w.dequantize(x.dtype))
 
 
 def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     """``x [S, G, K]`` times ``w [G*R, K]``, group g using rows ``[gR, (g+1)R)``: ``[S, G*R]``."""
     S = x.shape[0]
-    if isinstance(w, FP8Weight) and _gemv_applies(x):
-        from ..kernels import ops
-
-        return ops.fp8_gemv(x, w.data, w.scale, w.block[0], w.block[1], groups)
+    if _gemv_applies(x, w, groups):
+        return _gemv(x, w, groups)
     wd = dense(w, x.dtype)
     return torch.einsum("sgi,gri->sgr", x, wd.view(groups, wd.shape[0] // groups, -1)).reshape(S, -1)
 
 
-def _gemv_applies(x: torch.Tensor) -> bool:
-    return kernels.enabled(x) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+def _gemv_applies(x: torch.Tensor, w: Weight, groups: int) -> bool:
+    """The Triton GEMV takes up to ``GEMV_MAX_ROWS`` tokens on FP8 weights, and on contiguous dense bf16
+    weights times bf16 activations while ``SWITCHES.gemv_dense`` is on (else cuBLAS)."""
+    if not (kernels.enabled(x) and x.numel() // (x.shape[-1] * groups) <= GEMV_MAX_ROWS):
+        return False
+    if isinstance(w, FP8Weight):
+        return True
+    return (isinstance(w, torch.Tensor) and SWITCHES.gemv_dense and w.dtype == x.dtype == torch.bfloat16
+            and w.is_contiguous())
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor | FP8Weight, groups: int) -> torch.Tensor:
+    from ..kernels import ops
+
+    if isinstance(w, FP8Weight):
+        return ops.gemv(x, w.data, w.scale, w.block[0], w.block[1], groups)
+    return ops.gemv(x, w, None, 0, 0, groups)
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Weight:

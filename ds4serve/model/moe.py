@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..kernels.regions import region
 from .linear import FP8Weight, Weight, linear
+from .moe_grouped import routed_experts, swiglu_gate
 
 FUSED_MAX_PAIRS = 64  # (token, expert) pairs up to which the fused kernel runs (decode, short verify)
 
@@ -65,12 +66,7 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) -> torch.Tensor:
     """``w2 (silu(clamp(w1 x, max=limit)) * clamp(w3 x, -limit, limit))``."""
-    g = linear(x, w1)
-    u = linear(x, w3)
-    if limit > 0:
-        g = g.clamp(max=limit)
-        u = u.clamp(min=-limit, max=limit)
-    return linear(F.silu(g) * u, w2)
+    return linear(swiglu_gate(linear(x, w1), linear(x, w3), limit), w2)
 
 
 def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float,
@@ -79,25 +75,14 @@ def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, sca
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
         return _moe_fused(w, x, idx, weights, limit)
-    out = torch.zeros_like(x)
-    # (token, slot) pairs grouped by expert in row-major order: one host sync for the counts
-    pairs = torch.argsort(idx.flatten(), stable=True)
-    counts = torch.bincount(idx.flatten(), minlength=w.gate.shape[0]).tolist()
-    first = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        group = pairs[first:first + n]
-        first += n
-        token, slot = group // idx.shape[1], group % idx.shape[1]
-        y = swiglu(x[token], w.w1[expert], w.w3[expert], w.w2[expert], limit) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+    out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
 
 
 def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float
                ) -> torch.Tensor:
-    """Decode path: no host synchronisation, experts read in place, shared expert added in place."""
+    """Decode path: no host synchronisation, experts read in place, the shared expert one more slot
+    of the same launches when it has the routed experts' format."""
     from ..kernels import ops
 
     return ops.moe_decode(x, idx, weights, *_parts(w.w1), *_parts(w.w3), *_parts(w.w2), _block(w.w1),

@@ -1,0 +1,211 @@
+"""Where prefill time goes: one chunk through a 4-layer bf16 proxy (bench/proxy.py: layers 0-3 are
+sliding, sliding, CSA, HCA), GPU only. Usage (repository root)::
+
+    PYTHONPATH=. python3 bench/prefill_profile.py [--chunk 2048] [--starts 0,512,8192] [--arms new,old_attn,old_moe,old]
+
+For each chunk start (the state prefilled up to it first) and each arm it times the forward of one
+chunk (median of CUDA-event timings after a warm-up) and each layer in it, and reports tokens/s and
+the weight-FLOP fraction of the bf16 matmul rate measured in the same run (``ceilings()`` of
+bench/bench_gpu.py): ``2 * weights multiplied per token * tokens/s / rate``, top-k of the routed
+experts per token. ``est. 43 layers`` scales the per-layer times to the full proxy (2 sliding, 21 CSA,
+20 HCA layers) and counts its head as bench_gpu.py does, so its fraction compares with bench_gpu's
+prefill line. Then, for the first arm at the first start, the phase table of ds4serve's profiler
+and torch.profiler's kernel table (top 30 by GPU time).
+
+Arms: ``new`` the current chunk paths; ``old_attn`` the previous dense masked chunk attention
+(one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the routed
+experts expert by expert after a host read of the group sizes (the previous loop's launches and
+sync); ``old`` both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import ceilings, log  # noqa: E402
+from proxy import build_proxy  # noqa: E402
+
+from ds4serve import profiler  # noqa: E402
+from ds4serve.model import attention, deepseek4, moe_grouped  # noqa: E402
+from ds4serve.model.deepseek4 import _tensors_of  # noqa: E402
+from ds4serve.profile_cli import format_table, summarize  # noqa: E402
+
+ARMS = ("new", "old_attn", "old_moe", "old")
+FULL_PROXY = {"sliding": 2, "csa": 21, "hca": 20}  # layer counts of the 43-layer proxy
+LAYER_KIND = ("sliding", "sliding", "csa", "hca")  # layers 0-3 of the proxy
+
+
+def dense_chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: torch.Tensor | None,
+                          visible: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """The previous chunk attention: every window row in reach and every entry in one masked matrix."""
+    S = q.shape[0]
+    window = seq.shape[0] - S + 1
+    reach = min(start, window - 1)
+    keys = seq[window - 1 - reach:]
+    key_pos = torch.arange(start - reach, start + S, device=q.device)
+    q_pos = key_pos[reach:].unsqueeze(-1)
+    allowed = (key_pos <= q_pos) & (key_pos > q_pos - window)
+    if entries is not None and entries.shape[0]:
+        keys, allowed = torch.cat([keys, entries]), torch.cat([allowed, visible], dim=-1)
+    return attention._core(q, keys, allowed, sinks, scale)
+
+
+@contextmanager
+def arm(name: str) -> Iterator[None]:
+    """The chunk paths of arm ``name`` (see the module docstring)."""
+    with ExitStack() as stack:
+        if name in ("old_attn", "old"):
+            stack.enter_context(_patched(attention, "chunk_attention", dense_chunk_attention))
+        if name in ("old_moe", "old"):
+            stack.enter_context(_patched(moe_grouped, "grouped_mm_applies", lambda a: False))
+        yield
+
+
+@contextmanager
+def _patched(module, name: str, value) -> Iterator[None]:
+    previous = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, previous)
+
+
+@contextmanager
+def layer_events(marks: list[torch.cuda.Event]) -> Iterator[None]:
+    """Record a CUDA event after each decoder block of the forwards run inside."""
+    original = deepseek4.block_forward
+
+    def timed(*args, **kwargs):
+        out = original(*args, **kwargs)
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        return out
+
+    with _patched(deepseek4, "block_forward", timed):
+        yield
+
+
+def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, list[float]]:
+    """Median ms of one chunk's forward and of each layer in it, after one warm-up forward."""
+    model.forward(ids, state)
+    totals, layers = [], []
+    for _ in range(reps):
+        begin = torch.cuda.Event(enable_timing=True)
+        marks: list[torch.cuda.Event] = []
+        with layer_events(marks):
+            begin.record()
+            model.forward(ids, state)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        totals.append(begin.elapsed_time(end))
+        edges = [begin, *marks]
+        layers.append([a.elapsed_time(b) for a, b in zip(edges, edges[1:])])
+    return statistics.median(totals), [statistics.median(col) for col in zip(*layers)]
+
+
+def layer_params(model, i: int) -> float:
+    """Weights one token multiplies through in block ``i``: ``top_k`` of the routed experts, all the rest."""
+    b, cfg = model.blocks[i], model.cfg
+    m = b.moe
+    routed = sum(t.numel() for t in _tensors_of(m.w1) + _tensors_of(m.w3) + _tensors_of(m.w2))
+    rest = dataclasses.replace(b, moe=dataclasses.replace(m, w1=None, w3=None, w2=None, tid2eid=None))
+    return routed * cfg.top_k / cfg.n_routed_experts + sum(t.numel() for t in _tensors_of(rest))
+
+
+def report(name: str, start: int, chunk: int, ms: float, per_layer: list[float], params: list[float],
+           head_params: float, rate: float) -> None:
+    tps = chunk / ms * 1e3
+    frac = 2 * sum(params) * tps / (rate * 1e12)
+    layers = " ".join(f"{kind} {t:.2f}" for kind, t in zip(LAYER_KIND, per_layer))
+    by_kind = {kind: (t, p) for kind, t, p in zip(LAYER_KIND, per_layer, params)}
+    est_ms = sum(n * by_kind[k][0] for k, n in FULL_PROXY.items())
+    est_params = sum(n * by_kind[k][1] for k, n in FULL_PROXY.items()) + head_params
+    est_frac = 2 * est_params * chunk / est_ms * 1e3 / (rate * 1e12)
+    log(f"{name:>8} start {start:>5}: {ms:7.1f} ms, {tps:8.0f} tok/s, {100 * frac:5.1f}% of the matmul rate | "
+        f"layer ms: {layers} | est. 43 layers {est_ms:6.0f} ms, {100 * est_frac:4.1f}%")
+
+
+def phase_table(model, state, ids: list[int], reps: int) -> str:
+    """ds4serve's per-phase GPU profile of ``reps`` forwards of the chunk."""
+    profiler.configure(enabled=True, file=None, timing=False)
+    try:
+        with profiler.collect() as records:
+            for _ in range(reps):
+                with profiler.step("prefill", len(ids), state.pos, model.layers):
+                    model.forward(ids, state)
+    finally:
+        profiler.configure(enabled=False, timing=False)
+    return format_table(summarize(records))
+
+
+def kernel_table(model, state, ids: list[int], top: int = 30) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.forward(ids, state)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=90)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--starts", default="0,512,8192")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    starts = [int(s) for s in args.starts.split(",")]
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"--arms: unknown {sorted(unknown)}; expected some of {ARMS}")
+    log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rate = ceilings()["bf16_matmul_TFLOPs"]
+    log(f"bf16 matmul {rate:.0f} TFLOP/s")
+    model = build_proxy("bf16", layers=4)
+    params = [layer_params(model, i) for i in model.layers]
+    head_params = sum(t.numel() for t in _tensors_of(model.head))
+    log(f"4-layer bf16 proxy; weights per token and layer (M): {' '.join(f'{p / 1e6:.0f}' for p in params)}")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128000, (max(starts) + args.chunk,), generator=gen).tolist()
+    with torch.inference_mode():
+        for n, start in enumerate(starts):
+            state = model.new_state(start + args.chunk)
+            for i in range(0, start, args.chunk):
+                part = ids[i:min(i + args.chunk, start)]
+                state.commit(model.forward(part, state).delta, len(part))
+            chunk = ids[start:start + args.chunk]
+            for name in arms:
+                with arm(name):
+                    ms, per_layer = time_chunk(model, state, chunk, args.reps)
+                report(name, start, args.chunk, ms, per_layer, params, head_params, rate)
+            if n == 0:
+                with arm(arms[0]):
+                    print(f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
+                    print(phase_table(model, state, chunk, args.reps), flush=True)
+                    print(f"## kernels of one {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
+                    print(kernel_table(model, state, chunk), flush=True)
+            del state
+            gc.collect()
+            torch.cuda.empty_cache()
+    log(f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    log(f"wall {time.perf_counter() - t0:.0f} s")

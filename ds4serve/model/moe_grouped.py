@@ -1,0 +1,80 @@
+"""Routed experts of a chunk as grouped matrix products, without synchronising with the host.
+
+The (token, slot) pairs are sorted by expert so that every expert's rows are contiguous, and the
+int32 cumulative row counts stay on the device. Dense bf16 experts on CUDA then run as one grouped
+GEMM per projection (``torch._grouped_mm``: ``[M, K] @ [E, K, N]`` with the group ends ``offs``,
+no host sync on SM90+); each expert output is weighted, put back in (token, slot) order and the
+``k`` slots of a token are summed. Quantized experts (and dtypes the grouped product does not take)
+run expert by expert after one host read of the group ends, dequantising only the experts in use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import Weight, linear
+
+
+def swiglu_gate(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(clamp(g, max=limit)) * clamp(u, -limit, limit)`` (no clamp when ``limit <= 0``)."""
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    return F.silu(g) * u
+
+
+def sort_pairs(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, ends)`` for expert ids ``idx [N, k]``.
+
+    ``order [N*k]``: the flat pair indices ``token*k + slot`` sorted by expert (stable, so each
+    expert's pairs stay in row-major order); ``ends [E]`` int32: expert ``e``'s sorted rows are
+    ``ends[e-1] .. ends[e]``.
+    """
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    experts = torch.arange(n_experts, device=idx.device, dtype=flat.dtype)
+    return order, torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+
+
+def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Weight, w3: Weight,
+                   w2: Weight, limit: float) -> torch.Tensor:
+    """``sum_j weights[:, j] * expert_{idx[:, j]}(x)`` for ``x [N, D]``: the routed part of the MoE."""
+    N, k = idx.shape
+    order, ends = sort_pairs(idx, w1.shape[0])
+    rows = x[order // k]
+    if all(isinstance(w, torch.Tensor) for w in (w1, w3, w2)) and grouped_mm_applies(rows):
+        h = swiglu_gate(grouped_mm(rows, w1, ends), grouped_mm(rows, w3, ends), limit)
+        y = grouped_mm(h, w2, ends)
+    else:
+        y = _expert_by_expert(rows, ends.tolist(), w1, w3, w2, limit)
+    y = (y * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
+    return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1).sum(1)
+
+
+def grouped_mm_applies(a: torch.Tensor) -> bool:
+    """True where ``torch._grouped_mm`` takes activations like ``a``: bf16 on CUDA (the no-sync
+    grouped kernel), bf16 / fp32 on the CPU (torch's per-group reference)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return a.dtype == torch.bfloat16 if a.is_cuda else a.dtype in (torch.bfloat16, torch.float32)
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ``ends[e-1] .. ends[e]`` of ``a [M, K]`` times ``w[e].T`` for ``w [E, N, K]``: ``[M, N]``.
+
+    The transposed weight view is column-major, the layout the grouped kernel reads in place.
+    """
+    return torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
+
+
+def _expert_by_expert(rows: torch.Tensor, ends: list[int], w1: Weight, w3: Weight, w2: Weight,
+                      limit: float) -> torch.Tensor:
+    out = rows.new_empty(rows.shape[0], w2.shape[-2])
+    begin = 0
+    for e, end in enumerate(ends):
+        if end > begin:
+            part = rows[begin:end]
+            out[begin:end] = linear(swiglu_gate(linear(part, w1[e]), linear(part, w3[e]), limit), w2[e])
+        begin = end
+    return out

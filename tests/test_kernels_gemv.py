@@ -1,0 +1,118 @@
+"""The GEMV kernels (dense and FP8, CUDA-core and tensor-core, split-K) against the fp32 reference.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
+kernel modules are imported), so the shapes are tiny.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
+
+from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import ops  # noqa: E402
+from ds4serve.kernels.gemv import (  # noqa: E402
+    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_ref, weight_kind)
+from ds4serve.kernels.switches import using  # noqa: E402
+from ds4serve.model.linear import grouped_linear, linear, quantize_fp8  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+R, K, BLOCK = 64, 96, (32, 32)  # K is not a multiple of the wider tiles: the tail is masked
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "non-finite output (an element was not written?)"
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
+    w = torch.randn(R, K, generator=torch.Generator().manual_seed(seed)) / K ** 0.5
+    if kind == "fp8":
+        q = quantize_fp8(w.to(DEVICE), BLOCK)
+        return q.data, q.scale, q.block
+    return w.to(DEVICE, torch.bfloat16 if kind == "bf16" else torch.float32), None, None
+
+
+@pytest.mark.parametrize("kind,rows,groups,config", [
+    ("bf16", 1, 1, None), ("bf16", 3, 2, None), ("fp32", 1, 2, None), ("fp32", 3, 1, None),
+    ("fp8", 1, 1, None), ("fp8", 3, 1, None), ("fp8", 1, 2, None), ("fp8", 3, 2, None),
+    ("fp8", 3, 1, GemvConfig(16, 64, split=2, dot=True)),  # split-K, two scale columns per step
+    ("fp8", 3, 1, GemvConfig(64, 32, warps=4, dot=True)),  # a tile spans two scale rows: scales per row
+    ("fp8", 1, 2, GemvConfig(32, 16, split=3, dot=True)),  # one scale per program, half a scale column per step
+    ("bf16", 3, 1, GemvConfig(16, 32, split=2, dot=True)),
+    ("fp8", 3, 1, GemvConfig(16, 64, split=2)),  # CUDA cores: split-K, two scale columns per step
+    ("fp8", 1, 2, GemvConfig(8, 16)),
+    ("bf16", 1, 2, GemvConfig(4, 128, split=2)),
+    ("fp32", 3, 2, GemvConfig(16, 32, split=3)),
+])
+def test_gemv_matches_reference(kind, rows, groups, config):
+    w, scale, block = _weight(kind, 10 * rows + groups)
+    x = torch.randn(rows, groups, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    x = x.to(torch.float32 if kind == "fp32" else torch.bfloat16)
+    out = torch.full((rows, R), float("nan"), device=DEVICE, dtype=x.dtype)
+    got = gemv(x if groups > 1 else x[:, 0], w, scale, block, groups, config=config, out=out)
+    ref = gemv_ref(x, w, scale, block, groups)
+    assert got is out
+    assert _rel(got, ref) <= (1e-5 if kind == "fp32" else 1e-2)
+
+
+def test_gemv_rejects_configs_that_cannot_run():
+    w, scale, block = _weight("fp8", 0)
+    x = torch.randn(1, K).to(DEVICE)
+    with pytest.raises(ValueError, match="tensor cores"):
+        gemv(x, w, scale, block, config=GemvConfig(16, 32, dot=True))  # fp32 activations
+    with pytest.raises(ValueError, match="scale block's rows"):
+        gemv(x, w, scale, block, config=GemvConfig(64, 32))  # CUDA cores: one scale row per tile
+    with pytest.raises(ValueError, match="rows per group"):
+        gemv(x.repeat(1, 4).view(1, 4, K), w, scale, block, groups=4, config=GemvConfig(32, 32))
+
+
+def test_default_config_fills_the_device_and_table_entries_run():
+    """A long input with few output rows is split so that the programs fill the GPU; every table
+    entry can run its own shape; FP8 with an unswept scale block still gets a runnable config."""
+    cfg = default_config("fp8", 4096, 8192, 1, 1, (256, 256))
+    assert config_problem(cfg, "fp8", 4096, 1, 1, (256, 256)) is None
+    assert cfg.split > 1 and -(-4096 // cfg.block_r) * cfg.split >= 2 * SMS
+    for (kind, rows, cols, tokens, groups), entry in TABLE.items():
+        block = (128, 128) if kind == "fp8" else None
+        assert config_problem(entry, kind, rows, tokens, groups, block) is None, (kind, rows, cols, tokens, groups)
+    for kind in ("bf16", "fp8", "fp32"):
+        for tokens in (1, 4, 8):
+            block = (128, 128) if kind == "fp8" else None
+            cfg = default_config(kind, 8192, 4096, tokens, 8, block)
+            assert config_problem(cfg, kind, 8192, tokens, 8, block) is None
+    assert weight_kind(torch.float32, torch.float8_e4m3fn, True) == "fp32"
+
+
+@pytest.mark.parametrize("dense_on", [True, False])
+def test_linear_dispatches_to_the_gemv(monkeypatch, dense_on):
+    calls = []
+    op = ops.gemv
+    monkeypatch.setattr(ops, "gemv", lambda *args: calls.append(args[2] is None) or op(*args))
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    q = quantize_fp8(w.float(), BLOCK)
+    x = torch.randn(2, 2, K, generator=gen).to(DEVICE, torch.bfloat16)
+    with kernels.on_any_device(), using(gemv_dense=dense_on):
+        got = [linear(x[:, 0], w), linear(x[:, 0], q), grouped_linear(x, w, 2), grouped_linear(x, q, 2)]
+    want = [gemv_ref(x[:, 0], w), gemv_ref(x[:, 0], q.data, q.scale, q.block),
+            gemv_ref(x, w, groups=2), gemv_ref(x, q.data, q.scale, q.block, 2)]
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and _rel(g, r) <= 1e-2
+    assert calls == ([True, False, True, False] if dense_on else [False, False])
+
+
+def test_dense_gemv_op_traces_whole():
+    """The op with no scale (dense weights) compiles as one node around torch code."""
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
+    got = torch.compile(lambda x: ops.gemv(x * 2, w, None, 0, 0, 1) + 1, backend="aot_eager", fullgraph=True)(x)
+    assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2

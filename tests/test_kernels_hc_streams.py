@@ -1,0 +1,56 @@
+"""The mHC stream kernels of long chunks against the torch code of model/hyper.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
+
+from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels.hc_streams import hc_collapse, hc_merge  # noqa: E402
+from ds4serve.model import hyper  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(S: int, hc: int, D: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(S, hc, D, generator=g).to(DEVICE, dtype)
+    out = torch.randn(S, D, generator=g).to(DEVICE, dtype)
+    post = (2 * torch.rand(S, hc, generator=g)).to(DEVICE)
+    comb = torch.rand(S, hc, hc, generator=g).to(DEVICE)
+    pre = torch.rand(S, hc, generator=g).to(DEVICE)
+    return X, out, post, comb, pre
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [96, 1500])  # one partial block; several blocks with a tail
+def test_merge_and_collapse_match_the_torch_code(dtype, D):
+    X, out, post, comb, pre = _inputs(5, 4, D, dtype, seed=D)
+    want_merge = hyper.hc_merge.eager(X, out, post, comb)
+    want_collapse = hyper._collapse.eager(pre, X)
+    got_merge, got_collapse = hc_merge(X, out, post, comb), hc_collapse(pre, X)
+    assert got_merge.dtype == dtype and got_collapse.dtype == dtype
+    # fp32: equal up to summation order (the exactness check). bf16: the same roundings as the torch
+    # code on the GPU, but Triton's CPU interpreter truncates each cast to bf16: a few ulps of the largest value.
+    for got, want in ((got_merge, want_merge), (got_collapse, want_collapse)):
+        err = (got.float() - want.float()).abs().max()
+        scale = want.float().abs().max()
+        assert err <= (1e-5 if dtype == torch.float32 else 2.0 ** -5) * scale
+
+
+def test_model_functions_use_the_kernels_for_long_chunks_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_merge", lambda *a: calls.append("merge") or a[0])
+    S_long = hyper.MIX_REDUCE_MAX_ROWS + 1
+    with kernels.on_any_device():
+        for S in (1, S_long):
+            X, out, post, comb, _ = _inputs(S, 4, 32, torch.float32, seed=S)
+            hyper.hc_merge(X, out, post, comb)
+    assert calls == ["merge"]
