@@ -135,7 +135,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             graph = DecodeGraph(model, state)
             row["graph_ms"], _ = decode_ms(graph_step(graph), state, args.steps, ids[-1])
             row["graph_replay_gpu_ms"] = cuda_ms(graph.graph.replay, 10)
-            if args.kernel_profile and ctx == args.contexts[0]:
+            if args.kernel_profile:
                 kernel_profile(graph, f"{variant} ctx {ctx}", args.kernel_profile)
             ms = row["graph_ms"]
             row["tokens_per_s"] = 1e3 / ms
@@ -295,7 +295,7 @@ def main() -> None:
     p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
                    "graph decode only")
     p.add_argument("--kernel-profile", type=Path, default=None,
-                   help="append kernel tables of graph replays here (first context, or the last arm)")
+                   help="append kernel tables of graph replays here (every context, or the last arm)")
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
     args.save_partial = None

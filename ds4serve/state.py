@@ -105,15 +105,34 @@ class SequenceState:
         """The device half of committing a static one-token delta at device position ``pos``.
 
         Reads no host value (it is captured in the decode graph, after the forward); the caller then
-        calls :meth:`advance` with the token. Buffer rows past the open window's committed ones are
-        overwritten with the delta's copies of them, which nothing reads.
+        calls :meth:`advance` with the token. Few launches, since each is a node of the graph: the
+        open-window rows are copied whole in one multi-tensor copy (rows past the committed ones are
+        the buffer's own), the window's entry is written to its row whether or not this token closes
+        it (nothing reads that row before the closing token writes it, and every buffer has a spare
+        row for the last, never-closing window), and only the CSA overlap half is conditional.
         """
+        slot = pos % self.window
+        per_rate: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for idx, ld in delta.layers.items():
             ls = self.layers[idx]
-            ls.window.index_copy_(0, pos % self.window, ld.window_rows)
+            ls.window.index_copy_(0, slot, ld.window_rows)
             for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
-                if cd is not None:
-                    _write_compressor_token(c, cd, pos)
+                if cd is None:
+                    continue
+                if c.rate not in per_rate:
+                    per_rate[c.rate] = (pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
+                row, closing = per_rate[c.rate]
+                dsts += [c.buf_kv, c.buf_gate]
+                srcs += [cd.rows_kv, cd.rows_gate]
+                c.entries.index_copy_(0, row, cd.entries)
+                if c.overlap:
+                    half = c.ov_kv.shape[-1]
+                    torch.where(closing, cd.rows_kv[:, :half], c.ov_kv, out=c.ov_kv)
+                    torch.where(closing, cd.rows_gate[:, :half], c.ov_gate, out=c.ov_gate)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def advance(self, token: int) -> None:
         """The host half of committing one token whose rows :meth:`write_token` wrote."""
@@ -267,29 +286,13 @@ def _commit_compressor(c: CompressorState, cd: CompressorDelta, pos: int, n: int
     c.buf_gate[:keep] = cd.rows_gate[start:start + keep]
 
 
-def _write_compressor_token(c: CompressorState, cd: CompressorDelta, pos: torch.Tensor) -> None:
-    """Static commit of one token: the open window's rows, and the entry (plus the CSA overlap half)
-    when this token closes the window; ``cd`` is the static delta of :func:`_pool_token`."""
-    c.buf_kv.copy_(cd.rows_kv)
-    c.buf_gate.copy_(cd.rows_gate)
-    if c.entries.shape[0] == 0:
-        return
-    closing = (pos % c.rate == c.rate - 1).view(1, 1)
-    row = (pos // c.rate).clamp(max=c.entries.shape[0] - 1)  # a window can close only below capacity
-    c.entries.index_copy_(0, row, torch.where(closing, cd.entries, c.entries.index_select(0, row)))
-    if c.overlap:
-        half = c.ov_kv.shape[-1]
-        c.ov_kv.copy_(torch.where(closing, cd.rows_kv[:, :half], c.ov_kv))
-        c.ov_gate.copy_(torch.where(closing, cd.rows_gate[:, :half], c.ov_gate))
-
-
 def allocate_layer(cfg: ModelConfig, layer_type: str, max_context: int, dtype: torch.dtype,
                    device: torch.device | str) -> LayerState:
     window = torch.zeros(cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
     if layer_type == SLIDING:
         return LayerState(window=window)
     rate = cfg.csa_rate if layer_type == CSA else cfg.hca_rate
-    capacity = max_context // rate
+    capacity = max_context // rate + 1  # + a spare row for the last window's entry (write_token)
     compressor = CompressorState.allocate(rate, layer_type == CSA, cfg.head_dim, capacity, dtype, device)
     indexer = None
     if layer_type == CSA:

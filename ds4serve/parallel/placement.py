@@ -68,7 +68,7 @@ def layer_state_bytes(cfg: ModelConfig, layer: int, max_context: int, dtype: tor
         total += rate * width * (size + 4)  # raw kv rows + float32 gate rows of the open window
         if overlap:
             total += rate * dim * (size + 4)  # first half of the last closed window
-        total += (max_context // rate) * dim * size  # compressed entries
+        total += (max_context // rate + 1) * dim * size  # compressed entries (+ a spare row)
     return total
 
 
