@@ -142,8 +142,9 @@ def test_mxfp4_decode_is_exact(poisoned):
 def test_moe_ref_shared_expert_is_one_more_slot():
     gen = torch.Generator().manual_seed(7)
     x, idx, weights = torch.randn(2, D, generator=gen), torch.tensor([[0, 3], [4, 1]]), torch.rand(2, K, generator=gen)
+    x, idx, weights = x.to(DEVICE), idx.to(DEVICE), weights.to(DEVICE)
     routed, shared = _mats(gen, (E,)), _mats(gen, ())
-    ones = torch.ones(2, 1)
+    ones = torch.ones(2, 1, device=DEVICE)
     want = moe_ref(x, idx, weights, *routed, LIMIT) + moe_ref(x, torch.zeros_like(idx[:, :1]), ones,
                                                               *[s.unsqueeze(0) for s in shared], LIMIT)
     got = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
+
 SCORES_BUDGET = 1 << 28  # fp32 logits of the blocks that run together (about 1 GiB)
 # Keys per block padded (masked) to a multiple of this: with an odd count (255 window keys, +E entries)
 # the batched products' leading dimensions are unaligned and cuBLAS falls back to slow sm75/sm80 kernels.
@@ -82,12 +84,18 @@ def _blocks(q: torch.Tensor, seq: torch.Tensor, start: int, first: int, block: i
     keys = torch.cat(key_parts, dim=1)
     allowed = torch.cat(mask_parts, dim=2)
     K = keys.shape[1]
-    scores = torch.matmul(q.reshape(n, block * H, d), keys.transpose(1, 2)).mul_(scale).view(n, block, H, K)
-    logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=q.device)
-    bias = torch.where(allowed, 0.0, float("-inf")).unsqueeze(2)  # fp32 [n or 1, block, 1, K]
-    torch.add(scores, bias, out=logits[..., :K])
-    logits[..., K] = sinks.float()
-    probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
+    scores = torch.matmul(q.reshape(n, block * H, d), keys.transpose(1, 2))
+    if kernels.enabled(q):
+        from ..kernels.attn_softmax import attn_softmax
+
+        probs = attn_softmax(scores.view(n, block, H, K), allowed, sinks, scale, keys.dtype)
+    else:
+        scores = scores.mul_(scale).view(n, block, H, K)
+        logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=q.device)
+        bias = torch.where(allowed, 0.0, float("-inf")).unsqueeze(2)  # fp32 [n or 1, block, 1, K]
+        torch.add(scores, bias, out=logits[..., :K])
+        logits[..., K] = sinks.float()
+        probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
     return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)
 
 
