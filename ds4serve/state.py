@@ -106,15 +106,14 @@ class SequenceState:
 
         Reads no host value (it is captured in the decode graph, after the forward); the caller then
         calls :meth:`advance` with the token. Few launches, since each is a node of the graph: the
-        open-window rows are copied whole in one multi-tensor copy (rows past the committed ones are
+        open-window rows are copied whole in one multi-tensor copy per dtype (rows past the committed ones are
         the buffer's own), the window's entry is written to its row whether or not this token closes
         it (nothing reads that row before the closing token writes it, and every buffer has a spare
         row for the last, never-closing window), and only the CSA overlap half is conditional.
         """
         slot = pos % self.window
         per_rate: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
+        copies: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for idx, ld in delta.layers.items():
             ls = self.layers[idx]
             ls.window.index_copy_(0, slot, ld.window_rows)
@@ -124,14 +123,16 @@ class SequenceState:
                 if c.rate not in per_rate:
                     per_rate[c.rate] = (pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
                 row, closing = per_rate[c.rate]
-                dsts += [c.buf_kv, c.buf_gate]
-                srcs += [cd.rows_kv, cd.rows_gate]
+                for dst, src in ((c.buf_kv, cd.rows_kv), (c.buf_gate, cd.rows_gate)):
+                    dsts, srcs = copies.setdefault(dst.dtype, ([], []))
+                    dsts.append(dst)
+                    srcs.append(src)
                 c.entries.index_copy_(0, row, cd.entries)
                 if c.overlap:
                     half = c.ov_kv.shape[-1]
                     torch.where(closing, cd.rows_kv[:, :half], c.ov_kv, out=c.ov_kv)
                     torch.where(closing, cd.rows_gate[:, :half], c.ov_gate, out=c.ov_gate)
-        if dsts:
+        for dsts, srcs in copies.values():  # one dtype per call: the multi-tensor kernel, not a memcpy each
             torch._foreach_copy_(dsts, srcs)
 
     def advance(self, token: int) -> None:

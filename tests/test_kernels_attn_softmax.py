@@ -71,12 +71,13 @@ def test_a_mask_of_the_wrong_shape_is_refused():
 def test_chunk_attention_with_the_kernel_equals_without(S, window, start, E):
     gen = torch.Generator().manual_seed(S + start)
     H, d = 4, 16
-    q, kv = torch.randn(S, H, d, generator=gen), torch.randn(S, d, generator=gen)
-    ring, sinks = torch.randn(window, d, generator=gen), torch.randn(H, generator=gen)
-    entries = torch.randn(E, d, generator=gen) if E else None
-    visible = torch.rand(S, E, generator=gen) < 0.5 if E else None
+    q, kv = torch.randn(S, H, d, generator=gen).to(DEVICE), torch.randn(S, d, generator=gen).to(DEVICE)
+    ring, sinks = torch.randn(window, d, generator=gen).to(DEVICE), torch.randn(H, generator=gen).to(DEVICE)
+    entries = torch.randn(E, d, generator=gen).to(DEVICE) if E else None
+    visible = (torch.rand(S, E, generator=gen) < 0.5).to(DEVICE) if E else None
     seq = ca.window_sequence(kv, ring, start)
-    want = ca.chunk_attention(q, seq, start, entries, visible, sinks, d ** -0.5)
+    with kernels.disabled():
+        want = ca.chunk_attention(q, seq, start, entries, visible, sinks, d ** -0.5)
     with kernels.on_any_device():
         got = ca.chunk_attention(q, seq, start, entries, visible, sinks, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
