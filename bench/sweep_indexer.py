@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -25,6 +26,9 @@ from ds4serve import kernels
 from ds4serve.kernels.indexer import ScoresConfig, SelectConfig, default_scores_config, index_scores, select_top
 from ds4serve.model.attention import _index_top
 from ds4serve.model.rope import Rope
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import cuda_ms  # noqa: E402
 
 IH, DIM, ROPE, K = 64, 128, 64, 512
 SCORES_DECODE = [ScoresConfig(1, 16), ScoresConfig(1, 32), ScoresConfig(1, 64), ScoresConfig(1, 128, 8)]
@@ -59,20 +63,6 @@ def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> flo
     b.record()
     b.synchronize()
     return a.elapsed_time(b) * 1000 / (calls * replays)
-
-
-def event_ms(fn: Callable[[], object], reps: int = 5) -> float:
-    """Median of ``reps`` event-timed eager calls (prefill sizes: GPU-bound)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def inputs(S: int, T: int, visible: torch.Tensor) -> dict:
@@ -142,20 +132,20 @@ def prefill(S: int, T: int) -> None:
     shape = dict(phase="prefill", S=S, T=T, k=K)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    record(**shape, path="torch fp32 matmul + topk", ms=event_ms(lambda: torch_path(a)),
+    record(**shape, path="torch fp32 matmul + topk", ms=cuda_ms(lambda: torch_path(a), 5, warmup=1),
            peak_GB=(torch.cuda.max_memory_allocated() - base) / 1e9)
-    record(**shape, path="kernels (op)", ms=event_ms(lambda: kernel_path(a)),
+    record(**shape, path="kernels (op)", ms=cuda_ms(lambda: kernel_path(a), 5, warmup=1),
            **agreement(kernel_path(a), torch_path(a)))
     q = roped(a)
     scores = index_scores(q, a["keys"], a["head_w"], visible)
     record(**shape, path="scores accuracy", rel_err=scores_err(q, a, scores))
     record(**shape, path=f"scores default {default_scores_config(S)}",
-           ms=event_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible)))
+           ms=cuda_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible), 5, warmup=1))
     for cfg in SCORES_PREFILL:
-        ms = event_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible, cfg))
+        ms = cuda_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible, cfg), 5, warmup=1)
         record(**shape, path=f"scores {cfg}", ms=ms)
-    record(**shape, path="torch.topk + scatter on kernel scores", ms=event_ms(lambda: topk_select(scores, K)))
-    record(**shape, path="select default", ms=event_ms(lambda: select_top(scores, K)),
+    record(**shape, path="torch.topk + scatter on kernel scores", ms=cuda_ms(lambda: topk_select(scores, K), 5, warmup=1))
+    record(**shape, path="select default", ms=cuda_ms(lambda: select_top(scores, K), 5, warmup=1),
            **agreement(select_top(scores, K), topk_select(scores, K)))
 
 
