@@ -8,6 +8,8 @@ layer's state on its own shard's device, so commit, snapshot, restore and fork c
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import logging
 from pathlib import Path
 from typing import Callable
@@ -70,8 +72,9 @@ class SplitModel:
         result = None
         for k, shard in enumerate(self.shards):
             last = k == len(self.shards) - 1
-            result = shard.forward(token_ids, state, hidden=hidden, logit_rows=logit_rows if last else None,
-                                   capture=capture)
+            with _on(shard.device):  # Triton launches on the current device, not the tensors'
+                result = shard.forward(token_ids, state, hidden=hidden, logit_rows=logit_rows if last else None,
+                                       capture=capture)
             layers.update(result.delta.layers)
             captured.update(result.captured)
             if not last:
@@ -84,6 +87,11 @@ class SplitModel:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.shards)
+
+
+def _on(device: torch.device) -> AbstractContextManager:
+    """Make ``device`` current for a shard's forward (a no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def handoff(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
