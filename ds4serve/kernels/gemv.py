@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -323,7 +322,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                   PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages)
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.dot:
-        _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(), **consts)
+        _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2), **consts)
     else:
         _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
     if split > 1:
@@ -332,10 +331,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     return out
 
 
-def _dot_dtype() -> tl.dtype:
-    """bf16 operands on the GPU; fp32 in Triton's interpreter, whose tl.dot multiplies the bit patterns of
-    bf16 (stored as uint16) as integers. The products are exact in fp32 either way."""
-    return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+def _dot_dtype(x: torch.Tensor) -> tl.dtype:
+    """bf16 operands on the GPU; fp32 for CPU tensors (Triton's interpreter, whose tl.dot multiplies the
+    bit patterns of bf16, stored as uint16, as integers). The products are exact in fp32 either way."""
+    return tl.bfloat16 if x.is_cuda else tl.float32
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
