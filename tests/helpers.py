@@ -10,6 +10,28 @@ def random_prompt(n: int, seed: int, vocab: int = 128000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
+def static_decode_setup(tiny_factory, seed: int, prompt_seed: int, length: int, prefilled: int,
+                        capacity: int):
+    """A tiny model whose static steps close CSA and HCA windows and wrap the ring (window 8, HCA
+    ratio 8, indexer top-5), a random prompt of ``length``, and two states with its first
+    ``prefilled`` tokens committed: ``(model, ids, (state_a, state_b))``."""
+    from ds4serve.model import DeepSeekV4
+    from ds4serve.weights import Checkpoint
+
+    model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=seed, window=8, hca_rate=8, index_topk=5)))
+    ids = random_prompt(length, seed=prompt_seed)
+    states = model.new_state(capacity), model.new_state(capacity)
+    for state in states:
+        state.commit(model.forward(ids[:prefilled], state).delta, prefilled)
+    return model, ids, states
+
+
+def static_step(model, state, token: int):
+    """The static one-token forward (the CUDA-graph path) at ``state.pos``: ``(result, positions)``."""
+    positions = torch.tensor([state.pos])
+    return model.forward(torch.tensor([token]), state, logit_rows=slice(0, 1), positions=positions), positions
+
+
 # A tool definition and the DSML completion that calls it (chat-format and server tool tests).
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get weather",

@@ -5,26 +5,20 @@ from __future__ import annotations
 import torch
 
 from ds4serve.engine.cuda_graphs import delta_at
-from ds4serve.model import DeepSeekV4
-from ds4serve.weights import Checkpoint
-from tests.helpers import random_prompt
+from tests.helpers import static_decode_setup, static_step
 
 
 def test_static_decode_matches_eager(tiny_factory):
     """Decode 40 tokens after a 30-token prompt both ways: HCA (ratio 8) and CSA windows close in
     the static path, the indexer becomes selective (top-5), and the ring wraps (window 8)."""
-    path = tiny_factory(seed=2, window=8, hca_rate=8, index_topk=5)
-    model = DeepSeekV4.load(Checkpoint(path))
-    ids = random_prompt(70, seed=7)
-    eager, static = model.new_state(80), model.new_state(80)
-    for state in (eager, static):
-        state.commit(model.forward(ids[:30], state).delta, 30)
+    model, ids, (eager, static) = static_decode_setup(tiny_factory, seed=2, prompt_seed=7, length=70,
+                                                     prefilled=30, capacity=80)
     with torch.inference_mode():
         for t in ids[30:]:
             ref = model.forward([t], eager, logit_rows=slice(0, 1))
             eager.commit(ref.delta, 1)
             pos = static.pos
-            out = model.forward(torch.tensor([t]), static, logit_rows=slice(0, 1), positions=torch.tensor([pos]))
+            out, _ = static_step(model, static, t)
             static.commit(delta_at(out.delta, pos, t), 1)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
             assert err <= 1e-5, f"position {pos}: relative error {err:.3g}"
@@ -35,19 +29,14 @@ def test_device_commit_of_static_steps_equals_host_commit(tiny_factory):
     """``write_token`` + ``advance`` (the commit the decode graph captures) leaves the same committed
     state as ``commit`` of the same static deltas, across ring wraps and closing CSA/HCA windows,
     and the following static steps give the same logits."""
-    path = tiny_factory(seed=4, window=8, hca_rate=8, index_topk=5)
-    model = DeepSeekV4.load(Checkpoint(path))
-    ids = random_prompt(60, seed=9)
-    host, device = model.new_state(64), model.new_state(64)
-    for state in (host, device):
-        state.commit(model.forward(ids[:13], state).delta, 13)
+    model, ids, (host, device) = static_decode_setup(tiny_factory, seed=4, prompt_seed=9, length=60,
+                                                     prefilled=13, capacity=64)
     with torch.inference_mode():
         for t in ids[13:]:
             pos = host.pos
-            ref = model.forward(torch.tensor([t]), host, logit_rows=slice(0, 1), positions=torch.tensor([pos]))
+            ref, _ = static_step(model, host, t)
             host.commit(delta_at(ref.delta, pos, t), 1)
-            where = torch.tensor([pos])
-            out = model.forward(torch.tensor([t]), device, logit_rows=slice(0, 1), positions=where)
+            out, where = static_step(model, device, t)
             device.write_token(out.delta, where)
             device.advance(t)
             assert torch.equal(out.logits, ref.logits), f"position {pos}"

@@ -20,10 +20,8 @@ from ds4serve.engine.cuda_graphs import delta_at
 from ds4serve import kernels
 from ds4serve.kernels import regions
 from ds4serve.kernels.switches import using
-from ds4serve.model import DeepSeekV4
 from ds4serve.model.norms import rms_norm
-from ds4serve.weights import Checkpoint
-from tests.helpers import random_prompt
+from tests.helpers import static_decode_setup, static_step
 
 
 def test_region_runs_plain_outside_a_static_step():
@@ -41,21 +39,16 @@ def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_reg
         pytest.importorskip("triton", reason="the block regions call the Triton kernels")
         if torch.cuda.is_available():
             pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
-    path = tiny_factory(seed=2, window=8, hca_rate=8, index_topk=5)
-    model = DeepSeekV4.load(Checkpoint(path))
-    ids = random_prompt(30, seed=5)
-    plain, traced = model.new_state(40), model.new_state(40)
-    for state in (plain, traced):
-        state.commit(model.forward(ids[:14], state).delta, 14)
+    model, ids, (plain, traced) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=30,
+                                                      prefilled=14, capacity=40)
     with torch.inference_mode():
         for t in ids[14:]:
             pos = plain.pos
-            step = dict(logit_rows=slice(0, 1), positions=torch.tensor([pos]))
-            ref = model.forward(torch.tensor([t]), plain, **step)
+            ref, _ = static_step(model, plain, t)
             plain.commit(delta_at(ref.delta, pos, t), 1)
             kernel_scope = kernels.on_any_device() if block_regions else contextlib.nullcontext()
             with regions.forced("aot_eager"), using(block_regions=block_regions), kernel_scope:
-                out = model.forward(torch.tensor([t]), traced, **step)
+                out, _ = static_step(model, traced, t)
             traced.commit(delta_at(out.delta, pos, t), 1)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
             assert err <= 1e-5, f"position {pos}: relative error {err:.3g}"
