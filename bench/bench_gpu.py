@@ -4,7 +4,10 @@ Measures, in the same process: the device copy bandwidth and the bf16 matmul rat
 ceilings), then per weight variant batch-1 decode at 512 and 8192 tokens of context (eager torch
 reference path, eager with kernels, CUDA graph), prefill at chunks of 512 / 2048 / 8192, and
 transformers' DeepseekV4ForCausalLM on a 4-layer truncation of the proxy. Writes a JSON file and
-prints a markdown table. Usage (GPU machine, repository root)::
+prints a markdown table. Kernel tables come from ``bench/graph_timeline.py``, in a process of its own:
+once ``torch.profiler`` has run in a process, every later graph launch there costs the host about
+0.5 us per graph node (1.5 ms for the decode graph), which the GPU then waits for. Usage (GPU
+machine, repository root)::
 
     PYTHONPATH=. python3 bench/bench_gpu.py --out $OUT/bench.json
 """
@@ -135,8 +138,6 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             graph = DecodeGraph(model, state)
             row["graph_ms"], _ = decode_ms(graph_step(graph), state, args.steps, ids[-1])
             row["graph_replay_gpu_ms"] = cuda_ms(graph.graph.replay, 10)
-            if args.kernel_profile:
-                kernel_profile(graph, f"{variant} ctx {ctx}", args.kernel_profile)
             ms = row["graph_ms"]
             row["tokens_per_s"] = 1e3 / ms
             row["GBps"] = out["bytes_per_token_GB"] / ms * 1e3
@@ -201,8 +202,6 @@ def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: d
                 compile_s = time.perf_counter() - t0
                 ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
                 replay = cuda_ms(graph.graph.replay, 10)
-                if args.kernel_profile and arm == args.arms[-1]:
-                    kernel_profile(graph, f"{variant} arm {arm}", args.kernel_profile)
         except Exception as exc:  # noqa: BLE001 - a failed arm is a result
             traceback.print_exc()
             rows[arm] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
@@ -221,22 +220,6 @@ def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: d
         log(f"{variant} arm {arm}: graph {ms:.2f} ms/token, replay {replay:.2f} ms "
             f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {compile_s:.0f} s")
     return rows
-
-
-def kernel_profile(graph: DecodeGraph, title: str, path: Path, top: int = 40) -> None:
-    """Kernels of three graph replays by total GPU time (appended to ``path``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                graph.graph.replay()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=90)
-    except Exception as exc:  # noqa: BLE001 - the profile is a diagnostic, never a failed arm
-        table = f"profile failed: {type(exc).__name__}: {exc}"
-    with open(path, "a") as f:
-        f.write(f"## {title}: kernels of 3 graph replays\n\n{table}\n\n")
 
 
 def bench_peer(args) -> dict:
@@ -294,8 +277,6 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
                    "graph decode only")
-    p.add_argument("--kernel-profile", type=Path, default=None,
-                   help="append kernel tables of graph replays here (every context, or the last arm)")
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
     args.save_partial = None

@@ -14,7 +14,7 @@ import torch
 
 from ds4serve.config import CSA, HCA, SLIDING, ModelConfig, QuantSpec, RopeSpec
 from ds4serve.model import DeepSeekV4
-from ds4serve.model.attention import AttentionWeights, IndexerWeights
+from ds4serve.model.attention import AttentionWeights, IndexerWeights, concatenate_projections
 from ds4serve.model.compressor import CompressorWeights
 from ds4serve.model.deepseek4 import BlockWeights, HeadWeights
 from ds4serve.model.hyper import HCSite
@@ -94,6 +94,7 @@ class _Maker:
             ih, ihd = c.index_n_heads, c.index_head_dim
             attn.indexer = IndexerWeights(wq_b=self.proj(ih * ihd, q, fp8=fp8), weights_proj=self.dense(ih, D),
                                           compressor=self.compressor(2 * ihd, ihd, c.csa_rate))
+        concatenate_projections(attn)
         E, inter = c.n_routed_experts, c.moe_inter
         hashed = c.is_hash_layer(layer)
         if self.variant == "fp8+fp4":

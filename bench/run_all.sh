@@ -15,3 +15,9 @@ python3 -m pytest tests/test_kernels*.py tests/test_regions.py tests/test_prefil
     -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 python3 bench/check_gpu.py --out "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
 python3 bench/bench_gpu.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+# Kernel tables and graph timelines last, one process per variant: a profiler slows every later
+# graph launch of its process.
+for v in bf16 fp8; do
+    python3 bench/graph_timeline.py --variant "$v" --out "$OUT/timeline-$v.json" --kernels "$OUT/kernels.txt" 2>&1 \
+        | grep -v -i "warn\|online softmax\|split the reduction\|important use case\|^$" | tee -a "$OUT/timeline.log"
+done

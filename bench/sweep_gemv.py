@@ -11,7 +11,7 @@ or crashing configs are skipped. Triton compiles run first, on a thread pool.
 Prints one line per (shape, kind, N), a total per kind, and a Python literal of the best table to
 paste into ``ds4serve/kernels/gemv.py``. Usage (GPU only)::
 
-    PYTHONPATH=. python3 bench/sweep_gemv.py [--quick] [--out $OUT/sweep_gemv.json]
+    PYTHONPATH=. python3 bench/sweep_gemv.py [--quick] [--only NAME] [--out $OUT/sweep_gemv.json]
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ PROJECTIONS = (
     ("shared_expert.w3", 2048, 4096, 1, ("bf16", "fp8")),
     ("shared_expert.w2", 4096, 2048, 1, ("bf16", "fp8")),
     ("head", 129280, 4096, 1, ("bf16",)),
+    # the concatenated projections of one input (model/projections.py), per layer kind and storage
+    ("fused inputs (CSA)", 4160, 4096, 1, ("bf16",)),
+    ("fused inputs (HCA)", 2560, 4096, 1, ("bf16",)),
+    ("fused inputs (sliding; FP8 wq_a+wkv)", 1536, 4096, 1, ("bf16", "fp8")),
+    ("fused inputs (CSA, bf16 part of FP8)", 2624, 4096, 1, ("bf16",)),
+    ("fused q_res (CSA)", 40960, 1024, 1, ("bf16", "fp8")),
 )
 
 # (block_r, block_k, warps, stages); tensor-core tiles use 16 rows per warp (no replicated operands)
@@ -291,10 +297,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer tiles and split factors")
     p.add_argument("--out", type=Path, help="write the results and the table as JSON")
+    p.add_argument("--only", default="", help="sweep only projections whose name contains this")
     args = p.parse_args()
     start = time.time()
     print(f"device: {torch.cuda.get_device_name()}, {'quick' if args.quick else 'full'} sweep", flush=True)
-    work = [(case, candidates(case, args.quick)) for case in cases()]
+    work = [(case, candidates(case, args.quick)) for case in cases()
+            if any(args.only in name for name in case.names)]
     errors = precompile(work)
     print(f"compiled {len({compile_key(c.kind, c.tokens, g) for c, gs in work for g in gs})} kernels "
           f"({len(errors)} failed) in {time.time() - start:.0f} s", flush=True)

@@ -16,10 +16,15 @@ forward's :class:`~ds4serve.model.deepseek4.Pending` for the first ``n`` tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from . import kernels
 from .config import CSA, SLIDING, ModelConfig
+
+if TYPE_CHECKING:
+    from .kernels.commit import CommitPlan
 
 
 @dataclass
@@ -70,6 +75,7 @@ class SequenceState:
     pos: int = 0
     last_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
+    _commit: "CommitPlan | None" = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, layers: range, max_context: int, dtype: torch.dtype,
@@ -110,7 +116,14 @@ class SequenceState:
         the buffer's own), the window's entry is written to its row whether or not this token closes
         it (nothing reads that row before the closing token writes it, and every buffer has a spare
         row for the last, never-closing window), and only the CSA overlap half is conditional.
+
+        With the commit kernel (:mod:`ds4serve.kernels.commit`) the same writes are one launch; a CUDA
+        graph that captures this calls :meth:`prepare_capture` before and :meth:`finish_capture` after.
         """
+        plan = self._commit_plan(delta)
+        if plan is not None:
+            plan.launch(pos)
+            return
         slot = pos % self.window
         per_rate: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         copies: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -134,6 +147,37 @@ class SequenceState:
                     torch.where(closing, cd.rows_gate[:, :half], c.ov_gate, out=c.ov_gate)
         for dsts, srcs in copies.values():  # one dtype per call: the multi-tensor kernel, not a memcpy each
             torch._foreach_copy_(dsts, srcs)
+
+    def prepare_capture(self, pos: torch.Tensor) -> None:
+        """Before a CUDA graph captures :meth:`write_token` at ``pos``: load its kernel, which a capture cannot."""
+        if self._commit_kernel_on():
+            from .kernels.commit import warm
+
+            warm(pos)
+
+    def finish_capture(self) -> None:
+        """After a CUDA graph captured :meth:`write_token`: fill the job table that its launch reads
+        (the delta's addresses were known only during the capture, which cannot copy from the host)."""
+        if self._commit is not None:
+            self._commit.upload()
+
+    def _commit_kernel_on(self) -> bool:
+        from .kernels.switches import SWITCHES
+
+        first = next(iter(self.layers.values()), None)
+        return first is not None and SWITCHES.commit_kernel and kernels.enabled(first.window)
+
+    def _commit_plan(self, delta: "ChunkDelta") -> "CommitPlan | None":
+        """The commit kernel's plan for ``delta`` (the cached one while the addresses are the same), or
+        None for the torch code."""
+        if not self._commit_kernel_on():
+            return None
+        from .kernels.commit import CommitPlan
+
+        plan = CommitPlan.build(self, delta)
+        if plan is None or self._commit is None or not plan.same_jobs(self._commit):
+            self._commit = plan
+        return self._commit
 
     def advance(self, token: int) -> None:
         """The host half of committing one token whose rows :meth:`write_token` wrote."""

@@ -36,11 +36,13 @@ class DecodeGraph:
         with torch.cuda.stream(side):  # compile kernels and create library handles outside the capture
             for _ in range(warmup):  # forwards only: warming up must not write the state
                 self._forward()
+            state.prepare_capture(self.pos)
         torch.cuda.current_stream(model.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._out = self._forward()
             state.write_token(self._out.delta, self.pos)
+        state.finish_capture()
 
     def _forward(self) -> ForwardResult:
         return self.model.forward(self.token, self.state, logit_rows=slice(0, 1), positions=self.pos)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import hyper, indexer, moe
+from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 
 _LIB = "ds4serve"
@@ -75,3 +76,16 @@ def index_top(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible
 @index_top.register_fake
 def _(q, keys, head_w, visible, k):
     return visible.new_empty(q.shape[0], keys.shape[0])
+
+
+@torch.library.custom_op(f"{_LIB}::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """:func:`ds4serve.kernels.decode_attention.decode_attention`: ``[S, H, d]`` attention of ``q [S, H, d]``
+    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``."""
+    return _decode_attention(q, keys, allowed, sinks, scale)
+
+
+@decode_attention.register_fake
+def _(q, keys, allowed, sinks, scale):
+    return q.new_empty(q.shape)

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from .scoped import Scoped
+from .switches import SWITCHES
 
 F = TypeVar("F", bound=Callable)
 
@@ -85,7 +86,7 @@ def _active(args: tuple, kwargs: dict) -> str | None:
 
 def region(fn: F) -> F:
     """Mark ``fn`` as a compiled region (see the module doc); the plain function is ``fn.eager``."""
-    compiled: dict[str, Callable] = {}
+    compiled: dict[tuple[str, bool], Callable] = {}
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -94,12 +95,13 @@ def region(fn: F) -> F:
         backend = _active(args, kwargs)
         if backend is None:
             return fn(*args, **kwargs)
-        if backend not in compiled:
+        key = (backend, SWITCHES.combo_kernels)
+        if key not in compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            options = _INDUCTOR_OPTIONS if backend == "inductor" else None
-            compiled[backend] = torch.compile(fn, backend=backend, options=options,
-                                              fullgraph=_FORCED_BACKEND.value is not None)
-        return compiled[backend](*args, **kwargs)
+            options = {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels} if backend == "inductor" else None
+            compiled[key] = torch.compile(fn, backend=backend, options=options,
+                                          fullgraph=_FORCED_BACKEND.value is not None)
+        return compiled[key](*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

@@ -21,6 +21,14 @@ class Switches:
     block_regions: bool = True
     # Dense bf16 projections of a few rows run as the Triton GEMV (kernels/gemv.py) instead of cuBLAS.
     gemv_dense: bool = True
+    # The static step's attention over the window (and entries) is the fused Triton decode attention
+    # (kernels/decode_attention.py, two launches) instead of the cat, two products and the softmax.
+    decode_attention: bool = True
+    # The decode graph's commit (SequenceState.write_token) is one row-scatter launch (kernels/commit.py).
+    commit_kernel: bool = True
+    # Inductor's horizontal fusion (``combo_kernels``): independent small kernels of a compiled region
+    # share one launch. Off until a GPU run shows it pays.
+    combo_kernels: bool = False
 
 
 SWITCHES = Switches()

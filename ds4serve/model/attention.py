@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from .. import kernels, profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels.regions import region
+from ..kernels.switches import SWITCHES
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
 from .linear import Weight, grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
+from .projections import Projections, concatenate
 from .rope import Rope
 
 
@@ -45,6 +47,38 @@ class AttentionWeights:
     sinks: torch.Tensor  # [H] fp32
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
+    # The projections of the input and of q_res, concatenated per storage format by
+    # :func:`concatenate_projections` (None: each part is its own product).
+    x_proj: Projections | None = None
+    q_proj: Projections | None = None
+
+    def input_parts(self) -> dict[str, Weight]:
+        """Every projection of the layer's normalised input, by name."""
+        parts = {"wq_a": self.wq_a, "wkv": self.wkv}
+        for prefix, c in (("compressor", self.compressor), ("indexer.compressor", self.indexer and self.indexer.compressor)):
+            if c is not None:
+                parts[f"{prefix}.wkv"], parts[f"{prefix}.wgate"] = c.wkv, c.wgate
+        if self.indexer is not None:
+            parts["indexer.weights_proj"] = self.indexer.weights_proj
+        return parts
+
+    def q_parts(self) -> dict[str, Weight]:
+        """Every projection of ``q_res``, by name."""
+        return {"wq_b": self.wq_b, **({"indexer.wq_b": self.indexer.wq_b} if self.indexer is not None else {})}
+
+
+def concatenate_projections(w: AttentionWeights) -> None:
+    """Store the input's and q_res's projections as one weight per storage format (parts become row
+    views of it): a decode step then runs one GEMV per format instead of one per projection."""
+    w.x_proj, views = concatenate(w.input_parts())
+    w.q_proj, q_views = concatenate(w.q_parts())
+    views.update(q_views)
+    w.wq_a, w.wkv, w.wq_b = views["wq_a"], views["wkv"], views["wq_b"]
+    for prefix, c in (("compressor", w.compressor), ("indexer.compressor", w.indexer and w.indexer.compressor)):
+        if c is not None:
+            c.wkv, c.wgate = views[f"{prefix}.wkv"], views[f"{prefix}.wgate"]
+    if w.indexer is not None:
+        w.indexer.weights_proj, w.indexer.wq_b = views["indexer.weights_proj"], views["indexer.wq_b"]
 
 
 @dataclass
@@ -70,23 +104,25 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     table = "main" if w.layer_type == SLIDING else "compress"
     cos, sin = chunk.rope[table]
 
-    q_res = rms_norm(linear(x, w.wq_a), w.q_norm, eps)
-    q = unweighted_rms_norm(linear(q_res, w.wq_b).view(S, H, hd), eps)
+    xp = (w.x_proj or Projections.separate(w.input_parts()))(x)
+    q_res = rms_norm(xp["wq_a"], w.q_norm, eps)
+    qp = (w.q_proj or Projections.separate(w.q_parts()))(q_res)
+    q = unweighted_rms_norm(qp["wq_b"].unflatten(-1, (H, hd)), eps)
     q = Rope.apply(q, cos, sin)
-    kv = Rope.apply(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)
+    kv = Rope.apply(rms_norm(xp["wkv"], w.kv_norm, eps), cos, sin)
 
     delta = LayerDelta(window_rows=kv)
     entries = visible = None
     if w.compressor is not None:
         with profiler.phase("compressor"):
-            comp = compress_chunk(w.compressor, x, chunk.start, state.compressor, ropes["compress"], eps,
-                                  _static_pos(chunk))
+            comp = compress_chunk(w.compressor, xp["compressor.wkv"], xp["compressor.wgate"], chunk.start,
+                                  state.compressor, ropes["compress"], eps, _static_pos(chunk))
         delta.compressor = comp
         entries = _all_entries(state.compressor, comp, _static_pos(chunk))
         visible = _causal_entries(chunk.positions, entries.shape[0], state.compressor.rate)
         if w.layer_type == CSA:
             with profiler.phase("indexer"):
-                delta.indexer, visible = _indexer_select(w.indexer, x, q_res, chunk, state, cfg, ropes, visible)
+                delta.indexer, visible = _indexer_select(w.indexer, xp, qp, chunk, state, cfg, ropes, visible)
 
     out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
@@ -144,21 +180,20 @@ def _causal_entries(positions: torch.Tensor, n_entries: int, rate: int) -> torch
     return e < ((positions + 1) // rate).unsqueeze(-1)
 
 
-def _indexer_select(w: IndexerWeights, x: torch.Tensor, q_res: torch.Tensor, chunk: ChunkInfo,
+def _indexer_select(w: IndexerWeights, xp: dict[str, torch.Tensor], qp: dict[str, torch.Tensor], chunk: ChunkInfo,
                     state: LayerState, cfg: ModelConfig, ropes: dict[str, Rope], visible: torch.Tensor
                     ) -> tuple[CompressorDelta, torch.Tensor]:
-    """Lightning indexer: score every visible entry, keep the top-k per query."""
-    S = x.shape[0]
-    delta = compress_chunk(w.compressor, x, chunk.start, state.indexer, ropes["compress"], cfg.rms_norm_eps,
-                           _static_pos(chunk))
+    """Lightning indexer: score every visible entry, keep the top-k per query (``xp``/``qp``: the
+    projections of the input and of q_res, by weight name)."""
+    delta = compress_chunk(w.compressor, xp["indexer.compressor.wkv"], xp["indexer.compressor.wgate"], chunk.start,
+                           state.indexer, ropes["compress"], cfg.rms_norm_eps, _static_pos(chunk))
     keys = _all_entries(state.indexer, delta, _static_pos(chunk))
     n_entries = keys.shape[0]
     if n_entries == 0:
         return delta, visible
     cos, sin = chunk.rope["compress"]
-    q = linear(q_res, w.wq_b).view(S, cfg.index_n_heads, cfg.index_head_dim)
-    head_w = linear(x, w.weights_proj)
-    return delta, _index_top(q, cos, sin, keys, head_w, visible, min(cfg.index_topk, n_entries))
+    q = qp["indexer.wq_b"].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+    return delta, _index_top(q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries))
 
 
 @region
@@ -189,10 +224,20 @@ def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
 @region
 def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
             scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Attention over the concatenated key parts, then the inverse RoPE of the output."""
-    keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]
-    mask = torch.cat(allowed, dim=-1) if len(allowed) > 1 else allowed[0]
-    return Rope.apply(_core(q, keys_all, mask, sinks, scale), cos, sin, inverse=True)
+    """Attention over the concatenated key parts, then the inverse RoPE of the output.
+
+    With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
+    attention is two launches instead of the cat, two products and the softmax kernels between them.
+    """
+    if kernels.enabled(q) and SWITCHES.decode_attention:
+        from ..kernels import ops
+
+        out = ops.decode_attention(q, keys, allowed, sinks, scale)
+    else:
+        keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]
+        mask = torch.cat(allowed, dim=-1) if len(allowed) > 1 else allowed[0]
+        out = _core(q, keys_all, mask, sinks, scale)
+    return Rope.apply(out, cos, sin, inverse=True)
 
 
 _CORE_SCORES = 1 << 28  # fp32 elements of one block of attention scores

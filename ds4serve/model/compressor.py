@@ -17,7 +17,7 @@ import torch
 
 from ..kernels.regions import region
 from ..state import CompressorDelta, CompressorState
-from .linear import Weight, linear
+from .linear import Weight
 from .norms import rms_norm
 from .rope import Rope
 
@@ -30,26 +30,28 @@ class CompressorWeights:
     norm: torch.Tensor  # [dim] fp32
 
 
-def compress_chunk(w: CompressorWeights, x: torch.Tensor, start: int, state: CompressorState, rope: Rope,
-                   eps: float, static_pos: torch.Tensor | None = None) -> CompressorDelta:
-    """Project ``x`` (``[S, D]``, positions ``start..``) and pool every window that closes.
+def compress_chunk(w: CompressorWeights, kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState,
+                   rope: Rope, eps: float, static_pos: torch.Tensor | None = None) -> CompressorDelta:
+    """Pool every window that closes, given the chunk's projections ``kv = x @ wkv.T`` and
+    ``gate = x @ wgate.T`` (``[S, width]``, positions ``start..``; the caller projects, so that
+    projections of the same input can share one product).
 
     ``static_pos`` (a device ``[1]`` tensor) selects the one-token path whose shapes do not depend
     on the position (CUDA graphs).
     """
     if static_pos is not None:
-        return _compress_token(w, x, start, static_pos, state, rope, eps)
+        rows_kv, rows_gate, entry = _pool_token(kv, gate, static_pos, w, state, rope, eps)
+        return CompressorDelta(rows_kv, rows_gate, entry, start // state.rate)
     rate, overlap = state.rate, state.overlap
     first_entry, buffered = divmod(start, rate)
-    positions = torch.arange(start, start + x.shape[0], device=x.device)
-    kv = linear(x, w.wkv)
-    gate = linear(x, w.wgate).float() + w.ape[positions % rate]
+    positions = torch.arange(start, start + kv.shape[0], device=kv.device)
+    gate = gate.float() + w.ape[positions % rate]
     rows_kv = torch.cat([state.buf_kv[:buffered], kv]) if buffered else kv
     rows_gate = torch.cat([state.buf_gate[:buffered], gate]) if buffered else gate
     n_windows = rows_kv.shape[0] // rate
     dim = w.norm.shape[0]
     if n_windows == 0:
-        entries = x.new_zeros((0, dim))
+        entries = kv.new_zeros((0, dim))
         return CompressorDelta(rows_kv, rows_gate, entries, first_entry)
 
     win_kv = rows_kv[: n_windows * rate].view(n_windows, rate, -1)
@@ -68,25 +70,18 @@ def compress_chunk(w: CompressorWeights, x: torch.Tensor, start: int, state: Com
         win_kv, win_gate = slot_kv, slot_gate
     pooled = (win_kv * win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)).sum(dim=1)
     entries = rms_norm(pooled, w.norm, eps)
-    entry_pos = (torch.arange(n_windows, device=x.device) + first_entry) * rate
+    entry_pos = (torch.arange(n_windows, device=kv.device) + first_entry) * rate
     cos, sin = rope.cos_sin(entry_pos, entries.dtype)
     entries = Rope.apply(entries, cos, sin)
     return CompressorDelta(rows_kv, rows_gate, entries, first_entry)
 
 
-def _compress_token(w: CompressorWeights, x: torch.Tensor, start: int, pos: torch.Tensor, state: CompressorState,
-                    rope: Rope, eps: float) -> CompressorDelta:
-    """One token at device position ``pos``: the open window's rows (``[rate, width]``, this token's
-    row in its slot; commit reads the first ``pos % rate + 1``) and the entry the window gives if this
-    token closes it (masked out by the caller and not committed otherwise)."""
-    rows_kv, rows_gate, entry = _pool_token(linear(x, w.wkv), linear(x, w.wgate), pos, w, state, rope, eps)
-    return CompressorDelta(rows_kv, rows_gate, entry, start // state.rate)
-
-
 @region
 def _pool_token(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, w: CompressorWeights,
                 state: CompressorState, rope: Rope, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The open window's rows with this token's projections in its slot, and the window's entry."""
+    """One token at device position ``pos``: the open window's rows (``[rate, width]``, this token's
+    row in its slot; commit reads the first ``pos % rate + 1``) and the entry the window gives if this
+    token closes it (masked out by the caller and not committed otherwise)."""
     rate, dim = state.rate, w.norm.shape[0]
     slot = pos % rate
     gate = gate.float() + w.ape[slot]

@@ -22,7 +22,7 @@ from ..kernels.regions import region
 from ..kernels.switches import SWITCHES
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
-from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention
+from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
 from .hyper import HCSite, hc_head, hc_merge, hc_split
 from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
@@ -256,6 +256,7 @@ def load_block(ckpt: Checkpoint, prefix: str, layer_type: str, hash_moe: bool, d
         attn.indexer = IndexerWeights(wq_b=t("attn.indexer.wq_b.weight"),
                                       weights_proj=t("attn.indexer.weights_proj.weight"),
                                       compressor=compressor("attn.indexer.compressor"))
+    concatenate_projections(attn)
     moe_w = MoEWeights(
         gate=t("ffn.gate.weight"),
         bias=None if hash_moe else f32("ffn.gate.bias"),

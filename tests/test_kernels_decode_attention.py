@@ -1,0 +1,119 @@
+"""The static step's decode attention kernel against the torch reference (model.attention._core).
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before the
+kernel modules are imported), as in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
+
+from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import ops  # noqa: E402
+from ds4serve.kernels.decode_attention import DecodeAttentionConfig, decode_attention  # noqa: E402
+from ds4serve.kernels.switches import using  # noqa: E402
+from ds4serve.model.attention import _attend, _core  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = DecodeAttentionConfig(block_n=16, programs=4)  # several tiles per chunk, several chunks per part
+
+
+def _reference(q, keys, allowed, sinks, scale):
+    return _core(q, torch.cat(keys), torch.cat([a.expand(q.shape[0], -1) for a in allowed], dim=-1), sinks, scale)
+
+
+def _inputs(seed: int, S: int, H: int, D: int, sizes: list[int], sink_scale: float, dtype=torch.float32):
+    """``q``, key parts, their masks (a one-row window mask broadcast over the rows, like the model's;
+    per-row masks for the entries with an all-masked tile) and the sinks."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, H, D, generator=g)
+    keys = [torch.randn(n, D, generator=g) for n in sizes]
+    allowed = [torch.rand(1, sizes[0], generator=g) < 0.7]
+    if len(sizes) > 1:
+        visible = torch.rand(S, sizes[1], generator=g) < 0.4
+        visible[:, 16:32] = False  # a whole key tile masked: skipped
+        allowed.append(visible)
+    sinks = sink_scale * torch.randn(H, generator=g)
+    return (q.to(DEVICE, dtype), [k.to(DEVICE, dtype) for k in keys], [a.to(DEVICE) for a in allowed],
+            sinks.to(DEVICE))
+
+
+@pytest.mark.parametrize("S,H,D,sizes,sink_scale,config", [
+    (1, 16, 64, [8], 1.0, None),  # a sliding layer: the window only
+    (1, 32, 128, [16, 40], 3.0, SMALL),  # window and entries, chunks of several tiles
+    (1, 20, 72, [16, 5], 30.0, SMALL),  # a partial head block, head dim not a power of two, large sinks
+    (3, 16, 64, [12, 45], 0.1, None),  # several query rows, each with its own entry mask
+])
+def test_matches_reference(S, H, D, sizes, sink_scale, config):
+    q, keys, allowed, sinks = _inputs(S + D, S, H, D, sizes, sink_scale)
+    scale = D ** -0.5
+    got = decode_attention(q, keys, allowed, sinks, scale, config)
+    want = _reference(q, keys, allowed, sinks, scale)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
+def test_rows_without_keys_get_zero():
+    """A query row that sees no key keeps only the sink's weight; tiny sinks leave the rest unchanged."""
+    q, keys, allowed, sinks = _inputs(5, 2, 16, 64, [16, 40], -30.0)
+    allowed[0] = torch.zeros_like(allowed[0])
+    allowed[1][1] = False
+    got = decode_attention(q, keys, allowed, sinks, 0.125, SMALL)
+    want = _reference(q, keys, allowed, sinks, 0.125)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_matches_reference():
+    """bf16 in and out (fp32 products in the interpreter); the reference rounds its scores to bf16."""
+    q, keys, allowed, sinks = _inputs(9, 1, 16, 64, [16, 24], 1.0, torch.bfloat16)
+    got = decode_attention(q, keys, allowed, sinks, 0.125)
+    want = _reference(q, keys, allowed, sinks, 0.125)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+def test_rejects_mismatched_parts():
+    q, keys, allowed, sinks = _inputs(1, 1, 16, 64, [8, 8], 1.0)
+    with pytest.raises(ValueError):
+        decode_attention(q, keys, allowed[:1], sinks, 0.125)
+    with pytest.raises(ValueError):
+        decode_attention(q, [keys[0], keys[1][:, :32]], allowed, sinks, 0.125)
+
+
+def test_op_fake_shape_and_one_traced_node():
+    """The op's fake result has the real one's shape and dtype, and it compiles whole (fullgraph)."""
+    q, keys, allowed, sinks = _inputs(3, 1, 16, 32, [8, 20], 1.0)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops.decode_attention(mode.from_tensor(q), [mode.from_tensor(k) for k in keys],
+                                    [mode.from_tensor(a) for a in allowed], mode.from_tensor(sinks), 0.125)
+    assert fake.shape == q.shape and fake.dtype == q.dtype
+
+    def fn(q, window, entries):
+        return ops.decode_attention(q * 1, [window + 0, entries], allowed, sinks, 0.125)
+
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, *keys)
+    assert torch.equal(got, decode_attention(q, keys, allowed, sinks, 0.125))
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_attend_with_kernels_matches_reference(parts):
+    """``_attend`` (the static step's attention and inverse RoPE) through the op equals the torch path,
+    and the switch turns the op off."""
+    q, keys, allowed, sinks = _inputs(11, 1, 16, 64, [16, 40][:parts], 2.0)
+    angle = torch.rand(1, 8, generator=torch.Generator().manual_seed(2)) * 6.3
+    cos, sin = angle.cos().to(DEVICE), angle.sin().to(DEVICE)
+    want = _attend.eager(q, keys, allowed, sinks, 0.125, cos, sin)
+    with kernels.on_any_device():
+        got = _attend.eager(q, keys, allowed, sinks, 0.125, cos, sin)
+        with using(decode_attention=False):
+            assert torch.equal(_attend.eager(q, keys, allowed, sinks, 0.125, cos, sin), want)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,46 @@
+"""Projections of one input stored as concatenated weights (ds4serve/model/projections.py)."""
+
+import torch
+
+from ds4serve.model.linear import FP8Weight, linear, quantize_fp8
+from ds4serve.model.projections import Projections, concatenate
+
+
+def _parts() -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = lambda rows: torch.randn(rows, 256, generator=g)  # noqa: E731
+    return {"a": quantize_fp8(w(256)), "b": w(64), "c": quantize_fp8(w(128)), "d": w(32),
+            "e": quantize_fp8(w(96)), "f": torch.randn(256, 16, generator=g).t()}  # not contiguous: stays alone
+
+
+def test_groups_by_format_and_alignment():
+    proj, _ = concatenate(_parts())
+    assert [g.names for g in proj.groups] == [("a", "c"), ("b", "d"), ("e",), ("f",)]
+    assert [g.sizes for g in proj.groups][:2] == [(256, 128), (64, 32)]
+
+
+def test_concatenated_products_equal_separate_ones():
+    parts = _parts()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    proj, views = concatenate(parts)
+    fused = proj(x)
+    for name, w in parts.items():
+        torch.testing.assert_close(fused[name], linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x, views[name]), linear(x, w), rtol=1e-5, atol=1e-5)
+    assert set(fused) == set(parts)
+
+
+def test_parts_become_views_of_the_group():
+    proj, views = concatenate(_parts())
+    group = proj.groups[0].weight
+    assert isinstance(views["c"], FP8Weight)
+    assert views["c"].data.data_ptr() == group.data.data_ptr() + 256 * 256
+    assert views["c"].scale.data_ptr() == group.scale.data_ptr() + 2 * group.scale.stride(0) * 4
+    assert views["d"].data_ptr() == proj.groups[1].weight.data_ptr() + 64 * 256 * 4
+    torch.testing.assert_close(views["c"].dequantize(torch.float32), _parts()["c"].dequantize(torch.float32))
+
+
+def test_separate_runs_one_product_per_part():
+    parts = _parts()
+    proj = Projections.separate(parts)
+    assert [g.names for g in proj.groups] == [(n,) for n in parts]
