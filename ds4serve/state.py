@@ -76,6 +76,7 @@ class SequenceState:
     last_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     _commit: "CommitPlan | None" = field(default=None, init=False, repr=False, compare=False)
+    _reserved: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, layers: range, max_context: int, dtype: torch.dtype,
@@ -122,7 +123,7 @@ class SequenceState:
         """
         plan = self._commit_plan(delta)
         if plan is not None:
-            plan.launch(pos)
+            plan.launch(pos, self._reserved)
             return
         slot = pos % self.window
         per_rate: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -148,12 +149,16 @@ class SequenceState:
         for dsts, srcs in copies.values():  # one dtype per call: the multi-tensor kernel, not a memcpy each
             torch._foreach_copy_(dsts, srcs)
 
-    def prepare_capture(self, pos: torch.Tensor) -> None:
-        """Before a CUDA graph captures :meth:`write_token` at ``pos``: load its kernel, which a capture cannot."""
-        if self._commit_kernel_on():
-            from .kernels.commit import warm
+    def prepare_capture(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """Before a CUDA graph captures :meth:`write_token` at ``pos``: load its kernel (a capture
+        cannot) and reserve the job table its launch will read; the graph must keep that table."""
+        if not self._commit_kernel_on():
+            return None
+        from .kernels.commit import reserve_table, warm
 
-            warm(pos)
+        warm(pos)
+        self._reserved = reserve_table(self, pos.device)
+        return self._reserved
 
     def finish_capture(self) -> None:
         """After a CUDA graph captured :meth:`write_token`: fill the job table that its launch reads

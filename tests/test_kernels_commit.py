@@ -127,8 +127,9 @@ def test_unaligned_rows_and_the_switch_fall_back_to_torch(monkeypatch):
     assert not launches
 
 
-def test_plan_is_reused_and_a_capture_fills_its_table_afterwards(monkeypatch):
-    """The same delta reuses the uploaded table; a launch captured in a CUDA graph takes a table that
+def test_plan_is_reused_and_a_capture_fills_its_reserved_table_afterwards(monkeypatch):
+    """The same delta reuses the uploaded table; a launch captured in a CUDA graph reads the table
+    reserved before the capture (not one allocated from the graph's pool during it), which
     :meth:`finish_capture` fills (capture simulated: nothing runs)."""
     state = _bf16_states()[0]
     delta = _random_delta(state, torch.Generator().manual_seed(2), 0)
@@ -140,11 +141,14 @@ def test_plan_is_reused_and_a_capture_fills_its_table_afterwards(monkeypatch):
         launched = []
         monkeypatch.setattr(commit, "_launch", lambda jobs, pos, split: launched.append(jobs))
         monkeypatch.setattr(commit, "_capturing", lambda t: True)
+        with pytest.raises(RuntimeError, match="reserved before the capture"):
+            state.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
+        reserved = state.prepare_capture(_at(0))
         state.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
-    assert state._commit is not plan and len(launched) == 1 and launched[0] is state._commit.jobs
-    launched[0].zero_()
+    assert state._commit is not plan and launched[-1] is reserved  # after the warm-up launch of prepare_capture
+    reserved.zero_()
     state.finish_capture()
-    assert torch.equal(launched[0], state._commit.host)
+    assert torch.equal(reserved.cpu(), state._commit.host)
 
 
 def test_prepare_capture_writes_nothing():

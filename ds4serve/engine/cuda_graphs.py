@@ -36,7 +36,7 @@ class DecodeGraph:
         with torch.cuda.stream(side):  # compile kernels and create library handles outside the capture
             for _ in range(warmup):  # forwards only: warming up must not write the state
                 self._forward()
-            state.prepare_capture(self.pos)
+            self._commit_table = state.prepare_capture(self.pos)  # read by every replay: kept with the graph
         torch.cuda.current_stream(model.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

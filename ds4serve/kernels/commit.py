@@ -10,8 +10,11 @@ them all; a write that is not whole words leaves the commit to the torch code.
 
 In a CUDA graph the delta's tensors are the ones the captured forward allocates, so their addresses
 are known only during the capture, when nothing can be copied from the host: the launch is captured
-reading a table that :meth:`CommitPlan.upload` fills once the capture has ended. Nor can a kernel be
-compiled and loaded during a capture: :func:`warm` does it before.
+reading a table that :meth:`CommitPlan.upload` fills once the capture has ended. That table is
+allocated before the capture (:func:`reserve_table`): memory allocated during a capture comes from the
+graph's pool, where the replay's temporaries of earlier kernels may share its addresses and would
+overwrite a table written only once. Nor can a kernel be compiled and loaded during a capture:
+:func:`warm` does it before.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ ROWS_PER_PROGRAM = 8  # rows per load; a job of more rows (an HCA open window: 1
 # src and dst row strides (words), div, mod and rate.
 _ROWS = 3
 _NOTHING = [0, 0, 0, 0, 0, 0, 1, 1, 1]  # no rows, always
+JOB_FIELDS = len(_NOTHING)
 
 
 @triton.jit
-def _commit_kernel(jobs_ptr, pos_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    job = jobs_ptr + tl.program_id(0).to(tl.int64) * 9
+def _commit_kernel(jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    job = jobs_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     pos = tl.load(pos_ptr).to(tl.int64)
     rate, rows = tl.load(job + 8), tl.load(job + 3)
     start = tl.program_id(1).to(tl.int64) * ROWS
@@ -56,13 +60,20 @@ def _commit_kernel(jobs_ptr, pos_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _launch(jobs: torch.Tensor, pos: torch.Tensor, split: int) -> None:
-    _commit_kernel[(jobs.shape[0], split)](jobs, pos, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4)
+    _commit_kernel[(jobs.shape[0], split)](jobs, pos, FIELDS=JOB_FIELDS, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK,
+                                           num_warps=4)
 
 
 def warm(pos: torch.Tensor) -> None:
     """Compile and load the kernel for ``pos`` (a job that copies nothing): before a CUDA graph
     captures it, since a capture cannot load a module."""
     _launch(torch.tensor([_NOTHING], dtype=torch.int64, device=pos.device), pos, 1)
+
+
+def reserve_table(state: "SequenceState", device: torch.device) -> torch.Tensor:
+    """An unfilled device table for the jobs of ``state``'s ``write_token`` (one per write)."""
+    writes = sum(1 + sum(3 + 2 * c.overlap for c in ls.compressors()) for ls in state.layers.values())
+    return torch.empty(writes, JOB_FIELDS, dtype=torch.int64, device=device)
 
 
 def _job(src: torch.Tensor, dst: torch.Tensor, div: int = 1, mod: int = 1, rate: int = 1) -> list[int] | None:
@@ -132,12 +143,17 @@ class CommitPlan:
     def same_jobs(self, other: "CommitPlan") -> bool:
         return torch.equal(self.host, other.host)
 
-    def launch(self, pos: torch.Tensor) -> None:
-        """All the writes at device position ``pos`` (a one-element integer tensor)."""
-        if self.jobs is None:
+    def launch(self, pos: torch.Tensor, reserved: torch.Tensor | None = None) -> None:
+        """All the writes at device position ``pos`` (a one-element integer tensor). Under a CUDA graph
+        capture the launch reads ``reserved`` (:func:`reserve_table`), filled by :meth:`upload` after."""
+        if _capturing(pos):
+            if reserved is None or reserved.shape != self.host.shape:
+                raise RuntimeError("commit kernel: capturing needs the table reserved before the capture "
+                                   "(SequenceState.prepare_capture)")
+            self.jobs = reserved
+        elif self.jobs is None:
             self.jobs = torch.empty_like(self.host, device=pos.device)
-            if not _capturing(pos):
-                self.upload()
+            self.upload()
         _launch(self.jobs, pos, self.split)
 
     def upload(self) -> None:

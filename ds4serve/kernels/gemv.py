@@ -102,22 +102,22 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("fp8", 8192, 4096, 4, 8): GemvConfig(block_r=32, block_k=256, split=2, warps=2, stages=4, dot=True),
     ("fp8", 32768, 1024, 1, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
     ("fp8", 32768, 1024, 4, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
-    # concatenated input projections (model/projections.py): first set by analogy with the swept
-    # shapes of the same input width, until bench/sweep_gemv.py --only fused ran on them
-    ("bf16", 4160, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("bf16", 4160, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("bf16", 2560, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("bf16", 2560, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    # concatenated input projections (model/projections.py): bench/sweep_gemv.py --only fused --quick
+    # (2026-11-29, H200, bench/results/2026-11-29-h200-sweep-gemv-fused.log)
     ("bf16", 1536, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
     ("bf16", 1536, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 2560, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 2560, 4096, 4, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
     ("bf16", 2624, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("bf16", 2624, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 2624, 4096, 4, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
+    ("bf16", 4160, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("bf16", 4160, 4096, 4, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
+    ("bf16", 40960, 1024, 1, 1): GemvConfig(block_r=16, block_k=512, split=1, warps=4, stages=4, dot=False),
+    ("bf16", 40960, 1024, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=4, dot=True),
     ("fp8", 1536, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
     ("fp8", 1536, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("bf16", 40960, 1024, 1, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=8, stages=3, dot=True),
-    ("bf16", 40960, 1024, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=8, stages=3, dot=True),
-    ("fp8", 40960, 1024, 1, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
-    ("fp8", 40960, 1024, 4, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
+    ("fp8", 40960, 1024, 1, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=4, dot=True),
+    ("fp8", 40960, 1024, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=4, dot=True),
 }
 
 
