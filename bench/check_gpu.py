@@ -200,19 +200,29 @@ def check_graphs(root: Path) -> None:
         for s in (a, b):
             s.commit(model.forward(prompt, s).delta, len(prompt))
         graph = DecodeGraph(model, b)
-        worst = 0.0
-        for t in prompt[:30]:
+        worst, first_logits, first_state = 0.0, None, None  # the first step that differs, to localise a failure
+        for step, t in enumerate(prompt[:30]):
             pos = a.pos
             ra = model.forward(torch.tensor([t], device="cuda"), a, logit_rows=slice(0, 1),
                                positions=torch.tensor([pos], device="cuda"))
             a.commit(delta_at(ra.delta, pos, t), 1)
             rb = graph.step(t)
-            worst = max(worst, float((ra.logits - rb).abs().max()))
-        sa, sb = a.snapshot(), b.snapshot()  # the committed rows only
-        same_state = sa.pos == sb.pos and all(torch.equal(sa.layers[i][k], sb.layers[i][k])
-                                              for i in sa.layers for k in sa.layers[i])
-        record("graph replay logits == same static step run eagerly (bf16, 30 steps)", worst == 0.0, max_abs=worst)
-        record("state written by the graph == host commit of the same steps", same_state)
+            diff = float((ra.logits - rb).abs().max())
+            worst = max(worst, diff)
+            if diff and first_logits is None:
+                first_logits = step
+            if first_state is None and _differing_rows(a, b):
+                first_state = (step, _differing_rows(a, b)[:4])
+        record("graph replay logits == same static step run eagerly (bf16, 30 steps)", worst == 0.0, max_abs=worst,
+               first_step=first_logits)
+        record("state written by the graph == host commit of the same steps", first_state is None,
+               first_step_and_tensors=first_state)
+
+
+def _differing_rows(a, b) -> list[str]:
+    """The committed state tensors (layer.name) where two states differ."""
+    sa, sb = a.snapshot(), b.snapshot()  # the committed rows only
+    return [f"{i}.{k}" for i in sa.layers for k in sa.layers[i] if not torch.equal(sa.layers[i][k], sb.layers[i][k])]
 
 
 def main() -> None:
