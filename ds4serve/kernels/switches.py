@@ -29,6 +29,12 @@ class Switches:
     # Inductor's horizontal fusion (``combo_kernels``): independent small kernels of a compiled region
     # share one launch (bf16 decode at 512: 11.72 -> 10.98 ms/token on the H200, 2026-11-29).
     combo_kernels: bool = True
+    # The router's gate product of a decode step runs as the Triton GEMV instead of cuBLAS (F.linear:
+    # a split-K kernel and its reduce per layer). Off until a full GPU run with the checks measures it.
+    router_gemv: bool = False
+    # hc_merge's 4x4 stream mix of a decode step is a product-sum that Inductor fuses with the merge,
+    # instead of a cuBLAS batched matmul per site. Off until a full GPU run with the checks measures it.
+    merge_product_sum: bool = False
 
 
 SWITCHES = Switches()

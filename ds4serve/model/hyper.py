@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels.regions import region
+from ..kernels.switches import SWITCHES
 from .norms import unweighted_rms_norm
 
 
@@ -97,7 +98,12 @@ def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
 
         return merge(X, out, post, comb)
     dtype = X.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), X)
+    mix_t = comb.to(dtype).transpose(-1, -2)
+    if X.shape[0] <= MIX_REDUCE_MAX_ROWS and SWITCHES.merge_product_sum:  # fp32 sums, as the matmul's
+        mixed = (mix_t.float().unsqueeze(-1) * X.float().unsqueeze(-3)).sum(-2).to(dtype)
+    else:
+        mixed = torch.matmul(mix_t, X)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
 
 @region

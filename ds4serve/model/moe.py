@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels.regions import region
+from ..kernels.switches import SWITCHES
 from .linear import FP8Weight, Weight, linear
 from .moe_grouped import routed_experts, swiglu_gate
 
@@ -33,7 +34,7 @@ class MoEWeights:
 def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k], expert ids [N, k])`` for tokens ``x [N, D]``."""
-    scores = F.softplus(F.linear(x, w.gate)).sqrt()
+    scores = F.softplus(linear(x, w.gate) if SWITCHES.router_gemv else F.linear(x, w.gate)).sqrt()
     if w.tid2eid is not None:
         idx = w.tid2eid[token_ids]
     else:

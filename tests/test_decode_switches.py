@@ -1,0 +1,69 @@
+"""Decode-step switches that replace a cuBLAS call agree with the path they replace.
+
+``router_gemv`` sends the router's gate product through the Triton GEMV (run by Triton's interpreter
+on CPU), ``merge_product_sum`` writes hc_merge's stream mix as a product-sum for decode-sized chunks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels.switches import using  # noqa: E402
+from ds4serve.model import linear as linear_module  # noqa: E402
+from ds4serve.model.hyper import MIX_REDUCE_MAX_ROWS, hc_merge  # noqa: E402
+from ds4serve.model.moe import MoEWeights, route  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _router(experts: int = 16, dim: int = 64) -> MoEWeights:
+    g = torch.Generator().manual_seed(3)
+    gate = (torch.randn(experts, dim, generator=g) / dim ** 0.5).to(torch.bfloat16).to(DEVICE)
+    bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE)
+    return MoEWeights(gate=gate, bias=bias, tid2eid=None, w1=None, w3=None, w2=None, shared_w1=None,
+                      shared_w3=None, shared_w2=None)
+
+
+def test_router_gemv_matches_cublas_path(monkeypatch):
+    pytest.importorskip("triton", reason="the switch calls the Triton GEMV")
+    w = _router()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    ids = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    calls = []
+    real = linear_module._gemv
+    monkeypatch.setattr(linear_module, "_gemv", lambda *a: calls.append(a) or real(*a))
+    with kernels.on_any_device():
+        want_w, want_i = route.eager(w, x, ids, 4, 1.5)
+        assert not calls
+        with using(router_gemv=True):
+            got_w, got_i = route.eager(w, x, ids, 4, 1.5)
+    assert len(calls) == 1  # the gate product went through the GEMV
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, MIX_REDUCE_MAX_ROWS])
+def test_merge_product_sum_matches_matmul(dtype, rows, monkeypatch):
+    g = torch.Generator().manual_seed(rows)
+    X = torch.randn(rows, 4, 32, generator=g).to(dtype)
+    out = torch.randn(rows, 32, generator=g).to(dtype)
+    post = torch.rand(rows, 4, generator=g) * 2
+    comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), dim=-1)
+    want = hc_merge.eager(X, out, post, comb)
+    matmuls = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda *a: matmuls.append(a) or real(*a))
+    with using(merge_product_sum=True):
+        got = hc_merge.eager(X, out, post, comb)
+    assert not matmuls  # the product-sum ran, not the batched matmul
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+    assert got.dtype == dtype and got.shape == X.shape
