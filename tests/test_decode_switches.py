@@ -6,13 +6,9 @@ on CPU), ``merge_product_sum`` writes hc_merge's stream mix as a product-sum for
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402

@@ -1,18 +1,15 @@
 """Triton kernels against their torch references at tiny sizes.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before
-the kernel modules are imported); on a GPU machine the same tests run the compiled kernels.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before anything imports Triton); on a GPU machine the same tests run the compiled
+kernels.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 

@@ -1,18 +1,14 @@
 """The GEMV kernels (dense and FP8, CUDA-core and tensor-core, split-K) against the fp32 reference.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
-kernel modules are imported), so the shapes are tiny.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before anything imports Triton), so the shapes are tiny.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 

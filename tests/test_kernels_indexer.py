@@ -1,18 +1,14 @@
 """The lightning-indexer kernels (scores, sort-free top-k) against the torch reference, tiny sizes.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before the
-kernel modules are imported), as in tests/test_kernels.py.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before anything imports Triton), as in tests/test_kernels.py.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 

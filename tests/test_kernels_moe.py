@@ -1,19 +1,15 @@
 """The fused MoE kernels against the fp32 torch reference at tiny sizes.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before
-the kernel modules are imported). Every allocation made during a kernel call starts as NaN, so an
-element that no program writes shows up as a non-finite output.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before anything imports Triton). Every allocation made during a kernel call starts
+as NaN, so an element that no program writes shows up as a non-finite output.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
