@@ -125,8 +125,8 @@ def main() -> None:
             graph = graphs[ctx] = DecodeGraph(model, state)
             row = result[str(ctx)] = {"host_launch_ms": host_launch_ms(graph),
                                       "alone_ms": cuda_ms(graph.graph.replay, 10), "queued_ms": queued_ms(graph)}
-            log(f"{args.variant} ctx {ctx}: host launch {row['host_launch_ms']:.2f} ms, alone {row['alone_ms']:.2f} ms, "
-                f"queued {row['queued_ms']:.2f} ms")
+            log(f"{args.variant} ctx {ctx}: host launch {row['host_launch_ms']:.2f} ms, "
+                f"alone {row['alone_ms']:.2f} ms, queued {row['queued_ms']:.2f} ms")
         for ctx, graph in graphs.items():
             row = result[str(ctx)]
             row.update(trace_gaps(graph, f"{args.variant} ctx {ctx}", args.kernels))

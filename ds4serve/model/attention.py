@@ -55,12 +55,15 @@ class AttentionWeights:
     def input_parts(self) -> dict[str, Weight]:
         """Every projection of the layer's normalised input, by name."""
         parts = {"wq_a": self.wq_a, "wkv": self.wkv}
-        for prefix, c in (("compressor", self.compressor), ("indexer.compressor", self.indexer and self.indexer.compressor)):
+        for prefix, c in self._compressors():
             if c is not None:
                 parts[f"{prefix}.wkv"], parts[f"{prefix}.wgate"] = c.wkv, c.wgate
         if self.indexer is not None:
             parts["indexer.weights_proj"] = self.indexer.weights_proj
         return parts
+
+    def _compressors(self) -> tuple[tuple[str, CompressorWeights | None], ...]:
+        return ("compressor", self.compressor), ("indexer.compressor", self.indexer and self.indexer.compressor)
 
     def q_parts(self) -> dict[str, Weight]:
         """Every projection of ``q_res``, by name."""
@@ -74,7 +77,7 @@ def concatenate_projections(w: AttentionWeights) -> None:
     w.q_proj, q_views = concatenate(w.q_parts())
     views.update(q_views)
     w.wq_a, w.wkv, w.wq_b = views["wq_a"], views["wkv"], views["wq_b"]
-    for prefix, c in (("compressor", w.compressor), ("indexer.compressor", w.indexer and w.indexer.compressor)):
+    for prefix, c in w._compressors():
         if c is not None:
             c.wkv, c.wgate = views[f"{prefix}.wkv"], views[f"{prefix}.wgate"]
     if w.indexer is not None:
