@@ -11,7 +11,7 @@ or crashing configs are skipped. Triton compiles run first, on a thread pool.
 Prints one line per (shape, kind, N), a total per kind, and a Python literal of the best table to
 paste into ``ds4serve/kernels/gemv.py``. Usage (GPU only)::
 
-    PYTHONPATH=. python3 bench/sweep_gemv.py [--quick] [--only NAME] [--out $OUT/sweep_gemv.json]
+    PYTHONPATH=. python3 bench/sweep_gemv.py [--quick] [--only NAME] [--kinds fp8] [--out $OUT/sweep_gemv.json]
 """
 
 from __future__ import annotations
@@ -298,11 +298,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer tiles and split factors")
     p.add_argument("--out", type=Path, help="write the results and the table as JSON")
     p.add_argument("--only", default="", help="sweep only projections whose name contains this")
+    p.add_argument("--kinds", default="bf16,fp8", help="weight kinds to sweep (comma-separated)")
     args = p.parse_args()
     start = time.time()
     print(f"device: {torch.cuda.get_device_name()}, {'quick' if args.quick else 'full'} sweep", flush=True)
     work = [(case, candidates(case, args.quick)) for case in cases()
-            if any(args.only in name for name in case.names)]
+            if any(args.only in name for name in case.names) and case.kind in args.kinds.split(",")]
     errors = precompile(work)
     print(f"compiled {len({compile_key(c.kind, c.tokens, g) for c, gs in work for g in gs})} kernels "
           f"({len(errors)} failed) in {time.time() - start:.0f} s", flush=True)

@@ -36,7 +36,8 @@ def test_router_gemv_matches_cublas_path(monkeypatch):
     real = linear_module._gemv
     monkeypatch.setattr(linear_module, "_gemv", lambda *a: calls.append(a) or real(*a))
     with kernels.on_any_device():
-        want_w, want_i = route.eager(w, x, ids, 4, 1.5)
+        with using(router_gemv=False):
+            want_w, want_i = route.eager(w, x, ids, 4, 1.5)
         assert not calls
         with using(router_gemv=True):
             got_w, got_i = route.eager(w, x, ids, 4, 1.5)
@@ -53,7 +54,8 @@ def test_merge_product_sum_matches_matmul(dtype, rows, monkeypatch):
     out = torch.randn(rows, 32, generator=g).to(dtype)
     post = torch.rand(rows, 4, generator=g) * 2
     comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), dim=-1)
-    want = hc_merge.eager(X, out, post, comb)
+    with using(merge_product_sum=False):
+        want = hc_merge.eager(X, out, post, comb)
     matmuls = []
     real = torch.matmul
     monkeypatch.setattr(torch, "matmul", lambda *a: matmuls.append(a) or real(*a))

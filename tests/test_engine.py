@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ds4serve import Engine, ErrorCode, SamplingParams
+from ds4serve.engine.engine import MIN_STATE_TOKENS, state_capacity
 from ds4serve.engine.request import GenerateError
 from tests.helpers import random_prompt
 
@@ -92,6 +93,23 @@ def test_snapshot_is_right_sized(own_engine):
     assert small.nbytes() - logits_bytes < own_engine._state.nbytes() / 10
     own_engine.generate(random_prompt(300, seed=27), SamplingParams(max_tokens=1))
     assert small.nbytes() < own_engine.snapshot().nbytes()
+
+
+def test_state_capacity_grows_in_powers_of_two(tiny_dir):
+    """Requests that fit keep the state (and so its decode graph); a larger one gets the next power of
+    two, never more than the engine's context."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=5000)
+    engine.generate(random_prompt(30, seed=40), SamplingParams(max_tokens=10))
+    first = engine._state
+    assert first.max_context == MIN_STATE_TOKENS
+    stop = dict(on_token=lambda t: False)
+    engine.generate(random_prompt(30, seed=41), SamplingParams(max_tokens=MIN_STATE_TOKENS - 30), **stop)
+    assert engine._state is first
+    engine.generate(random_prompt(30, seed=42), SamplingParams(max_tokens=MIN_STATE_TOKENS), **stop)
+    assert engine._state.max_context == 2 * MIN_STATE_TOKENS
+    engine.generate(random_prompt(30, seed=43), SamplingParams(max_tokens=4900), **stop)
+    assert engine._state.max_context == 5000
+    assert [state_capacity(n, 1 << 20) for n in (1, 1024, 1025, 70000)] == [1024, 1024, 2048, 131072]
 
 
 def test_cancel_from_callback_after_k_tokens(engine):

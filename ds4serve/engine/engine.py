@@ -34,6 +34,7 @@ log = logging.getLogger("ds4serve.engine")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 PARK_SELECTORS = ("", "all", "target", "draft")
+MIN_STATE_TOKENS = 1024  # the smallest sequence state the engine allocates (see state_capacity)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -258,10 +259,10 @@ class Engine:
             return state, state.last_logits
         return state, self.prefill(state, prompt[reuse:], on_chunk=feed)
 
-    def _acquire_state(self, capacity: int) -> SequenceState:
-        if self._state is None or self._state.max_context < capacity:
+    def _acquire_state(self, need: int) -> SequenceState:
+        if self._state is None or self._state.max_context < need:
             self._state = None
-            self._state = self._require_model().new_state(capacity)
+            self._state = self._require_model().new_state(state_capacity(need, self.max_context))
         return self._state
 
     def _decode_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor,
@@ -370,6 +371,14 @@ class Engine:
         if self.model is None:
             raise GenerateError(ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)")
         return self.model
+
+
+def state_capacity(need: int, max_context: int, floor: int = MIN_STATE_TOKENS) -> int:
+    """The tokens a new sequence state holds for a request that needs ``need``: the next power of two
+    (at least ``floor``), capped at ``max_context``. The state is kept while requests fit, and each new
+    capacity means a new decode graph and, for the compiled regions, a new compile; powers of two
+    bound both to a few per engine instead of one per larger request."""
+    return min(max_context, max(floor, 1 << max(need - 1, 0).bit_length()))
 
 
 def _selected(what: str) -> tuple[str, ...]:

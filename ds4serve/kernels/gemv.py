@@ -13,11 +13,15 @@ scale column each (the whole step for dense weights), so a block scale is one nu
 * CUDA cores (``dot=False``): a ``[N, BLOCK_R, sub-tile]`` fp32 accumulator, reduced over K once
   at the end; a program's rows lie in one scale row, so an FP8 scale multiplies the activations
   rather than every weight. Any dtype; the only path for fp32 activations.
-* tensor cores (``dot=True``, bf16 activations): ``tl.dot`` of the weight sub-tile (FP8 converted
-  to bf16, which is exact) with the activations as a ``[sub-tile, 16]`` tile, tokens padded to 16.
-  Products are exact and accumulate in fp32; an FP8 block scale multiplies the partial of its
-  sub-tile (per row when a tile spans scale rows), exact up to summation order for the power-of-two
-  scales of real checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
+* tensor cores (``dot=True``, bf16 activations): ``tl.dot`` of the weight sub-tile with the
+  activations as a ``[sub-tile, 16]`` tile, tokens padded to 16. Dense bf16 multiplies as is. FP8
+  multiplies in fp16: e4m3 -> fp16 is one packed conversion per two weights (exact), where bf16
+  would take a chain of three; the activations are scaled by ``2**-8`` on the way to fp16 (and the
+  partial back by ``2**8``), which keeps every bf16 value from ``2**-6`` to ``2**24`` exact, and
+  only the real tokens are converted (the tile repeats them to 16 columns). Products are exact and
+  accumulate in fp32; an FP8 block scale multiplies the partial of its sub-tile (per row when a
+  tile spans scale rows), exact up to summation order for the power-of-two scales of real
+  checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
 
 Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
@@ -82,6 +86,8 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("bf16", 32768, 1024, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=8, stages=3, dot=True),
     ("bf16", 129280, 4096, 1, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
     ("bf16", 129280, 4096, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=4, stages=4, dot=True),
+    # FP8 with fp16 tensor-core operands: bench/sweep_gemv.py --kinds fp8 (2026-11-29, H200,
+    # bench/results/2026-11-29-h200-sweep-gemv-fp16dot.log)
     ("fp8", 64, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=4, warps=2, stages=4, dot=False),
     ("fp8", 64, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=4, warps=2, stages=4, dot=False),
     ("fp8", 256, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=4, warps=2, stages=4, dot=False),
@@ -90,18 +96,22 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("fp8", 512, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=2, warps=2, stages=4, dot=False),
     ("fp8", 1024, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
     ("fp8", 1024, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 1536, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
+    ("fp8", 1536, 4096, 4, 1): GemvConfig(block_r=16, block_k=128, split=4, warps=1, stages=8, dot=True),
     ("fp8", 2048, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 2048, 4096, 4, 1): GemvConfig(block_r=32, block_k=256, split=4, warps=2, stages=4, dot=True),
+    ("fp8", 2048, 4096, 4, 1): GemvConfig(block_r=32, block_k=128, split=4, warps=2, stages=4, dot=True),
     ("fp8", 4096, 2048, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 4096, 2048, 4, 1): GemvConfig(block_r=32, block_k=256, split=2, warps=2, stages=4, dot=True),
+    ("fp8", 4096, 2048, 4, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
     ("fp8", 4096, 8192, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 4096, 8192, 4, 1): GemvConfig(block_r=32, block_k=256, split=4, warps=2, stages=4, dot=True),
-    ("fp8", 8192, 1024, 1, 1): GemvConfig(block_r=16, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 8192, 1024, 4, 1): GemvConfig(block_r=64, block_k=256, split=1, warps=4, stages=3, dot=True),
-    ("fp8", 8192, 4096, 1, 8): GemvConfig(block_r=16, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 8192, 4096, 4, 8): GemvConfig(block_r=32, block_k=256, split=2, warps=2, stages=4, dot=True),
+    ("fp8", 4096, 8192, 4, 1): GemvConfig(block_r=32, block_k=128, split=4, warps=2, stages=4, dot=True),
+    ("fp8", 8192, 1024, 1, 1): GemvConfig(block_r=16, block_k=256, split=1, warps=1, stages=4, dot=True),
+    ("fp8", 8192, 1024, 4, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
+    ("fp8", 8192, 4096, 1, 8): GemvConfig(block_r=16, block_k=128, split=1, warps=1, stages=8, dot=True),
+    ("fp8", 8192, 4096, 4, 8): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
     ("fp8", 32768, 1024, 1, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
     ("fp8", 32768, 1024, 4, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
+    ("fp8", 40960, 1024, 1, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
+    ("fp8", 40960, 1024, 4, 1): GemvConfig(block_r=32, block_k=128, split=1, warps=2, stages=4, dot=True),
     # concatenated input projections (model/projections.py): bench/sweep_gemv.py --only fused --quick
     # (2026-11-29, H200, bench/results/2026-11-29-h200-sweep-gemv-fused.log)
     ("bf16", 1536, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
@@ -114,10 +124,6 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("bf16", 4160, 4096, 4, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
     ("bf16", 40960, 1024, 1, 1): GemvConfig(block_r=16, block_k=512, split=1, warps=4, stages=4, dot=False),
     ("bf16", 40960, 1024, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=4, dot=True),
-    ("fp8", 1536, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 1536, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
-    ("fp8", 40960, 1024, 1, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=4, dot=True),
-    ("fp8", 40960, 1024, 4, 1): GemvConfig(block_r=64, block_k=128, split=1, warps=4, stages=4, dot=True),
 }
 
 
@@ -129,12 +135,22 @@ def _store(out_ptr, y, offsets, mask, split, n_tokens, n_rows, PARTIAL: tl.const
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+FP8_X_SCALE = 2.0 ** -8  # activations' scale on the way to fp16 operands (see the module docstring)
+
+
 @triton.jit
-def _fp8_to(w, DTYPE: tl.constexpr):
-    # e4m3 -> fp16 -> fp32 -> DTYPE, each step exact: a direct e4m3 -> bf16 conversion compiles to one
-    # F2F.BF16.F16 per element on sm_90, a slow conversion unit that would cap the rate near the
-    # bandwidth; this chain runs on the packed and fp16 pipes instead.
-    return w.to(tl.float16).to(tl.float32).to(DTYPE)
+def _scaled_activations(x_base, x_stride, cols, cmask, n_tokens, DTYPE: tl.constexpr, SUB_K: tl.constexpr,
+                        N_PAD: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr):
+    # The [SUB_K, N_PAD] operand of an FP8 sub-tile: the N_LOAD (a power of two >= n_tokens) real
+    # token columns are loaded, scaled and converted once each, then repeated: column c is token
+    # c % N_LOAD.
+    tokens = tl.arange(0, N_LOAD)
+    x = tl.load(x_base + tokens[None, :] * x_stride + cols[:, None], mask=cmask[:, None] & (tokens < n_tokens)[None, :],
+                other=0.0)
+    x = (x.to(tl.float32) * X_SCALE).to(DTYPE)
+    if N_LOAD < N_PAD:
+        x = tl.reshape(tl.broadcast_to(x[:, None, :], [SUB_K, N_PAD // N_LOAD, N_LOAD]), [SUB_K, N_PAD])
+    return x
 
 
 @triton.jit
@@ -185,7 +201,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
 def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
                      n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
-                     PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                     PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr):
     first = tl.program_id(0) * BLOCK_R
     split = tl.program_id(1)
     rows = first + tl.arange(0, BLOCK_R)
@@ -193,7 +209,7 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
     rmask = rows < n_rows
     tmask = tokens < n_tokens
     w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
-    x_cols = x_ptr + tokens[None, :] * x_stride + (first // rows_per_group) * n_in
+    x_base = x_ptr + (first // rows_per_group) * n_in
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, n_in)
     acc = tl.zeros([BLOCK_R, N_PAD], dtype=tl.float32)
@@ -202,12 +218,15 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
             cols = k0 + j * SUB_K + tl.arange(0, SUB_K)
             cmask = cols < k_hi
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-            xt = tl.load(x_cols + cols[:, None], mask=cmask[:, None] & tmask[None, :], other=0.0).to(DOT_DTYPE)
             if SCALED:
+                xt = _scaled_activations(x_base, x_stride, cols, cmask, n_tokens, DOT_DTYPE, SUB_K, N_PAD, N_LOAD,
+                                         X_SCALE)
                 s = _scale(s_ptr, rows, rmask, first, k0 + j * SUB_K, s_cols, SB_R, SB_C, SB_R % BLOCK_R != 0)
-                acc += tl.dot(_fp8_to(w, DOT_DTYPE), xt) * s
+                acc += tl.dot(w.to(DOT_DTYPE), xt) * (s / X_SCALE)
             else:
-                acc = tl.dot(w.to(DOT_DTYPE), xt, acc)
+                xt = tl.load(x_base + tokens[None, :] * x_stride + cols[:, None], mask=cmask[:, None] & tmask[None, :],
+                             other=0.0)
+                acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
     _store(out_ptr, acc, tokens[None, :] * n_rows + rows[:, None], rmask[:, None] & tmask[None, :], split, n_tokens,
            n_rows, PARTIAL)
 
@@ -338,7 +357,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                   PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages)
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.dot:
-        _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2), **consts)
+        _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
+                               N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
     else:
         _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
     if split > 1:
@@ -347,10 +367,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     return out
 
 
-def _dot_dtype(x: torch.Tensor) -> tl.dtype:
-    """bf16 operands on the GPU; fp32 for CPU tensors (Triton's interpreter, whose tl.dot multiplies the
-    bit patterns of bf16, stored as uint16, as integers). The products are exact in fp32 either way."""
-    return tl.bfloat16 if x.is_cuda else tl.float32
+def _dot_dtype(x: torch.Tensor, scaled: bool) -> tl.dtype:
+    """The operands' type: bf16 (dense) or fp16 (FP8 weights) on the GPU; fp32 for CPU tensors (Triton's
+    interpreter, whose tl.dot multiplies the bit patterns of bf16, stored as uint16, as integers)."""
+    if not x.is_cuda:
+        return tl.float32
+    return tl.float16 if scaled else tl.bfloat16
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,

@@ -30,11 +30,12 @@ class Switches:
     # share one launch (bf16 decode at 512: 11.72 -> 10.98 ms/token on the H200, 2026-11-29).
     combo_kernels: bool = True
     # The router's gate product of a decode step runs as the Triton GEMV instead of cuBLAS (F.linear:
-    # a split-K kernel and its reduce per layer). Off until a full GPU run with the checks measures it.
-    router_gemv: bool = False
+    # a split-K kernel and its reduce per layer); at 512: bf16 11.02 -> 10.95, FP8 8.52 -> 8.45 ms/token.
+    router_gemv: bool = True
     # hc_merge's 4x4 stream mix of a decode step is a product-sum that Inductor fuses with the merge,
-    # instead of a cuBLAS batched matmul per site. Off until a full GPU run with the checks measures it.
-    merge_product_sum: bool = False
+    # instead of a cuBLAS batched matmul per site; at 512: bf16 11.02 -> 10.72, FP8 8.52 -> 8.24 ms/token
+    # (H200, 2026-11-29, bench/results/2026-11-29-h200-round6-arms.log).
+    merge_product_sum: bool = True
 
 
 SWITCHES = Switches()
