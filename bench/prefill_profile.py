@@ -1,7 +1,8 @@
 """Where prefill time goes: one chunk through a 4-layer bf16 proxy (bench/proxy.py: layers 0-3 are
 sliding, sliding, CSA, HCA), GPU only. Usage (repository root)::
 
-    PYTHONPATH=. python3 bench/prefill_profile.py [--chunk 2048] [--starts 0,512,8192] [--arms new,old_attn,old_moe,old]
+    PYTHONPATH=. python3 bench/prefill_profile.py [--chunk 2048] [--starts 0,512,8192] \
+        [--arms new,old_attn,old_moe,old] [--ops]
 
 For each chunk start (the state prefilled up to it first) and each arm it times the forward of one
 chunk (median of CUDA-event timings after a warm-up) and each layer in it, and reports tokens/s and
@@ -161,12 +162,24 @@ def kernel_table(model, state, ids: list[int], top: int = 30) -> str:
     return prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=90)
 
 
+def op_table(model, state, ids: list[int], top: int = 30) -> str:
+    """The torch ops by GPU time, grouped by their Python call site (which line launched the kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        model.forward(ids, state)
+        torch.cuda.synchronize()
+    return prof.key_averages(group_by_stack_n=4).table(sort_by="device_time_total", row_limit=top,
+                                                       max_name_column_width=40, max_src_column_width=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--starts", default="0,512,8192")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ops", action="store_true", help="also the ops by GPU time with their call sites")
     args = p.parse_args()
     starts = [int(s) for s in args.starts.split(",")]
     arms = args.arms.split(",")
@@ -199,6 +212,8 @@ def main() -> None:
                     print(phase_table(model, state, chunk, args.reps), flush=True)
                     print(f"## kernels of one {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
                     print(kernel_table(model, state, chunk), flush=True)
+                    if args.ops:
+                        print(f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}", flush=True)
             del state
             gc.collect()
             torch.cuda.empty_cache()
