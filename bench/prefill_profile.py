@@ -13,7 +13,8 @@ experts per token. ``est. 43 layers`` scales the per-layer times to the full pro
 prefill line. Then, for the first arm at the first start, the phase table of ds4serve's profiler
 and torch.profiler's kernel table (top 30 by GPU time).
 
-Arms: ``new`` the current chunk paths; ``old_attn`` the previous dense masked chunk attention
+Arms: ``new`` the current chunk paths; ``regions`` those with ``SWITCHES.chunk_regions`` (norms, RoPE
+and mHC mixes compiled for chunks); ``old_attn`` the previous dense masked chunk attention
 (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the routed
 experts expert by expert after a host read of the group sizes (the previous loop's launches and
 sync); ``old`` both.
@@ -39,11 +40,12 @@ from bench_gpu import ceilings, log  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve import profiler  # noqa: E402
+from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import attention, deepseek4, moe_grouped  # noqa: E402
 from ds4serve.model.deepseek4 import _tensors_of  # noqa: E402
 from ds4serve.profile_cli import format_table, summarize  # noqa: E402
 
-ARMS = ("new", "old_attn", "old_moe", "old")
+ARMS = ("new", "old_attn", "old_moe", "old", "regions")
 FULL_PROXY = {"sliding": 2, "csa": 21, "hca": 20}  # layer counts of the 43-layer proxy
 LAYER_KIND = ("sliding", "sliding", "csa", "hca")  # layers 0-3 of the proxy
 
@@ -71,6 +73,8 @@ def arm(name: str) -> Iterator[None]:
             stack.enter_context(_patched(attention, "chunk_attention", dense_chunk_attention))
         if name in ("old_moe", "old"):
             stack.enter_context(_patched(moe_grouped, "grouped_mm_applies", lambda a: False))
+        if name == "regions":
+            stack.enter_context(using(chunk_regions=True))
         yield
 
 
@@ -99,9 +103,10 @@ def layer_events(marks: list[torch.cuda.Event]) -> Iterator[None]:
         yield
 
 
-def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, list[float]]:
-    """Median ms of one chunk's forward and of each layer in it, after one warm-up forward."""
-    model.forward(ids, state)
+def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, list[float], torch.Tensor]:
+    """Median ms of one chunk's forward and of each layer in it, after one warm-up forward (whose
+    last-row logits are returned)."""
+    logits = model.forward(ids, state, logit_rows=slice(-1, None)).logits.float()
     totals, layers = [], []
     for _ in range(reps):
         begin = torch.cuda.Event(enable_timing=True)
@@ -115,7 +120,7 @@ def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, list[flo
         totals.append(begin.elapsed_time(end))
         edges = [begin, *marks]
         layers.append([a.elapsed_time(b) for a, b in zip(edges, edges[1:])])
-    return statistics.median(totals), [statistics.median(col) for col in zip(*layers)]
+    return statistics.median(totals), [statistics.median(col) for col in zip(*layers)], logits
 
 
 def layer_params(model, i: int) -> float:
@@ -202,10 +207,14 @@ def main() -> None:
                 part = ids[i:min(i + args.chunk, start)]
                 state.commit(model.forward(part, state).delta, len(part))
             chunk = ids[start:start + args.chunk]
+            first = None
             for name in arms:
                 with arm(name):
-                    ms, per_layer = time_chunk(model, state, chunk, args.reps)
+                    ms, per_layer, logits = time_chunk(model, state, chunk, args.reps)
                 report(name, start, args.chunk, ms, per_layer, params, head_params, rate)
+                first = logits if first is None else first
+                diff = float((logits - first).abs().max() / first.abs().max())
+                log(f"{name:>8} start {start:>5}: last-row logits vs arm {arms[0]}: max rel {diff:.2e}")
             if n == 0:
                 with arm(arms[0]):
                     print(f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)

@@ -26,6 +26,34 @@ def test_region_runs_plain_outside_a_static_step():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
 
 
+def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factory, monkeypatch):
+    """``chunk_regions``: the norms, RoPE and mHC mixes of prefill chunks run traced (whole graphs,
+    dynamic shapes: chunks of two lengths and a ring that wraps) and give the plain logits."""
+    from ds4serve.model import DeepSeekV4
+    from ds4serve.weights import Checkpoint
+    from tests.helpers import random_prompt
+
+    model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=4, window=8, hca_rate=8, index_topk=5)))
+    ids = random_prompt(40, seed=9)
+    compiles = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw["dynamic"]) or real(fn, **kw))
+    plain, traced = model.new_state(48), model.new_state(48)
+    graphs = []
+    with torch.inference_mode():
+        for lo, hi in ((0, 16), (16, 40)):
+            ref = model.forward(ids[lo:hi], plain, logit_rows=slice(None))
+            plain.commit(ref.delta, hi - lo)
+            with regions.forced("aot_eager"), using(chunk_regions=True):
+                out = model.forward(ids[lo:hi], traced, logit_rows=slice(None))
+            traced.commit(out.delta, hi - lo)
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
+            assert err <= 1e-5, f"chunk [{lo}, {hi}): relative error {err:.3g}"
+    assert compiles == [True] * 4  # rms_norm, unweighted_rms_norm, RoPE, mixes: each compiled with dynamic shapes
+    assert graphs[1] == graphs[0]  # the second chunk length reused the traced graphs
+
+
 @pytest.mark.parametrize("block_regions", [False, True])
 def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_regions):
     """Static decode with every region traced (CSA and HCA windows close, the ring wraps); with

@@ -7,8 +7,14 @@ masking, the softmax with sinks), a few microseconds each even inside a CUDA gra
 :func:`region`. Inside a static step (:func:`static_step`, entered by the forward when it runs the
 CUDA-graph path) on CUDA tensors, a region runs as ``torch.compile`` made it: Inductor fuses each
 chain into one or a few Triton kernels, which the decode graph then captures like any other
-kernel. Everywhere else (CPU, prefill chunks, kernels switched off) the function runs as written,
-so the torch code stays the one reference.
+kernel. Everywhere else (CPU, kernels switched off) the function runs as written, so the torch
+code stays the one reference.
+
+Prefill and verify chunks issue the same chains over thousands of rows, where each unfused op is a
+full pass over memory (a RoPE's casts, stack and cat; a norm's fp32 copy, square, mean and product).
+Regions marked ``chunks=True`` (the norms, RoPE, the mHC mixes: plain chains with no hand-written
+kernel inside) also run compiled in chunk forwards on CUDA when ``SWITCHES.chunk_regions`` is on,
+with dynamic shapes so that one compile serves every chunk length.
 
 Regions nest: a region called while another is being traced is traced inline. While tracing,
 :func:`ds4serve.kernels.enabled` is False, so a region never calls a hand-written Triton kernel
@@ -70,9 +76,9 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _active(args: tuple, kwargs: dict) -> str | None:
+def _active(args: tuple, kwargs: dict, chunks: bool) -> str | None:
     """The backend to compile with for this call, or None to run the function as written."""
-    if _SWITCHED_OFF.value or _static_depth() == 0:
+    if _SWITCHED_OFF.value or (_static_depth() == 0 and not (chunks and SWITCHES.chunk_regions)):
         return None
     t = _first_tensor(args, kwargs)
     if t is None:
@@ -84,22 +90,26 @@ def _active(args: tuple, kwargs: dict) -> str | None:
     return "inductor" if enabled(t) else None
 
 
-def region(fn: F) -> F:
-    """Mark ``fn`` as a compiled region (see the module doc); the plain function is ``fn.eager``."""
-    compiled: dict[tuple[str, bool], Callable] = {}
+def region(fn: F | None = None, *, chunks: bool = False) -> F | Callable[[F], F]:
+    """Mark ``fn`` as a compiled region (see the module doc); the plain function is ``fn.eager``.
+    ``chunks=True``: also compiled in chunk forwards (``SWITCHES.chunk_regions``)."""
+    if fn is None:
+        return functools.partial(region, chunks=chunks)
+    compiled: dict[tuple[str, bool, bool], Callable] = {}
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        backend = _active(args, kwargs)
+        backend = _active(args, kwargs, chunks)
         if backend is None:
             return fn(*args, **kwargs)
-        key = (backend, SWITCHES.combo_kernels)
+        dynamic = _static_depth() == 0  # a chunk: any length, one compile
+        key = (backend, SWITCHES.combo_kernels, dynamic)
         if key not in compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             options = {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels} if backend == "inductor" else None
-            compiled[key] = torch.compile(fn, backend=backend, options=options,
+            compiled[key] = torch.compile(fn, backend=backend, options=options, dynamic=dynamic or None,
                                           fullgraph=_FORCED_BACKEND.value is not None)
         return compiled[key](*args, **kwargs)
 

@@ -36,6 +36,9 @@ class Switches:
     # instead of a cuBLAS batched matmul per site; at 512: bf16 11.02 -> 10.72, FP8 8.52 -> 8.24 ms/token
     # (H200, 2026-11-29, bench/results/2026-11-29-h200-round6-arms.log).
     merge_product_sum: bool = True
+    # Regions marked chunks=True (norms, RoPE, the mHC mixes) also run compiled (dynamic shapes) in
+    # prefill and verify chunks on CUDA (kernels/regions.py). Off until a GPU run measures it.
+    chunk_regions: bool = False
 
 
 SWITCHES = Switches()

@@ -44,7 +44,7 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
 MIX_REDUCE_MAX_ROWS = 8  # up to this many rows the mixes are a product-sum (fused), else a matmul
 
 
-@region
+@region(chunks=True)
 def _hc_mixes(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """fp32 mixes ``[S, (2+hc)*hc]`` of the normalised flattened streams.
 

@@ -7,7 +7,7 @@ import torch
 from ..kernels.regions import region
 
 
-@region
+@region(chunks=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Weighted RMSNorm; ``weight`` is kept in fp32 and the product is cast once to x's dtype."""
     xf = x.float()
@@ -15,7 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
-@region
+@region(chunks=True)
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMSNorm (per-head q, mHC input): fp32 statistics, the factor cast to x's dtype."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -29,7 +29,7 @@ class Rope:
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     @staticmethod
-    @region
+    @region(chunks=True)
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``2*cos.shape[-1]`` channels of ``x``.
 
