@@ -14,8 +14,7 @@ prefill line. Then, for the first arm at the first start, the phase table of ds4
 and torch.profiler's kernel table (top 30 by GPU time).
 
 Arms: ``new`` the current chunk paths; ``regions`` those with ``SWITCHES.chunk_regions`` (norms, RoPE
-and mHC mixes compiled for chunks); ``attn_kernel`` with ``SWITCHES.chunk_attention_kernel`` (chunk
-attention through the flash-decoding kernel); ``old_attn`` the previous dense masked chunk attention
+and mHC mixes compiled for chunks); ``old_attn`` the previous dense masked chunk attention
 (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the routed
 experts expert by expert after a host read of the group sizes (the previous loop's launches and
 sync); ``old`` both.
@@ -46,7 +45,7 @@ from ds4serve.model import attention, deepseek4, moe_grouped  # noqa: E402
 from ds4serve.model.deepseek4 import _tensors_of  # noqa: E402
 from ds4serve.profile_cli import format_table, summarize  # noqa: E402
 
-ARMS = ("new", "old_attn", "old_moe", "old", "regions", "attn_kernel")
+ARMS = ("new", "old_attn", "old_moe", "old", "regions")
 FULL_PROXY = {"sliding": 2, "csa": 21, "hca": 20}  # layer counts of the 43-layer proxy
 LAYER_KIND = ("sliding", "sliding", "csa", "hca")  # layers 0-3 of the proxy
 
@@ -76,8 +75,6 @@ def arm(name: str) -> Iterator[None]:
             stack.enter_context(_patched(moe_grouped, "grouped_mm_applies", lambda a: False))
         if name == "regions":
             stack.enter_context(using(chunk_regions=True))
-        if name == "attn_kernel":
-            stack.enter_context(using(chunk_attention_kernel=True))
         yield
 
 

@@ -68,37 +68,6 @@ def test_chunk_attention_equals_dense(S, window, start, E, kind):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("S,window,start,E,kind", [CASES[1], CASES[2], CASES[3], CASES[5], CASES[6]])
-def test_chunk_attention_kernel_equals_dense(S, window, start, E, kind):
-    """``chunk_attention_kernel``: the flash-decoding kernel with the window band mask (Triton's
-    interpreter on CPU) gives the dense result, and the block-wise matmuls do not run."""
-    pytest.importorskip("triton", reason="the switch runs the decode attention kernel")
-    from ds4serve import kernels
-    from ds4serve.kernels.switches import using
-
-    gen = torch.Generator().manual_seed(S * 1000 + start)
-    H, d = 4, 16
-    q, kv = torch.randn(S, H, d, generator=gen), torch.randn(S, d, generator=gen)
-    ring, sinks = torch.randn(window, d, generator=gen), torch.randn(H, generator=gen)
-    entries = torch.randn(E, d, generator=gen) if E else None
-    visible = _entries_mask(kind, S, start, E, 4, gen) if E else None
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    args = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in (q, kv, ring, entries, visible, sinks)]
-    q, kv, ring, entries, visible, sinks = args
-    with kernels.on_any_device(), using(chunk_attention_kernel=True):
-        got = ca.chunk_attention(q, ca.window_sequence(kv, ring, start), start, entries, visible, sinks, d ** -0.5)
-    want = _dense_attention(q.cpu(), kv.cpu(), ring.cpu(), start, None if E == 0 else entries.cpu(),
-                            None if E == 0 else visible.cpu(), sinks.cpu(), d ** -0.5)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
-
-
-def test_window_band_is_the_sliding_window():
-    band = ca.window_band(3, 4, 1, torch.device("cpu"))  # queries at 1, 2, 3; rows at -2 .. 3
-    assert band.tolist() == [[False, False, True, True, False, False],
-                             [False, False, True, True, True, False],
-                             [False, False, True, True, True, True]]
-
-
 def test_chunk_attention_in_several_runs_equals_one(monkeypatch):
     """A small score budget splits the blocks into several runs (long chunks) with the same result."""
     gen = torch.Generator().manual_seed(5)

@@ -39,10 +39,6 @@ class Switches:
     # Regions marked chunks=True (norms, RoPE, the mHC mixes) also run compiled (dynamic shapes) in
     # prefill and verify chunks on CUDA (kernels/regions.py). Off until a GPU run measures it.
     chunk_regions: bool = False
-    # Prefill and verify chunks attend through the decode step's flash-decoding kernel (band mask over
-    # the window sequence, entries in place) instead of block-wise matmuls and a softmax pass
-    # (model/chunk_attention.py). Off until a GPU run measures it.
-    chunk_attention_kernel: bool = False
 
 
 SWITCHES = Switches()

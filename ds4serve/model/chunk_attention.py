@@ -11,11 +11,6 @@ With one shared K=V head the heads fold into the rows of a batched matrix produc
 ``[B*H, d] @ [d, B+W-1+E]``, bf16 tensor-core work on the GPU. Logits, mask and softmax are those
 of the dense path: scores in the activation dtype times the scale, fp32 softmax with the sink
 column, probabilities cast to the keys' dtype before the product with the values.
-
-With ``SWITCHES.chunk_attention_kernel`` on CUDA the chunk runs instead through the flash-decoding
-kernel of the decode step (:mod:`ds4serve.kernels.decode_attention`), one query row per program:
-the window sequence and the entries are read in place with the band mask of :func:`window_band`,
-key tiles a query cannot see are skipped, and no score matrix reaches memory.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..kernels.switches import SWITCHES
 
 SCORES_BUDGET = 1 << 28  # fp32 logits of the blocks that run together (about 1 GiB)
 # Keys per block padded (masked) to a multiple of this: with an odd count (255 window keys, +E entries)
@@ -57,13 +51,6 @@ def chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: tor
     block = min(S, window)
     if entries is not None and entries.shape[0] == 0:
         entries = visible = None
-    if kernels.enabled(q) and SWITCHES.chunk_attention_kernel:
-        from ..kernels import ops
-
-        band = window_band(S, window, start, q.device)
-        if entries is None:
-            return ops.decode_attention(q, [seq], [band], sinks, scale)
-        return ops.decode_attention(q, [seq, entries], [band, visible], sinks, scale)
     n_entries = 0 if entries is None else entries.shape[0]
     per_block = block * H * (block + window + n_entries)
     run = max(1, SCORES_BUDGET // per_block) * block
@@ -110,14 +97,6 @@ def _blocks(q: torch.Tensor, seq: torch.Tensor, start: int, first: int, block: i
         logits[..., K] = sinks.float()
         probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
     return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)
-
-
-def window_band(S: int, window: int, start: int, device: torch.device) -> torch.Tensor:
-    """``[S, W-1+S]``: query ``i`` (position ``start+i``) sees row ``c`` of the window sequence
-    (position ``start-W+1+c``) iff ``i <= c <= i+W-1`` and that position is not negative."""
-    i = torch.arange(S, device=device).unsqueeze(-1)
-    c = torch.arange(window - 1 + S, device=device)
-    return (c >= i) & (c <= i + window - 1) & (c >= window - 1 - start)
 
 
 def _window_mask(n: int, block: int, window: int, first_key: int, device: torch.device) -> torch.Tensor:
