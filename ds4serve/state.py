@@ -108,6 +108,22 @@ class SequenceState:
         self.pos += n
         self.tokens.extend(delta.tokens[:n])
 
+    def commit_static(self, delta: "ChunkDelta", tokens: list[int]) -> None:
+        """:meth:`commit` of the first ``len(tokens)`` tokens (``tokens``) of a static block (a forward
+        with ``positions`` of several tokens, e.g. a captured verify step), whose compressor deltas
+        hold the block's own rows and one entry per token (that of the window it closes): rebuilt
+        here, with the host position, into the chunk form :meth:`commit` applies."""
+        layers = {}
+        for idx, ld in delta.layers.items():
+            ls = self.layers[idx]
+            fixed = {}
+            for name, c in (("compressor", ls.compressor), ("indexer", ls.indexer)):
+                cd = getattr(ld, name)
+                if cd is not None:
+                    fixed[name] = _chunk_form(c, cd, self.pos)
+            layers[idx] = LayerDelta(window_rows=ld.window_rows, **fixed)
+        self.commit(ChunkDelta(start=self.pos, tokens=list(tokens), layers=layers), len(tokens))
+
     def write_token(self, delta: "ChunkDelta", pos: torch.Tensor) -> None:
         """The device half of committing a static one-token delta at device position ``pos``.
 
@@ -319,6 +335,16 @@ class ChunkDelta:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+
+def _chunk_form(c: CompressorState, cd: CompressorDelta, pos: int) -> CompressorDelta:
+    """A static block's compressor delta at host position ``pos`` as a chunk's: the open window's
+    committed rows before the block's, and the entries of the tokens that close a window."""
+    buffered = pos % c.rate
+    closing = [i for i in range(cd.rows_kv.shape[0]) if (pos + i + 1) % c.rate == 0]
+    rows_kv = torch.cat([c.buf_kv[:buffered], cd.rows_kv]) if buffered else cd.rows_kv
+    rows_gate = torch.cat([c.buf_gate[:buffered], cd.rows_gate]) if buffered else cd.rows_gate
+    return CompressorDelta(rows_kv, rows_gate, cd.entries[closing], pos // c.rate)
 
 
 def _commit_compressor(c: CompressorState, cd: CompressorDelta, pos: int, n: int) -> None:

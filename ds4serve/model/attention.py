@@ -157,23 +157,37 @@ def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: Lay
 @region
 def _window_keys_static(kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole ring with this token's row in its slot; slot s holds the latest position = s mod W."""
+    """One token: the whole ring with its row in its slot (slot s holds the latest position = s mod W).
+    A block of ``S`` tokens at ``pos [S]``: the ring (the committed positions before the block) then
+    the block's rows, and per query the keys of its window ``[S, W + S]``."""
     window = ring.shape[0]
     slots = torch.arange(window, device=kv.device)
-    keys = torch.where((slots == pos % window).unsqueeze(-1), kv, ring)
-    key_pos = pos - (pos - slots) % window
-    return keys, (key_pos >= 0).unsqueeze(0)
+    if kv.shape[0] == 1:
+        keys = torch.where((slots == pos % window).unsqueeze(-1), kv, ring)
+        key_pos = pos - (pos - slots) % window
+        return keys, (key_pos >= 0).unsqueeze(0)
+    last = pos[:1] - 1  # the last committed position
+    key_pos = torch.cat([last - (last - slots) % window, pos])
+    query = pos.unsqueeze(-1)
+    allowed = (key_pos >= 0) & (key_pos <= query) & (key_pos > query - window)
+    return torch.cat([ring, kv]), allowed
 
 
 @region
 def _all_entries(state: CompressorState, delta: CompressorDelta, static_pos: torch.Tensor | None
                  ) -> torch.Tensor:
-    """Committed entries then the chunk's; static: the whole buffer with the token's entry in its slot."""
+    """Committed entries then the chunk's; static: the whole buffer with the entries of the windows
+    the chunk closes in their slots (one token: its entry, whether or not it closes the window; rows
+    past a query's visible ones are masked)."""
     committed = state.entries
     if static_pos is None:
         return torch.cat([committed[: delta.first_entry], delta.entries])
-    here = torch.arange(committed.shape[0], device=committed.device) == static_pos // state.rate
-    return torch.where(here.unsqueeze(-1), delta.entries, committed)
+    slots = torch.arange(committed.shape[0], device=committed.device)
+    if static_pos.shape[0] == 1:
+        return torch.where((slots == static_pos // state.rate).unsqueeze(-1), delta.entries, committed)
+    closer = (slots + 1) * state.rate - 1 - static_pos[:1]  # the block row that closes entry e
+    closed = (closer >= 0) & (closer < static_pos.shape[0])
+    return torch.where(closed.unsqueeze(-1), delta.entries[closer.clamp(0, static_pos.shape[0] - 1)], committed)
 
 
 @region

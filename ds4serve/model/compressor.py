@@ -36,12 +36,14 @@ def compress_chunk(w: CompressorWeights, kv: torch.Tensor, gate: torch.Tensor, s
     ``gate = x @ wgate.T`` (``[S, width]``, positions ``start..``; the caller projects, so that
     projections of the same input can share one product).
 
-    ``static_pos`` (a device ``[1]`` tensor) selects the one-token path whose shapes do not depend
-    on the position (CUDA graphs).
+    ``static_pos`` (the chunk's positions as a device tensor) selects a path whose shapes do not
+    depend on the position (CUDA graphs): :func:`_pool_token` for one token, :func:`_pool_static`
+    for a verify block.
     """
     if static_pos is not None:
-        rows_kv, rows_gate, entry = _pool_token(kv, gate, static_pos, w, state, rope, eps)
-        return CompressorDelta(rows_kv, rows_gate, entry, start // state.rate)
+        pool = _pool_token if kv.shape[0] == 1 else _pool_static
+        rows_kv, rows_gate, entries = pool(kv, gate, static_pos, w, state, rope, eps)
+        return CompressorDelta(rows_kv, rows_gate, entries, start // state.rate)
     rate, overlap = state.rate, state.overlap
     first_entry, buffered = divmod(start, rate)
     positions = torch.arange(start, start + kv.shape[0], device=kv.device)
@@ -96,3 +98,36 @@ def _pool_token(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, w: Comp
     entry = rms_norm(pooled, w.norm, eps)
     cos, sin = rope.cos_sin(pos - slot, entry.dtype)
     return rows_kv, rows_gate, Rope.apply(entry, cos, sin)
+
+
+@region
+def _pool_static(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, w: CompressorWeights,
+                 state: CompressorState, rope: Rope, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block of ``S`` tokens at device positions ``positions`` (consecutive): the chunk's own rows
+    (``[S, width]``, gate with the position bias) and, per token, the entry of the window it closes
+    (``[S, dim]``; rows of tokens that close none are never read). A window's rows come from the
+    committed open window (positions before the block) or the block; a CSA window's previous half from
+    the overlap buffer, the open window or the block, by position."""
+    rate, dim = state.rate, w.norm.shape[0]
+    S = kv.shape[0]
+    p0 = positions[:1]
+    gate = gate.float() + w.ape[positions % rate]
+    offsets = torch.arange(rate, device=kv.device)
+    t = positions.unsqueeze(-1) - rate + 1 + offsets  # [S, rate]: the window that token i closes
+    in_block = t >= p0
+    here = torch.where(in_block, rate + t - p0, t % rate)  # into [open window rows; block rows]
+    win_kv = torch.cat([state.buf_kv, kv])[here]
+    win_gate = torch.cat([state.buf_gate, gate])[here]
+    if state.overlap:
+        u = t - rate  # the previous window: overlap buffer, open window or block
+        open_start = p0 - p0 % rate
+        src = torch.where(u >= p0, 2 * rate + u - p0, torch.where(u >= open_start, rate + u % rate, u % rate))
+        prev_kv = torch.cat([state.ov_kv, state.buf_kv[:, :dim], kv[:, :dim]])[src]
+        prev_gate = torch.cat([state.ov_gate, state.buf_gate[:, :dim], gate[:, :dim]])[src]
+        prev_gate = torch.where((u >= 0).unsqueeze(-1), prev_gate, float("-inf"))
+        win_kv = torch.cat([prev_kv, win_kv[..., dim:]], dim=1)
+        win_gate = torch.cat([prev_gate, win_gate[..., dim:]], dim=1)
+    pooled = (win_kv * win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)).sum(dim=1)
+    entries = rms_norm(pooled, w.norm, eps)
+    cos, sin = rope.cos_sin(positions - rate + 1, entries.dtype)
+    return kv, gate, Rope.apply(entries.view(S, dim), cos, sin)

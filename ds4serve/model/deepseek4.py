@@ -114,10 +114,11 @@ class DeepSeekV4:
 
         ``hidden`` is the incoming stream state ``[S, hc, D]`` when this range does not start at
         layer 0. ``logit_rows`` selects the chunk rows whose logits are computed (None: no head).
-        ``positions`` (a device ``[1]`` tensor holding ``state.pos``) makes the step static: one
-        token, no shape or value taken from the host position, nothing synchronising with the host,
+        ``positions`` (a device tensor holding ``state.pos ..``, one per token) makes the step
+        static: no shape or value taken from the host position, nothing synchronising with the host,
         so it can be captured as a CUDA graph (:mod:`ds4serve.engine.cuda_graphs`). The delta's
-        ``tokens`` are then left empty when ``token_ids`` is a tensor; the caller knows them.
+        ``tokens`` are then left empty when ``token_ids`` is a tensor; the caller knows them. A static
+        block of several tokens (a verify step) is committed by :meth:`SequenceState.commit_static`.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(-1)
         S = ids.shape[0]
@@ -131,8 +132,8 @@ class DeepSeekV4:
             raise ValueError(f"layer range {self.layers.start}.. needs the incoming hidden streams")
         else:
             X = hidden.to(device=self.device, dtype=self.dtype)
-        if positions is not None and S != 1:
-            raise ValueError(f"a static step runs one token, got {S}")
+        if positions is not None and positions.shape != (S,):
+            raise ValueError(f"a static step needs one position per token, got {tuple(positions.shape)} for {S}")
         deltas: dict[int, LayerDelta] = {}
         captured: dict[int, torch.Tensor] = {}
         with regions.static_step() if positions is not None else nullcontext():
