@@ -120,7 +120,7 @@ class SequenceState:
             for name, c in (("compressor", ls.compressor), ("indexer", ls.indexer)):
                 cd = getattr(ld, name)
                 if cd is not None:
-                    fixed[name] = _chunk_form(c, cd, self.pos)
+                    fixed[name] = _chunk_form(c, cd, self.pos, ld.window_rows.shape[0])
             layers[idx] = LayerDelta(window_rows=ld.window_rows, **fixed)
         self.commit(ChunkDelta(start=self.pos, tokens=list(tokens), layers=layers), len(tokens))
 
@@ -337,13 +337,19 @@ class ChunkDelta:
         return len(self.tokens)
 
 
-def _chunk_form(c: CompressorState, cd: CompressorDelta, pos: int) -> CompressorDelta:
+def _chunk_form(c: CompressorState, cd: CompressorDelta, pos: int, length: int) -> CompressorDelta:
     """A static block's compressor delta at host position ``pos`` as a chunk's: the open window's
-    committed rows before the block's, and the entries of the tokens that close a window."""
+    committed rows before the block's, and the entries of the tokens that close a window. (A one-token
+    static delta already holds the open window with its row in its slot, and its one entry.)"""
     buffered = pos % c.rate
-    closing = [i for i in range(cd.rows_kv.shape[0]) if (pos + i + 1) % c.rate == 0]
-    rows_kv = torch.cat([c.buf_kv[:buffered], cd.rows_kv]) if buffered else cd.rows_kv
-    rows_gate = torch.cat([c.buf_gate[:buffered], cd.rows_gate]) if buffered else cd.rows_gate
+    closing = [i for i in range(length) if (pos + i + 1) % c.rate == 0]
+    if length == 1:
+        rows_kv, rows_gate = cd.rows_kv[:buffered + 1], cd.rows_gate[:buffered + 1]
+    elif buffered:
+        rows_kv = torch.cat([c.buf_kv[:buffered], cd.rows_kv])
+        rows_gate = torch.cat([c.buf_gate[:buffered], cd.rows_gate])
+    else:
+        rows_kv, rows_gate = cd.rows_kv, cd.rows_gate
     return CompressorDelta(rows_kv, rows_gate, cd.entries[closing], pos // c.rate)
 
 

@@ -1,7 +1,7 @@
 """The static block (a verify step's forward with device positions, the CUDA-graph form) equals the
 chunk forward, and committing its accepted prefix gives the chunk's state.
 
-Blocks of 2 to 5 tokens at positions that close CSA (ratio 4) and HCA (ratio 8) windows inside the
+Blocks of 1 to 5 tokens at positions that close CSA (ratio 4) and HCA (ratio 8) windows inside the
 block, with the window ring (8 rows) wrapping; accepted prefixes of every length. Run as written and
 with every small region traced whole (``aot_eager``, as Inductor receives them).
 """
@@ -16,7 +16,7 @@ from ds4serve.kernels.switches import using
 from tests.helpers import static_decode_setup
 
 # (block length, tokens accepted) per step, cycled from position 14
-STEPS = [(4, 2), (5, 5), (2, 1), (3, 0), (5, 3), (2, 2), (4, 4), (3, 1), (5, 4), (4, 3)]
+STEPS = [(4, 2), (5, 5), (2, 1), (1, 1), (3, 0), (5, 3), (2, 2), (1, 1), (4, 4), (3, 1), (1, 1), (5, 4), (4, 3)]
 TRACED_STEPS = [(4, 2), (4, 4), (4, 1), (4, 3), (4, 0), (4, 4), (4, 2)]  # one shape: one trace per region
 
 

@@ -7,8 +7,11 @@ synchronises with the host. :class:`DecodeGraph` captures that step over one
 state object), then each :meth:`DecodeGraph.step` writes the token and position into the input
 tensors and replays. Plain decoding always commits the one token it ran, so the graph also holds
 that commit (:meth:`~ds4serve.state.SequenceState.write_token`, device writes at the device
-position): a step is one replay plus the host counters. Verify steps, which commit only part of a
-chunk, stay outside the graph and use verify-then-commit.
+position): a step is one replay plus the host counters.
+
+A speculative verify step commits only the accepted prefix of its block, which the host knows after
+the replay. :class:`VerifyGraph` captures the static forward of a block of one width (no commit); the
+caller then commits the prefix with :meth:`~ds4serve.state.SequenceState.commit_static`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,45 @@ class DecodeGraph:
         self.graph.replay()
         self.state.advance(token)
         return self._out.logits
+
+
+class VerifyGraph:
+    """A captured static forward of a ``width``-token block of ``model`` over ``state``: logits of
+    every row, the final streams and the ``capture`` layers' streams (for the draft proposer)."""
+
+    def __init__(self, model: DeepSeekV4, state: SequenceState, width: int, capture: tuple[int, ...] = (),
+                 warmup: int = 2):
+        if model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, got device {model.device}")
+        self.model, self.state, self.width, self.capture = model, state, width, capture
+        self.tokens = torch.zeros(width, dtype=torch.long, device=model.device)
+        self._offsets = torch.arange(width, device=model.device)
+        self.positions = self._offsets + state.pos
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):  # compile kernels and create library handles outside the capture
+            for _ in range(warmup):
+                self._forward()
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._out = self._forward()
+
+    def _forward(self) -> ForwardResult:
+        return self.model.forward(self.tokens, self.state, logit_rows=slice(None), capture=self.capture,
+                                  positions=self.positions)
+
+    def run(self, block: list[int]) -> ForwardResult:
+        """The forward of ``block`` at ``state.pos``: buffers that the next run overwrites."""
+        pos = self.state.pos
+        if len(block) != self.width:
+            raise ValueError(f"a verify graph of width {self.width} got a block of {len(block)}")
+        if pos + self.width > self.state.max_context:
+            raise ValueError(f"verify at position {pos} exceeds the state's {self.state.max_context}")
+        self.tokens.copy_(torch.tensor(block, dtype=torch.long))
+        torch.add(self._offsets, pos, out=self.positions)
+        self.graph.replay()
+        return self._out
 
 
 def delta_at(template: ChunkDelta, pos: int, token: int) -> ChunkDelta:

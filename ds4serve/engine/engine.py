@@ -20,11 +20,12 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
-from ..model import DeepSeekV4
+from ..model import DeepSeekV4, ForwardResult
 from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
-from .cuda_graphs import DecodeGraph
+from ..kernels.switches import SWITCHES
+from .cuda_graphs import DecodeGraph, VerifyGraph
 from .generation import Generation
 from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
@@ -91,6 +92,7 @@ class Engine:
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | None = None
+        self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph] = {}  # (width, capture) of self._state
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -307,14 +309,40 @@ class Engine:
 
     def _decode_graph(self, model: DeepSeekV4, state: SequenceState) -> DecodeGraph | None:
         """The decode step captured for ``state`` (None: eager, not on CUDA, or not a whole model)."""
-        if self.eager or not isinstance(model, DeepSeekV4) or model.device.type != "cuda":
-            return None
-        if model.embed is None or model.head is None:
+        if not self._graphs_apply(model):
             return None
         if self._graph is None or self._graph.state is not state or self._graph.model is not model:
             self._graph = None
             self._graph = DecodeGraph(model, state)
         return self._graph
+
+    def _graphs_apply(self, model: object) -> bool:
+        """CUDA graphs are used for a whole model on CUDA unless the engine is eager."""
+        return (not self.eager and isinstance(model, DeepSeekV4) and model.device.type == "cuda"
+                and model.embed is not None and model.head is not None)
+
+    def verify_forward(self, model: DeepSeekV4, block: list[int], state: SequenceState,
+                       capture: tuple[int, ...]) -> tuple[ForwardResult, bool]:
+        """The forward of a speculative verify ``block`` (logits of every row) and whether it ran as
+        a static block, whose accepted prefix is then committed with ``state.commit_static``; its
+        outputs are buffers that the next verify step of that width overwrites."""
+        graph = self._verify_graph(model, state, len(block), capture)
+        if graph is None:
+            return model.forward(block, state, logit_rows=slice(None), capture=capture), False
+        return graph.run(block), True
+
+    def _verify_graph(self, model: DeepSeekV4, state: SequenceState, width: int,
+                      capture: tuple[int, ...]) -> VerifyGraph | None:
+        if not (SWITCHES.verify_graphs and self._graphs_apply(model)):
+            return None
+        key = (width, tuple(capture))
+        graph = self._verify_graphs.get(key)
+        if graph is not None and (graph.state is not state or graph.model is not model):
+            self._verify_graphs.clear()
+            graph = None
+        if graph is None:
+            graph = self._verify_graphs[key] = VerifyGraph(model, state, width, key[1])
+        return graph
 
     # ---- snapshots -----------------------------------------------------------------------------
     def snapshot(self, device: str | torch.device | None = None) -> Snapshot:
@@ -341,6 +369,7 @@ class Engine:
                 if part == "target" and self.model is not None:
                     self.model = None
                     self._graph = None
+                    self._verify_graphs.clear()
                     self._state = None
                     self._pending_restore = None
                     parked.append("target")

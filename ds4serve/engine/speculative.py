@@ -277,7 +277,7 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
             n = policy.verify_count(draft, k)
             block = [seed] + draft.tokens[:n]
             with profiler.step("verify", len(block), state.pos, model.layers):
-                out = model.forward(block, state, logit_rows=slice(None), capture=capture)
+                out, static = engine.verify_forward(model, block, state, capture)
             engine.forward_calls += 1
             emitted = accepted = 0
             for i in range(len(block)):
@@ -298,15 +298,18 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
                 if done or not ok:
                     break
             committed_at = state.pos
-            state.commit(out.delta, emitted)
-            state.last_logits = out.logits[emitted - 1]
+            if static:
+                state.commit_static(out.delta, block[:emitted])
+            else:
+                state.commit(out.delta, emitted)
+            state.last_logits = out.logits[emitted - 1].clone()
             seed = history[-1]
             stats.record(n, accepted, emitted)
             policy.update(accepted)
             if not done and not handle.cancelled:
                 proposer.observe(Committed(start=committed_at, tokens=block[:emitted], next_token=seed,
-                                           hidden=out.hidden[:emitted],
-                                           captured={layer: x[:emitted] for layer, x in out.captured.items()}))
+                                           hidden=out.hidden[:emitted].clone(),
+                                           captured={layer: x[:emitted].clone() for layer, x in out.captured.items()}))
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()
