@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy import build_proxy, bytes_per_token, flash_config  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
-from ds4serve.engine.cuda_graphs import DecodeGraph  # noqa: E402
+from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
 from ds4serve.kernels.switches import NAMES, using  # noqa: E402
 
 NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
@@ -145,6 +145,12 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             row["replay_fraction_of_copy_bw"] = out["bytes_per_token_GB"] / row["graph_replay_gpu_ms"] * 1e3 / ceil["copy_GBps"]
             log(f"ctx {ctx}: graph {ms:.2f} ms/token ({row['tokens_per_s']:.1f} tok/s, {row['GBps']:.0f} GB/s, "
                 f"{100 * row['fraction_of_copy_bw']:.1f}% of copy); replay alone {row['graph_replay_gpu_ms']:.2f} ms")
+            for width in args.verify_widths:
+                verify = VerifyGraph(model, state, width)
+                row[f"verify_{width}_replay_gpu_ms"] = cuda_ms(verify.graph.replay, 10)
+                log(f"ctx {ctx}: verify block of {width}: {row[f'verify_{width}_replay_gpu_ms']:.2f} ms per replay "
+                    f"({row[f'verify_{width}_replay_gpu_ms'] / row['graph_replay_gpu_ms']:.2f}x the decode replay)")
+                del verify
             out[f"decode_{ctx}"] = row
             del graph, state
             gc.collect()
@@ -277,8 +283,11 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
                    "graph decode only")
+    p.add_argument("--verify-widths", default="", help="also time a captured verify block of these widths "
+                   "(comma-separated) at each context")
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
+    args.verify_widths = [int(w) for w in args.verify_widths.split(",") if w]
     args.save_partial = None
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.chunks = [int(c) for c in args.chunks.split(",")]

@@ -5,7 +5,10 @@
 2. whole-model bf16 logits on the GPU (kernels on) against the float32 CPU forward on a tiny
    checkpoint, unquantized and FP8+MXFP4 kept quantized;
 3. greedy tokens with the CUDA-graph decode equal to eager decode (engine, fp32 and bf16), and the
-   graph's logits bitwise equal to the same static step run eagerly.
+   graph's logits bitwise equal to the same static step run eagerly;
+4. verify graphs (``SWITCHES.verify_graphs``): a captured block's logits bitwise equal to the same
+   static block run eagerly and close to the chunk forward, the state after ``commit_static`` equal
+   to the chunk's commit, and speculative greedy tokens through the graphs equal to plain decoding.
 
 Prints one line per check and exits non-zero when one fails. Usage::
 
@@ -24,11 +27,12 @@ from pathlib import Path
 import torch
 
 from ds4serve import Engine, SamplingParams
-from ds4serve.engine.cuda_graphs import DecodeGraph, delta_at
+from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
+from ds4serve.engine.speculative import Draft, DraftProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_ref
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
-from ds4serve.kernels.switches import NAMES, SWITCHES
+from ds4serve.kernels.switches import NAMES, SWITCHES, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
@@ -219,6 +223,62 @@ def check_graphs(root: Path) -> None:
                first_step_and_tensors=first_state)
 
 
+class _Oracle(DraftProposer):
+    """Drafts the known greedy continuation, each token right with probability ``p`` (seeded)."""
+
+    name = "oracle"
+
+    def __init__(self, sequence: list[int], p: float, width: int):
+        super().__init__(width - 1, adaptive=False)
+        self.sequence, self.p = sequence, p
+        self.gen = torch.Generator().manual_seed(width)
+
+    def propose(self, history, k, sampler):
+        truth = self.sequence[len(history):len(history) + k]
+        return Draft([t if float(torch.rand(1, generator=self.gen)) < self.p else (t + 1) % 1000 for t in truth])
+
+
+def check_verify_graphs(root: Path) -> None:
+    path = make_tiny(root / "verify", TinySpec(seed=6, window=8, hca_rate=8, index_topk=5))
+    prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(10)).tolist()
+    engine = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
+    plain = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    model = engine.model
+    with torch.inference_mode(), using(verify_graphs=True):
+        a, b, c = (model.new_state(160) for _ in range(3))
+        for s in (a, b, c):
+            s.commit(model.forward(prompt, s).delta, len(prompt))
+        graph = VerifyGraph(model, b, 4)
+        worst_eager, worst_chunk, first_state = 0.0, 0.0, None
+        ids = plain.tokens
+        for step, accepted in enumerate((2, 4, 1, 3, 0, 4, 2, 3)):
+            block = ids[a.pos - len(prompt):a.pos - len(prompt) + 4]
+            ra = model.forward(torch.tensor(block, device="cuda"), a, logit_rows=slice(None),
+                               positions=torch.arange(a.pos, a.pos + 4, device="cuda"))
+            rc = model.forward(block, c, logit_rows=slice(None))
+            rb = graph.run(block)
+            worst_eager = max(worst_eager, float((ra.logits - rb.logits).abs().max()))
+            worst_chunk = max(worst_chunk, float((rc.logits - rb.logits).abs().max() / rc.logits.abs().max()))
+            a.commit_static(ra.delta, block[:accepted])
+            b.commit_static(rb.delta, block[:accepted])
+            c.commit(rc.delta, accepted)
+            if first_state is None and _differing_rows(a, b):
+                first_state = (step, _differing_rows(a, b)[:4])
+        record("verify graph logits == same static block run eagerly (fp32, width 4, 8 steps)", worst_eager == 0.0,
+               max_abs=worst_eager)
+        record("verify graph logits == chunk forward (fp32)", worst_chunk <= 1e-5, max_rel=worst_chunk)
+        record("state after commit_static of the graph's block == of the eager block", first_state is None,
+               first_step_and_tensors=first_state)
+        for width in (2, 3, 6):
+            res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                  speculative=_Oracle(prompt + plain.tokens, 0.7, width))
+            graphs = len(engine._verify_graphs)
+            record(f"speculative greedy through verify graphs == plain decoding (fp32, width {width})",
+                   res.error is None and res.tokens == plain.tokens and graphs > 0,
+                   matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graphs=graphs,
+                   error=res.error_message)
+
+
 def _differing_rows(a, b) -> list[str]:
     """The committed state tensors (layer.name) where two states differ."""
     sa, sb = a.snapshot(), b.snapshot()  # the committed rows only
@@ -237,7 +297,8 @@ def main() -> None:
             setattr(SWITCHES, name, name in on)
     print(f"switches: {SWITCHES}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp))):
+        for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp)),
+                      lambda: check_verify_graphs(Path(tmp))):
             try:
                 check()
             except Exception as exc:  # noqa: BLE001 - a crash is a failed check with its traceback
