@@ -263,7 +263,8 @@ class Engine:
 
     def _acquire_state(self, need: int) -> SequenceState:
         if self._state is None or self._state.max_context < need:
-            self._state = None
+            self._state, self._graph = None, None  # free the old state and the graphs over it first
+            self._verify_graphs.clear()
             self._state = self._require_model().new_state(state_capacity(need, self.max_context))
         return self._state
 
