@@ -165,6 +165,17 @@ def _scale(s_ptr, rows, rmask, first, kc, s_cols, SB_R: tl.constexpr, SB_C: tl.c
     return s
 
 
+@triton.jit
+def _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R: tl.constexpr, N_PAD: tl.constexpr):
+    # This program's output rows and token slots with their masks, and its slice [k_lo, k_hi) of the input.
+    first = tl.program_id(0) * BLOCK_R
+    split = tl.program_id(1)
+    rows = first + tl.arange(0, BLOCK_R)
+    tokens = tl.arange(0, N_PAD)
+    k_lo = split * k_per_split
+    return first, split, rows, tokens, rows < n_rows, tokens < n_tokens, k_lo, tl.minimum(k_lo + k_per_split, n_in)
+
+
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
 def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
                      n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
@@ -172,16 +183,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                      PARTIAL: tl.constexpr):
     # A step reads BLOCK_K inputs as sub-tiles of SUB_K (one scale column each, for FP8), so that the
     # scale is one number per sub-tile and the accumulator holds only SUB_K columns.
-    first = tl.program_id(0) * BLOCK_R
-    split = tl.program_id(1)
-    rows = first + tl.arange(0, BLOCK_R)
-    tokens = tl.arange(0, N_PAD)
-    rmask = rows < n_rows
-    tmask = tokens < n_tokens
+    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
+                                                                     N_PAD)
     w_rows = w_ptr + rows[None, :, None].to(tl.int64) * n_in
     x_rows = x_ptr + tokens[:, None, None] * x_stride + (first // rows_per_group) * n_in
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, n_in)
     acc = tl.zeros([N_PAD, BLOCK_R, SUB_K], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(BLOCK_K // SUB_K):
@@ -202,16 +207,10 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                      n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
                      PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr):
-    first = tl.program_id(0) * BLOCK_R
-    split = tl.program_id(1)
-    rows = first + tl.arange(0, BLOCK_R)
-    tokens = tl.arange(0, N_PAD)
-    rmask = rows < n_rows
-    tmask = tokens < n_tokens
+    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
+                                                                     N_PAD)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
     x_base = x_ptr + (first // rows_per_group) * n_in
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, n_in)
     acc = tl.zeros([BLOCK_R, N_PAD], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(BLOCK_K // SUB_K):

@@ -208,6 +208,16 @@ def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
 
 
 @triton.jit
+def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr):
+    # This program's (token, slot) pair, the routing entry its slot reads (the shared slot top_k reads
+    # the last routed one, unused) and its first row.
+    pair = tl.program_id(0)
+    token = pair // n_slots
+    slot = pair % n_slots
+    return pair, token, slot, token * top_k + tl.minimum(slot, top_k - 1), tl.program_id(1) * BLOCK_R
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_stride, s_stride, row_len, s_cols,
                     sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, srow_len, ss_cols, n_in, n_inter, top_k, n_slots, limit,
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
@@ -215,12 +225,9 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
-    pair = tl.program_id(0)
-    token = pair // n_slots
-    slot = pair % n_slots
-    row0 = tl.program_id(1) * BLOCK_R
+    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     x = x_ptr + token * n_in
-    e = tl.load(idx_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
+    e = tl.load(idx_ptr + choice).to(tl.int64)
     if MIXED:
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
@@ -246,13 +253,10 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
-    pair = tl.program_id(0)
-    token = pair // n_slots
-    slot = pair % n_slots
-    row0 = tl.program_id(1) * BLOCK_R
+    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     h = h_ptr + pair * n_inter
-    e = tl.load(idx_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
-    weight = tl.load(wt_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.float32)
+    e = tl.load(idx_ptr + choice).to(tl.int64)
+    weight = tl.load(wt_ptr + choice).to(tl.float32)
     if MIXED:
         if slot < top_k:
             y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
