@@ -1,42 +1,47 @@
 """Speculative decoding through static verify blocks (the form the CUDA verify graphs capture) is
 lossless: the engine commits the accepted prefix with ``commit_static`` and the tokens equal plain
-decoding. On CPU the "graph" runs the static block eagerly; capturing it is checked on the GPU.
+decoding. On CPU the engine's verify graphs run with the capture left out (the same static block
+forward and buffers); capturing them is checked on the GPU (bench/check_gpu.py).
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-
 from ds4serve import SamplingParams
+from ds4serve.engine import engine as engine_module
+from ds4serve.engine.cuda_graphs import VerifyGraph
+from ds4serve.kernels.switches import SWITCHES
 from tests.helpers import random_prompt
 from tests.test_speculative import MAX_TOKENS, PROMPT, _oracle, dspark_engine, mtp_engine  # noqa: F401
 
 MTP_PROMPT = random_prompt(40, seed=12)
 
 
-class EagerStaticBlock:
-    """:class:`~ds4serve.engine.cuda_graphs.VerifyGraph`'s interface, the static forward run eagerly."""
+class EagerVerify(VerifyGraph):
+    """The engine's verify graph with the capture left out (``graph=False``): the same static block."""
 
-    def __init__(self, model, state, width: int, capture: tuple[int, ...]):
-        self.model, self.state, self.width, self.capture = model, state, width, capture
+    def __init__(self, model, state, width: int, capture: tuple[int, ...] = ()):
+        super().__init__(model, state, width, capture, graph=False)
         self.runs = 0
 
     def run(self, block: list[int]):
-        assert len(block) == self.width
         self.runs += 1
-        positions = torch.arange(self.state.pos, self.state.pos + self.width)
-        return self.model.forward(torch.tensor(block), self.state, logit_rows=slice(None), capture=self.capture,
-                                  positions=positions)
+        return super().run(block)
 
 
 def _static_blocks(engine, monkeypatch) -> dict:
+    """Turn the engine's verify graphs on, on CPU: its own cache of them, each an :class:`EagerVerify`."""
     made: dict = {}
 
-    def graph(model, state, width, capture):
-        return made.setdefault((width, tuple(capture)), EagerStaticBlock(model, state, width, tuple(capture)))
+    def build(model, state, width, capture):
+        made[(width, capture)] = EagerVerify(model, state, width, capture)
+        return made[(width, capture)]
 
-    monkeypatch.setattr(engine, "_verify_graph", graph)
+    monkeypatch.setattr(engine_module, "VerifyGraph", build)
+    monkeypatch.setattr(engine, "_graphs_apply", lambda model: True)
+    monkeypatch.setattr(engine, "_decode_graph", lambda model, state: None)  # plain steps stay eager
+    monkeypatch.setattr(SWITCHES, "verify_graphs", True)
+    monkeypatch.setattr(engine, "_verify_graphs", {})  # none kept from another test
     return made
 
 
