@@ -6,9 +6,10 @@
    checkpoint, unquantized and FP8+MXFP4 kept quantized;
 3. greedy tokens with the CUDA-graph decode equal to eager decode (engine, fp32 and bf16), and the
    graph's logits bitwise equal to the same static step run eagerly;
-4. verify graphs (``SWITCHES.verify_graphs``): a captured block's logits bitwise equal to the same
+4. verify graphs (``SWITCHES.speculative_graphs``): a captured block's logits bitwise equal to the same
    static block run eagerly and close to the chunk forward, the state after ``commit_static`` equal
-   to the chunk's commit, and speculative greedy tokens through the graphs equal to plain decoding.
+   to the chunk's commit, and speculative greedy tokens through the graphs (verify blocks, MTP draft
+   passes) equal to plain decoding.
 
 Prints one line per check and exits non-zero when one fails. Usage::
 
@@ -239,12 +240,12 @@ class _Oracle(DraftProposer):
 
 
 def check_verify_graphs(root: Path) -> None:
-    path = make_tiny(root / "verify", TinySpec(seed=6, window=8, hca_rate=8, index_topk=5))
+    path = make_tiny(root / "verify", TinySpec(seed=6, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(10)).tolist()
     engine = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
     plain = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     model = engine.model
-    with torch.inference_mode(), using(verify_graphs=True):
+    with torch.inference_mode(), using(speculative_graphs=True):
         a, b, c = (model.new_state(160) for _ in range(3))
         for s in (a, b, c):
             s.commit(model.forward(prompt, s).delta, len(prompt))
@@ -269,13 +270,15 @@ def check_verify_graphs(root: Path) -> None:
         record("verify graph logits == chunk forward (fp32)", worst_chunk <= 1e-5, max_rel=worst_chunk)
         record("state after commit_static of the graph's block == of the eager block", first_state is None,
                first_step_and_tensors=first_state)
-        for width in (2, 3, 6):
+        for spec in (_Oracle(prompt + plain.tokens, 0.7, 2), _Oracle(prompt + plain.tokens, 0.7, 6), "mtp:3"):
             res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                                  speculative=_Oracle(prompt + plain.tokens, 0.7, width))
+                                  speculative=spec)
             graphs = len(engine._verify_graphs)
-            record(f"speculative greedy through verify graphs == plain decoding (fp32, width {width})",
+            name = spec if isinstance(spec, str) else f"oracle width {spec.max_draft_tokens + 1}"
+            record(f"speculative greedy through the graphs == plain decoding (fp32, {name})",
                    res.error is None and res.tokens == plain.tokens and graphs > 0,
                    matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graphs=graphs,
+                   drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None,
                    error=res.error_message)
 
 

@@ -40,7 +40,7 @@ def _static_blocks(engine, monkeypatch) -> dict:
     monkeypatch.setattr(engine_module, "VerifyGraph", build)
     monkeypatch.setattr(engine, "_graphs_apply", lambda model: True)
     monkeypatch.setattr(engine, "_decode_graph", lambda model, state: None)  # plain steps stay eager
-    monkeypatch.setattr(SWITCHES, "verify_graphs", True)
+    monkeypatch.setattr(SWITCHES, "speculative_graphs", True)
     monkeypatch.setattr(engine, "_verify_graphs", {})  # none kept from another test
     return made
 
@@ -73,3 +73,22 @@ def test_drafts_through_static_verify_blocks_are_lossless(request, monkeypatch, 
     assert made and res.stats.speculative["drafted"] > 0
     if which == "dspark":
         assert all(capture for _, capture in made)  # the target's feature layers came from the block
+
+
+def test_mtp_static_passes_are_lossless_and_draft_like_the_eager_passes(mtp_engine, monkeypatch):
+    """The MTP draft's graph passes (uncaptured on CPU): the committed rows as a static block, chained
+    drafts as static steps over the scratch window; the same drafts as the eager passes, no loss."""
+    from ds4serve.engine.drafts import MTPProposer, _engine_drafts, target_parts
+
+    weights = _engine_drafts(mtp_engine).get("mtp")
+    target = target_parts(mtp_engine.model)
+    params = SamplingParams(max_tokens=14)
+    eager = mtp_engine.generate(MTP_PROMPT, params, speculative=MTPProposer(weights, target, 3))
+    proposer = MTPProposer(weights, target, 3, static_passes=True, capture=False)
+    res = mtp_engine.generate(MTP_PROMPT, params, speculative=proposer)
+    assert res.ok, res.error_message
+    assert res.tokens == eager.tokens == mtp_engine.generate(MTP_PROMPT, params).tokens
+    assert res.stats.speculative["drafted"] == eager.stats.speculative["drafted"] > 0
+    assert res.stats.speculative["accepted"] == eager.stats.speculative["accepted"]
+    graphs = proposer._graphs
+    assert graphs is not None and graphs._rows and graphs._step is not None  # both kinds of pass ran

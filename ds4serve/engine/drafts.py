@@ -26,6 +26,8 @@ from ..model.dspark import DSparkWeights, base_logits, block_merged, confidence,
 from ..model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits, mtp_names
 from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint, block_shapes
+from ..kernels.switches import SWITCHES
+from .draft_graphs import MTPGraphs
 from .dspark_weights import dspark_shapes
 from .request import ErrorCode, GenerateError
 from .sampler import Sampler
@@ -124,18 +126,24 @@ class MTPProposer(DraftProposer):
 
     name = "mtp"
 
-    def __init__(self, weights: MTPWeights, target: TargetParts, max_draft_tokens: int = 3, **policy):
+    def __init__(self, weights: MTPWeights, target: TargetParts, max_draft_tokens: int = 3, *,
+                 static_passes: bool = False, capture: bool | None = None, **policy):
         super().__init__(max_draft_tokens, **policy)
         self.w = weights
         self.target = target
         self.cfg = target.cfg
         self.state: SequenceState | None = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (streams [1, hc, D], logits [V])
+        # static_passes: the passes as MTPGraphs, captured as CUDA graphs unless capture=False (None: on CUDA)
+        self.static_passes, self.capture = static_passes, capture
+        self._graphs: MTPGraphs | None = None
 
     def begin(self, history: list[int], max_context: int) -> None:
         t = self.target.last
         self.state = _draft_state(self.cfg, 1, max_context + MAX_DRAFT_TOKENS + 1, t.dtype, t.device)
         self._last = None
+        capture = t.device.type == "cuda" if self.capture is None else self.capture
+        self._graphs = MTPGraphs(self.w, self.target, self.state, graph=capture) if self.static_passes else None
 
     def _run(self, state: SequenceState, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """Forward rows at ``state.pos`` and commit them to ``state``; return the output streams."""
@@ -150,6 +158,12 @@ class MTPProposer(DraftProposer):
 
     def observe(self, committed: Committed) -> None:
         next_ids = committed.tokens[1:] + [committed.next_token]
+        if self._graphs is not None:
+            with profiler.step("draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True):
+                G, logits = self._graphs.observe(committed.hidden, next_ids)
+            self.forwards += 1
+            self._last = (G.clone(), logits.clone())
+            return
         G = self._run(self.state, committed.hidden, next_ids)[-1:]
         self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0])
 
@@ -159,10 +173,18 @@ class MTPProposer(DraftProposer):
         G, logits = self._last
         token, q = pick(logits, sampler)
         tokens, probs = [token], [q]
-        scratch = self.state.fork() if k > 1 else None
+        if self._graphs is not None and k > 1:
+            self._graphs.start_chain()
+        scratch = self.state.fork() if k > 1 and self._graphs is None else None
         while len(tokens) < k:
-            G = self._run(scratch, G, [token])
-            token, q = pick(mtp_logits(self.w, G, self.target.head, self.cfg)[0], sampler)
+            if self._graphs is not None:
+                with profiler.step("draft", 1, self._graphs.scratch.pos, _draft_layers(self.cfg, 1), graph=True):
+                    G, logits = self._graphs.step(G, token)
+                self.forwards += 1
+            else:
+                G = self._run(scratch, G, [token])
+                logits = mtp_logits(self.w, G, self.target.head, self.cfg)[0]
+            token, q = pick(logits, sampler)
             tokens.append(token)
             probs.append(q)
         return Draft(tokens, None if sampler.greedy else probs)
@@ -332,5 +354,6 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
     target = target_parts(engine._require_model())
     weights = _engine_drafts(engine).get(name)
     if name == "mtp":
-        return MTPProposer(weights, target) if k is None else MTPProposer(weights, target, k)
+        static = SWITCHES.speculative_graphs and engine._graphs_apply(engine.model)
+        return MTPProposer(weights, target, *(() if k is None else (k,)), static_passes=static)
     return DSparkProposer(weights, target, k)

@@ -20,7 +20,7 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
-from ..model import DeepSeekV4, ForwardResult
+from ..model import DeepSeekV4
 from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
@@ -322,19 +322,11 @@ class Engine:
         return (not self.eager and isinstance(model, DeepSeekV4) and model.device.type == "cuda"
                 and model.embed is not None and model.head is not None)
 
-    def verify_forward(self, model: DeepSeekV4, block: list[int], state: SequenceState,
-                       capture: tuple[int, ...]) -> tuple[ForwardResult, bool]:
-        """The forward of a speculative verify ``block`` (logits of every row) and whether it ran as
-        a static block, whose accepted prefix is then committed with ``state.commit_static``; its
-        outputs are buffers that the next verify step of that width overwrites."""
-        graph = self._verify_graph(model, state, len(block), capture)
-        if graph is None:
-            return model.forward(block, state, logit_rows=slice(None), capture=capture), False
-        return graph.run(block), True
-
-    def _verify_graph(self, model: DeepSeekV4, state: SequenceState, width: int,
-                      capture: tuple[int, ...]) -> VerifyGraph | None:
-        if not (SWITCHES.verify_graphs and self._graphs_apply(model)):
+    def verify_graph(self, model: DeepSeekV4, state: SequenceState, width: int,
+                     capture: tuple[int, ...]) -> VerifyGraph | None:
+        """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
+        prefix is committed with ``state.commit_static``."""
+        if not (SWITCHES.speculative_graphs and self._graphs_apply(model)):
             return None
         key = (width, tuple(capture))
         graph = self._verify_graphs.get(key)

@@ -276,8 +276,12 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
             draft = _checked(proposer.propose(history, k, gen.sampler), engine.cfg.vocab_size) if k else Draft()
             n = policy.verify_count(draft, k)
             block = [seed] + draft.tokens[:n]
-            with profiler.step("verify", len(block), state.pos, model.layers):
-                out, static = engine.verify_forward(model, block, state, capture)
+            graph = engine.verify_graph(model, state, len(block), capture)
+            with profiler.step("verify", len(block), state.pos, model.layers, graph=graph is not None):
+                if graph is None:
+                    out = model.forward(block, state, logit_rows=slice(None), capture=capture)
+                else:  # buffers the next verify step of this width overwrites
+                    out = graph.run(block)
             engine.forward_calls += 1
             emitted = accepted = 0
             for i in range(len(block)):
@@ -298,7 +302,7 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
                 if done or not ok:
                     break
             committed_at = state.pos
-            if static:
+            if graph is not None:
                 state.commit_static(out.delta, block[:emitted])
             else:
                 state.commit(out.delta, emitted)

@@ -39,10 +39,11 @@ class Switches:
     # Regions marked chunks=True (norms, RoPE, the mHC mixes) also run compiled (dynamic shapes) in
     # prefill and verify chunks on CUDA (kernels/regions.py). Off until a GPU run measures it.
     chunk_regions: bool = False
-    # Speculative verify blocks on CUDA run as CUDA graphs, one per width (engine/cuda_graphs.py
-    # VerifyGraph: the static block forward, then commit_static of the accepted prefix) instead of the
-    # eager chunk forward. Off until a GPU run checks and measures it.
-    verify_graphs: bool = False
+    # Speculative decoding on CUDA runs as CUDA graphs: each verify width (engine/cuda_graphs.py
+    # VerifyGraph: the static block forward, then commit_static of the accepted prefix) and the MTP
+    # draft's passes (engine/draft_graphs.py) instead of eager forwards. Off until a GPU run checks
+    # and measures it.
+    speculative_graphs: bool = False
 
 
 SWITCHES = Switches()

@@ -1,0 +1,89 @@
+"""The MTP draft's passes as CUDA graphs (``SWITCHES.speculative_graphs``).
+
+:class:`~ds4serve.engine.drafts.MTPProposer` runs its block twice per verify step: once over the
+rows the step committed (target streams and next tokens, committed to the draft's window), then
+once per further draft, chained over a scratch copy of that window. Eagerly each pass is a few
+hundred launches; here both are static forwards (device positions, as the decode and verify graphs)
+captured once: one graph per committed-row count over the draft state (its accepted rows then
+committed with :meth:`~ds4serve.state.SequenceState.commit_static`), and one chained step over a
+persistent scratch state that commits its own row inside the graph
+(:meth:`~ds4serve.state.SequenceState.write_token`), the scratch window being reloaded from the
+draft state before each chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import regions
+from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
+from ..state import ChunkDelta, LayerDelta, SequenceState
+from .cuda_graphs import Captured
+
+
+class MTPGraphs:
+    """Captured passes of the MTP ``weights`` over ``state`` (its one sliding layer is key 0); the
+    target's embedding, head and RoPE tables come from ``target`` (:class:`~ds4serve.engine.drafts.TargetParts`).
+    ``graph=False`` runs the same static passes uncaptured (CPU tests)."""
+
+    def __init__(self, weights: MTPWeights, target: object, state: SequenceState, graph: bool = True):
+        self.w, self.target, self.state, self.graph = weights, target, state, graph
+        self.scratch = state.fork()
+        cfg, dev, dtype = target.cfg, target.device, target.last.dtype
+        self._rows: dict[int, tuple[Captured, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._hidden = torch.zeros(1, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
+        self._token = torch.zeros(1, dtype=torch.long, device=dev)
+        self._pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self._step: Captured | None = None
+
+    def _pass(self, state: SequenceState, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
+        """Output streams, the layer delta and the last row's logits of a static pass at ``positions``."""
+        t = self.target
+        with regions.static_step():
+            chunk = t.last.chunk_info(0, ids.shape[0], positions)
+            G, delta = mtp_forward(self.w, hidden, ids, t.embed, chunk, state.layers[0], t.cfg, t.last.ropes)
+            return G, delta, mtp_logits(self.w, G[-1:], t.head, t.cfg)[0]
+
+    def observe(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the committed rows (``hidden [S, hc, D]`` with ``next_ids``) at the draft state's position
+        and commit them; return the last row's streams ``[1, hc, D]`` and logits (buffers)."""
+        S = len(next_ids)
+        if S not in self._rows:
+            dev = self._hidden.device
+            rows_hidden = torch.zeros(S, *self._hidden.shape[1:], dtype=self._hidden.dtype, device=dev)
+            ids = torch.zeros(S, dtype=torch.long, device=dev)
+            positions = torch.zeros(S, dtype=torch.long, device=dev)
+            run = Captured(lambda: self._pass(self.state, rows_hidden, ids, positions), dev, graph=self.graph)
+            self._rows[S] = (run, rows_hidden, ids, positions)
+        run, rows_hidden, ids, positions = self._rows[S]
+        rows_hidden.copy_(hidden)
+        ids.copy_(torch.tensor(next_ids, dtype=torch.long))
+        torch.arange(self.state.pos, self.state.pos + S, out=positions)
+        G, delta, logits = run.replay()
+        self.state.commit_static(ChunkDelta(start=self.state.pos, tokens=[], layers={0: delta}), next_ids)
+        return G[-1:], logits
+
+    def start_chain(self) -> None:
+        """Load the scratch window from the draft state before chaining drafts over it."""
+        self.scratch.layers[0].window.copy_(self.state.layers[0].window)
+        self.scratch.pos, self.scratch.tokens = self.state.pos, []
+
+    def step(self, hidden: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft over the scratch state (committed there): streams ``[1, hc, D]`` and logits."""
+        if self._step is None:
+            self._step = Captured(self._step_and_commit, self._hidden.device, graph=self.graph,
+                                  warm=lambda: self._pass(self.scratch, self._hidden, self._token, self._pos),
+                                  setup=lambda: self.scratch.prepare_capture(self._pos))
+            self.scratch.finish_capture()
+        self._hidden.copy_(hidden)
+        self._token.fill_(token)
+        self._pos.fill_(self.scratch.pos)
+        G, logits = self._step.replay()
+        self.scratch.advance(token)
+        return G, logits
+
+    def _step_and_commit(self) -> tuple[torch.Tensor, torch.Tensor]:
+        G, delta, logits = self._pass(self.scratch, self._hidden, self._token, self._pos)
+        self.scratch.write_token(ChunkDelta(start=0, tokens=[], layers={0: delta}), self._pos)
+        return G, logits
