@@ -116,7 +116,8 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: 2048 on CUDA, 512 "
+                   "elsewhere)")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
     p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")

@@ -115,7 +115,8 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: the engine's, "
+                   "2048 on CUDA, 512 elsewhere)")
     p.add_argument("--speculative", default=None, help="speculative decoding spec, as for generate")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the measured one")
@@ -130,7 +131,7 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
         from .engine import Engine, SamplingParams
 
         for name in ("prompt_tokens", "gen_tokens", "chunk_size"):
-            if getattr(a, name) < 1:
+            if getattr(a, name) is not None and getattr(a, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}")
         if a.warmup < 0:
             raise SystemExit(f"--warmup: expected an integer >= 0, got {a.warmup}")
@@ -154,7 +155,7 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
               f"generated {len(result.tokens)} tokens\n")
         print(format_table(summary))
         workload = {"model": str(model), "device": device, "dtype": dtype, "prompt_tokens": a.prompt_tokens,
-                    "gen_tokens": a.gen_tokens, "chunk_size": a.chunk_size, "speculative": a.speculative,
+                    "gen_tokens": a.gen_tokens, "chunk_size": engine.chunk_size, "speculative": a.speculative,
                     "seed": a.seed, "generated": result.tokens}
         Path(a.json).write_text(json.dumps({"workload": workload, "summary": summary, "records": records},
                                            indent=1) + "\n")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds4serve import Engine, ErrorCode, SamplingParams
-from ds4serve.engine.engine import MIN_STATE_TOKENS, state_capacity
+from ds4serve.engine.engine import MIN_STATE_TOKENS, default_chunk_size, state_capacity
 from ds4serve.engine.request import GenerateError
 from tests.helpers import random_prompt
 
@@ -110,6 +110,13 @@ def test_state_capacity_grows_in_powers_of_two(tiny_dir):
     engine.generate(random_prompt(30, seed=43), SamplingParams(max_tokens=4900), **stop)
     assert engine._state.max_context == 5000
     assert [state_capacity(n, 1 << 20) for n in (1, 1024, 1025, 70000)] == [1024, 1024, 2048, 131072]
+
+
+def test_prefill_chunks_default_by_device(engine, tiny_dir):
+    """2048-token prefill chunks on CUDA, 512 elsewhere, unless chosen."""
+    assert (default_chunk_size(True), default_chunk_size(False)) == (2048, 512)
+    assert engine.chunk_size == 512
+    assert Engine.from_pretrained(tiny_dir, chunk_size=100).chunk_size == 100
 
 
 def test_cancel_from_callback_after_k_tokens(engine):

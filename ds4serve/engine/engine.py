@@ -36,6 +36,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 PARK_SELECTORS = ("", "all", "target", "draft")
 MIN_STATE_TOKENS = 1024  # the smallest sequence state the engine allocates (see state_capacity)
+GPU_CHUNK_TOKENS, CPU_CHUNK_TOKENS = 2048, 512  # default longest prefill chunk (see default_chunk_size)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -97,17 +98,19 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: str | torch.dtype = "float32", *, max_context: int | None = None,
-                        chunk_size: int = 512, devices: list[str | torch.device] | None = None,
+                        chunk_size: int | None = None, devices: list[str | torch.device] | None = None,
                         layer_split: list[int] | None = None, quantized: bool | None = None,
                         eager: bool = False) -> "Engine":
         """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
 
         ``quantized`` keeps FP8 / MXFP4 tensors quantized in memory, read in place by the GPU kernels
         (default: on CUDA devices; elsewhere they are dequantised once at load, exactly);
+        ``chunk_size`` is the longest prefill chunk (default :func:`default_chunk_size`);
         ``eager`` never captures the decode step as a CUDA graph.
         """
+        on_cuda = torch.device((devices or [device])[0]).type == "cuda"
         if quantized is None:
-            quantized = torch.device((devices or [device])[0]).type == "cuda"
+            quantized = on_cuda
         path = Path(path)
         torch_dtype = resolve_dtype(dtype)
         if layer_split is not None and devices is None:
@@ -121,7 +124,8 @@ class Engine:
 
             load = split_loader(path, devices, torch_dtype, layer_split=layer_split, max_context=max_context,
                                 quantized=quantized)
-        engine = cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context, chunk_size=chunk_size)
+        engine = cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context,
+                     chunk_size=chunk_size or default_chunk_size(on_cuda))
         engine.eager = eager
         return engine
 
@@ -393,6 +397,13 @@ class Engine:
         if self.model is None:
             raise GenerateError(ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)")
         return self.model
+
+
+def default_chunk_size(on_cuda: bool) -> int:
+    """The longest prefill chunk: 2048 tokens on CUDA, where a 512-token chunk of the eager prefill is
+    bound by its launches (H200, bf16 proxy: 3,046 tok/s at 512 against 7,446 at 2048, bench/RESULTS.md
+    sixth run), 512 elsewhere."""
+    return GPU_CHUNK_TOKENS if on_cuda else CPU_CHUNK_TOKENS
 
 
 def state_capacity(need: int, max_context: int, floor: int = MIN_STATE_TOKENS) -> int:

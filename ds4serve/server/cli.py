@@ -19,7 +19,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="longest prefill chunk (default: 2048 on CUDA, 512 elsewhere)")
     p.add_argument("--speculative", default=None, help="draft for speculative decoding: mtp | dspark | ngram[:K]")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key) on every "
                                                    "route but /health")
