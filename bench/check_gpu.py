@@ -29,7 +29,7 @@ import torch
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
-from ds4serve.engine.speculative import Draft, DraftProposer
+from ds4serve.engine.drafts import OracleProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_ref
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
@@ -224,21 +224,6 @@ def check_graphs(root: Path) -> None:
                first_step_and_tensors=first_state)
 
 
-class _Oracle(DraftProposer):
-    """Drafts the known greedy continuation, each token right with probability ``p`` (seeded)."""
-
-    name = "oracle"
-
-    def __init__(self, sequence: list[int], p: float, width: int):
-        super().__init__(width - 1, adaptive=False)
-        self.sequence, self.p = sequence, p
-        self.gen = torch.Generator().manual_seed(width)
-
-    def propose(self, history, k, sampler):
-        truth = self.sequence[len(history):len(history) + k]
-        return Draft([t if float(torch.rand(1, generator=self.gen)) < self.p else (t + 1) % 1000 for t in truth])
-
-
 def check_verify_graphs(root: Path) -> None:
     path = make_tiny(root / "verify", TinySpec(seed=6, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(10)).tolist()
@@ -270,7 +255,8 @@ def check_verify_graphs(root: Path) -> None:
         record("verify graph logits == chunk forward (fp32)", worst_chunk <= 1e-5, max_rel=worst_chunk)
         record("state after commit_static of the graph's block == of the eager block", first_state is None,
                first_step_and_tensors=first_state)
-        for spec in (_Oracle(prompt + plain.tokens, 0.7, 2), _Oracle(prompt + plain.tokens, 0.7, 6), "mtp:3"):
+        known = prompt + plain.tokens
+        for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), "mtp:3"):
             res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
                                   speculative=spec)
             graphs = len(engine._verify_graphs)

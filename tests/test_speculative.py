@@ -3,34 +3,15 @@ acceptance pattern, request features inside verify blocks, cancellation, and the
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine import ErrorCode
-from ds4serve.engine.speculative import Draft, DraftProposer
+from ds4serve.engine.drafts import OracleProposer
 from tests.helpers import random_prompt
 
-VOCAB = 129280
 PROMPT = random_prompt(70, seed=11)  # positions 0..~100: many CSA (4) and HCA (16) windows
 MAX_TOKENS = 24
-
-
-class OracleProposer(DraftProposer):
-    """Knows the plain autoregressive continuation; each draft is right with probability ``p``."""
-
-    name = "oracle"
-
-    def __init__(self, sequence: list[int], p: float, width: int, seed: int = 0):
-        super().__init__(width - 1, adaptive=False)
-        self.sequence = sequence
-        self.p = p
-        self.rng = random.Random(seed)
-
-    def propose(self, history, k, sampler):
-        truth = self.sequence[len(history):len(history) + k]
-        return Draft([t if self.rng.random() < self.p else (t + 1) % VOCAB for t in truth])
 
 
 def _oracle(prompt: list[int], plain, p: float, width: int) -> OracleProposer:

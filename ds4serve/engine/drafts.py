@@ -12,6 +12,7 @@ relative positions, so they count positions from 0). The first step therefore ha
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -238,6 +239,23 @@ class DSparkProposer(DraftProposer):
             tokens.append(prev)
             probs.append(q)
         return Draft(tokens, None if sampler.greedy else probs, conf)
+
+
+class OracleProposer(DraftProposer):
+    """Drafts a known continuation: ``sequence`` is every token the generation will hold (prompt and
+    output, e.g. of a plain greedy run), and each draft is right with probability ``p`` (else the next
+    id). For tests and benchmarks of the verify path at a chosen acceptance; ``width`` = 1 + drafts."""
+
+    name = "oracle"
+
+    def __init__(self, sequence: list[int], p: float, width: int, seed: int = 0, vocab_size: int = 129280):
+        super().__init__(width - 1, adaptive=False)
+        self.sequence, self.p, self.vocab_size = sequence, p, vocab_size
+        self.rng = random.Random(seed)
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        truth = self.sequence[len(history):len(history) + k]
+        return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab_size for t in truth])
 
 
 # ---- loading and selection --------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""Speculative decoding on one GPU: greedy tokens/s at chosen verify widths and acceptance rates.
+
+The proxy (bench/proxy.py: random weights, no MTP block) has no real draft, so the drafts come from
+:class:`~ds4serve.engine.drafts.OracleProposer`: it knows the plain greedy continuation and gets each
+draft right with probability ``p``. For every width and ``p`` the same prompt is generated with the
+verify steps (and any MTP passes) eager and with ``SWITCHES.speculative_graphs``, against plain
+decoding (CUDA-graph decode): tokens/s, tokens per verify step, and whether the tokens equal plain
+decoding's. ``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
+
+    PYTHONPATH=. python3 bench/spec_gpu.py --out $OUT/spec.json [--variant bf16] [--widths 2,3,4,6]
+        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import log  # noqa: E402
+from proxy import build_proxy  # noqa: E402
+
+from ds4serve import Engine, SamplingParams  # noqa: E402
+from ds4serve.engine.drafts import OracleProposer  # noqa: E402
+from ds4serve.kernels.switches import using  # noqa: E402
+from ds4serve.tokenizer import Tokenizer  # noqa: E402
+
+MODES = {"eager": False, "graphs": True}
+
+
+def timed(engine: Engine, prompt: list[int], params: SamplingParams, speculative=None):
+    """The result of one generation and its decode tokens/s (prefill excluded; the engine returns
+    after its last token reached the host, so no device work is pending)."""
+    result = engine.generate(prompt, params, speculative=speculative)
+    if not result.ok:
+        raise RuntimeError(result.error_message)
+    return result, (len(result.tokens) - 1) / result.timings.decode_s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", type=Path, default=None, help="a checkpoint instead of the proxy")
+    p.add_argument("--device", default="cuda", help="cpu runs a --model checkpoint in float32 (a smoke test)")
+    p.add_argument("--variant", default="bf16", help="proxy weights: bf16, fp8, fp8+fp4")
+    p.add_argument("--layers", type=int, default=43)
+    p.add_argument("--widths", default="2,3,4,6")
+    p.add_argument("--accept", default="0.5,0.9")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--modes", default="eager,graphs", help=f"comma-separated, of {', '.join(MODES)}")
+    args = p.parse_args()
+    widths = [int(w) for w in args.widths.split(",")]
+    accepts = [float(a) for a in args.accept.split(",")]
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        raise SystemExit(f"--modes: expected some of {list(MODES)}, got {modes}")
+    context = args.prompt + args.tokens + 64
+    if args.model is not None:
+        dtype = "bfloat16" if args.device != "cpu" else "float32"
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, max_context=context)
+    else:
+        engine = Engine(build_proxy(args.variant, layers=args.layers), Tokenizer(), max_context=context,
+                        chunk_size=2048)
+    prompt = torch.randint(3, 128000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    timed(engine, prompt, params)  # compiles and captures the decode graph
+    plain, plain_tps = timed(engine, prompt, params)
+    log(f"plain decoding: {plain_tps:.1f} tok/s")
+    device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    out = {"device": device, "command": " ".join(sys.argv), "model": str(args.model or
+           f"proxy {args.variant} {args.layers} layers"), "plain_tokens_per_s": plain_tps, "runs": []}
+    known = prompt + plain.tokens
+    drafts = [(f"oracle width {w} p {a}", lambda w=w, a=a: OracleProposer(known, a, w))
+              for w in widths for a in accepts]
+    if args.model is not None and engine.cfg.n_mtp_layers:
+        drafts.append(("mtp", lambda: "mtp"))
+    for mode in modes:
+        with using(speculative_graphs=MODES[mode]):
+            for name, make in drafts:
+                t0 = time.perf_counter()
+                timed(engine, prompt, params, make())  # compiles and captures this width's graphs
+                first_s = time.perf_counter() - t0
+                res, tps = timed(engine, prompt, params, make())
+                spec = res.stats.speculative
+                row = {"mode": mode, "draft": name, "tokens_per_s": tps, "speedup": tps / plain_tps,
+                       "tokens_per_verify": spec["tokens_per_forward"], "acceptance": spec["acceptance_rate"],
+                       "equal_to_plain": res.tokens == plain.tokens, "first_run_s": first_s}
+                out["runs"].append(row)
+                log(f"{mode:>6} {name}: {tps:.1f} tok/s ({row['speedup']:.2f}x plain), "
+                    f"{row['tokens_per_verify']:.2f} tokens/verify, equal to plain: {row['equal_to_plain']}, "
+                    f"first run {first_s:.1f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
