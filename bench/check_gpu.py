@@ -8,8 +8,8 @@
    graph's logits bitwise equal to the same static step run eagerly;
 4. verify graphs (``SWITCHES.speculative_graphs``): a captured block's logits bitwise equal to the same
    static block run eagerly and close to the chunk forward, the state after ``commit_static`` equal
-   to the chunk's commit, and speculative greedy tokens through the graphs (verify blocks, MTP draft
-   passes) equal to plain decoding.
+   to the chunk's commit, and speculative greedy tokens through the graphs (verify blocks, MTP and
+   DSpark draft passes) equal to plain decoding.
 
 Prints one line per check and exits non-zero when one fails. Usage::
 
@@ -257,15 +257,22 @@ def check_verify_graphs(root: Path) -> None:
                first_step_and_tensors=first_state)
         known = prompt + plain.tokens
         for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), "mtp:3"):
-            res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                                  speculative=spec)
-            graphs = len(engine._verify_graphs)
-            name = spec if isinstance(spec, str) else f"oracle width {spec.max_draft_tokens + 1}"
-            record(f"speculative greedy through the graphs == plain decoding (fp32, {name})",
-                   res.error is None and res.tokens == plain.tokens and graphs > 0,
-                   matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graphs=graphs,
-                   drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None,
-                   error=res.error_message)
+            _check_speculative(engine, prompt, plain.tokens, spec)
+        dspark = Engine.from_pretrained(make_tiny(root / "dspark", TinySpec(seed=7, dspark=True)), device="cuda",
+                                        dtype="float32", max_context=160)
+        reference = dspark.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        _check_speculative(dspark, prompt, reference.tokens, "dspark")
+
+
+def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec) -> None:
+    """Greedy speculative decoding with ``spec`` through the graphs (switch on) equals plain decoding."""
+    res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=spec)
+    graphs = len(engine._verify_graphs)
+    name = spec if isinstance(spec, str) else f"oracle width {spec.max_draft_tokens + 1}"
+    record(f"speculative greedy through the graphs == plain decoding (fp32, {name})",
+           res.error is None and res.tokens == plain and graphs > 0,
+           matching=sum(x == y for x, y in zip(res.tokens, plain)), graphs=graphs,
+           drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None, error=res.error_message)
 
 
 def _differing_rows(a, b) -> list[str]:

@@ -75,20 +75,25 @@ def test_drafts_through_static_verify_blocks_are_lossless(request, monkeypatch, 
         assert all(capture for _, capture in made)  # the target's feature layers came from the block
 
 
-def test_mtp_static_passes_are_lossless_and_draft_like_the_eager_passes(mtp_engine, monkeypatch):
-    """The MTP draft's graph passes (uncaptured on CPU): the committed rows as a static block, chained
-    drafts as static steps over the scratch window; the same drafts as the eager passes, no loss."""
-    from ds4serve.engine.drafts import MTPProposer, _engine_drafts, target_parts
+@pytest.mark.parametrize("which", ["mtp", "dspark"])
+def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(request, which):
+    """The draft models' graph passes, uncaptured on CPU (MTP: the committed rows as a static block,
+    chained drafts as static steps over the scratch window; DSpark: the block pass over the whole
+    context rings, masked, and the context rows): the same drafts as the eager passes, no loss."""
+    from ds4serve.engine.drafts import DSparkProposer, MTPProposer, _engine_drafts, target_parts
 
-    weights = _engine_drafts(mtp_engine).get("mtp")
-    target = target_parts(mtp_engine.model)
+    engine = request.getfixturevalue(f"{which}_engine")
+    weights = _engine_drafts(engine).get(which)
+    target = target_parts(engine.model)
+    cls = MTPProposer if which == "mtp" else DSparkProposer
     params = SamplingParams(max_tokens=14)
-    eager = mtp_engine.generate(MTP_PROMPT, params, speculative=MTPProposer(weights, target, 3))
-    proposer = MTPProposer(weights, target, 3, static_passes=True, capture=False)
-    res = mtp_engine.generate(MTP_PROMPT, params, speculative=proposer)
+    eager = engine.generate(MTP_PROMPT, params, speculative=cls(weights, target, 3))
+    proposer = cls(weights, target, 3, static_passes=True, capture=False)
+    res = engine.generate(MTP_PROMPT, params, speculative=proposer)
     assert res.ok, res.error_message
-    assert res.tokens == eager.tokens == mtp_engine.generate(MTP_PROMPT, params).tokens
+    assert res.tokens == eager.tokens == engine.generate(MTP_PROMPT, params).tokens
     assert res.stats.speculative["drafted"] == eager.stats.speculative["drafted"] > 0
     assert res.stats.speculative["accepted"] == eager.stats.speculative["accepted"]
     graphs = proposer._graphs
-    assert graphs is not None and graphs._rows and graphs._step is not None  # both kinds of pass ran
+    assert graphs is not None and graphs._rows  # the committed rows ran through the static pass
+    assert (graphs._step if which == "mtp" else graphs._block) is not None  # and the drafting pass

@@ -1,4 +1,4 @@
-"""The MTP draft's passes as CUDA graphs (``SWITCHES.speculative_graphs``).
+"""The draft models' passes as CUDA graphs (``SWITCHES.speculative_graphs``).
 
 :class:`~ds4serve.engine.drafts.MTPProposer` runs its block twice per verify step: once over the
 rows the step committed (target streams and next tokens, committed to the draft's window), then
@@ -9,6 +9,11 @@ committed with :meth:`~ds4serve.state.SequenceState.commit_static`), and one cha
 persistent scratch state that commits its own row inside the graph
 (:meth:`~ds4serve.state.SequenceState.write_token`), the scratch window being reloaded from the
 draft state before each chain.
+
+:class:`~ds4serve.engine.drafts.DSparkProposer` runs one pass per step over its block (seed, noise
+tokens), attending to each stage's context ring: statically, the whole ring with a mask of the
+committed positions (:func:`~ds4serve.model.dspark.ring_context`), one graph. Its context rows of the
+committed positions are one graph per row count; the ring writes stay on the host's side.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import regions
+from ..model.dspark import DSparkWeights, base_logits, block_merged, context_rows, ring_context, target_features
 from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
 from ..state import ChunkDelta, LayerDelta, SequenceState
 from .cuda_graphs import Captured
@@ -87,3 +93,52 @@ class MTPGraphs:
         G, delta, logits = self._pass(self.scratch, self._hidden, self._token, self._pos)
         self.scratch.write_token(ChunkDelta(start=0, tokens=[], layers={0: delta}), self._pos)
         return G, logits
+
+
+class DSparkGraphs:
+    """Captured passes of the DSpark ``weights`` over ``state`` (one context ring per stage)."""
+
+    def __init__(self, weights: DSparkWeights, target: object, state: SequenceState, layers: tuple[int, ...],
+                 graph: bool = True):
+        self.w, self.target, self.state, self.layers, self.graph = weights, target, state, layers, graph
+        dev = target.device
+        spec = weights.spec
+        self._ids = torch.full((spec.block_size,), spec.noise_token_id, dtype=torch.long, device=dev)
+        self._pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self._offsets = torch.arange(spec.block_size, device=dev)
+        self._block: Captured | None = None
+        self._rows: dict[int, tuple[Captured, dict[int, torch.Tensor], torch.Tensor]] = {}
+
+    def _block_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t, rings = self.target, [ls.window for ls in self.state.layers.values()]
+        cos, sin = t.last.chunk_info(0, self._ids.shape[0], self._pos + self._offsets).rope["main"]
+        merged = block_merged(self.w, self._ids, t.embed, rings, cos, sin, t.cfg, ring_context(rings[0], self._pos))
+        return merged, base_logits(self.w, merged, t.head, t.cfg)
+
+    def propose(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block pass after ``seed`` at the draft state's position: merged streams ``[B, D]`` and base
+        logits ``[B, V]`` (buffers)."""
+        if self._block is None:
+            self._block = Captured(self._block_pass, self._pos.device, graph=self.graph)
+        self._ids[:1].fill_(seed)
+        self._pos.fill_(self.state.pos)
+        return self._block.replay()
+
+    def context(self, captured: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Each stage's context rows ``[n, head_dim]`` for the ``n`` committed rows' captured target
+        streams, at the draft state's position (buffers)."""
+        n = next(iter(captured.values())).shape[0]
+        if n not in self._rows:
+            inputs = {layer: torch.zeros_like(captured[layer]) for layer in self.layers}
+            positions = torch.zeros(n, dtype=torch.long, device=self._pos.device)
+
+            def rows() -> list[torch.Tensor]:
+                cos, sin = self.target.last.chunk_info(0, n, positions).rope["main"]
+                return context_rows(self.w, target_features(inputs, self.layers), cos, sin, self.target.cfg)
+
+            self._rows[n] = (Captured(rows, self._pos.device, graph=self.graph), inputs, positions)
+        run, inputs, positions = self._rows[n]
+        for layer in self.layers:
+            inputs[layer].copy_(captured[layer])
+        torch.arange(self.state.pos, self.state.pos + n, out=positions)
+        return run.replay()

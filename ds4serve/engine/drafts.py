@@ -28,7 +28,7 @@ from ..model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits, mtp_names
 from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint, block_shapes
 from ..kernels.switches import SWITCHES
-from .draft_graphs import MTPGraphs
+from .draft_graphs import DSparkGraphs, MTPGraphs
 from .dspark_weights import dspark_shapes
 from .request import ErrorCode, GenerateError
 from .sampler import Sampler
@@ -201,35 +201,51 @@ class DSparkProposer(DraftProposer):
     name = "dspark"
     confidence_scheduled = True
 
-    def __init__(self, weights: DSparkWeights, target: TargetParts, max_draft_tokens: int | None = None, **policy):
+    def __init__(self, weights: DSparkWeights, target: TargetParts, max_draft_tokens: int | None = None, *,
+                 static_passes: bool = False, capture: bool | None = None, **policy):
         super().__init__(weights.spec.block_size if max_draft_tokens is None else max_draft_tokens, **policy)
         self.w = weights
         self.target = target
         self.cfg = target.cfg
         self.capture_layers = tuple(weights.spec.target_layer_ids)
         self.state: SequenceState | None = None
+        # static_passes: the passes as DSparkGraphs, captured unless capture=False (None: on CUDA)
+        self.static_passes, self.capture = static_passes, capture
+        self._graphs: DSparkGraphs | None = None
 
     def begin(self, history: list[int], max_context: int) -> None:
         t = self.target.last
         self.state = _draft_state(self.cfg, len(self.w.stages), max_context + 1, t.dtype, t.device)
+        capture = t.device.type == "cuda" if self.capture is None else self.capture
+        self._graphs = (DSparkGraphs(self.w, self.target, self.state, self.capture_layers, graph=capture)
+                        if self.static_passes else None)
 
     def observe(self, committed: Committed) -> None:
         n, pos = len(committed.tokens), self.state.pos
-        cos, sin = self.target.last.chunk_info(pos, n).rope["main"]
-        rows = context_rows(self.w, target_features(committed.captured, self.capture_layers), cos, sin, self.cfg)
+        if self._graphs is not None:
+            rows = self._graphs.context(committed.captured)
+        else:
+            cos, sin = self.target.last.chunk_info(pos, n).rope["main"]
+            rows = context_rows(self.w, target_features(committed.captured, self.capture_layers), cos, sin, self.cfg)
         delta = ChunkDelta(start=pos, tokens=committed.tokens, layers={s: LayerDelta(r) for s, r in enumerate(rows)})
         self.state.commit(delta, n)
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         t, spec, pos = self.target, self.w.spec, self.state.pos
         seed = history[-1]
-        ids = torch.tensor([seed] + [spec.noise_token_id] * (spec.block_size - 1), dtype=torch.long, device=t.device)
-        cos, sin = t.last.chunk_info(pos, spec.block_size).rope["main"]
-        slots = torch.arange(max(0, pos - self.state.window), pos, device=t.device) % self.state.window
-        context = [self.state.layers[s].window[slots] for s in range(len(self.w.stages))]
-        with profiler.step("draft", spec.block_size, pos, _draft_layers(self.cfg, len(self.w.stages))):
-            merged = block_merged(self.w, ids, t.embed, context, cos, sin, self.cfg)
-            logits = base_logits(self.w, merged, t.head, self.cfg)
+        layers = _draft_layers(self.cfg, len(self.w.stages))
+        if self._graphs is not None:
+            with profiler.step("draft", spec.block_size, pos, layers, graph=True):
+                merged, logits = self._graphs.propose(seed)
+        else:
+            ids = torch.tensor([seed] + [spec.noise_token_id] * (spec.block_size - 1), dtype=torch.long,
+                               device=t.device)
+            cos, sin = t.last.chunk_info(pos, spec.block_size).rope["main"]
+            slots = torch.arange(max(0, pos - self.state.window), pos, device=t.device) % self.state.window
+            context = [self.state.layers[s].window[slots] for s in range(len(self.w.stages))]
+            with profiler.step("draft", spec.block_size, pos, layers):
+                merged = block_merged(self.w, ids, t.embed, context, cos, sin, self.cfg)
+                logits = base_logits(self.w, merged, t.head, self.cfg)
         self.forwards += 1
         tokens, probs, conf = [], [], []
         prev = seed
@@ -371,7 +387,7 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
                  name)
     target = target_parts(engine._require_model())
     weights = _engine_drafts(engine).get(name)
+    static = SWITCHES.speculative_graphs and engine._graphs_apply(engine.model)
     if name == "mtp":
-        static = SWITCHES.speculative_graphs and engine._graphs_apply(engine.model)
         return MTPProposer(weights, target, *(() if k is None else (k,)), static_passes=static)
-    return DSparkProposer(weights, target, k)
+    return DSparkProposer(weights, target, k, static_passes=static)

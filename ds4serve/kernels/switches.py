@@ -40,8 +40,8 @@ class Switches:
     # prefill and verify chunks on CUDA (kernels/regions.py). Off until a GPU run measures it.
     chunk_regions: bool = False
     # Speculative decoding on CUDA runs as CUDA graphs: each verify width (engine/cuda_graphs.py
-    # VerifyGraph: the static block forward, then commit_static of the accepted prefix) and the MTP
-    # draft's passes (engine/draft_graphs.py) instead of eager forwards. Off until a GPU run checks
+    # VerifyGraph: the static block forward, then commit_static of the accepted prefix) and the MTP /
+    # DSpark draft passes (engine/draft_graphs.py) instead of eager forwards. Off until a GPU run checks
     # and measures it.
     speculative_graphs: bool = False
 

@@ -79,11 +79,15 @@ def context_rows(w: DSparkWeights, features: torch.Tensor, cos: torch.Tensor, si
 
 
 def block_merged(w: DSparkWeights, ids: torch.Tensor, embed: torch.Tensor, context: list[torch.Tensor],
-                 cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The last stage's merged streams ``h [B, D]`` (before the norm) for block ``ids [B]``."""
+                 cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                 context_allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The last stage's merged streams ``h [B, D]`` (before the norm) for block ``ids [B]``.
+
+    ``context_allowed [1, C]`` marks the context rows to attend (a static pass reads each stage's
+    whole ring; see :func:`ring_context`); None: all of them."""
     X = embed[ids.to(embed.device)].to(ids.device).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     for stage, ctx in zip(w.stages, context):
-        X = _stage(stage, X, ids, ctx, cos, sin, cfg)
+        X = _stage(stage, X, ids, ctx, cos, sin, cfg, context_allowed)
     return hc_head(X, w.hc_fn, w.hc_base, w.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
 
 
@@ -103,26 +107,36 @@ def confidence(w: DSparkWeights, merged: torch.Tensor, prev: int) -> float:
     return float(torch.sigmoid(w.confidence[0] @ feats))
 
 
+def ring_context(ring: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``[1, W]``: the ring slots that hold a committed position before device position ``pos [1]``."""
+    last = pos - 1
+    slots = torch.arange(ring.shape[0], device=ring.device)
+    return (last - (last - slots) % ring.shape[0] >= 0).unsqueeze(0)
+
+
 def _stage(b: BlockWeights, X: torch.Tensor, ids: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+           sin: torch.Tensor, cfg: ModelConfig, ctx_allowed: torch.Tensor | None) -> torch.Tensor:
     """One stage: the decoder block with block attention in place of causal window attention."""
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     post, comb, y = hc_split(X, b.hc_attn, hc, iters, eps, neps)
-    X = hc_merge(X, _block_attention(b.attn, rms_norm(y, b.attn_norm, neps), ctx, cos, sin, cfg), post, comb)
+    X = hc_merge(X, _block_attention(b.attn, rms_norm(y, b.attn_norm, neps), ctx, cos, sin, cfg, ctx_allowed),
+                 post, comb)
     post, comb, y = hc_split(X, b.hc_ffn, hc, iters, eps, neps)
     m = moe(b.moe, rms_norm(y, b.ffn_norm, neps), ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
     return hc_merge(X, m, post, comb)
 
 
 def _block_attention(w: AttentionWeights, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cfg: ModelConfig) -> torch.Tensor:
-    """Every block query over every context row and every block row, with the per-head sink."""
+                     cfg: ModelConfig, ctx_allowed: torch.Tensor | None) -> torch.Tensor:
+    """Every block query over every (allowed) context row and every block row, with the per-head sink."""
     B, H, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     q_res = rms_norm(linear(x, w.wq_a), w.q_norm, eps)
     q = Rope.apply(unweighted_rms_norm(linear(q_res, w.wq_b).view(B, H, hd), eps), cos, sin)
     kv = Rope.apply(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)
     keys = torch.cat([ctx, kv])
     allowed = torch.ones(B, keys.shape[0], dtype=torch.bool, device=x.device)
+    if ctx_allowed is not None:
+        allowed[:, :ctx.shape[0]] = ctx_allowed
     out = Rope.apply(_core(q, keys, allowed, w.sinks, hd ** -0.5), cos, sin, inverse=True)
     low = grouped_linear(out.reshape(B, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b)
