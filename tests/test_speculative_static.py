@@ -80,7 +80,7 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
     """The draft models' graph passes, uncaptured on CPU (MTP: the committed rows as a static block,
     chained drafts as static steps over the scratch window; DSpark: the block pass over the whole
     context rings, masked, and the context rows): the same drafts as the eager passes, no loss."""
-    from ds4serve.engine.drafts import DSparkProposer, MTPProposer, _engine_drafts, target_parts
+    from ds4serve.engine.drafts import MAX_STATIC_ROWS, DSparkProposer, MTPProposer, _engine_drafts, target_parts
 
     engine = request.getfixturevalue(f"{which}_engine")
     weights = _engine_drafts(engine).get(which)
@@ -96,4 +96,5 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
     assert res.stats.speculative["accepted"] == eager.stats.speculative["accepted"]
     graphs = proposer._graphs
     assert graphs is not None and graphs._rows  # the committed rows ran through the static pass
+    assert max(graphs._rows) <= MAX_STATIC_ROWS  # the 40-token prompt chunk did not get a graph
     assert (graphs._step if which == "mtp" else graphs._block) is not None  # and the drafting pass

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 METHODS = ("mtp", "dspark", "ngram")
 MAX_DRAFT_TOKENS = 16
+# rows a draft pass runs as a graph (one per row count): what a verify step commits; prompt chunks,
+# of any length, run eagerly
+MAX_STATIC_ROWS = MAX_DRAFT_TOKENS + 1
 _SPEC_RE = re.compile(r"^(?P<name>[a-z]+)(?::(?P<k>\d+))?$")
 
 
@@ -159,7 +162,7 @@ class MTPProposer(DraftProposer):
 
     def observe(self, committed: Committed) -> None:
         next_ids = committed.tokens[1:] + [committed.next_token]
-        if self._graphs is not None:
+        if self._graphs is not None and len(next_ids) <= MAX_STATIC_ROWS:
             with profiler.step("draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True):
                 G, logits = self._graphs.observe(committed.hidden, next_ids)
             self.forwards += 1
@@ -222,7 +225,7 @@ class DSparkProposer(DraftProposer):
 
     def observe(self, committed: Committed) -> None:
         n, pos = len(committed.tokens), self.state.pos
-        if self._graphs is not None:
+        if self._graphs is not None and n <= MAX_STATIC_ROWS:
             rows = self._graphs.context(committed.captured)
         else:
             cos, sin = self.target.last.chunk_info(pos, n).rope["main"]
