@@ -42,8 +42,12 @@ def flash_config(layers: int = 43, experts: int = 32, variant: str = "bf16") -> 
 
 
 class _Maker:
+    """Random weights for ``cfg`` on ``device``; FP8 scale blocks follow ``cfg.quant`` (128x128 for
+    :func:`flash_config`, smaller for the tiny configs of ``ds4serve.tiny``)."""
+
     def __init__(self, cfg: ModelConfig, variant: str, device: torch.device, seed: int):
         self.cfg, self.variant, self.device = cfg, variant, device
+        self.fp8_block = cfg.quant.fp8_block or BLOCK
         self.gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(self, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -60,9 +64,9 @@ class _Maker:
         if not fp8:
             return self.dense(*shape)
         data = self.randn(*shape).mul_(16).to(torch.float8_e4m3fn)
-        blocks = (*shape[:-2], -(-shape[-2] // BLOCK[0]), -(-shape[-1] // BLOCK[1]))
+        blocks = (*shape[:-2], -(-shape[-2] // self.fp8_block[0]), -(-shape[-1] // self.fp8_block[1]))
         scale = torch.full(blocks, 2.0 ** round(math.log2(1 / (16 * math.sqrt(shape[-1])))), device=self.device)
-        return FP8Weight(data, scale, BLOCK)
+        return FP8Weight(data, scale, self.fp8_block)
 
     def fp4(self, *shape: int) -> FP4Weight:
         """Random MXFP4 codes; e2m1 codes drawn uniformly have an RMS of about 2.9."""
@@ -114,6 +118,12 @@ class _Maker:
         return BlockWeights(attn_norm=self.f32(D, mean=1.0), ffn_norm=self.f32(D, mean=1.0), hc_attn=site(),
                             hc_ffn=site(), attn=attn, moe=moe)
 
+    def head(self) -> HeadWeights:
+        D, hc = self.cfg.hidden_size, self.cfg.hc_mult
+        return HeadWeights(hc_fn=self.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)), hc_base=self.f32(hc),
+                           hc_scale=self.f32(1, mean=1.0), norm=self.f32(D, mean=1.0),
+                           head=self.dense(self.cfg.vocab_size, D))
+
 
 def build_proxy(variant: str = "bf16", layers: int = 43, experts: int = 32, device: str = "cuda",
                 seed: int = 0) -> DeepSeekV4:
@@ -123,20 +133,24 @@ def build_proxy(variant: str = "bf16", layers: int = 43, experts: int = 32, devi
     cfg = flash_config(layers, experts, variant)
     dev = torch.device(device)
     mk = _Maker(cfg, variant, dev, seed)
-    D, hc = cfg.hidden_size, cfg.hc_mult
     blocks = {i: mk.block(i) for i in range(layers)}
-    head = HeadWeights(hc_fn=mk.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)), hc_base=mk.f32(hc),
-                       hc_scale=mk.f32(1, mean=1.0), norm=mk.f32(D, mean=1.0), head=mk.dense(cfg.vocab_size, D))
-    return DeepSeekV4(cfg, range(layers), blocks, mk.randn(cfg.vocab_size, D), head, torch.bfloat16, dev)
+    head = mk.head()  # before the embedding: the generator's order, so the weights stay the same
+    embed = mk.randn(cfg.vocab_size, cfg.hidden_size)
+    return DeepSeekV4(cfg, range(layers), blocks, embed, head, torch.bfloat16, dev)
 
 
 def bytes_per_token(model: DeepSeekV4) -> int:
     """Weight bytes a batch-1 decode step reads: everything but the embedding table and hash tables,
-    and only ``top_k`` of the routed experts in each layer."""
+    and only ``top_k`` of the routed experts in each layer. For a shard of a split model, the head
+    and the one embedding row count only where the shard holds them (the shards' figures add up)."""
     from ds4serve.model.deepseek4 import _tensors_of
 
     cfg = model.cfg
-    total = _nbytes(_tensors_of(model.head)) + cfg.hidden_size * model.embed.element_size()
+    total = 0
+    if model.head is not None:
+        total += _nbytes(_tensors_of(model.head))
+    if model.embed is not None:
+        total += cfg.hidden_size * model.embed.element_size()
     for b in model.blocks.values():
         m = b.moe
         routed = _nbytes(_tensors_of(m.w1) + _tensors_of(m.w3) + _tensors_of(m.w2))

@@ -1,11 +1,12 @@
 """Speculative decoding on one GPU: greedy tokens/s at chosen verify widths and acceptance rates.
 
 The proxy (bench/proxy.py: random weights, no MTP block) has no real draft, so the drafts come from
-:class:`~ds4serve.engine.drafts.OracleProposer`: it knows the plain greedy continuation and gets each
-draft right with probability ``p``. For every width and ``p`` the same prompt is generated with the
-verify steps (and any MTP passes) eager and with ``SWITCHES.speculative_graphs``, against plain
-decoding (CUDA-graph decode): tokens/s, tokens per verify step, and whether the tokens equal plain
-decoding's. ``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
+:class:`~ds4serve.engine.drafts.OracleProposer`: it knows the continuation the verify path emits
+at that width (:func:`verifier_sequence`) and gets each draft right with probability ``p``. For every
+width and ``p`` the same prompt is generated with the verify steps (and any MTP passes) eager and with
+``SWITCHES.speculative_graphs``, against plain decoding (CUDA-graph decode): tokens/s, tokens per
+verify step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not:
+near-tied greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one). ``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
 
     PYTHONPATH=. python3 bench/spec_gpu.py --out $OUT/spec.json [--variant bf16] [--widths 2,3,4,6]
         [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs]
@@ -43,6 +44,24 @@ def timed(engine: Engine, prompt: list[int], params: SamplingParams, speculative
     return result, (len(result.tokens) - 1) / result.timings.decode_s
 
 
+def verifier_sequence(engine: Engine, prompt: list[int], params: SamplingParams, width: int,
+                      tokens: list[int], rounds: int = 3) -> tuple[list[int], int]:
+    """The continuation the verify path itself emits at ``width``, for the oracle to draft from.
+
+    In bf16 a verify block rounds differently from a decode step (other kernel shapes), and on random
+    weights the greedy choice is a near tie, so the plain greedy continuation ``tokens`` and the
+    verified one part within a few tokens; an oracle drafting plain's tokens is then wrong at every
+    later position. Generate with a perfect oracle at this width and draft from what it emitted,
+    until a run reproduces its drafts (at most ``rounds`` runs). Returns prompt + continuation and
+    the runs taken (``rounds`` + 1 when no run reproduced)."""
+    for run in range(1, rounds + 1):
+        result, _ = timed(engine, prompt, params, OracleProposer(prompt + tokens, 1.0, width))
+        if result.tokens == tokens:
+            return prompt + tokens, run
+        tokens = result.tokens
+    return prompt + tokens, rounds + 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -76,13 +95,16 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     out = {"device": device, "command": " ".join(sys.argv), "model": str(args.model or
            f"proxy {args.variant} {args.layers} layers"), "plain_tokens_per_s": plain_tps, "runs": []}
-    known = prompt + plain.tokens
-    drafts = [(f"oracle width {w} p {a}", lambda w=w, a=a: OracleProposer(known, a, w))
-              for w in widths for a in accepts]
-    if args.model is not None and engine.cfg.n_mtp_layers:
-        drafts.append(("mtp", lambda: "mtp"))
     for mode in modes:
         with using(speculative_graphs=MODES[mode]):
+            drafts = []
+            for w in widths:
+                known, runs = verifier_sequence(engine, prompt, params, w, plain.tokens)
+                log(f"{mode:>6} width {w}: the verify path's own continuation after {runs} run(s)")
+                drafts += [(f"oracle width {w} p {a}", lambda known=known, w=w, a=a: OracleProposer(known, a, w))
+                           for a in accepts]
+            if args.model is not None and engine.cfg.n_mtp_layers:
+                drafts.append(("mtp", lambda: "mtp"))
             for name, make in drafts:
                 t0 = time.perf_counter()
                 timed(engine, prompt, params, make())  # compiles and captures this width's graphs

@@ -86,6 +86,13 @@ class SequenceState:
             out[layer] = allocate_layer(cfg, cfg.layer_types[layer], max_context, dtype, device)
         return cls(layers=out, max_context=max_context, window=cfg.sliding_window)
 
+    def part(self, layers: range) -> "SequenceState":
+        """The state of ``layers`` only: the same tensors, its own commit plan. A shard's share of a
+        layer split's state, for the shard's decode graph (one commit launch per device); its host
+        counters are not advanced, the whole state's are."""
+        return SequenceState(layers={i: self.layers[i] for i in layers}, max_context=self.max_context,
+                             window=self.window, pos=self.pos)
+
     def commit(self, delta: "ChunkDelta", n: int) -> None:
         """Append the first ``n`` tokens of a forward's chunk (verify-then-commit)."""
         if delta.start != self.pos:

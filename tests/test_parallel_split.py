@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ds4serve import Engine, SamplingParams
+from ds4serve.engine.cuda_graphs import DecodeGraph, SplitDecodeGraph
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
@@ -160,3 +161,25 @@ def test_generate_cli_with_devices_matches_unsplit(tiny_dir, capsys):
     assert capsys.readouterr().out == unsplit
     with pytest.raises(SystemExit, match="--layer-split: expected comma-separated integers"):
         main(args + ["--devices", "cpu,cpu", "--layer-split", "2;4"])
+
+
+def test_split_decode_graph_steps_equal_the_whole_model_graph(engine, split_engine):
+    """The split's decode graph (one per shard, streams copied between them; uncaptured on CPU) runs
+    the same static step as the whole model's: the same logits and the same state, bit for bit."""
+    prompt = random_prompt(40, seed=6)
+    states = [e.new_sequence(64) for e in (engine, split_engine)]
+    last = [e.prefill(s, prompt, [9, 31]) for e, s in zip((engine, split_engine), states)]
+    graphs = [DecodeGraph(engine.model, states[0], graph=False),
+              SplitDecodeGraph(split_engine.model, states[1], graph=False)]
+    assert len(graphs[1].parts) == len(split_engine.model.shards)
+    for step in range(12):  # crosses compressor windows (ratio 4 and 16) from position 40
+        token = int(last[0].argmax())
+        last = [g.step(token) for g in graphs]
+        assert torch.equal(last[0], last[1]), step
+    assert states[0].pos == states[1].pos == 52 and states[0].tokens == states[1].tokens
+    snaps = [s.snapshot() for s in states]
+    assert snaps[0].layers.keys() == snaps[1].layers.keys()
+    for i, saved in snaps[0].layers.items():
+        assert saved.keys() == snaps[1].layers[i].keys()
+        for name, t in saved.items():
+            assert torch.equal(t, snaps[1].layers[i][name]), (i, name)

@@ -17,12 +17,16 @@ caller then commits the prefix with :meth:`~ds4serve.state.SequenceState.commit_
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
+from ..devices import on_device
 from ..model import DeepSeekV4, ForwardResult
 from ..state import ChunkDelta, SequenceState
+
+if TYPE_CHECKING:
+    from ..parallel import SplitModel
 
 T = TypeVar("T")
 
@@ -53,7 +57,10 @@ class Captured:
             self.kept = setup() if setup is not None else None
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # captured on the side stream: torch.cuda.graph's default capture stream is one stream for the
+        # whole process, made on whichever device captured first, so a second GPU's capture would run
+        # on the first GPU's stream
+        with torch.cuda.graph(self.graph, stream=side):
             self._out = run()
 
     def replay(self) -> T:
@@ -64,37 +71,78 @@ class Captured:
 
 
 class DecodeGraph:
-    """A captured one-token forward of ``model`` over ``state`` and its commit (logits included)."""
+    """A captured one-token forward of ``model`` over ``state`` and its commit (logits included).
 
-    def __init__(self, model: DeepSeekV4, state: SequenceState, warmup: int = 2):
+    ``model`` may be one shard of a layer split: then ``hidden`` is the device buffer its incoming
+    streams are copied into before each replay (:class:`SplitDecodeGraph`), and a shard without the
+    head returns no logits. ``graph=False`` runs the same step uncaptured (CPU tests)."""
+
+    def __init__(self, model: DeepSeekV4, state: SequenceState, warmup: int = 2,
+                 hidden: torch.Tensor | None = None, graph: bool = True):
         self.model = model
         self.state = state
+        self.hidden = hidden
         self.token = torch.zeros(1, dtype=torch.long, device=model.device)
         self.pos = torch.full((1,), state.pos, dtype=torch.long, device=model.device)
         # warming up runs forwards only (it must not write the state); the commit's job table is
         # reserved before the capture and filled after it
-        self._step = Captured(self._forward_and_commit, model.device, warm=self._forward,
+        self._step = Captured(self._forward_and_commit, model.device, graph=graph, warm=self._forward,
                               setup=lambda: state.prepare_capture(self.pos), warmup=warmup)
         self.graph = self._step.graph
         state.finish_capture()
 
     def _forward(self) -> ForwardResult:
-        return self.model.forward(self.token, self.state, logit_rows=slice(0, 1), positions=self.pos)
+        rows = slice(0, 1) if self.model.head is not None else None
+        return self.model.forward(self.token, self.state, hidden=self.hidden, logit_rows=rows, positions=self.pos)
 
     def _forward_and_commit(self) -> ForwardResult:
         out = self._forward()
         self.state.write_token(out.delta, self.pos)
         return out
 
+    def replay(self, token: int, pos: int) -> ForwardResult:
+        """The device half of a step: forward ``token`` at ``pos`` and write its rows; buffers that the
+        next replay overwrites."""
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        return self._step.replay()
+
     def step(self, token: int) -> torch.Tensor:
         """Run ``token`` at ``state.pos`` and commit it; returns its logits ``[1, V]``, a buffer that
         the next step overwrites."""
+        _check_room(self.state, 1, "decode")
+        out = self.replay(token, self.state.pos)
+        self.state.advance(token)
+        return out.logits
+
+
+class SplitDecodeGraph:
+    """The decode step of a :class:`~ds4serve.parallel.SplitModel` on CUDA devices: one
+    :class:`DecodeGraph` per shard, over the shard's part of ``state``
+    (:meth:`~ds4serve.state.SequenceState.part`), replayed in layer order. The streams leaving a shard
+    are copied into the next shard's input buffer between the replays: a copy across devices, which
+    a graph of one device does not hold. Same interface as :class:`DecodeGraph`."""
+
+    def __init__(self, model: "SplitModel", state: SequenceState, warmup: int = 2, graph: bool = True):
+        self.model, self.state = model, state
+        self.parts: list[DecodeGraph] = []
+        cfg = model.cfg
+        for k, shard in enumerate(model.shards):
+            hidden = None if k == 0 else torch.zeros(1, cfg.hc_mult, cfg.hidden_size, dtype=shard.dtype,
+                                                     device=shard.device)
+            with on_device(shard.device):
+                self.parts.append(DecodeGraph(shard, state.part(shard.layers), warmup, hidden=hidden, graph=graph))
+
+    def step(self, token: int) -> torch.Tensor:
+        """:meth:`DecodeGraph.step` over every shard in turn."""
+        _check_room(self.state, 1, "decode")
         pos = self.state.pos
-        if pos + 1 > self.state.max_context:
-            raise ValueError(f"decode at position {pos} exceeds the state's {self.state.max_context}")
-        self.token.fill_(token)
-        self.pos.fill_(pos)
-        out = self._step.replay()
+        out = None
+        for k, part in enumerate(self.parts):
+            with on_device(part.model.device):
+                out = part.replay(token, pos)
+            if k + 1 < len(self.parts):
+                self.parts[k + 1].hidden.copy_(out.hidden)
         self.state.advance(token)
         return out.logits
 
@@ -122,11 +170,15 @@ class VerifyGraph:
         pos = self.state.pos
         if len(block) != self.width:
             raise ValueError(f"a verify graph of width {self.width} got a block of {len(block)}")
-        if pos + self.width > self.state.max_context:
-            raise ValueError(f"verify at position {pos} exceeds the state's {self.state.max_context}")
+        _check_room(self.state, self.width, "verify")
         self.tokens.copy_(torch.tensor(block, dtype=torch.long))
         torch.add(self._offsets, pos, out=self.positions)
         return self._block.replay()
+
+
+def _check_room(state: SequenceState, tokens: int, what: str) -> None:
+    if state.pos + tokens > state.max_context:
+        raise ValueError(f"{what} at position {state.pos} exceeds the state's {state.max_context}")
 
 
 def delta_at(template: ChunkDelta, pos: int, token: int) -> ChunkDelta:

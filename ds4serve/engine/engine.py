@@ -25,7 +25,8 @@ from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
-from .cuda_graphs import DecodeGraph, VerifyGraph
+from ..parallel.split_model import SplitModel
+from .cuda_graphs import DecodeGraph, SplitDecodeGraph, VerifyGraph
 from .generation import Generation
 from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
@@ -92,7 +93,7 @@ class Engine:
         self._lock = threading.RLock()
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
-        self._graph: DecodeGraph | None = None
+        self._graph: DecodeGraph | SplitDecodeGraph | None = None
         self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph] = {}  # (width, capture) of self._state
 
     @classmethod
@@ -312,13 +313,18 @@ class Engine:
                 state.last_logits = graph.step(token)[0].clone()
         return state.last_logits
 
-    def _decode_graph(self, model: DeepSeekV4, state: SequenceState) -> DecodeGraph | None:
-        """The decode step captured for ``state`` (None: eager, not on CUDA, or not a whole model)."""
-        if not self._graphs_apply(model):
+    def _decode_graph(self, model: object, state: SequenceState) -> DecodeGraph | SplitDecodeGraph | None:
+        """The decode step captured for ``state`` (None: eager, or not on CUDA): one graph for a whole
+        model, one per shard for a layer split in this process."""
+        if self._graphs_apply(model):
+            kind = DecodeGraph
+        elif not self.eager and isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
+            kind = SplitDecodeGraph
+        else:
             return None
         if self._graph is None or self._graph.state is not state or self._graph.model is not model:
             self._graph = None
-            self._graph = DecodeGraph(model, state)
+            self._graph = kind(model, state)
         return self._graph
 
     def _graphs_apply(self, model: object) -> bool:

@@ -8,8 +8,6 @@ layer's state on its own shard's device, so commit, snapshot, restore and fork c
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-
 import logging
 from pathlib import Path
 from typing import Callable
@@ -19,6 +17,7 @@ import torch
 from ..config import ModelConfig
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
+from ..devices import on_device
 from ..state import ChunkDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint
 from .placement import describe, plan_split
@@ -72,7 +71,7 @@ class SplitModel:
         result = None
         for k, shard in enumerate(self.shards):
             last = k == len(self.shards) - 1
-            with _on(shard.device):  # Triton launches on the current device, not the tensors'
+            with on_device(shard.device):  # Triton launches on the current device, not the tensors'
                 result = shard.forward(token_ids, state, hidden=hidden, logit_rows=logit_rows if last else None,
                                        capture=capture)
             layers.update(result.delta.layers)
@@ -87,11 +86,6 @@ class SplitModel:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.shards)
-
-
-def _on(device: torch.device) -> AbstractContextManager:
-    """Make ``device`` current for a shard's forward (a no-op off CUDA)."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def handoff(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
