@@ -9,7 +9,9 @@
 4. verify graphs (``SWITCHES.speculative_graphs``): a captured block's logits bitwise equal to the same
    static block run eagerly and close to the chunk forward, the state after ``commit_static`` equal
    to the chunk's commit, and speculative greedy tokens through the graphs (verify blocks, MTP and
-   DSpark draft passes) equal to plain decoding.
+   DSpark draft passes) equal to plain decoding;
+5. a layer split (cuda:0 and the last GPU; both on cuda:0 on a one-GPU machine) decoding through one
+   graph per shard and verifying through one per shard: greedy tokens equal to the whole model's.
 
 Prints one line per check and exits non-zero when one fails. Usage::
 
@@ -264,12 +266,32 @@ def check_verify_graphs(root: Path) -> None:
         _check_speculative(dspark, prompt, reference.tokens, "dspark")
 
 
-def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec) -> None:
+def check_split_graphs(root: Path) -> None:
+    """A layer split (3 + 3 layers; on cuda:0 and the last GPU) decodes through one graph per shard and
+    verifies through one per shard: the same tokens as the whole model's graphs (fp32)."""
+    path = make_tiny(root / "split", TinySpec(seed=8, window=8, hca_rate=8, index_topk=5))
+    prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    whole = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
+    last = f"cuda:{torch.cuda.device_count() - 1}"
+    split = Engine.from_pretrained(path, devices=["cuda:0", last], layer_split=[3, 3], dtype="float32",
+                                   max_context=160)
+    plain = whole.generate(prompt, params)
+    res = split.generate(prompt, params)
+    kind = type(split._graph).__name__
+    record(f"split decode graphs (cuda:0 + {last}) == whole-model graph, greedy (fp32)",
+           res.error is None and res.tokens == plain.tokens and kind == "SplitDecodeGraph",
+           matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graph=kind, error=res.error_message)
+    with using(speculative_graphs=True):
+        _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, ")
+
+
+def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec, where: str = "") -> None:
     """Greedy speculative decoding with ``spec`` through the graphs (switch on) equals plain decoding."""
     res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=spec)
     graphs = len(engine._verify_graphs)
     name = spec if isinstance(spec, str) else f"oracle width {spec.max_draft_tokens + 1}"
-    record(f"speculative greedy through the graphs == plain decoding (fp32, {name})",
+    record(f"speculative greedy through the graphs == plain decoding ({where}fp32, {name})",
            res.error is None and res.tokens == plain and graphs > 0,
            matching=sum(x == y for x, y in zip(res.tokens, plain)), graphs=graphs,
            drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None, error=res.error_message)
@@ -294,7 +316,7 @@ def main() -> None:
     print(f"switches: {SWITCHES}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp)),
-                      lambda: check_verify_graphs(Path(tmp))):
+                      lambda: check_verify_graphs(Path(tmp)), lambda: check_split_graphs(Path(tmp))):
             try:
                 check()
             except Exception as exc:  # noqa: BLE001 - a crash is a failed check with its traceback

@@ -6,7 +6,8 @@ at that width (:func:`verifier_sequence`) and gets each draft right with probabi
 width and ``p`` the same prompt is generated with the verify steps (and any MTP passes) eager and with
 ``SWITCHES.speculative_graphs``, against plain decoding (CUDA-graph decode): tokens/s, tokens per
 verify step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not:
-near-tied greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one). ``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
+near-tied greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one).
+``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
 
     PYTHONPATH=. python3 bench/spec_gpu.py --out $OUT/spec.json [--variant bf16] [--widths 2,3,4,6]
         [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs]

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from ds4serve import Engine, SamplingParams
-from ds4serve.engine.cuda_graphs import DecodeGraph, SplitDecodeGraph
+from ds4serve.engine import engine as engine_module
+from ds4serve.engine.cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
+from ds4serve.engine.drafts import OracleProposer
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
@@ -176,8 +178,55 @@ def test_split_decode_graph_steps_equal_the_whole_model_graph(engine, split_engi
         token = int(last[0].argmax())
         last = [g.step(token) for g in graphs]
         assert torch.equal(last[0], last[1]), step
-    assert states[0].pos == states[1].pos == 52 and states[0].tokens == states[1].tokens
-    snaps = [s.snapshot() for s in states]
+    assert states[0].pos == 52
+    _assert_same_state(*states)
+
+
+@pytest.mark.parametrize("accepted", [1, 3, 5])
+def test_split_verify_graph_equals_the_whole_model_graph(engine, split_engine, accepted):
+    """The split's verify graph (one per shard; uncaptured on CPU): the same logits, final and captured
+    streams as the whole model's, and the same state after committing an accepted prefix."""
+    prompt, block = random_prompt(37, seed=7), random_prompt(5, seed=8)
+    states = [e.new_sequence(64) for e in (engine, split_engine)]
+    for e, s in zip((engine, split_engine), states):
+        e.prefill(s, prompt)
+    capture = (1, 4)
+    graphs = [VerifyGraph(engine.model, states[0], 5, capture, graph=False),
+              SplitVerifyGraph(split_engine.model, states[1], 5, capture, graph=False)]
+    outs = [g.run(block) for g in graphs]
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
+    assert outs[0].captured.keys() == outs[1].captured.keys() == set(capture)
+    for layer in capture:
+        assert torch.equal(outs[0].captured[layer], outs[1].captured[layer])
+    for s, out in zip(states, outs):
+        s.commit_static(out.delta, block[:accepted])
+    _assert_same_state(*states)
+
+
+def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_engine, monkeypatch):
+    """The engine verifies on a split through SplitVerifyGraph (uncaptured on CPU) and stays lossless."""
+    made = []
+
+    def build(model, state, width, capture):
+        made.append(SplitVerifyGraph(model, state, width, capture, graph=False))
+        return made[-1]
+
+    prompt = random_prompt(50, seed=9)
+    plain = split_engine.generate(prompt, SamplingParams(max_tokens=20))
+    monkeypatch.setattr(engine_module, "SplitVerifyGraph", build)
+    monkeypatch.setattr(split_engine, "_graph_kinds", lambda model: (None, engine_module.SplitVerifyGraph))
+    monkeypatch.setattr(split_engine, "_decode_graph", lambda model, state: None)  # plain steps stay eager
+    monkeypatch.setattr(split_engine, "_verify_graphs", {})
+    res = split_engine.generate(prompt, SamplingParams(max_tokens=20),
+                                speculative=OracleProposer(prompt + plain.tokens, 0.7, 4))
+    assert res.ok, res.error_message
+    assert res.tokens == plain.tokens
+    assert made and res.stats.speculative["accepted"] > 0
+
+
+def _assert_same_state(a, b) -> None:
+    assert a.pos == b.pos and a.tokens == b.tokens
+    snaps = [a.snapshot(), b.snapshot()]
     assert snaps[0].layers.keys() == snaps[1].layers.keys()
     for i, saved in snaps[0].layers.items():
         assert saved.keys() == snaps[1].layers[i].keys()

@@ -125,24 +125,14 @@ class SplitDecodeGraph:
 
     def __init__(self, model: "SplitModel", state: SequenceState, warmup: int = 2, graph: bool = True):
         self.model, self.state = model, state
-        self.parts: list[DecodeGraph] = []
-        cfg = model.cfg
-        for k, shard in enumerate(model.shards):
-            hidden = None if k == 0 else torch.zeros(1, cfg.hc_mult, cfg.hidden_size, dtype=shard.dtype,
-                                                     device=shard.device)
-            with on_device(shard.device):
-                self.parts.append(DecodeGraph(shard, state.part(shard.layers), warmup, hidden=hidden, graph=graph))
+        self.parts = _per_shard(model, state, 1, lambda shard, part, hidden: DecodeGraph(
+            shard, part, warmup, hidden=hidden, graph=graph))
 
     def step(self, token: int) -> torch.Tensor:
         """:meth:`DecodeGraph.step` over every shard in turn."""
         _check_room(self.state, 1, "decode")
         pos = self.state.pos
-        out = None
-        for k, part in enumerate(self.parts):
-            with on_device(part.model.device):
-                out = part.replay(token, pos)
-            if k + 1 < len(self.parts):
-                self.parts[k + 1].hidden.copy_(out.hidden)
+        out = _through_shards(self.parts, lambda part: part.replay(token, pos))[-1]
         self.state.advance(token)
         return out.logits
 
@@ -150,11 +140,12 @@ class SplitDecodeGraph:
 class VerifyGraph:
     """A captured static forward of a ``width``-token block of ``model`` over ``state``: logits of
     every row, the final streams and the ``capture`` layers' streams (for the draft proposer).
+    ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split.
     ``graph=False`` runs the same static forward without capturing it (CPU tests)."""
 
     def __init__(self, model: DeepSeekV4, state: SequenceState, width: int, capture: tuple[int, ...] = (),
-                 warmup: int = 2, graph: bool = True):
-        self.model, self.state, self.width, self.capture = model, state, width, capture
+                 warmup: int = 2, graph: bool = True, hidden: torch.Tensor | None = None):
+        self.model, self.state, self.width, self.capture, self.hidden = model, state, width, capture, hidden
         self.tokens = torch.zeros(width, dtype=torch.long, device=model.device)
         self._offsets = torch.arange(width, device=model.device)
         self.positions = self._offsets + state.pos
@@ -162,18 +153,75 @@ class VerifyGraph:
         self.graph = self._block.graph
 
     def _forward(self) -> ForwardResult:
-        return self.model.forward(self.tokens, self.state, logit_rows=slice(None), capture=self.capture,
-                                  positions=self.positions)
+        rows = slice(None) if self.model.head is not None else None
+        return self.model.forward(self.tokens, self.state, hidden=self.hidden, logit_rows=rows,
+                                  capture=self.capture, positions=self.positions)
 
     def run(self, block: list[int]) -> ForwardResult:
         """The forward of ``block`` at ``state.pos``: buffers that the next run overwrites."""
-        pos = self.state.pos
-        if len(block) != self.width:
-            raise ValueError(f"a verify graph of width {self.width} got a block of {len(block)}")
-        _check_room(self.state, self.width, "verify")
+        _check_block(self.state, self.width, block)
+        return self.replay(block, self.state.pos)
+
+    def replay(self, block: list[int], pos: int) -> ForwardResult:
+        """The forward of ``block`` at ``pos``, unchecked (the caller checked it)."""
         self.tokens.copy_(torch.tensor(block, dtype=torch.long))
         torch.add(self._offsets, pos, out=self.positions)
         return self._block.replay()
+
+
+class SplitVerifyGraph:
+    """:class:`VerifyGraph` of a :class:`~ds4serve.parallel.SplitModel`: one per shard, replayed in layer
+    order like :class:`SplitDecodeGraph`; the result merges the shards' deltas and captured streams."""
+
+    def __init__(self, model: "SplitModel", state: SequenceState, width: int, capture: tuple[int, ...] = (),
+                 warmup: int = 2, graph: bool = True):
+        self.model, self.state, self.width, self.capture = model, state, width, capture
+        self.parts = _per_shard(model, state, width, lambda shard, part, hidden: VerifyGraph(
+            shard, part, width, capture, warmup, graph, hidden=hidden))
+
+    def run(self, block: list[int]) -> ForwardResult:
+        """:meth:`VerifyGraph.run` over every shard in turn."""
+        _check_block(self.state, self.width, block)
+        pos = self.state.pos
+        outs = _through_shards(self.parts, lambda part: part.replay(block, pos))
+        layers, captured = {}, {}
+        for out in outs:
+            layers.update(out.delta.layers)
+            captured.update(out.captured)
+        return ForwardResult(hidden=outs[-1].hidden, delta=ChunkDelta(start=pos, tokens=[], layers=layers),
+                             logits=outs[-1].logits, captured=captured)
+
+
+def _per_shard(model: "SplitModel", state: SequenceState, rows: int,
+               make: Callable[[DeepSeekV4, SequenceState, torch.Tensor | None], T]) -> list[T]:
+    """``make(shard, its part of state, its input streams buffer)`` for every shard, each built with
+    its own device current; the first shard embeds the tokens (no input buffer)."""
+    parts = []
+    cfg = model.cfg
+    for k, shard in enumerate(model.shards):
+        hidden = None if k == 0 else torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=shard.dtype,
+                                                 device=shard.device)
+        with on_device(shard.device):
+            parts.append(make(shard, state.part(shard.layers), hidden))
+    return parts
+
+
+def _through_shards(parts: list, replay: Callable[[object], ForwardResult]) -> list[ForwardResult]:
+    """``replay(part)`` for every shard's part in layer order, each with its device current, copying
+    the streams leaving one into the next one's input buffer."""
+    outs = []
+    for k, part in enumerate(parts):
+        with on_device(part.model.device):
+            outs.append(replay(part))
+        if k + 1 < len(parts):
+            parts[k + 1].hidden.copy_(outs[-1].hidden)
+    return outs
+
+
+def _check_block(state: SequenceState, width: int, block: list[int]) -> None:
+    if len(block) != width:
+        raise ValueError(f"a verify graph of width {width} got a block of {len(block)}")
+    _check_room(state, width, "verify")
 
 
 def _check_room(state: SequenceState, tokens: int, what: str) -> None:

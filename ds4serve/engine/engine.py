@@ -26,7 +26,7 @@ from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
 from ..parallel.split_model import SplitModel
-from .cuda_graphs import DecodeGraph, SplitDecodeGraph, VerifyGraph
+from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
 from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
@@ -94,7 +94,8 @@ class Engine:
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | SplitDecodeGraph | None = None
-        self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph] = {}  # (width, capture) of self._state
+        # (width, capture) -> the verify graph over self._state
+        self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph] = {}
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -316,27 +317,34 @@ class Engine:
     def _decode_graph(self, model: object, state: SequenceState) -> DecodeGraph | SplitDecodeGraph | None:
         """The decode step captured for ``state`` (None: eager, or not on CUDA): one graph for a whole
         model, one per shard for a layer split in this process."""
-        if self._graphs_apply(model):
-            kind = DecodeGraph
-        elif not self.eager and isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
-            kind = SplitDecodeGraph
-        else:
+        kinds = self._graph_kinds(model)
+        if kinds is None:
             return None
         if self._graph is None or self._graph.state is not state or self._graph.model is not model:
             self._graph = None
-            self._graph = kind(model, state)
+            self._graph = kinds[0](model, state)
         return self._graph
 
+    def _graph_kinds(self, model: object) -> tuple[type, type] | None:
+        """The decode and verify graph classes for ``model``, or None where steps run eagerly."""
+        if self._graphs_apply(model):
+            return DecodeGraph, VerifyGraph
+        if not self.eager and isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
+            return SplitDecodeGraph, SplitVerifyGraph
+        return None
+
     def _graphs_apply(self, model: object) -> bool:
-        """CUDA graphs are used for a whole model on CUDA unless the engine is eager."""
+        """CUDA graphs are used for a whole model on CUDA unless the engine is eager (the draft models'
+        graphs need the whole model in one place)."""
         return (not self.eager and isinstance(model, DeepSeekV4) and model.device.type == "cuda"
                 and model.embed is not None and model.head is not None)
 
-    def verify_graph(self, model: DeepSeekV4, state: SequenceState, width: int,
-                     capture: tuple[int, ...]) -> VerifyGraph | None:
+    def verify_graph(self, model: object, state: SequenceState, width: int,
+                     capture: tuple[int, ...]) -> VerifyGraph | SplitVerifyGraph | None:
         """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
         prefix is committed with ``state.commit_static``."""
-        if not (SWITCHES.speculative_graphs and self._graphs_apply(model)):
+        kinds = self._graph_kinds(model) if SWITCHES.speculative_graphs else None
+        if kinds is None:
             return None
         key = (width, tuple(capture))
         graph = self._verify_graphs.get(key)
@@ -344,7 +352,7 @@ class Engine:
             self._verify_graphs.clear()
             graph = None
         if graph is None:
-            graph = self._verify_graphs[key] = VerifyGraph(model, state, width, key[1])
+            graph = self._verify_graphs[key] = kinds[1](model, state, width, key[1])
         return graph
 
     # ---- snapshots -----------------------------------------------------------------------------
