@@ -158,6 +158,9 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
         if variant in args.prefill_variants:
             active = out["bytes_per_token_GB"] * 1e9 / (2 if variant == "bf16" else 1)  # ~parameters per token
             state = model.new_state(max(args.chunks) + 16)
+            arms = [("", {})]  # the defaults, then the defaults with --prefill-switches on
+            if args.prefill_switches:
+                arms.append((args.prefill_switches, dict.fromkeys(args.prefill_switches.split("+"), True)))
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
 
@@ -165,18 +168,22 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
                     state.reset()
                     model.forward(ids, state)
 
-                try:
-                    ms = cuda_ms(run, 2 if chunk < 8192 else 1, warmup=1)
-                except torch.OutOfMemoryError as exc:
-                    out[f"prefill_{chunk}"] = {"error": f"out of memory: {exc}"[:300]}
-                    log(f"prefill {chunk}: out of memory")
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    continue
-                tps = chunk / ms * 1e3
-                frac = 2 * active * tps / (ceil["bf16_matmul_TFLOPs"] * 1e12)
-                out[f"prefill_{chunk}"] = {"ms": ms, "tokens_per_s": tps, "weight_flops_fraction_of_matmul": frac}
-                log(f"prefill chunk {chunk}: {ms:.0f} ms, {tps:.0f} tok/s, {100 * frac:.1f}% of the matmul rate")
+                for arm, switches in arms:
+                    key = f"prefill_{chunk}" + (f"_{arm}" if arm else "")
+                    try:
+                        with using(**switches):
+                            ms = cuda_ms(run, 2 if chunk < 8192 else 1, warmup=1)
+                    except torch.OutOfMemoryError as exc:
+                        out[key] = {"error": f"out of memory: {exc}"[:300]}
+                        log(f"prefill {chunk}{' ' + arm if arm else ''}: out of memory")
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                        continue
+                    tps = chunk / ms * 1e3
+                    frac = 2 * active * tps / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+                    out[key] = {"ms": ms, "tokens_per_s": tps, "weight_flops_fraction_of_matmul": frac}
+                    log(f"prefill chunk {chunk}{' with ' + arm if arm else ''}: {ms:.0f} ms, {tps:.0f} tok/s, "
+                        f"{100 * frac:.1f}% of the matmul rate")
             del state
     del model
     gc.collect()
@@ -275,6 +282,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="bf16,fp8,fp8+fp4")
     p.add_argument("--prefill-variants", default="bf16")
+    p.add_argument("--prefill-switches", default="",
+                   help="also time each prefill chunk with these kernels.switches on besides the defaults "
+                        "(NAME or NAME+NAME, e.g. dequant_kernel)")
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunks", default="512,2048,8192")

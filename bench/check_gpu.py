@@ -179,6 +179,12 @@ def check_tiny(root: Path) -> None:
         gpu32 = _chunked_logits(DeepSeekV4.load(ckpt, device="cuda", quantized=kept), ids, sizes)
         err32 = float((gpu32 - ref).abs().max() / ref.abs().max())
         record(f"tiny fp32 GPU (kernels) vs fp32 CPU logits, quantize={quant}", err32 <= 1e-4, max_rel=err32)
+        if kept:
+            with using(dequant_kernel=True):
+                gpu32 = _chunked_logits(DeepSeekV4.load(ckpt, device="cuda", quantized=True), ids, sizes)
+            err32 = float((gpu32 - ref).abs().max() / ref.abs().max())
+            record(f"tiny fp32 GPU, dequant_kernel (one-pass dequantisation, expert groups) vs fp32 CPU logits, "
+                   f"quantize={quant}", err32 <= 1e-4, max_rel=err32)
         cpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16), ids, sizes)
         gpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda", quantized=kept), ids, sizes)
         e_cpu, e_gpu = rel(cpu16, ref), rel(gpu16, ref)

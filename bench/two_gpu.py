@@ -69,6 +69,7 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
 from ds4serve.engine.drafts import OracleProposer
+from ds4serve.kernels.switches import NAMES, SWITCHES
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
 from ds4serve.parallel.split_model import SplitModel, handoff
@@ -433,10 +434,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--oracle-rounds", type=int, default=2,
                    help="perfect-oracle runs per width that find the verify path's own continuation")
     p.add_argument("--timeout-s", type=float, default=300.0, help="pipeline: longest wait for a peer")
+    p.add_argument("--switches", default="", help="kernels.switches to turn on besides the defaults (NAME+NAME)")
     p.add_argument("--copy-gbps", default=None, help=argparse.SUPPRESS)  # measured once, handed to the ranks
     p.add_argument("--pipeline-rank", action="store_true", help=argparse.SUPPRESS)  # set by launch_pipeline
     args = p.parse_args(argv)
     args.argv = argv
+    unknown = set(filter(None, args.switches.split("+"))) - set(NAMES)
+    if unknown:
+        raise SystemExit(f"--switches: unknown {sorted(unknown)}; expected names of {list(NAMES)}")
     args.split = args.split or -(-args.layers // 2)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
     args.spec_widths = [int(w) for w in args.spec_widths.split(",") if w]
@@ -450,6 +455,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    for name in filter(None, args.switches.split("+")):
+        setattr(SWITCHES, name, True)
     cfg = model_config(args)
     if args.pipeline_rank:
         pipeline_rank(args, cfg)
@@ -460,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv), "torch": torch.__version__,
         "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in devices],
         "dims": args.dims, "variant": args.variant, "layers": args.layers, "experts": args.experts,
-        "split_at_layer": args.split}
+        "split_at_layer": args.split, "switches": {n: getattr(SWITCHES, n) for n in NAMES}}
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds4serve import kernels
+from ds4serve.kernels.switches import using
 from ds4serve.model import chunk_attention as ca
+from ds4serve.model import linear as linear_module
 from ds4serve.model import moe_grouped
-from ds4serve.model.linear import linear, quantize_fp8
+from ds4serve.model.linear import FP4Weight, linear, quantize_fp8
 from ds4serve.model.moe_grouped import routed_experts, sort_pairs
+from ds4serve.quant import quant_fp4
 
 
 def _dense_attention(q, kv, ring, start, entries, visible, sinks, scale):
@@ -162,6 +166,39 @@ def test_routed_fp8_experts_equal_the_expert_loop():
     weights = torch.rand(N, k, generator=gen)
     torch.testing.assert_close(routed_experts(x, idx, weights, w1, w3, w2, 1.5),
                                _expert_loop(x, idx, weights, w1, w3, w2, 1.5), rtol=1e-5, atol=1e-6)
+
+
+def _fp4_experts(experts: torch.Tensor) -> FP4Weight:
+    codes, scales = zip(*(quant_fp4(e) for e in experts))
+    return FP4Weight(torch.stack(codes), torch.stack(scales))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("group_experts", [1, 3, 8])
+def test_quantized_experts_in_dequantised_groups_equal_the_expert_loop(monkeypatch, fmt, group_experts):
+    """``dequant_kernel``: groups of experts dequantised by the one-pass kernels (interpreter on CPU),
+    then grouped GEMMs; groups of 1, of 3 (the last one partial, one with no rows) and all 8."""
+    pytest.importorskip("triton")
+    if not moe_grouped.grouped_mm_applies(torch.zeros(1)):
+        pytest.skip("this torch has no torch._grouped_mm for CPU float32 tensors")
+    gen = torch.Generator().manual_seed(6)
+    N, D, inter, E, k = 40, 64, 32, 8, 2
+    x = torch.randn(N, D, generator=gen)
+    dense_experts = _experts(E, D, inter, torch.float32, gen)
+    if fmt == "fp8":
+        w1, w3, w2 = (quantize_fp8(w, (16, 16)) for w in dense_experts)
+    else:
+        w1, w3, w2 = (_fp4_experts(w) for w in dense_experts)
+    idx = _routing(N, E, k, gen, unused=4)
+    weights = torch.rand(N, k, generator=gen)
+    per_expert = 4 * 3 * D * inter
+    monkeypatch.setattr(moe_grouped, "EXPERT_GROUP_BYTES", group_experts * per_expert)
+    with monkeypatch.context() as m, kernels.on_any_device(), using(dequant_kernel=True):
+        m.setattr(moe_grouped, "_expert_by_expert", None)  # the grouped path must not fall back,
+        for name in ("dequant_fp8", "dequant_fp4"):  # nor dequantise through the torch chain
+            m.setattr(linear_module, name, None)
+        got = routed_experts(x, idx, weights, w1, w3, w2, 1.5)
+    torch.testing.assert_close(got, _expert_loop(x, idx, weights, w1, w3, w2, 1.5), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

@@ -45,6 +45,11 @@ class Switches:
     # them; on the bf16 proxy a verify step of width 2 takes 19 ms through the graphs against 182 ms
     # eagerly (bench/spec_gpu.py, H200, 2026-11-29, bench/results/2026-11-29-h200-round7-spec.log).
     speculative_graphs: bool = True
+    # Chunk forwards (prefill) dequantise FP8 / MXFP4 weights in one Triton pass (kernels/dequant.py)
+    # instead of the torch chain, and a chunk's quantized routed experts run as grouped GEMMs over
+    # groups of experts dequantised together (model/moe_grouped.py) instead of expert by expert.
+    # Off until a GPU run checks and measures it (written without device time).
+    dequant_kernel: bool = False
 
 
 SWITCHES = Switches()

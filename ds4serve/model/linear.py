@@ -32,9 +32,13 @@ class FP8Weight:
         return self.data.shape
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if _dequant_kernel_applies(self.data):
+            from ..kernels import dequant
+
+            return dequant.dequant_fp8(self.data, self.scale, self.block, dtype)
         return dequant_fp8(self.data, self.scale, self.block, dtype)
 
-    def __getitem__(self, e: int) -> "FP8Weight":
+    def __getitem__(self, e: int | slice) -> "FP8Weight":
         return FP8Weight(self.data[e], self.scale[e], self.block)
 
 
@@ -48,13 +52,23 @@ class FP4Weight:
         return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if _dequant_kernel_applies(self.data):
+            from ..kernels import dequant
+
+            return dequant.dequant_fp4(self.data, self.scale, dtype)
         return dequant_fp4(self.data, self.scale, dtype)
 
-    def __getitem__(self, e: int) -> "FP4Weight":
+    def __getitem__(self, e: int | slice) -> "FP4Weight":
         return FP4Weight(self.data[e], self.scale[e])
 
 
 Weight = torch.Tensor | FP8Weight | FP4Weight
+
+
+def _dequant_kernel_applies(data: torch.Tensor) -> bool:
+    """One-pass dequantisation (``SWITCHES.dequant_kernel``) outside compiled regions, where Inductor
+    fuses the torch reference into its neighbours instead."""
+    return SWITCHES.dequant_kernel and kernels.enabled(data) and not torch.compiler.is_compiling()
 
 
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -4,8 +4,10 @@ The (token, slot) pairs are sorted by expert so that every expert's rows are con
 int32 cumulative row counts stay on the device. Dense bf16 experts on CUDA then run as one grouped
 GEMM per projection (``torch._grouped_mm``: ``[M, K] @ [E, K, N]`` with the group ends ``offs``,
 no host sync on SM90+); each expert output is weighted, put back in (token, slot) order and the
-``k`` slots of a token are summed. Quantized experts (and dtypes the grouped product does not take)
-run expert by expert after one host read of the group ends, dequantising only the experts in use.
+``k`` slots of a token are summed. Quantized experts of a long chunk, with ``SWITCHES.dequant_kernel``,
+run the same way over groups of experts dequantised together (one pass each,
+:mod:`ds4serve.kernels.dequant`); otherwise quantized experts (and dtypes the grouped product does not
+take) run expert by expert after one host read of the group ends, dequantising only the experts in use.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .linear import Weight, linear
+from .. import kernels
+from ..kernels.switches import SWITCHES
+from .linear import Weight, dense, linear
+
+EXPERT_GROUP_BYTES = 1 << 30  # dense bytes of the experts dequantised at once (grouped quantized path)
 
 
 def swiglu_gate(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -46,6 +52,8 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1
     if all(isinstance(w, torch.Tensor) for w in (w1, w3, w2)) and grouped_mm_applies(rows):
         h = swiglu_gate(grouped_mm(rows, w1, ends), grouped_mm(rows, w3, ends), limit)
         y = grouped_mm(h, w2, ends)
+    elif _expert_groups_apply(rows, w1.shape[0]):
+        y = _expert_groups(rows, ends, w1, w3, w2, limit)
     else:
         y = _expert_by_expert(rows, ends.tolist(), w1, w3, w2, limit)
     y = (y * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
@@ -66,6 +74,36 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     The transposed weight view is column-major, the layout the grouped kernel reads in place.
     """
     return torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
+
+
+def _expert_groups_apply(rows: torch.Tensor, n_experts: int) -> bool:
+    """Quantized experts as grouped GEMMs over dequantised groups: with the switch, on the kernels'
+    devices, where the grouped product takes the rows, and for chunks with at least as many
+    (token, slot) pairs as experts (most experts in use, so dequantising whole groups wastes little)."""
+    return (SWITCHES.dequant_kernel and kernels.enabled(rows) and grouped_mm_applies(rows)
+            and rows.shape[0] >= n_experts)
+
+
+def _expert_groups(rows: torch.Tensor, ends: torch.Tensor, w1: Weight, w3: Weight, w2: Weight,
+                   limit: float) -> torch.Tensor:
+    """:func:`routed_experts`' products for quantized experts: consecutive experts, up to
+    ``EXPERT_GROUP_BYTES`` of them dense, dequantised together and run as one grouped GEMM per
+    projection over their rows (one host read of the group ends, as expert by expert)."""
+    E = w1.shape[0]
+    per_expert = rows.element_size() * sum(w.shape[-2] * w.shape[-1] for w in (w1, w3, w2))
+    step = max(1, EXPERT_GROUP_BYTES // per_expert)
+    bounds = [0, *ends.tolist()]
+    out = rows.new_empty(rows.shape[0], w2.shape[-2])
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        begin, end = bounds[e0], bounds[e1]
+        if end == begin:
+            continue
+        part, offs = rows[begin:end], ends[e0:e1] - begin
+        gate, up, down = (dense(w[e0:e1], rows.dtype) for w in (w1, w3, w2))
+        h = swiglu_gate(grouped_mm(part, gate, offs), grouped_mm(part, up, offs), limit)
+        out[begin:end] = grouped_mm(h, down, offs)
+    return out
 
 
 def _expert_by_expert(rows: torch.Tensor, ends: list[int], w1: Weight, w3: Weight, w2: Weight,
