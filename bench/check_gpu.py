@@ -266,6 +266,9 @@ def check_verify_graphs(root: Path) -> None:
         known = prompt + plain.tokens
         for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), "mtp:3"):
             _check_speculative(engine, prompt, plain.tokens, spec)
+        with using(static_commit=True):  # the accepted prefix written by captured device commits
+            for spec in (OracleProposer(known, 0.7, 4), "mtp:3"):
+                _check_speculative(engine, prompt, plain.tokens, spec, "static_commit, ")
         dspark = Engine.from_pretrained(make_tiny(root / "dspark", TinySpec(seed=7, dspark=True)), device="cuda",
                                         dtype="float32", max_context=160)
         reference = dspark.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -290,6 +293,9 @@ def check_split_graphs(root: Path) -> None:
            matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graph=kind, error=res.error_message)
     with using(speculative_graphs=True):
         _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, ")
+        with using(static_commit=True):
+            _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 3),
+                               "split, static_commit, ")
 
 
 def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec, where: str = "") -> None:

@@ -3,14 +3,14 @@
 The proxy (bench/proxy.py: random weights, no MTP block) has no real draft, so the drafts come from
 :class:`~ds4serve.engine.drafts.OracleProposer`: it knows the continuation the verify path emits
 at that width (:func:`verifier_sequence`) and gets each draft right with probability ``p``. For every
-width and ``p`` the same prompt is generated with the verify steps (and any MTP passes) eager and with
-``SWITCHES.speculative_graphs``, against plain decoding (CUDA-graph decode): tokens/s, tokens per
-verify step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not:
+width and ``p`` the same prompt is generated with the verify steps (and any MTP passes) eager, with
+``SWITCHES.speculative_graphs`` committing on the host, and with ``static_commit`` too, against plain
+decoding (CUDA-graph decode): tokens/s, tokens per verify step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not:
 near-tied greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one).
 ``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
 
     PYTHONPATH=. python3 bench/spec_gpu.py --out $OUT/spec.json [--variant bf16] [--widths 2,3,4,6]
-        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs]
+        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs,graphs+static_commit]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ds4serve.engine.drafts import OracleProposer  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 
-MODES = {"eager": False, "graphs": True}
+MODES = {"eager": {"speculative_graphs": False}, "graphs": {"speculative_graphs": True, "static_commit": False},
+         "graphs+static_commit": {"speculative_graphs": True, "static_commit": True}}
 
 
 def timed(engine: Engine, prompt: list[int], params: SamplingParams, speculative=None):
@@ -74,7 +75,8 @@ def main() -> None:
     p.add_argument("--accept", default="0.5,0.9")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--modes", default="eager,graphs", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", default="eager,graphs,graphs+static_commit",
+                   help=f"comma-separated, of {', '.join(MODES)}")
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     accepts = [float(a) for a in args.accept.split(",")]
@@ -97,7 +99,7 @@ def main() -> None:
     out = {"device": device, "command": " ".join(sys.argv), "model": str(args.model or
            f"proxy {args.variant} {args.layers} layers"), "plain_tokens_per_s": plain_tps, "runs": []}
     for mode in modes:
-        with using(speculative_graphs=MODES[mode]):
+        with using(**MODES[mode]):
             drafts = []
             for w in widths:
                 known, runs = verifier_sequence(engine, prompt, params, w, plain.tokens)

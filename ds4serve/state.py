@@ -148,6 +148,10 @@ class SequenceState:
         if plan is not None:
             plan.launch(pos, self._reserved)
             return
+        self._write_token_rows(delta, pos)
+
+    def _write_token_rows(self, delta: "ChunkDelta", pos: torch.Tensor) -> None:
+        """:meth:`write_token` through torch writes."""
         slot = pos % self.window
         per_rate: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         copies: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -171,6 +175,75 @@ class SequenceState:
                     torch.where(closing, cd.rows_gate[:, :half], c.ov_gate, out=c.ov_gate)
         for dsts, srcs in copies.values():  # one dtype per call: the multi-tensor kernel, not a memcpy each
             torch._foreach_copy_(dsts, srcs)
+
+    def write_block(self, delta: "ChunkDelta", positions: torch.Tensor, n: int,
+                    plans: "list[tuple[CommitPlan, CommitPlan | None]] | None" = None) -> None:
+        """The device half of :meth:`commit_static` of the first ``n`` tokens of a static block whose
+        positions are the device tensor ``positions`` (captured once per accepted count in a verify
+        graph; the caller then calls :meth:`advance_block`). Token by token, as :meth:`write_token`
+        writes: its window row, its compressor rows into their slots of the open window (so a token
+        that closes a window finds the whole window there for the CSA overlap) and its entry.
+        ``plans`` (:meth:`block_plans`) makes each token two launches of the commit kernel."""
+        if _block_width(delta) == 1:  # a one-token static delta has the decode step's form
+            if n:
+                self._write_token_rows(delta, positions[:1])
+            return
+        for i in range(n):
+            pos = positions[i:i + 1]
+            if plans is not None:
+                rows, overlap = plans[i]
+                rows.launch(pos)
+                if overlap is not None:
+                    overlap.launch(pos)
+                continue
+            slot = pos % self.window
+            per_rate: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+            for idx, ld in delta.layers.items():
+                ls = self.layers[idx]
+                ls.window.index_copy_(0, slot, ld.window_rows[i:i + 1])
+                for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
+                    if cd is None:
+                        continue
+                    if c.rate not in per_rate:
+                        per_rate[c.rate] = (pos % c.rate, pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
+                    row, entry, closing = per_rate[c.rate]
+                    c.buf_kv.index_copy_(0, row, cd.rows_kv[i:i + 1])
+                    c.buf_gate.index_copy_(0, row, cd.rows_gate[i:i + 1])
+                    c.entries.index_copy_(0, entry, cd.entries[i:i + 1])
+                    if c.overlap:
+                        half = c.ov_kv.shape[-1]
+                        torch.where(closing, c.buf_kv[:, :half], c.ov_kv, out=c.ov_kv)
+                        torch.where(closing, c.buf_gate[:, :half], c.ov_gate, out=c.ov_gate)
+
+    def block_plans(self, delta: "ChunkDelta", n: int, positions: torch.Tensor
+                    ) -> "list[tuple[CommitPlan, CommitPlan | None]] | None":
+        """The commit kernel's launches of :meth:`write_block` (two per token), their tables already on
+        the device so that a capture can take them; None for the torch code."""
+        if not self._commit_kernel_on() or _block_width(delta) == 1:
+            return None
+        from .kernels.commit import CommitPlan, block_jobs, warm
+
+        plans = []
+        for i in range(n):
+            rows, overlap = block_jobs(self, delta, i)
+            plan, over = CommitPlan.of(rows), CommitPlan.of(overlap)
+            if plan is None or (overlap and over is None):
+                return None
+            for p in (plan, over):
+                if p is not None:
+                    p.stage(positions.device)
+            plans.append((plan, over))
+        warm(positions[:1])
+        return plans
+
+    def advance_block(self, tokens: list[int]) -> None:
+        """The host half of committing the tokens whose rows :meth:`write_block` (or, for one token,
+        :meth:`write_token`) wrote."""
+        if self.pos + len(tokens) > self.max_context:
+            raise ValueError(f"committing {len(tokens)} token(s) at {self.pos} exceeds the context of "
+                             f"{self.max_context}")
+        self.pos += len(tokens)
+        self.tokens.extend(tokens)
 
     def prepare_capture(self, pos: torch.Tensor) -> torch.Tensor | None:
         """Before a CUDA graph captures :meth:`write_token` at ``pos``: load its kernel (a capture
@@ -209,10 +282,7 @@ class SequenceState:
 
     def advance(self, token: int) -> None:
         """The host half of committing one token whose rows :meth:`write_token` wrote."""
-        if self.pos + 1 > self.max_context:
-            raise ValueError(f"committing 1 token at {self.pos} exceeds the context of {self.max_context}")
-        self.pos += 1
-        self.tokens.append(token)
+        self.advance_block([token])
 
     def reset(self) -> None:
         """Forget everything: the next forward starts at position 0. Buffers are reused, not freed."""
@@ -342,6 +412,10 @@ class ChunkDelta:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+
+def _block_width(delta: "ChunkDelta") -> int:
+    return next(iter(delta.layers.values())).window_rows.shape[0]
 
 
 def _chunk_form(c: CompressorState, cd: CompressorDelta, pos: int, length: int) -> CompressorDelta:

@@ -9,6 +9,7 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from ds4serve.engine.drafts import OracleProposer
+from ds4serve.kernels.switches import SWITCHES
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
@@ -203,8 +204,10 @@ def test_split_verify_graph_equals_the_whole_model_graph(engine, split_engine, a
     _assert_same_state(*states)
 
 
-def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_engine, monkeypatch):
-    """The engine verifies on a split through SplitVerifyGraph (uncaptured on CPU) and stays lossless."""
+@pytest.mark.parametrize("static_commit", [False, True], ids=["commit_static", "device_commit"])
+def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_engine, monkeypatch, static_commit):
+    """The engine verifies on a split through SplitVerifyGraph (uncaptured on CPU) and stays lossless,
+    committing on the host or (``static_commit``) by each shard's device writes."""
     made = []
 
     def build(model, state, width, capture):
@@ -217,6 +220,7 @@ def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_eng
     monkeypatch.setattr(split_engine, "_graph_kinds", lambda model: (None, engine_module.SplitVerifyGraph))
     monkeypatch.setattr(split_engine, "_decode_graph", lambda model, state: None)  # plain steps stay eager
     monkeypatch.setattr(split_engine, "_verify_graphs", {})
+    monkeypatch.setattr(SWITCHES, "static_commit", static_commit)
     res = split_engine.generate(prompt, SamplingParams(max_tokens=20),
                                 speculative=OracleProposer(prompt + plain.tokens, 0.7, 4))
     assert res.ok, res.error_message

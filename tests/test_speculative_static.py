@@ -11,6 +11,7 @@ from ds4serve import SamplingParams
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.cuda_graphs import VerifyGraph
 from ds4serve.kernels.switches import SWITCHES
+from ds4serve.state import SequenceState
 from tests.helpers import random_prompt
 from tests.test_speculative import MAX_TOKENS, PROMPT, _oracle, dspark_engine, mtp_engine  # noqa: F401
 
@@ -59,6 +60,23 @@ def test_static_verify_blocks_equal_plain_decoding(engine, plain, monkeypatch, w
     spec = res.stats.speculative
     assert sum(g.runs for g in made.values()) == spec["steps"]  # every verify step ran as a static block
     assert set(spec["verify_widths"]) == {w for w, _ in made}
+
+
+@pytest.mark.parametrize("width,p", [(3, 0.9), (6, 0.5)])
+def test_device_commits_of_verify_blocks_equal_plain_decoding(engine, plain, monkeypatch, width, p):
+    """``static_commit``: the accepted prefix is written at the block's device positions (what the
+    verify graph captures per accepted count), never through commit_static; tokens equal plain's."""
+    made = _static_blocks(engine, monkeypatch)
+    monkeypatch.setattr(SWITCHES, "static_commit", True)
+
+    def host_commit(*args):
+        raise AssertionError("commit_static ran with static_commit on")
+
+    monkeypatch.setattr(SequenceState, "commit_static", host_commit)
+    res = engine.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width))
+    assert res.ok, res.error_message
+    assert res.tokens == plain.tokens
+    assert made and res.stats.speculative["accepted"] > 0
 
 
 @pytest.mark.parametrize("which,spec", [("mtp", "mtp"), ("dspark", "dspark")])

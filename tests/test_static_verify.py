@@ -8,9 +8,12 @@ with every small region traced whole (``aot_eager``, as Inductor receives them).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
+from ds4serve import kernels
 from ds4serve.kernels import regions
 from ds4serve.kernels.switches import using
 from tests.helpers import static_decode_setup
@@ -57,3 +60,30 @@ def test_static_block_needs_one_position_per_token(tiny_factory):
                                                  capacity=24)
     with pytest.raises(ValueError, match="one position per token"):
         model.forward(torch.tensor(ids[4:7]), state, positions=torch.tensor([4]))
+
+
+@pytest.mark.parametrize("path", ["torch", "commit_kernel"])
+def test_device_writes_of_the_accepted_prefix_equal_commit_static(tiny_factory, path):
+    """``write_block`` at the block's device positions + ``advance_block`` (what a verify graph captures
+    per accepted count, ``static_commit``) leaves exactly the state ``commit_static`` leaves, through
+    the torch writes and through the commit kernel (two launches per token; in the interpreter on CPU
+    only the first two steps, which close CSA and HCA windows inside a block: it is slow there)."""
+    model, ids, (reference, written) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=80,
+                                                           prefilled=14, capacity=96)
+    with torch.inference_mode(), regions.disabled(), using(block_regions=False), \
+            kernels.on_any_device() if path == "commit_kernel" else nullcontext():
+        for length, accepted in STEPS if path == "torch" or torch.cuda.is_available() else STEPS[:2]:
+            block = ids[reference.pos:reference.pos + length]
+            out_ref = _static_block(model, reference, block)
+            positions = torch.arange(written.pos, written.pos + length)
+            out = model.forward(torch.tensor(block), written, logit_rows=slice(None), positions=positions)
+            reference.commit_static(out_ref.delta, block[:accepted])
+            plans = written.block_plans(out.delta, accepted, positions)
+            assert (plans is not None) == (path == "commit_kernel" and length > 1)  # 1: the decode form
+            written.write_block(out.delta, positions, accepted, plans)
+            written.advance_block(block[:accepted])
+            sa, sb = reference.snapshot(), written.snapshot()
+            assert (sa.pos, sa.tokens) == (sb.pos, sb.tokens)
+            for idx, saved in sa.layers.items():
+                for name, t in saved.items():
+                    assert torch.equal(sb.layers[idx][name], t), (reference.pos, idx, name)

@@ -151,6 +151,8 @@ class VerifyGraph:
         self.positions = self._offsets + state.pos
         self._block = Captured(self._forward, model.device, graph=graph, warmup=warmup)
         self.graph = self._block.graph
+        self._last: ForwardResult | None = None
+        self._writers: dict[int, Captured] = {}  # accepted count -> the captured commit of that many
 
     def _forward(self) -> ForwardResult:
         rows = slice(None) if self.model.head is not None else None
@@ -166,7 +168,28 @@ class VerifyGraph:
         """The forward of ``block`` at ``pos``, unchecked (the caller checked it)."""
         self.tokens.copy_(torch.tensor(block, dtype=torch.long))
         torch.add(self._offsets, pos, out=self.positions)
-        return self._block.replay()
+        self._last = self._block.replay()
+        return self._last
+
+    def commit(self, tokens: list[int]) -> None:
+        """:meth:`~ds4serve.state.SequenceState.commit_static` of the last block's first ``len(tokens)``
+        tokens as device writes at its device positions, captured once per accepted count
+        (``SWITCHES.static_commit``), then the host counters."""
+        self.write(len(tokens))
+        self.state.advance_block(tokens)
+
+    def write(self, n: int) -> None:
+        """The device half of :meth:`commit`."""
+        delta = self._last.delta
+        if self.graph is None:  # uncaptured (CPU tests): every run returns new buffers
+            self.state.write_block(delta, self.positions, n, self.state.block_plans(delta, n, self.positions))
+            return
+        writer = self._writers.get(n)
+        if writer is None:  # the graph's buffers: the same at every replay, so the tables are built once
+            plans = self.state.block_plans(delta, n, self.positions)
+            writer = self._writers[n] = Captured(lambda: self.state.write_block(delta, self.positions, n, plans),
+                                                 self.model.device, warmup=0)
+        writer.replay()
 
 
 class SplitVerifyGraph:
@@ -190,6 +213,13 @@ class SplitVerifyGraph:
             captured.update(out.captured)
         return ForwardResult(hidden=outs[-1].hidden, delta=ChunkDelta(start=pos, tokens=[], layers=layers),
                              logits=outs[-1].logits, captured=captured)
+
+    def commit(self, tokens: list[int]) -> None:
+        """:meth:`VerifyGraph.commit` on every shard's part, then the host counters."""
+        for part in self.parts:
+            with on_device(part.model.device):
+                part.write(len(tokens))
+        self.state.advance_block(tokens)
 
 
 def _per_shard(model: "SplitModel", state: SequenceState, rows: int,

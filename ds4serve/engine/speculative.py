@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .. import profiler
+from ..kernels.switches import SWITCHES
 from ..model import ForwardResult
 from ..state import SequenceState
 from .generation import Generation
@@ -302,7 +303,9 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
                 if done or not ok:
                     break
             committed_at = state.pos
-            if graph is not None:
+            if graph is not None and SWITCHES.static_commit:
+                graph.commit(block[:emitted])
+            elif graph is not None:
                 state.commit_static(out.delta, block[:emitted])
             else:
                 state.commit(out.delta, emitted)

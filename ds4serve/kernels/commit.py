@@ -120,6 +120,28 @@ def _jobs(state: "SequenceState", delta: "ChunkDelta") -> list[list[int] | None]
     return jobs
 
 
+def block_jobs(state: "SequenceState", delta: "ChunkDelta", i: int) -> tuple[list, list]:
+    """The writes of :meth:`~ds4serve.state.SequenceState.write_block` for token ``i`` of a static
+    block: its window row, its compressor rows into their slots of the open window and its entry
+    (first launch), then the CSA overlap copied from the open window when the token closes it (second
+    launch, which must see the first one's rows)."""
+    rows, overlap = [], []
+    for idx, ld in delta.layers.items():
+        ls = state.layers[idx]
+        rows.append(_job(ld.window_rows[i:i + 1], ls.window, mod=state.window))
+        for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
+            if cd is None:
+                continue
+            rows.append(_job(cd.entries[i:i + 1], c.entries, div=c.rate, mod=c.entries.shape[0]))
+            rows.append(_job(cd.rows_kv[i:i + 1], c.buf_kv, mod=c.rate))
+            rows.append(_job(cd.rows_gate[i:i + 1], c.buf_gate, mod=c.rate))
+            if c.overlap:
+                half = c.ov_kv.shape[-1]
+                overlap.append(_job(c.buf_kv[:, :half], c.ov_kv, rate=c.rate))
+                overlap.append(_job(c.buf_gate[:, :half], c.ov_gate, rate=c.rate))
+    return rows, overlap
+
+
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -131,14 +153,26 @@ class CommitPlan:
         self.host = torch.tensor(table, dtype=torch.int64)
         self.split = triton.cdiv(max(job[_ROWS] for job in table), ROWS_PER_PROGRAM)
         self.jobs: torch.Tensor | None = None
+        self.staged = False  # the table is on the device before any capture (stage)
 
     @classmethod
     def build(cls, state: "SequenceState", delta: "ChunkDelta") -> "CommitPlan | None":
         """The plan of ``write_token(delta, pos)`` on ``state``; None if a write is not a copy of words."""
-        table = _jobs(state, delta)
+        return cls.of(_jobs(state, delta))
+
+    @classmethod
+    def of(cls, table: list[list[int] | None]) -> "CommitPlan | None":
+        """The plan of these jobs; None if there are none or one is not a copy of words."""
         if not table or any(job is None for job in table):
             return None
         return cls(table)
+
+    def stage(self, device: torch.device) -> None:
+        """Put the table on ``device`` now, for a plan whose tensors exist before a capture of its
+        launch (the static block commit: the verify graph's buffers)."""
+        self.jobs = torch.empty_like(self.host, device=device)
+        self.upload()
+        self.staged = True
 
     def same_jobs(self, other: "CommitPlan") -> bool:
         return torch.equal(self.host, other.host)
@@ -146,7 +180,7 @@ class CommitPlan:
     def launch(self, pos: torch.Tensor, reserved: torch.Tensor | None = None) -> None:
         """All the writes at device position ``pos`` (a one-element integer tensor). Under a CUDA graph
         capture the launch reads ``reserved`` (:func:`reserve_table`), filled by :meth:`upload` after."""
-        if _capturing(pos):
+        if _capturing(pos) and not self.staged:
             if reserved is None or reserved.shape != self.host.shape:
                 raise RuntimeError("commit kernel: capturing needs the table reserved before the capture "
                                    "(SequenceState.prepare_capture)")

@@ -50,6 +50,11 @@ class Switches:
     # groups of experts dequantised together (model/moe_grouped.py) instead of expert by expert.
     # Off until a GPU run checks and measures it (written without device time).
     dequant_kernel: bool = False
+    # A verify graph's accepted prefix is committed by device writes at the block's device positions,
+    # captured once per accepted count (VerifyGraph.commit -> SequenceState.write_block: two launches
+    # of the commit kernel per token), instead of commit_static's eager writes (~6 ms of host time per
+    # verify step on the 43-layer proxy). Off until a GPU run checks and measures it.
+    static_commit: bool = False
 
 
 SWITCHES = Switches()
