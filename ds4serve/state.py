@@ -190,30 +190,34 @@ class SequenceState:
             return
         for i in range(n):
             pos = positions[i:i + 1]
-            if plans is not None:
-                rows, overlap = plans[i]
-                rows.launch(pos)
-                if overlap is not None:
-                    overlap.launch(pos)
+            if plans is None:
+                self._write_block_row(delta, i, pos)
                 continue
-            slot = pos % self.window
-            per_rate: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-            for idx, ld in delta.layers.items():
-                ls = self.layers[idx]
-                ls.window.index_copy_(0, slot, ld.window_rows[i:i + 1])
-                for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
-                    if cd is None:
-                        continue
-                    if c.rate not in per_rate:
-                        per_rate[c.rate] = (pos % c.rate, pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
-                    row, entry, closing = per_rate[c.rate]
-                    c.buf_kv.index_copy_(0, row, cd.rows_kv[i:i + 1])
-                    c.buf_gate.index_copy_(0, row, cd.rows_gate[i:i + 1])
-                    c.entries.index_copy_(0, entry, cd.entries[i:i + 1])
-                    if c.overlap:
-                        half = c.ov_kv.shape[-1]
-                        torch.where(closing, c.buf_kv[:, :half], c.ov_kv, out=c.ov_kv)
-                        torch.where(closing, c.buf_gate[:, :half], c.ov_gate, out=c.ov_gate)
+            rows, overlap = plans[i]
+            rows.launch(pos)
+            if overlap is not None:
+                overlap.launch(pos)
+
+    def _write_block_row(self, delta: "ChunkDelta", i: int, pos: torch.Tensor) -> None:
+        """:meth:`write_block`'s writes of token ``i`` at device position ``pos`` through torch."""
+        slot = pos % self.window
+        per_rate: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for idx, ld in delta.layers.items():
+            ls = self.layers[idx]
+            ls.window.index_copy_(0, slot, ld.window_rows[i:i + 1])
+            for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
+                if cd is None:
+                    continue
+                if c.rate not in per_rate:
+                    per_rate[c.rate] = (pos % c.rate, pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
+                row, entry, closing = per_rate[c.rate]
+                c.buf_kv.index_copy_(0, row, cd.rows_kv[i:i + 1])
+                c.buf_gate.index_copy_(0, row, cd.rows_gate[i:i + 1])
+                c.entries.index_copy_(0, entry, cd.entries[i:i + 1])
+                if c.overlap:  # after the row: a closing token finds its whole window in the buffer
+                    half = c.ov_kv.shape[-1]
+                    torch.where(closing, c.buf_kv[:, :half], c.ov_kv, out=c.ov_kv)
+                    torch.where(closing, c.buf_gate[:, :half], c.ov_gate, out=c.ov_gate)
 
     def block_plans(self, delta: "ChunkDelta", n: int, positions: torch.Tensor
                     ) -> "list[tuple[CommitPlan, CommitPlan | None]] | None":

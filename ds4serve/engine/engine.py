@@ -342,7 +342,8 @@ class Engine:
     def verify_graph(self, model: object, state: SequenceState, width: int,
                      capture: tuple[int, ...]) -> VerifyGraph | SplitVerifyGraph | None:
         """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
-        prefix is committed with ``state.commit_static``."""
+        prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
+        (``SWITCHES.static_commit``)."""
         kinds = self._graph_kinds(model) if SWITCHES.speculative_graphs else None
         if kinds is None:
             return None
