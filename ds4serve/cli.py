@@ -8,9 +8,12 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import envs, profiler
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 Handler = Callable[[argparse.Namespace], int]
 ArgsFn = Callable[[argparse.ArgumentParser], Handler]
@@ -103,41 +106,57 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-@command("generate", "generate text from a prompt, streaming it to the terminal")
-def _generate_args(p: argparse.ArgumentParser) -> Handler:
-    p.add_argument("prompt")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """The options that choose and place the model (``generate`` and ``serve``; see :func:`load_engine`)."""
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny random model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--devices", default=None, help="split the layers over these devices, e.g. cuda:0,cuda:1")
     p.add_argument("--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: 2048 on CUDA, 512 "
+                   "elsewhere)")
+    p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
+    p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
+    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
+                   "(default on GPU: kept quantized and read in place by the kernels)")
+
+
+def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
+    """The engine :func:`engine_args` ask for, its checkpoint directory and its dtype (the profiler is
+    configured first, so that loading is recorded too)."""
+    from .engine import Engine
+
+    profiler.configure(enabled=True if a.gpu_profile else None)
+    model = Path(a.model) if a.model else default_model_dir()
+    devices = a.devices.split(",") if a.devices else None
+    first = devices[0] if devices else a.device
+    dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
+    engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, max_context=a.max_context,
+                                    chunk_size=a.chunk_size, devices=devices,
+                                    layer_split=_int_list("--layer-split", a.layer_split),
+                                    quantized=False if a.dequantize else None, eager=a.eager)
+    return engine, model, dtype
+
+
+@command("generate", "generate text from a prompt, streaming it to the terminal")
+def _generate_args(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("prompt")
+    engine_args(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: 2048 on CUDA, 512 "
-                   "elsewhere)")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
-    p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
-    p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
-    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
-                   "(default on GPU: kept quantized and read in place by the kernels)")
     p.add_argument("--speculative", default=None, help="speculative decoding draft: mtp, dspark or ngram "
                    "(NAME:K for at most K drafts per step)")
 
     def run(a: argparse.Namespace) -> int:
-        from .engine import Engine, SamplingParams
+        from .engine import SamplingParams
         from .tokenizer import Tokenizer
 
-        profiler.configure(enabled=True if a.gpu_profile else None)
-        model = Path(a.model) if a.model else default_model_dir()
-        devices = a.devices.split(",") if a.devices else None
-        first = devices[0] if devices else a.device
-        dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
-        engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, chunk_size=a.chunk_size,
-                                        devices=devices, layer_split=_int_list("--layer-split", a.layer_split),
-                                        quantized=False if a.dequantize else None, eager=a.eager)
+        engine, _, _ = load_engine(a)
         tok: Tokenizer = engine.tokenizer
         text = a.prompt if a.raw else f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>"
         prompt = tok.encode(text)

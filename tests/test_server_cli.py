@@ -9,6 +9,11 @@ import time
 
 import httpx
 import openai
+import pytest
+
+import ds4serve.server.cli  # noqa: F401 - registers the serve command with the parser
+from ds4serve.cli import build_parser, load_engine
+from ds4serve.parallel import SplitModel
 
 from .server_harness import free_port
 
@@ -43,3 +48,16 @@ def test_serve_builds_the_default_model_and_answers(tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "RANDOM weights" in out
+
+
+def test_serve_places_a_layer_split(tiny_dir):
+    """``serve`` takes the same model options as ``generate``: --devices / --layer-split give the server
+    a split engine; a malformed split is refused naming the flag."""
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--devices", "cpu,cpu",
+                                      "--layer-split", "2,4", "--max-context", "256"])
+    engine, model, dtype = load_engine(args)
+    assert isinstance(engine.model, SplitModel) and dtype == "float32" and model == tiny_dir
+    assert [len(s.layers) for s in engine.model.shards] == [2, 4] and engine.max_context == 256
+    bad = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--devices", "cpu,cpu", "--layer-split", "3,x"])
+    with pytest.raises(SystemExit, match="--layer-split: expected comma-separated integers"):
+        load_engine(bad)

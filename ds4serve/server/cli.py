@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
-from ..cli import Handler, command, default_model_dir
+from ..cli import Handler, command, engine_args, load_engine
 
 log = logging.getLogger("ds4serve.server")
 
 
 @command("serve", "serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs")
 def _serve_args(p: argparse.ArgumentParser) -> Handler:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny random model)")
+    engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    p.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--chunk-size", type=int, default=None,
-                   help="longest prefill chunk (default: 2048 on CUDA, 512 elsewhere)")
     p.add_argument("--speculative", default=None, help="draft for speculative decoding: mtp | dspark | ngram[:K]")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key) on every "
                                                    "route but /health")
@@ -31,24 +25,14 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--prefix-cache-mb", type=float, default=1024.0, help="memory for prefix snapshots (0: off)")
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
     p.add_argument("--prefix-cache-disk-mb", type=float, default=None, help="disk budget of --prefix-cache-dir")
-    p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
-    p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
-    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
-                   "(default on GPU: kept quantized and read in place by the kernels)")
 
     def run(a: argparse.Namespace) -> int:
         import uvicorn
 
-        from .. import profiler
-        from ..engine import Engine
         from ..engine.prefix_cache import PrefixCache, model_identity
         from .app import ServerConfig, create_app
 
-        profiler.configure(enabled=True if a.gpu_profile else None)
-        model = Path(a.model) if a.model else default_model_dir()
-        dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
-        engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, max_context=a.max_context,
-                                        chunk_size=a.chunk_size, quantized=False if a.dequantize else None, eager=a.eager)
+        engine, model, dtype = load_engine(a)
         cache = None
         if a.prefix_cache_mb > 0 or a.prefix_cache_dir:
             disk_mb = a.prefix_cache_disk_mb
