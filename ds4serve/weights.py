@@ -292,6 +292,16 @@ class Checkpoint:
     def names(self) -> Iterator[str]:
         return iter(self.sources)
 
+    def storage_format(self, name: str) -> str | None:
+        """``"fp8"`` or ``"fp4"`` (MXFP4 expert) for a tensor that a quantized load keeps quantized, None
+        for one it loads dense; from the file's header, without reading the tensor."""
+        dt = self.stored_dtype(name)
+        if dt == "F8_E4M3":
+            return "fp8"
+        if dt in ("I8", "U8") and _EXPERT_RE.match(name):
+            return "fp4"
+        return None
+
     def raw(self, name: str) -> torch.Tensor:
         """The stored tensor, as on disk (memory-mapped; FP8 / MXFP4 stay quantized)."""
         src = self.sources[name]

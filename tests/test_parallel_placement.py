@@ -8,7 +8,7 @@ import torch
 from ds4serve.config import ModelConfig
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import plan_split, ranges_from_split, shard_bytes
-from ds4serve.parallel.placement import layer_weight_bytes
+from ds4serve.parallel.placement import layer_weight_bytes, quantized_formats
 from ds4serve.weights import Checkpoint
 
 GiB = 2**30
@@ -25,6 +25,30 @@ def test_shard_bytes_equal_what_the_shard_holds(tiny_dir, layers):
     shard = DeepSeekV4.load(Checkpoint(tiny_dir), layers=layers, dtype=torch.bfloat16)
     state = shard.new_state(512)
     assert shard_bytes(shard.cfg, layers, torch.bfloat16, 512) == shard.nbytes() + state.nbytes()
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8+fp4"])
+@pytest.mark.parametrize("layers", [range(0, 2), range(2, 6)])
+def test_quantized_shard_bytes_equal_what_the_quantized_shard_holds(tiny_factory, quantize, layers):
+    """A quantized load keeps FP8 matrices (1 byte + a float32 scale per block) and MXFP4 experts
+    (half a byte + a byte per 32): the planner counts them so, to the byte."""
+    ckpt = Checkpoint(tiny_factory(quantize=quantize))
+    formats = quantized_formats(ckpt)
+    assert "fp8" in formats.values() and ("fp4" in formats.values()) == (quantize == "fp8+fp4")
+    shard = DeepSeekV4.load(ckpt, layers=layers, dtype=torch.bfloat16, quantized=True)
+    state = shard.new_state(512)
+    assert shard_bytes(shard.cfg, layers, torch.bfloat16, 512, formats) == shard.nbytes() + state.nbytes()
+    assert shard_bytes(shard.cfg, layers, torch.bfloat16, 512) > shard.nbytes() + state.nbytes()  # dense counts
+
+
+def test_a_quantized_load_fits_where_a_dense_one_would_not(tiny_factory):
+    ckpt = Checkpoint(tiny_factory(quantize="fp8+fp4"))
+    formats, everything = quantized_formats(ckpt), range(0, ckpt.cfg.num_layers)
+    free = [shard_bytes(ckpt.cfg, everything, torch.bfloat16, 64, formats)]
+    assert plan_split(ckpt.cfg, ["cpu"], torch.bfloat16, max_context=64, free_bytes=free, reserve=0,
+                      formats=formats) == [everything]
+    with pytest.raises(ValueError, match="devices: layers 0-5 need"):
+        plan_split(ckpt.cfg, ["cpu"], torch.bfloat16, max_context=64, free_bytes=free, reserve=0)
 
 
 def test_explicit_split_becomes_ranges():

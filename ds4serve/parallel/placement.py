@@ -8,7 +8,9 @@ room is left for sequence state and activations.
 
 Byte counts follow what :meth:`DeepSeekV4.load <ds4serve.model.DeepSeekV4.load>` keeps in memory:
 projection matrices in the model dtype, norms, mHC mixers, compressor position biases, attention
-sinks and router biases in float32, hash-routing tables as int64.
+sinks and router biases in float32, hash-routing tables as int64. A quantized load keeps the layers'
+FP8 matrices as one byte a weight plus a float32 scale per block, and MXFP4 experts as half a byte a
+weight plus a one-byte exponent per 32 (``formats``: :func:`quantized_formats` of the checkpoint).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
 from ..config import CSA, SLIDING, ModelConfig
-from ..weights import block_shapes, expected_shapes
+from ..quant import FP4_BLOCK
+from ..weights import Checkpoint, block_shapes, expected_shapes
 
 log = logging.getLogger("ds4serve.parallel")
 
@@ -28,11 +32,30 @@ HEAD_NAMES = ("head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_he
 DEFAULT_ACTIVATION_RESERVE = 2 * 1024**3  # per device: chunk activations, logits, allocator slack
 
 
-def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of one tensor as the model loads it (see the module doc for the dtype rules)."""
+Formats = Mapping[str, str]  # tensor name -> "fp8" | "fp4": kept quantized by the load
+FP8_BLOCK = (128, 128)  # FP8 scale block when the config names none
+
+
+def quantized_formats(ckpt: Checkpoint) -> dict[str, str]:
+    """The layer tensors that a quantized load of ``ckpt`` keeps quantized, and how."""
+    out = {}
+    for name in expected_shapes(ckpt.cfg):
+        if name.startswith("layers.") and (fmt := ckpt.storage_format(name)) is not None:
+            out[name] = fmt
+    return out
+
+
+def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str | None = None,
+                 fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
+    """Bytes of one tensor as the model loads it (see the module doc for the dtype rules); ``fmt`` is
+    its quantized format when the load keeps it quantized."""
     numel = 1
     for d in shape:
         numel *= d
+    if fmt == "fp8":
+        return numel + 4 * -(-shape[-2] // fp8_block[0]) * -(-shape[-1] // fp8_block[1])
+    if fmt == "fp4":
+        return numel // 2 + numel // FP4_BLOCK
     if name.endswith("tid2eid"):
         return numel * 8
     if len(shape) == 2 and name.endswith(".weight"):
@@ -40,9 +63,12 @@ def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return numel * 4
 
 
-def layer_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> list[int]:
+def layer_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, formats: Formats | None = None) -> list[int]:
     """Weight bytes of each decoder layer, in layer order (embedding and head excluded)."""
-    return [sum(tensor_bytes(n, s, dtype) for n, s in block_shapes(cfg, i).items()) for i in range(cfg.num_layers)]
+    formats = formats or {}
+    block = cfg.quant.fp8_block or FP8_BLOCK
+    return [sum(tensor_bytes(n, s, dtype, formats.get(f"layers.{i}.{n}"), block)
+                for n, s in block_shapes(cfg, i).items()) for i in range(cfg.num_layers)]
 
 
 def embed_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -72,9 +98,9 @@ def layer_state_bytes(cfg: ModelConfig, layer: int, max_context: int, dtype: tor
     return total
 
 
-def shard_weight_bytes(cfg: ModelConfig, layers: range, dtype: torch.dtype) -> int:
+def shard_weight_bytes(cfg: ModelConfig, layers: range, dtype: torch.dtype, formats: Formats | None = None) -> int:
     """Weights of a layer range, with the embedding and the head where the range holds them."""
-    per_layer = layer_weight_bytes(cfg, dtype)
+    per_layer = layer_weight_bytes(cfg, dtype, formats)
     total = sum(per_layer[i] for i in layers)
     if layers.start == 0:
         total += embed_bytes(cfg, dtype)
@@ -87,9 +113,10 @@ def shard_state_bytes(cfg: ModelConfig, layers: range, max_context: int, dtype: 
     return sum(layer_state_bytes(cfg, i, max_context, dtype) for i in layers)
 
 
-def shard_bytes(cfg: ModelConfig, layers: range, dtype: torch.dtype, max_context: int = 0) -> int:
+def shard_bytes(cfg: ModelConfig, layers: range, dtype: torch.dtype, max_context: int = 0,
+                formats: Formats | None = None) -> int:
     """Weights plus the sequence state of ``max_context`` tokens of a layer range."""
-    return shard_weight_bytes(cfg, layers, dtype) + shard_state_bytes(cfg, layers, max_context, dtype)
+    return shard_weight_bytes(cfg, layers, dtype, formats) + shard_state_bytes(cfg, layers, max_context, dtype)
 
 
 def ranges_from_split(layer_split: list[int], num_layers: int, n_devices: int) -> list[range]:
@@ -126,12 +153,13 @@ def free_memory(devices: list[torch.device]) -> list[int]:
 
 def plan_split(cfg: ModelConfig, devices: list[torch.device | str], dtype: torch.dtype, *, max_context: int,
                layer_split: list[int] | None = None, free_bytes: list[int] | None = None,
-               reserve: int | None = None) -> list[range]:
+               reserve: int | None = None, formats: Formats | None = None) -> list[range]:
     """The layer range of each device, explicit (``layer_split``) or balanced by free memory.
 
     The automatic split cuts the layers so that each device's share of the bytes (weights and
     ``max_context`` tokens of state) follows its capacity: free memory minus ``reserve`` (default:
-    2 GiB, or a tenth of the free memory when that is less). Every
+    2 GiB, or a tenth of the free memory when that is less); ``formats`` counts the tensors a
+    quantized load keeps quantized at their quantized size. Every
     shard is checked against its device's capacity either way; a split that cannot fit is an error
     naming the device and the bytes it would need.
     """
@@ -151,9 +179,9 @@ def plan_split(cfg: ModelConfig, devices: list[torch.device | str], dtype: torch
     reserves = [reserve if reserve is not None else min(DEFAULT_ACTIVATION_RESERVE, f // 10) for f in free]
     capacity = [max(f - r, 0) for f, r in zip(free, reserves)]
     if layer_split is None:
-        ranges = _balanced(cfg, dtype, max_context, capacity)
+        ranges = _balanced(cfg, dtype, max_context, capacity, formats)
     for dev, r, cap, res in zip(devs, ranges, capacity, reserves):
-        need = shard_bytes(cfg, r, dtype, max_context)
+        need = shard_bytes(cfg, r, dtype, max_context, formats)
         if need > cap:
             raise ValueError(f"devices: layers {r.start}-{r.stop - 1} need {_size(need)} on {dev} but "
                              f"only {_size(cap)} is free after a {_size(res)} reserve; "
@@ -161,13 +189,14 @@ def plan_split(cfg: ModelConfig, devices: list[torch.device | str], dtype: torch
     return ranges
 
 
-def _balanced(cfg: ModelConfig, dtype: torch.dtype, max_context: int, capacity: list[int]) -> list[range]:
+def _balanced(cfg: ModelConfig, dtype: torch.dtype, max_context: int, capacity: list[int],
+              formats: Formats | None) -> list[range]:
     """Cut points nearest to each device's capacity-proportional share of the total bytes."""
     n, k = cfg.num_layers, len(capacity)
     if sum(capacity) == 0:
         raise ValueError("devices: no free memory left on any device after the activation reserve")
     per_layer = [w + layer_state_bytes(cfg, i, max_context, dtype)
-                 for i, w in enumerate(layer_weight_bytes(cfg, dtype))]
+                 for i, w in enumerate(layer_weight_bytes(cfg, dtype, formats))]
     per_layer[0] += embed_bytes(cfg, dtype)
     per_layer[-1] += head_bytes(cfg, dtype)
     total = sum(per_layer)
@@ -186,12 +215,12 @@ def _balanced(cfg: ModelConfig, dtype: torch.dtype, max_context: int, capacity: 
 
 
 def describe(cfg: ModelConfig, devices: list[torch.device | str], ranges: list[range], dtype: torch.dtype,
-             max_context: int) -> str:
+             max_context: int, formats: Formats | None = None) -> str:
     """One line per shard: device, layers and bytes; logged when a split is chosen."""
     lines = []
     for dev, r in zip(devices, ranges):
         lines.append(f"{dev}: layers {r.start}-{r.stop - 1} ({len(r)}), "
-                     f"{_size(shard_bytes(cfg, r, dtype, max_context))} weights + state")
+                     f"{_size(shard_bytes(cfg, r, dtype, max_context, formats))} weights + state")
     return "; ".join(lines)
 
 

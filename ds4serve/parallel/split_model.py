@@ -20,7 +20,7 @@ from ..model.deepseek4 import ForwardResult
 from ..devices import on_device
 from ..state import ChunkDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint
-from .placement import describe, plan_split
+from .placement import describe, plan_split, quantized_formats
 
 log = logging.getLogger("ds4serve.parallel")
 
@@ -102,7 +102,8 @@ def split_loader(path: str | Path, devices: list[str | torch.device], dtype: tor
     memory is free at that moment.
     """
     cfg = ModelConfig.from_dir(path)
-    ranges = plan_split(cfg, devices, dtype, max_context=max_context or cfg.max_position_embeddings,
-                        layer_split=layer_split)
-    log.info("layer split: %s", describe(cfg, devices, ranges, dtype, max_context or cfg.max_position_embeddings))
+    context = max_context or cfg.max_position_embeddings
+    formats = quantized_formats(Checkpoint(path)) if quantized else None
+    ranges = plan_split(cfg, devices, dtype, max_context=context, layer_split=layer_split, formats=formats)
+    log.info("layer split: %s", describe(cfg, devices, ranges, dtype, context, formats))
     return lambda: SplitModel.load(Checkpoint(path), ranges, devices, dtype, quantized=quantized)

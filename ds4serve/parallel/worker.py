@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
 from ..model import DeepSeekV4
 from ..weights import Checkpoint
 from .pipeline import Groups, PipelineError, PipelineModel, serve_shard, shard_handshake
-from .placement import describe, free_memory, plan_split
+from .placement import describe, free_memory, plan_split, quantized_formats
 
 log = logging.getLogger("ds4serve.parallel")
 
@@ -38,27 +37,31 @@ def rank_device(kind: str, rank: int) -> torch.device:
 
 def init_pipeline(path: str | Path, *, device_kind: str = "cpu", dtype: torch.dtype = torch.float32,
                   layer_split: list[int] | None = None, max_context: int | None = None,
-                  timeout: datetime.timedelta = datetime.timedelta(seconds=300)
+                  timeout: datetime.timedelta = datetime.timedelta(seconds=300), quantized: bool | None = None
                   ) -> tuple[DeepSeekV4, Groups, list[tuple[int, int, int]]]:
-    """Join the process group (``env://`` unless already joined), place and load this rank's layers."""
+    """Join the process group (``env://`` unless already joined), place and load this rank's layers
+    (``quantized``: FP8 / MXFP4 kept quantized, by default on CUDA, as the engine loads them)."""
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", timeout=timeout)
     groups = Groups.create(timeout)
     device = rank_device(device_kind, groups.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg = ModelConfig.from_dir(path)
+    ckpt = Checkpoint(path)
+    cfg = ckpt.cfg
     context = max_context or cfg.max_position_embeddings
+    quantized = device.type == "cuda" if quantized is None else quantized
+    formats = quantized_formats(ckpt) if quantized else None
     free: list[int] = [0] * groups.world
     dist.all_gather_object(free, free_memory([device])[0], group=groups.objects)
     devices = [f"rank {r}" for r in range(groups.world)]
     if groups.world > cfg.num_layers:
         raise ValueError(f"--nproc-per-node: {groups.world} ranks but the model has only {cfg.num_layers} layers")
     ranges = plan_split(cfg, [device] * groups.world, dtype, max_context=context, layer_split=layer_split,
-                        free_bytes=free)
+                        free_bytes=free, formats=formats)
     if groups.rank == 0:
-        log.info("pipeline layer split: %s", describe(cfg, devices, ranges, dtype, context))
-    shard = DeepSeekV4.load(Checkpoint(path), layers=ranges[groups.rank], dtype=dtype, device=device)
+        log.info("pipeline layer split: %s", describe(cfg, devices, ranges, dtype, context, formats))
+    shard = DeepSeekV4.load(ckpt, layers=ranges[groups.rank], dtype=dtype, device=device, quantized=quantized)
     return shard, groups, shard_handshake(shard, groups)
 
 
@@ -73,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-ids", default=None, help="rank 0: comma-separated token ids to generate from")
     p.add_argument("--prompt", default=None, help="rank 0: raw text to generate from")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
+                   "(default on GPU: kept quantized and read in place by the kernels)")
     return p.parse_args(argv)
 
 
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
     shard, groups, table = init_pipeline(a.model, device_kind=a.device, dtype=dtype, layer_split=split,
                                          max_context=a.max_context,
-                                         timeout=datetime.timedelta(seconds=a.timeout_s))
+                                         timeout=datetime.timedelta(seconds=a.timeout_s),
+                                         quantized=False if a.dequantize else None)
     try:
         if groups.rank != 0:
             serve_shard(shard, groups, table)
