@@ -24,9 +24,9 @@ reports what it did):
 * per context (512, 8192): the prompt prefilled in ``--chunk`` (2048) token chunks, each chunk
   timed; then eager batch-1 decode (forward, commit, greedy token to the host: median ms/token),
   its GB/s and fraction of the sum of both GPUs' measured copy bandwidth, the boundary's share of a
-  step, and the same tokens again after restoring a snapshot (determinism); for the split, decode
-  again through its CUDA graphs (:class:`~ds4serve.engine.cuda_graphs.SplitDecodeGraph`, one per
-  shard; the pipeline decodes eagerly). The prefill figure
+  step, and the same tokens again after restoring a snapshot (determinism); then decode again through
+  CUDA graphs, one per shard (:class:`~ds4serve.engine.cuda_graphs.SplitDecodeGraph`) or one per rank
+  (:class:`~ds4serve.parallel.pipeline.PipelineDecodeGraph`). The prefill figure
   (``prefill``) is the longest context's prompt: tokens/s over all its chunks, and over the chunks
   after the first (the first chunk of a new length may include Triton compiles);
 * speculative decoding through the engine (greedy, ``ignore_eos``) with
@@ -226,7 +226,7 @@ def decode_context(model, ctx: int, args: argparse.Namespace, devices: list[torc
     state.restore(snap)
     _, again = decode_ms(eager_step(model), state, args.steps, ids[-1])
     GBps = section["bytes_per_token_GB"] / ms * 1e3
-    row = graph_decode(model, state, snap, ids[-1], args.steps, section) if isinstance(model, SplitModel) else {}
+    row = graph_decode(model, state, snap, ids[-1], args.steps, section)
     row |= {"prefill_chunk_ms": chunk_ms, "prefill_tokens_per_s": ctx / sum(chunk_ms) * 1e3,
            "eager_decode_ms": ms, "tokens_per_s": 1e3 / ms, "GBps": GBps,
            "fraction_of_two_gpus_copy": GBps / sum(section["copy_GBps"]),
@@ -238,13 +238,18 @@ def decode_context(model, ctx: int, args: argparse.Namespace, devices: list[torc
     return row
 
 
-def graph_decode(model: SplitModel, state, snap, token: int, steps: int, section: dict) -> dict:
-    """Decode from ``snap`` again through the split's decode graphs (one per shard; uncaptured on CPU)."""
+def graph_decode(model, state, snap, token: int, steps: int, section: dict) -> dict:
+    """Decode from ``snap`` again through the placement's decode graphs (one per shard or per rank;
+    uncaptured on CPU)."""
     state.restore(snap)
-    graph = SplitDecodeGraph(model, state, graph=model.devices[0].type == "cuda")
+    on_gpu = model.device.type == "cuda"
+    if isinstance(model, SplitModel):
+        graph = SplitDecodeGraph(model, state, graph=on_gpu)
+    else:
+        graph = model.decode_graph(state, graph=on_gpu)
     ms, tokens = decode_ms(lambda t, _: graph.step(t)[0], state, steps, token)
     GBps = section["bytes_per_token_GB"] / ms * 1e3
-    log(f"split: graph decode {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s, "
+    log(f"{section['placement']}: graph decode {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s, "
         f"{100 * GBps / sum(section['copy_GBps']):.1f}% of the two GPUs' copy)")
     return {"graph_decode_ms": ms, "graph_tokens_per_s": 1e3 / ms, "graph_GBps": GBps,
             "graph_fraction_of_two_gpus_copy": GBps / sum(section["copy_GBps"]), "graph_tokens": tokens}

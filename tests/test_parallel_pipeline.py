@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ds4serve import SamplingParams
+from ds4serve.engine.cuda_graphs import DecodeGraph
 from tests.helpers import random_prompt
 
 SPLIT = [2, 4]
@@ -92,7 +93,20 @@ def _exact(engine) -> dict:
     tail = model.forward(PROMPT[35:38], state, logit_rows=slice(None))
     out["verify"], out["tail"], out["tail_hidden"] = verify.logits, tail.logits, tail.hidden
     out["nbytes"] = model.nbytes()
+    state = model.new_state(64)
+    out["graph_steps"] = _graph_steps(engine, state, model.decode_graph(state, graph=False))
     return out
+
+
+def _graph_steps(engine, state, graph) -> torch.Tensor:
+    """Logits of 8 greedy decode steps through ``graph`` (uncaptured on CPU) after a 30-token prefill."""
+    logits = engine.prefill(state, PROMPT[:30])
+    steps = []
+    for _ in range(8):
+        logits = graph.step(int(logits.argmax()))[0].clone()
+        steps.append(logits)
+    assert state.pos == 38
+    return torch.stack(steps)
 
 
 def _after_peer_loss(engine) -> dict:
@@ -139,6 +153,8 @@ def reference(tiny_dir, engine) -> dict:
     tail = engine.model.forward(PROMPT[35:38], state, logit_rows=slice(None))
     out["verify"], out["tail"], out["tail_hidden"] = verify.logits, tail.logits, tail.hidden
     out["nbytes"] = engine.model.nbytes()
+    state = engine.new_sequence(64)
+    out["graph_steps"] = _graph_steps(engine, state, DecodeGraph(engine.model, state, graph=False))
     return out
 
 
@@ -148,7 +164,7 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     go.set()
     assert _stop(procs) == [0, 0]  # rank 0 closed the pipeline and the worker returned cleanly
     got = torch.load(out)
-    for key in ("score", "verify", "tail", "tail_hidden"):
+    for key in ("score", "verify", "tail", "tail_hidden", "graph_steps"):  # graph_steps: one graph per rank
         assert torch.equal(got[key], reference[key]), key
     assert got["generate"] == reference["generate"]
     assert got["restored"] == reference["restored"] and got["restored_cached"] == reference["restored_cached"]

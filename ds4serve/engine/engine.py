@@ -25,6 +25,7 @@ from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
+from ..parallel.pipeline import PipelineDecodeGraph, PipelineModel
 from ..parallel.split_model import SplitModel
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
@@ -93,7 +94,7 @@ class Engine:
         self._lock = threading.RLock()
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
-        self._graph: DecodeGraph | SplitDecodeGraph | None = None
+        self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
         # (width, capture) -> the verify graph over self._state
         self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph] = {}
 
@@ -314,9 +315,10 @@ class Engine:
                 state.last_logits = graph.step(token)[0].clone()
         return state.last_logits
 
-    def _decode_graph(self, model: object, state: SequenceState) -> DecodeGraph | SplitDecodeGraph | None:
+    def _decode_graph(self, model: object, state: SequenceState
+                      ) -> DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None:
         """The decode step captured for ``state`` (None: eager, or not on CUDA): one graph for a whole
-        model, one per shard for a layer split in this process."""
+        model, one per shard for a layer split in this process, one per rank for a pipeline."""
         kinds = self._graph_kinds(model)
         if kinds is None:
             return None
@@ -325,12 +327,16 @@ class Engine:
             self._graph = kinds[0](model, state)
         return self._graph
 
-    def _graph_kinds(self, model: object) -> tuple[type, type] | None:
-        """The decode and verify graph classes for ``model``, or None where steps run eagerly."""
+    def _graph_kinds(self, model: object) -> tuple[Callable, Callable | None] | None:
+        """What builds the decode and the verify graphs of ``model`` (None: that step runs eagerly)."""
+        if self.eager:
+            return None
         if self._graphs_apply(model):
             return DecodeGraph, VerifyGraph
-        if not self.eager and isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
+        if isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
             return SplitDecodeGraph, SplitVerifyGraph
+        if isinstance(model, PipelineModel) and model.device.type == "cuda":
+            return PipelineModel.decode_graph, None  # verify steps of a pipeline run eagerly
         return None
 
     def _graphs_apply(self, model: object) -> bool:
@@ -345,7 +351,7 @@ class Engine:
         prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
         (``SWITCHES.static_commit``)."""
         kinds = self._graph_kinds(model) if SWITCHES.speculative_graphs else None
-        if kinds is None:
+        if kinds is None or kinds[1] is None:
             return None
         key = (width, tuple(capture))
         graph = self._verify_graphs.get(key)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import profiler
 from ..config import ModelConfig
+from ..engine.cuda_graphs import DecodeGraph
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
@@ -212,6 +213,11 @@ class PipelineModel:
         delta = PipelineDelta(start=local.delta.start, tokens=local.delta.tokens, layers=local.delta.layers, seq=seq)
         return ForwardResult(hidden=final, delta=delta, logits=logits, captured=captured)
 
+    def decode_graph(self, state: "PipelineState", graph: bool | None = None) -> "PipelineDecodeGraph":
+        """Plain decoding of ``state`` as one CUDA graph per rank (default: on CUDA; ``graph=False``
+        runs the same static steps uncaptured, for CPU tests)."""
+        return PipelineDecodeGraph(self, state, self.device.type == "cuda" if graph is None else graph)
+
     def tensors(self) -> list[torch.Tensor]:
         return self.shard.tensors()
 
@@ -291,6 +297,36 @@ class PipelineState(SequenceState):
         return state
 
 
+class PipelineDecodeGraph:
+    """Plain decoding over the pipeline: every rank captures the decode step of its layers
+    (:class:`~ds4serve.engine.cuda_graphs.DecodeGraph`, its commit included) once, and each step is
+    one ``step`` operation: rank 0 replays its graph and sends the streams on, each rank receives them
+    into its graph's input buffer and replays, and the last rank returns the final streams and the
+    logits. Same interface as :class:`~ds4serve.engine.cuda_graphs.DecodeGraph`."""
+
+    def __init__(self, model: PipelineModel, state: "PipelineState", graph: bool):
+        self.model, self.state = model, state
+        model._op("graph", state.sid, graph)
+        self.local = DecodeGraph(model.shard, state, graph=graph)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Run ``token`` at ``state.pos`` on every rank and commit it; returns its logits ``[1, V]``."""
+        state, model = self.state, self.model
+        if state.pos + 1 > state.max_context:
+            raise ValueError(f"decode at position {state.pos} exceeds the state's {state.max_context}")
+        model._op("step", state.sid, token, state.pos)
+        logits = model._guarded(self._step, token, state.pos)
+        state.advance(token)
+        return logits
+
+    def _step(self, token: int, pos: int) -> torch.Tensor:
+        link, last = self.model.link, self.model.groups.world - 1
+        link.send(self.local.replay(token, pos).hidden, 1, "hidden streams")
+        link.recv(link.streams(1), last, "final streams")
+        buf = torch.empty(1, self.model.cfg.vocab_size, dtype=torch.float32, device=self.model.device)
+        return link.recv(buf, last, "logits")
+
+
 def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, int]]) -> None:
     """A worker rank's loop: apply rank 0's operations until it says stop.
 
@@ -300,6 +336,7 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
     rank, last = groups.rank, groups.world - 1
     states: dict[int, SequenceState] = {}
     pending: dict[int, dict[int, ChunkDelta]] = {}
+    graphs: dict[int, DecodeGraph] = {}  # sid -> the decode step of this rank's layers
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -309,6 +346,7 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
             for sid in freed:
                 states.pop(sid, None)
                 pending.pop(sid, None)
+                graphs.pop(sid, None)
             kind, args = op[0], op[1:]
             if kind == "stop":
                 return
@@ -330,6 +368,21 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                     link.send(out.hidden, 0, "final streams")
                     if out.logits is not None:
                         link.send(out.logits, 0, "logits")
+                else:
+                    link.send(out.hidden, rank + 1, "hidden streams")
+            elif kind == "graph":
+                sid, graph = args
+                graphs[sid] = DecodeGraph(shard, states[sid], hidden=torch.zeros_like(link.streams(1)), graph=graph)
+            elif kind == "step":
+                sid, token, pos = args
+                step = graphs[sid]
+                link.recv(step.hidden, rank - 1, "hidden streams")
+                out = step.replay(token, pos)
+                states[sid].advance(token)
+                pending[sid] = {}
+                if rank == last:
+                    link.send(out.hidden, 0, "final streams")
+                    link.send(out.logits, 0, "logits")
                 else:
                     link.send(out.hidden, rank + 1, "hidden streams")
             elif kind == "commit":
