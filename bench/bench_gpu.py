@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from proxy import build_proxy, bytes_per_token, flash_config  # noqa: E402
+from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
@@ -156,7 +156,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
         if variant in args.prefill_variants:
-            active = out["bytes_per_token_GB"] * 1e9 / (2 if variant == "bf16" else 1)  # ~parameters per token
+            active = params_per_token(model)
             state = model.new_state(max(args.chunks) + 16)
             arms = [("", {})]  # the defaults, then the defaults with --prefill-switches on
             if args.prefill_switches:

@@ -143,22 +143,28 @@ def bytes_per_token(model: DeepSeekV4) -> int:
     """Weight bytes a batch-1 decode step reads: everything but the embedding table and hash tables,
     and only ``top_k`` of the routed experts in each layer. For a shard of a split model, the head
     and the one embedding row count only where the shard holds them (the shards' figures add up)."""
+    return _per_token(model, lambda ts: sum(t.numel() * t.element_size() for t in ts))
+
+
+def params_per_token(model: DeepSeekV4) -> int:
+    """The weights :func:`bytes_per_token` reads, counted as parameters (an MXFP4 byte holds two; scale
+    tensors count too, as they are read): the matmul work per token, whatever the storage."""
+    return _per_token(model, lambda ts: sum(t.numel() * (2 if t.dtype == torch.int8 else 1) for t in ts))
+
+
+def _per_token(model: DeepSeekV4, size) -> int:
     from ds4serve.model.deepseek4 import _tensors_of
 
     cfg = model.cfg
     total = 0
     if model.head is not None:
-        total += _nbytes(_tensors_of(model.head))
+        total += size(_tensors_of(model.head))
     if model.embed is not None:
-        total += cfg.hidden_size * model.embed.element_size()
+        total += size([model.embed[0]])
     for b in model.blocks.values():
         m = b.moe
-        routed = _nbytes(_tensors_of(m.w1) + _tensors_of(m.w3) + _tensors_of(m.w2))
+        routed = size(_tensors_of(m.w1) + _tensors_of(m.w3) + _tensors_of(m.w2))
         rest = dataclasses.replace(m, w1=None, w3=None, w2=None, tid2eid=None)
-        total += routed * cfg.top_k // cfg.n_routed_experts + _nbytes(_tensors_of(rest))
-        total += _nbytes(_tensors_of(dataclasses.replace(b, moe=None)))
+        total += routed * cfg.top_k // cfg.n_routed_experts + size(_tensors_of(rest))
+        total += size(_tensors_of(dataclasses.replace(b, moe=None)))
     return total
-
-
-def _nbytes(ts: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
