@@ -292,7 +292,7 @@ def check_split_graphs(root: Path) -> None:
     record(f"split decode graphs (cuda:0 + {last}) == whole-model graph, greedy (fp32)",
            res.error is None and res.tokens == plain.tokens and kind == "SplitDecodeGraph",
            matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graph=kind, error=res.error_message)
-    with using(speculative_graphs=True):
+    with using(speculative_graphs=True, split_verify_graphs=True):
         _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, ")
         with using(static_commit=True):
             _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 3),

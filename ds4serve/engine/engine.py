@@ -334,8 +334,8 @@ class Engine:
         if self._graphs_apply(model):
             return DecodeGraph, VerifyGraph
         if isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
-            return SplitDecodeGraph, SplitVerifyGraph
-        if isinstance(model, PipelineModel) and model.device.type == "cuda":
+            return SplitDecodeGraph, SplitVerifyGraph if SWITCHES.split_verify_graphs else None
+        if isinstance(model, PipelineModel) and model.device.type == "cuda" and SWITCHES.pipeline_graphs:
             return PipelineModel.decode_graph, None  # verify steps of a pipeline run eagerly
         return None
 

@@ -55,6 +55,12 @@ class Switches:
     # of the commit kernel per token), instead of commit_static's eager writes (~6 ms of host time per
     # verify step on the 43-layer proxy). Off until a GPU run checks and measures it.
     static_commit: bool = False
+    # Speculative verify steps of a layer split in one process run as one CUDA graph per shard
+    # (engine/cuda_graphs.py SplitVerifyGraph), and plain decoding over a multi-process pipeline as one
+    # per rank (parallel/pipeline.py PipelineDecodeGraph); otherwise those steps are eager. Off until a
+    # GPU run checks them (CPU tests only; the split's decode graphs, on by default, ran on two H200s).
+    split_verify_graphs: bool = False
+    pipeline_graphs: bool = False
 
 
 SWITCHES = Switches()
