@@ -33,7 +33,7 @@ from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
-from ds4serve.kernels.switches import NAMES, using  # noqa: E402
+from ds4serve.kernels.switches import parse, using  # noqa: E402
 
 NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
 
@@ -191,17 +191,6 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     return out
 
 
-def arm_switches(arm: str) -> dict[str, bool]:
-    """``base`` = every switch off (the previous round), ``all`` = every switch on, else one name
-    or several joined by ``+``."""
-    if arm == "base":
-        return {n: False for n in NAMES}
-    if arm == "all":
-        return {n: True for n in NAMES}
-    on = set(arm.split("+"))
-    return {n: n in on for n in NAMES}
-
-
 def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: dict) -> dict:
     """Graph decode for each A/B arm of switches over the same prefilled state."""
     rows: dict = {}
@@ -210,7 +199,7 @@ def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: d
             continue
         t0 = time.perf_counter()
         try:
-            with using(**arm_switches(arm)):
+            with using(**parse(arm)):
                 graph = DecodeGraph(model, state)
                 compile_s = time.perf_counter() - t0
                 ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
@@ -299,8 +288,8 @@ def main() -> None:
     args.arms = [a for a in args.arms.split(",") if a]
     args.verify_widths = [int(w) for w in args.verify_widths.split(",") if w]
     args.save_partial = None
-    args.contexts = [int(c) for c in args.contexts.split(",")]
-    args.chunks = [int(c) for c in args.chunks.split(",")]
+    args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    args.chunks = [int(c) for c in args.chunks.split(",") if c]
     args.prefill_variants = args.prefill_variants.split(",")
     results: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

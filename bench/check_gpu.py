@@ -36,7 +36,7 @@ from ds4serve.engine.drafts import OracleProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_ref
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
-from ds4serve.kernels.switches import NAMES, SWITCHES, using
+from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
@@ -341,13 +341,11 @@ def _differing_rows(a, b) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--switches", default=None,
-                   help="kernels.switches to turn on (all, none, or names joined by +); default: their defaults")
+    p.add_argument("--switches", default="defaults",
+                   help="kernels.switches: base, all, defaults, NAME+NAME, or defaults+NAME (switches.parse)")
     args = p.parse_args()
-    if args.switches is not None:
-        on = set(NAMES) if args.switches == "all" else {n for n in args.switches.split("+") if n != "none"}
-        for name in NAMES:
-            setattr(SWITCHES, name, name in on)
+    for name, value in parse(args.switches).items():
+        setattr(SWITCHES, name, value)
     print(f"switches: {SWITCHES}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp)),

@@ -69,7 +69,7 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
 from ds4serve.engine.drafts import OracleProposer
-from ds4serve.kernels.switches import NAMES, SWITCHES
+from ds4serve.kernels.switches import NAMES, SWITCHES, parse as parse_switches
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
 from ds4serve.parallel.split_model import SplitModel, handoff
@@ -444,9 +444,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pipeline-rank", action="store_true", help=argparse.SUPPRESS)  # set by launch_pipeline
     args = p.parse_args(argv)
     args.argv = argv
-    unknown = set(filter(None, args.switches.split("+"))) - set(NAMES)
-    if unknown:
-        raise SystemExit(f"--switches: unknown {sorted(unknown)}; expected names of {list(NAMES)}")
+    try:
+        args.switches = parse_switches("defaults+" + args.switches)
+    except ValueError as exc:
+        raise SystemExit(f"--switches: {exc}") from exc
     args.split = args.split or -(-args.layers // 2)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
     args.spec_widths = [int(w) for w in args.spec_widths.split(",") if w]
@@ -460,8 +461,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    for name in filter(None, args.switches.split("+")):
-        setattr(SWITCHES, name, True)
+    for name, value in args.switches.items():
+        setattr(SWITCHES, name, value)
     cfg = model_config(args)
     if args.pipeline_rank:
         pipeline_rank(args, cfg)

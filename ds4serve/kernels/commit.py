@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 if TYPE_CHECKING:
     from ..state import ChunkDelta, SequenceState
 
@@ -39,7 +41,9 @@ JOB_FIELDS = len(_NOTHING)
 
 
 @triton.jit
-def _commit_kernel(jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _commit_kernel(jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.start(PDL)
     job = jobs_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     pos = tl.load(pos_ptr).to(tl.int64)
     rate, rows = tl.load(job + 8), tl.load(job + 3)
@@ -61,7 +65,7 @@ def _commit_kernel(jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, 
 
 def _launch(jobs: torch.Tensor, pos: torch.Tensor, split: int) -> None:
     _commit_kernel[(jobs.shape[0], split)](jobs, pos, FIELDS=JOB_FIELDS, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK,
-                                           num_warps=4)
+                                           num_warps=4, **pdl.launch(pos))
 
 
 def warm(pos: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 BLOCK_H = 16  # heads per program: tl.dot needs at least 16 rows
 
 
@@ -62,7 +64,8 @@ def _tile(q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: t
 @triton.jit(do_not_specialize=["n0", "n1", "chunks0", "chunk", "sa0", "sa1"])
 def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_ptr, H, n0, n1, chunks0, chunk,
                     scale, sa0, sa1, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr):
+                    D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     head_blocks = tl.cdiv(H, BLOCK_H)
     s = tl.program_id(0) // head_blocks
     heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -97,7 +100,8 @@ def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_p
 
 @triton.jit
 def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, out_ptr, H, chunks, D: tl.constexpr, C_P: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0)  # s * H + h
     dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     c = tl.arange(0, C_P)
@@ -137,12 +141,12 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
     _partial_kernel[(head_programs, chunks)](
         q.contiguous(), k0, a0, k1, a1, stats[0], stats[1], partial, H, n0, n1, chunks0, chunk, scale,
         _row_stride(a0), _row_stride(a1), BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, D=D, D_P=D_P, WIDEN=not q.is_cuda,
-        num_warps=cfg.warps)
+        num_warps=cfg.warps, **pdl.launch(q))
     out = torch.empty(S, H, D, device=q.device, dtype=q.dtype)
     C_P = triton.next_power_of_2(chunks)
     block_d = max(1, min(D_P, cfg.combine_tile // C_P))
     _combine_kernel[(S * H, triton.cdiv(D, block_d))](stats[0], stats[1], partial, sinks, out, H, chunks, D=D,
-                                                       C_P=C_P, BLOCK_D=block_d, num_warps=4)
+                                                       C_P=C_P, BLOCK_D=block_d, num_warps=4, **pdl.launch(q))
     return out
 
 

@@ -14,11 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 BLOCK_D = 1024
 
 
 @triton.jit
-def _merge_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+def _merge_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.start(PDL)
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
@@ -35,7 +39,8 @@ def _merge_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr
 
 
 @triton.jit
-def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
@@ -53,7 +58,7 @@ def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
     y = torch.empty_like(X)
     block = min(BLOCK_D, triton.next_power_of_2(D))
     _merge_kernel[(S, triton.cdiv(D, block))](X, out, post.float().contiguous(), comb.float().contiguous(), y, D,
-                                               HC=hc, BLOCK=block, num_warps=4)
+                                               HC=hc, BLOCK=block, num_warps=4, **pdl.launch(X))
     return y
 
 
@@ -64,5 +69,5 @@ def hc_collapse(pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     y = torch.empty(S, D, device=X.device, dtype=X.dtype)
     block = min(BLOCK_D, triton.next_power_of_2(D))
     _collapse_kernel[(S, triton.cdiv(D, block))](X, pre.float().contiguous(), y, D, HC=hc, BLOCK=block,
-                                                  num_warps=4)
+                                                  num_warps=4, **pdl.launch(X))
     return y

@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _hc_coeff_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
-                     HC: tl.constexpr):
+                     HC: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     t = tl.program_id(0)
     n_mix: tl.constexpr = (2 + HC) * HC
     j = tl.arange(0, HC)
@@ -45,5 +48,6 @@ def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
     pre = torch.empty(S, hc, device=mixes.device, dtype=torch.float32)
     post = torch.empty_like(pre)
     comb = torch.empty(S, hc, hc, device=mixes.device, dtype=torch.float32)
-    _hc_coeff_kernel[(S,)](mixes, base, scale, pre, post, comb, iters, eps, HC=hc, num_warps=1)
+    _hc_coeff_kernel[(S,)](mixes, base, scale, pre, post, comb, iters, eps, HC=hc, num_warps=1,
+                           **pdl.launch(mixes))
     return pre, post, comb

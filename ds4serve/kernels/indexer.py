@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 _NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # the key of -inf: below every finite score
 
 
@@ -59,7 +61,8 @@ def default_scores_config(rows: int) -> ScoresConfig:
 def _scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, S, T, IH, D, qk_scale, w_scale,
                    sq_s, sq_h, sq_d, sk_t, sk_d, sw_s, sw_h, sv_s, sv_t,
                    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, IH_P: tl.constexpr, D_P: tl.constexpr,
-                   WIDEN: tl.constexpr):
+                   WIDEN: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     s0 = tl.program_id(0) * BLOCK_S
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.arange(0, BLOCK_S * IH_P)  # (query row, head) pairs, heads fastest
@@ -99,7 +102,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visi
                          *q.stride(), *keys.stride(), *head_w.stride(), *visible.stride(),
                          BLOCK_S=cfg.block_s, BLOCK_T=cfg.block_t, IH_P=max(16, triton.next_power_of_2(ih)),
                          D_P=max(16, triton.next_power_of_2(dim)), WIDEN=not q.is_cuda,
-                         num_warps=cfg.warps)
+                         num_warps=cfg.warps, **pdl.launch(q))
     return out
 
 
@@ -132,7 +135,8 @@ def _kth_key(row_ptr, end, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row_ptr = score_ptr + tl.program_id(0) * T
     dst = out_ptr + tl.program_id(0) * T
     offs = tl.arange(0, BLOCK)
@@ -171,7 +175,8 @@ def select_top(scores: torch.Tensor, k: int, config: SelectConfig | None = None)
     scores = scores.contiguous()
     S, T = scores.shape
     out = torch.empty(S, T, device=scores.device, dtype=torch.bool)
-    _select_kernel[(S,)](scores, out, T, k, BLOCK=cfg.block, BITS=cfg.bits, num_warps=cfg.warps)
+    _select_kernel[(S,)](scores, out, T, k, BLOCK=cfg.block, BITS=cfg.bits, num_warps=cfg.warps,
+                         **pdl.launch(scores))
     return out
 
 

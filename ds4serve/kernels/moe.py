@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
 
@@ -222,9 +224,10 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, srow_len, ss_cols, n_in, n_inter, top_k, n_slots, limit,
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
-                    MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                    MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
+    pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     x = x_ptr + token * n_in
     e = tl.load(idx_ptr + choice).to(tl.int64)
@@ -251,8 +254,9 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  sw2_ptr, ss2_ptr, srow_len, ss_cols, n_out, n_inter, top_k, n_slots,
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
-                 MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
+    pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     h = h_ptr + pair * n_inter
     e = tl.load(idx_ptr + choice).to(tl.int64)
@@ -274,7 +278,8 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
 
 
 @triton.jit
-def _sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr):
+def _sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     token = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_out
@@ -381,15 +386,15 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k,
-        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages)
+        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
         **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k,
-        num_warps=config.down.warps, num_stages=config.down.stages)
+        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
     out = torch.empty_like(x)
-    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4)
+    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
     return out
 
 

@@ -105,10 +105,13 @@ def region(fn: F | None = None, *, chunks: bool = False) -> F | Callable[[F], F]
         if backend is None:
             return fn(*args, **kwargs)
         dynamic = _static_depth() == 0  # a chunk: any length, one compile
-        key = (backend, SWITCHES.combo_kernels, dynamic)
+        key = (backend, SWITCHES.combo_kernels, SWITCHES.pdl, dynamic)
         if key not in compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            options = {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels} if backend == "inductor" else None
+            options = None
+            if backend == "inductor":
+                options = {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels,
+                           "triton.enable_pdl": SWITCHES.pdl}
             compiled[key] = torch.compile(fn, backend=backend, options=options, dynamic=dynamic or None,
                                           fullgraph=_FORCED_BACKEND.value is not None)
         return compiled[key](*args, **kwargs)

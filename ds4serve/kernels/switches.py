@@ -61,10 +61,32 @@ class Switches:
     # GPU run checks them (CPU tests only; the split's decode graphs, on by default, ran on two H200s).
     split_verify_graphs: bool = False
     pipeline_graphs: bool = False
+    # Hand-written and Inductor kernels are launched with programmatic dependent launch (kernels/pdl.py):
+    # each may be scheduled while the one before it runs, and waits for it before touching memory.
+    # Off until a GPU run checks and measures it.
+    pdl: bool = False
+    # With pdl, the GEMV asks L2 for its weight rows before waiting for the previous kernel, so that
+    # the weight stream overlaps the kernels before it. Off until a GPU run checks and measures it.
+    weight_prefetch: bool = False
 
 
 SWITCHES = Switches()
 NAMES = tuple(f.name for f in dataclasses.fields(Switches))
+
+
+def parse(spec: str) -> dict[str, bool]:
+    """Every switch's value for a benchmark's switch set: ``base`` (all off), ``all`` (all on),
+    ``defaults`` (as shipped), names joined by ``+`` (those on, the rest off), or ``defaults+NAME+...``
+    (the defaults with those on as well)."""
+    if spec in ("base", "all"):
+        return dict.fromkeys(NAMES, spec == "all")
+    names = [n for n in spec.split("+") if n]
+    start = Switches() if names[:1] == ["defaults"] else Switches(**dict.fromkeys(NAMES, False))
+    on = names[1:] if names[:1] == ["defaults"] else names
+    unknown = set(on) - set(NAMES)
+    if unknown:
+        raise ValueError(f"unknown switches {sorted(unknown)}; expected names of {list(NAMES)}")
+    return {n: getattr(start, n) or n in on for n in NAMES}
 
 
 @contextmanager
