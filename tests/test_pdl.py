@@ -1,9 +1,9 @@
-"""Programmatic dependent launch (``SWITCHES.pdl`` / ``weight_prefetch``, kernels/pdl.py) and switch sets.
+"""Programmatic dependent launch (``SWITCHES.pdl``, kernels/pdl.py) and benchmark switch sets.
 
-The launches themselves need a Hopper GPU (bench/check_gpu.py runs the model checks with the switches
-on). Here: the CPU path ignores the switches, the kernels compile for sm_90 with the grid-dependency
-instructions in the order that makes them safe (prefetch of weights, then the wait, then the release of
-the next grid), and benchmark switch sets parse as documented.
+The launches themselves need a Hopper GPU (bench/check_gpu.py runs the model checks with PDL on).
+Here: the CPU path ignores the switch, a kernel compiles for sm_90 with the grid-dependency
+instructions where they make it safe (the wait before any load, then the release of the next grid),
+and benchmark switch sets parse as documented.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_parse_switch_sets():
     assert parse("all") == dict.fromkeys(NAMES, True)
     assert parse("defaults") == {n: getattr(defaults, n) for n in NAMES}
     assert parse("defaults+pdl") == {n: getattr(defaults, n) or n == "pdl" for n in NAMES}
-    assert parse("pdl+weight_prefetch") == {n: n in ("pdl", "weight_prefetch") for n in NAMES}
+    assert parse("pdl+static_commit") == {n: n in ("pdl", "static_commit") for n in NAMES}
     with pytest.raises(ValueError, match="unknown switches.*'pdll'"):
         parse("defaults+pdll")
 
@@ -41,9 +41,8 @@ def test_cpu_launches_ignore_pdl():
 
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
-    with using(pdl=True, weight_prefetch=True):
+    with using(pdl=True):
         assert pdl.launch(x) == {"PDL": False}
-        assert not pdl.prefetching(x)
         with kernels.on_any_device():
             got = gemv(x, w)
     torch.testing.assert_close(got, gemv_ref(x, w), rtol=1e-5, atol=1e-5)
@@ -60,20 +59,19 @@ args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf
         "n_in": "i32", "k_per_split": "i32", "rows_per_group": "i32", "x_stride": "i32", "s_cols": "i32",
         "n_tokens": "i32"}
 ptx = {}
-for pdl, prefetch in ((False, 0), (True, 0), (True, 128)):
+for pdl in (False, True):
     consts = dict(SCALED=True, SB_R=128, SB_C=128, N_PAD=16, BLOCK_R=64, BLOCK_K=128, SUB_K=128, STAGES=4,
-                  PARTIAL=False, DOT_DTYPE=triton.language.float16, N_LOAD=1, X_SCALE=2.0 ** -8, PDL=pdl,
-                  PREFETCH=prefetch)
+                  PARTIAL=False, DOT_DTYPE=triton.language.float16, N_LOAD=1, X_SCALE=2.0 ** -8, PDL=pdl)
     source = ASTSource(gemv._gemv_dot_kernel, {**args, **dict.fromkeys(consts, "constexpr")}, consts)
-    ptx[f"{pdl}-{prefetch}"] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx[str(pdl)] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 json.dump(ptx, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def sm90_gemv_ptx() -> dict[str, str]:
-    """The FP8 tensor-core GEMV compiled for sm_90 (PTX) without PDL, with it, and with the prefetch;
-    in a process of its own, since this one runs Triton's interpreter."""
+    """The FP8 tensor-core GEMV compiled for sm_90 (PTX) without and with PDL; in a process of its
+    own, since this one runs Triton's interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).resolve().parents[1], timeout=600)
@@ -84,16 +82,13 @@ def sm90_gemv_ptx() -> dict[str, str]:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("prefetch", [0, 128])
-def test_gemv_compiles_for_hopper_with_pdl(sm90_gemv_ptx, prefetch):
-    ptx = sm90_gemv_ptx[f"True-{prefetch}"]
+def test_gemv_compiles_for_hopper_with_pdl(sm90_gemv_ptx):
+    ptx = sm90_gemv_ptx["True"]
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= wait < release
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
     assert wait < first_load  # nothing the previous kernel writes is read before the wait
-    prefetches = ptx.find("prefetch.global.L2")
-    assert (0 <= prefetches < wait) if prefetch else prefetches < 0
 
 
 def test_gemv_without_pdl_has_no_grid_dependency_instructions(sm90_gemv_ptx):
-    assert "griddepcontrol" not in sm90_gemv_ptx["False-0"]
+    assert "griddepcontrol" not in sm90_gemv_ptx["False"]

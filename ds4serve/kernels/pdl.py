@@ -9,10 +9,7 @@ wait it lets the next grid launch (``griddepcontrol.launch_dependents``). Induct
 compiled regions take part through its ``triton.enable_pdl`` option, so the chain is not broken
 between a hand-written kernel and a fused one.
 
-Work that reads nothing the previous kernels write may run before the wait. Weights are never
-written during a step, so with ``SWITCHES.weight_prefetch`` the GEMV first asks L2 for its program's
-weight rows (:func:`prefetch_l2`), which overlaps the weight stream with the tail of the kernel before.
-On CPU tensors (Triton's interpreter) both are off whatever the switches say.
+On CPU tensors (Triton's interpreter) it is off whatever the switch says.
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ import triton
 import triton.language as tl
 
 from .switches import SWITCHES
-
-LINE_BYTES = 128  # what one L2 prefetch brings in
 
 
 @functools.cache
@@ -44,11 +39,6 @@ def launch(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if enabled_for(t) else {"PDL": False}
 
 
-def prefetching(t: torch.Tensor) -> bool:
-    """Whether the GEMV prefetches its weights before waiting (``SWITCHES.weight_prefetch`` with PDL)."""
-    return SWITCHES.weight_prefetch and enabled_for(t)
-
-
 @triton.jit
 def start(PDL: tl.constexpr):
     """Wait for the previous grid and its writes, then let the next grid launch (no-op without PDL)."""
@@ -56,14 +46,3 @@ def start(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-
-@triton.jit
-def prefetch_l2(row_ptrs, k_lo, k_hi, ELEMS_PER_LINE: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for elements ``[k_lo, k_hi)`` of each row at ``row_ptrs [R, 1]``, ``LINES`` lines of
-    ``ELEMS_PER_LINE`` elements per row and loop step. The rows must be valid addresses (clamp masked
-    rows); a line past ``k_hi`` is skipped."""
-    for k0 in range(k_lo, k_hi, LINES * ELEMS_PER_LINE):
-        cols = k0 + tl.arange(0, LINES)[None, :] * ELEMS_PER_LINE
-        ptrs = row_ptrs + tl.minimum(cols, k_hi - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
