@@ -20,7 +20,8 @@ from ds4serve.model.rope import Rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IH, DIM, ROPE = 16, 64, 8  # dim^-0.5 and ih^-0.5 are powers of two: small integer inputs score exactly
-SMALL_SELECT = SelectConfig(block=16, bits=4, warps=1)  # several steps per pass over a 40-entry row
+SMALL_SELECT = SelectConfig(block=16, bits=4, warps=1, one_tile_max=16)  # several steps per pass over 40 entries
+ONE_TILE_SELECT = SelectConfig(block=16, bits=4, warps=1)  # a 40-entry row read once, as one 64-wide tile
 
 
 def _scores_ref(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -72,9 +73,11 @@ def test_scores_match_reference(S, dtype, config):
     assert torch.allclose(got[visible], want[visible], rtol=1e-5, atol=1e-5)
 
 
-def test_select_top_counts_ties_and_masked_rows():
+@pytest.mark.parametrize("config", [SMALL_SELECT, ONE_TILE_SELECT], ids=["tiles", "one_tile"])
+def test_select_top_counts_ties_and_masked_rows(config):
     """Rows: many ties at the k-th score (integers), fewer / exactly k finite scores, all masked,
-    -0.0 tied with +0.0 at the threshold, and a visible prefix (a decode buffer) ending mid-tile."""
+    -0.0 tied with +0.0 at the threshold, and a visible prefix (a decode buffer) ending mid-tile;
+    the row read a tile per step of each pass, or once as one tile."""
     gen = torch.Generator().manual_seed(7)
     T, k = 40, 6
     scores = torch.randint(0, 5, (7, T), generator=gen).float()
@@ -87,19 +90,20 @@ def test_select_top_counts_ties_and_masked_rows():
     scores[5, 30:] = -torch.arange(10.0) - 1  # negatives below the zeros and integers
     scores[6, 21:] = float("-inf")
     scores = scores.to(DEVICE)
-    got = select_top(scores, k, SMALL_SELECT)
+    got = select_top(scores, k, config)
     assert torch.equal(got, _lowest_index_top(scores, k))
     assert got.sum(dim=1).tolist() == [k, 3, k, 0, k, k, k]
     assert got[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 5, 17]
 
 
+@pytest.mark.parametrize("one_tile", [False, True])
 @pytest.mark.parametrize("bits", [1, 2, 8])
-def test_select_top_radix_widths(bits):
+def test_select_top_radix_widths(bits, one_tile):
     """Every radix width finds the same k-th largest score, here of signed random scores."""
     gen = torch.Generator().manual_seed(bits)
     scores = torch.randn(2, 37, generator=gen).to(DEVICE)
     scores[1, ::3] = float("-inf")
-    got = select_top(scores, 9, SelectConfig(block=16, bits=bits, warps=1))
+    got = select_top(scores, 9, SelectConfig(block=16, bits=bits, warps=1, one_tile_max=64 if one_tile else 16))
     assert torch.equal(got, _lowest_index_top(scores, 9))
 
 

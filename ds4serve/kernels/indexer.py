@@ -48,6 +48,9 @@ class SelectConfig:
     block: int = 1024  # scores read per step of a pass over the row
     bits: int = 2  # radix bits per pass: 1, 2, 4 or 8
     warps: int = 8
+    # A row of up to this many scores (rounded up to a power of two) is read once into registers and
+    # every pass runs there; a longer one is read again by each pass, ``block`` at a time.
+    one_tile_max: int = 4096
 
 
 def default_scores_config(rows: int) -> ScoresConfig:
@@ -115,8 +118,9 @@ def _key(x):
 
 
 @triton.jit
-def _kth_key(row_ptr, end, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest), built ``BITS`` bits a pass."""
+def _kth_key(row_ptr, end, k, tile, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr):
+    """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest), built ``BITS`` bits a pass;
+    ``ONE_TILE``: the row's keys are ``tile`` (in registers), else each pass reads them again."""
     R: tl.constexpr = 1 << BITS
     offs = tl.arange(0, BLOCK)
     digits = tl.arange(0, R).to(tl.uint32)
@@ -124,48 +128,69 @@ def _kth_key(row_ptr, end, k, BLOCK: tl.constexpr, BITS: tl.constexpr):
     for p in tl.static_range(32 // BITS):
         shift = 32 - BITS * (p + 1)
         cand = prefix | (digits << shift)
-        acc = tl.zeros([BLOCK, R], tl.int32)
-        for t0 in range(0, end, BLOCK):
-            inside = t0 + offs < end
-            u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-            acc += ((u[:, None] >= cand[None, :]) & inside[:, None]).to(tl.int32)
-        reached = tl.sum((tl.sum(acc, axis=0) >= k).to(tl.int32), axis=0)  # >= 1: digit 0 keeps the invariant
+        if ONE_TILE:
+            counts = tl.sum((tile[:, None] >= cand[None, :]).to(tl.int32), axis=0)
+        else:
+            acc = tl.zeros([BLOCK, R], tl.int32)
+            for t0 in range(0, end, BLOCK):
+                inside = t0 + offs < end
+                u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
+                acc += ((u[:, None] >= cand[None, :]) & inside[:, None]).to(tl.int32)
+            counts = tl.sum(acc, axis=0)
+        reached = tl.sum((counts >= k).to(tl.int32), axis=0)  # >= 1: digit 0 keeps the invariant
         prefix = prefix | ((reached - 1).to(tl.uint32) << shift)
     return prefix
 
 
 @triton.jit
-def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl.start(PDL)
     row_ptr = score_ptr + tl.program_id(0) * T
     dst = out_ptr + tl.program_id(0) * T
     offs = tl.arange(0, BLOCK)
-    finite = 0
-    end = 0  # one past the last finite score: the passes stop there (decode: the context, not the buffer)
-    for t0 in range(0, T, BLOCK):
-        fin = tl.load(row_ptr + t0 + offs, mask=t0 + offs < T, other=float("-inf")) > float("-inf")
-        finite += tl.sum(fin.to(tl.int32), axis=0)
-        end = tl.maximum(end, tl.max(tl.where(fin, t0 + offs + 1, 0), axis=0))
+    if ONE_TILE:  # the whole row in registers: one read, then every pass over the keys there
+        scores = tl.load(row_ptr + offs, mask=offs < T, other=float("-inf"))
+        tile = _key(scores)
+        finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
+        end = T
+    else:
+        tile = tl.zeros([BLOCK], tl.uint32)
+        finite = 0
+        end = 0  # one past the last finite score: the passes stop there (decode: the context, not the buffer)
+        for t0 in range(0, T, BLOCK):
+            fin = tl.load(row_ptr + t0 + offs, mask=t0 + offs < T, other=float("-inf")) > float("-inf")
+            finite += tl.sum(fin.to(tl.int32), axis=0)
+            end = tl.maximum(end, tl.max(tl.where(fin, t0 + offs + 1, 0), axis=0))
     threshold = tl.full((), _NEG_INF_KEY, tl.uint32)
     quota = 0  # how many of the scores equal to the threshold to take
     if finite > k:
-        threshold = _kth_key(row_ptr, end, k, BLOCK, BITS)
-        above = 0
-        for t0 in range(0, end, BLOCK):
-            inside = t0 + offs < end
-            u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-            above += tl.sum(((u > threshold) & inside).to(tl.int32), axis=0)
+        threshold = _kth_key(row_ptr, end, k, tile, BLOCK, BITS, ONE_TILE)
+        if ONE_TILE:
+            above = tl.sum((tile > threshold).to(tl.int32), axis=0)
+        else:
+            above = 0
+            for t0 in range(0, end, BLOCK):
+                inside = t0 + offs < end
+                u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
+                above += tl.sum(((u > threshold) & inside).to(tl.int32), axis=0)
         quota = k - above
-    taken = 0
-    for t0 in range(0, end, BLOCK):
-        inside = t0 + offs < T
-        u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-        tie = (u == threshold) & inside
-        rank = tl.cumsum(tie.to(tl.int32), axis=0) + taken  # 1-based among this row's ties
-        taken += tl.sum(tie.to(tl.int32), axis=0)
-        tl.store(dst + t0 + offs, (u > threshold) | (tie & (rank <= quota)), mask=inside)
-    for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
-        tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
+    if ONE_TILE:
+        inside = offs < T
+        tie = (tile == threshold) & inside
+        rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the row's ties
+        tl.store(dst + offs, (tile > threshold) | (tie & (rank <= quota)), mask=inside)
+    else:
+        taken = 0
+        for t0 in range(0, end, BLOCK):
+            inside = t0 + offs < T
+            u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
+            tie = (u == threshold) & inside
+            rank = tl.cumsum(tie.to(tl.int32), axis=0) + taken  # 1-based among this row's ties
+            taken += tl.sum(tie.to(tl.int32), axis=0)
+            tl.store(dst + t0 + offs, (u > threshold) | (tie & (rank <= quota)), mask=inside)
+        for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
+            tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
 
 
 def select_top(scores: torch.Tensor, k: int, config: SelectConfig | None = None) -> torch.Tensor:
@@ -175,7 +200,10 @@ def select_top(scores: torch.Tensor, k: int, config: SelectConfig | None = None)
     scores = scores.contiguous()
     S, T = scores.shape
     out = torch.empty(S, T, device=scores.device, dtype=torch.bool)
-    _select_kernel[(S,)](scores, out, T, k, BLOCK=cfg.block, BITS=cfg.bits, num_warps=cfg.warps,
+    block = cfg.block
+    if T > block and triton.next_power_of_2(T) <= cfg.one_tile_max:
+        block = triton.next_power_of_2(T)
+    _select_kernel[(S,)](scores, out, T, k, BLOCK=block, BITS=cfg.bits, ONE_TILE=T <= block, num_warps=cfg.warps,
                          **pdl.launch(scores))
     return out
 

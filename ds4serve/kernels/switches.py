@@ -53,9 +53,10 @@ class Switches:
     dequant_kernel: bool = True
     # A verify graph's accepted prefix is committed by device writes at the block's device positions,
     # captured once per accepted count (VerifyGraph.commit -> SequenceState.write_block: two launches
-    # of the commit kernel per token), instead of commit_static's eager writes (~6 ms of host time per
-    # verify step on the 43-layer proxy). Off until a GPU run checks and measures it.
-    static_commit: bool = False
+    # of the commit kernel per token), instead of commit_static's eager writes. bf16 proxy, oracle
+    # drafts: width 2 63.4 -> 84.7 tok/s, width 4 51.1 -> 68.0 (same tokens per verify step); check_gpu
+    # passed with it, twice (H200, 2026-11-29, bench/results/2026-11-29-h200-round8-spec.log).
+    static_commit: bool = True
     # Speculative verify steps of a layer split in one process run as one CUDA graph per shard
     # (engine/cuda_graphs.py SplitVerifyGraph), and plain decoding over a multi-process pipeline as one
     # per rank (parallel/pipeline.py PipelineDecodeGraph); otherwise those steps are eager. Off until a
