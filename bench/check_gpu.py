@@ -338,24 +338,31 @@ def _differing_rows(a, b) -> list[str]:
     return [f"{i}.{k}" for i in sa.layers for k in sa.layers[i] if not torch.equal(sa.layers[i][k], sb.layers[i][k])]
 
 
+CHECKS = {"kernels": lambda tmp: check_kernels(), "tiny": check_tiny, "graphs": check_graphs,
+          "verify_graphs": check_verify_graphs, "bf16_verify_block": check_bf16_verify_block,
+          "split_graphs": check_split_graphs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--switches", default="defaults",
                    help="kernels.switches: base, all, defaults, NAME+NAME, or defaults+NAME (switches.parse)")
+    p.add_argument("--only", default="", help=f"comma-separated checks to run (default: all): {', '.join(CHECKS)}")
     args = p.parse_args()
+    only = [c for c in args.only.split(",") if c] or list(CHECKS)
+    if set(only) - set(CHECKS):
+        raise SystemExit(f"--only: unknown {sorted(set(only) - set(CHECKS))}; expected some of {list(CHECKS)}")
     for name, value in parse(args.switches).items():
         setattr(SWITCHES, name, value)
     print(f"switches: {SWITCHES}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for check in (check_kernels, lambda: check_tiny(Path(tmp)), lambda: check_graphs(Path(tmp)),
-                      lambda: check_verify_graphs(Path(tmp)), lambda: check_bf16_verify_block(Path(tmp)),
-                      lambda: check_split_graphs(Path(tmp))):
+        for name in only:
             try:
-                check()
+                CHECKS[name](Path(tmp))
             except Exception as exc:  # noqa: BLE001 - a crash is a failed check with its traceback
                 traceback.print_exc()
-                record(f"crashed: {getattr(check, '__name__', 'check')}", False, error=f"{type(exc).__name__}: {exc}"[:300])
+                record(f"crashed: {name}", False, error=f"{type(exc).__name__}: {exc}"[:300])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(RESULTS, indent=2) + "\n")
     failed = [r["check"] for r in RESULTS if not r["ok"]]

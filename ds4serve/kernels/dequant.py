@@ -20,12 +20,19 @@ BLOCK_COLS = 256
 
 
 @triton.jit
+def _pow2(biased):
+    """fp32 ``2^(biased - 127)`` built from its bits, for int32 ``biased`` in 0..254 (e8m0 exponents).
+    Exact, where ``tl.exp2`` is the GPU's approximate ex2 (the interpreter's is exact)."""
+    return tl.where(biased > 0, biased << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1(code):
     """An MXFP4 (e2m1) code to its value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, and the same negated for bit 3."""
     mag = code & 7
     e = mag >> 1
     m = (mag & 1).to(tl.float32)
-    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e + 126))
     return tl.where((code & 8) != 0, -v, v)
 
 
@@ -36,7 +43,7 @@ def _fp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, half, BLOCK_R: tl.constexp
     mask = (r < rows) & (j < half)
     byte = tl.load(packed_ptr + r * half + j, mask=mask, other=0).to(tl.int32)
     exponent = tl.load(scale_ptr + r * (half // 16) + j // 16, mask=mask, other=127).to(tl.int32)
-    factor = tl.exp2((exponent - 127).to(tl.float32))
+    factor = _pow2(exponent)
     out = out_ptr + r * (2 * half) + 2 * j
     tl.store(out, (_e2m1(byte & 15) * factor).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + 1, (_e2m1(byte >> 4) * factor).to(out_ptr.dtype.element_ty), mask=mask)
@@ -52,7 +59,7 @@ def _fp8_kernel(w_ptr, scale_ptr, out_ptr, rows, cols, scale_cols, B0: tl.conste
     # stacked matrices are one run of rows (whole row blocks each), their scale rows too
     s = tl.load(scale_ptr + (r // B0) * scale_cols + c // B1, mask=mask, other=1)
     if E8M0:
-        s = tl.exp2((s.to(tl.int32) - 127).to(tl.float32))
+        s = _pow2(s.to(tl.int32))
     tl.store(out_ptr + r * cols + c, (x * s.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
