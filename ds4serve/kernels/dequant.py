@@ -33,7 +33,8 @@ def _e2m1(code):
     e = mag >> 1
     m = (mag & 1).to(tl.float32)
     v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e + 126))
-    return tl.where((code & 8) != 0, -v, v)
+    # the sign as a bit: a select of -v and v lost the sign of -0 on the GPU (the compiler's, not IEEE's)
+    return (v.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
