@@ -116,7 +116,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
             # every A/B arm commits its warm-up and measured steps to the same state
-            state = model.new_state(ctx + (args.steps + 4) * max(2, len(args.arms)) + 16)
+            state = model.new_state(ctx + (args.steps + 4) * max(2, len(args.arms) * args.rounds) + 16)
             t0 = time.perf_counter()
             prefill(model, state, ids, 2048)
             torch.cuda.synchronize()
@@ -192,35 +192,45 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
 
 
 def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: dict) -> dict:
-    """Graph decode for each A/B arm of switches over the same prefilled state."""
+    """Graph decode for each A/B arm of switches over the same prefilled state: every arm is captured
+    first, then ``args.rounds`` rounds time the arms in turn and an arm's figure is its median round,
+    so that a drift of the machine during the run falls on every arm alike (between processes the same
+    figure moves by a few percent, more than some of the differences an A/B is for)."""
     rows: dict = {}
+    graphs: dict[str, DecodeGraph] = {}
     for arm in args.arms:
         if variant == "bf16" and arm in NO_EFFECT_ON_BF16:
             continue
         t0 = time.perf_counter()
         try:
             with using(**parse(arm)):
-                graph = DecodeGraph(model, state)
-                compile_s = time.perf_counter() - t0
-                ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
-                replay = cuda_ms(graph.graph.replay, 10)
+                graphs[arm] = DecodeGraph(model, state)
         except Exception as exc:  # noqa: BLE001 - a failed arm is a result
             traceback.print_exc()
             rows[arm] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             continue
-        finally:
-            graph = None
-            gc.collect()
-        rows[arm] = {"graph_ms": ms, "graph_replay_gpu_ms": replay, "capture_s": compile_s,
-                     "tokens_per_s": 1e3 / ms, "GBps": out["bytes_per_token_GB"] / ms * 1e3,
-                     "fraction_of_copy_bw": out["bytes_per_token_GB"] / ms * 1e3 / ceil["copy_GBps"],
-                     "replay_fraction_of_copy_bw": out["bytes_per_token_GB"] / replay * 1e3 / ceil["copy_GBps"],
-                     "first_tokens": tokens[:8]}
-        out.setdefault("arms_so_far", {})[arm] = rows[arm]
+        rows[arm] = {"capture_s": time.perf_counter() - t0, "rounds_ms": []}
+    for _ in range(args.rounds):
+        for arm, graph in graphs.items():
+            with using(**parse(arm)):
+                ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
+            rows[arm]["rounds_ms"].append(ms)
+            rows[arm].setdefault("first_tokens", tokens[:8])
+        out["arms_so_far"] = rows
         if args.save_partial is not None:
             args.save_partial(variant, out)
-        log(f"{variant} arm {arm}: graph {ms:.2f} ms/token, replay {replay:.2f} ms "
-            f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {compile_s:.0f} s")
+    for arm, graph in graphs.items():
+        ms = statistics.median(rows[arm]["rounds_ms"])
+        replay = cuda_ms(graph.graph.replay, 10)
+        rows[arm].update({"graph_ms": ms, "graph_replay_gpu_ms": replay, "tokens_per_s": 1e3 / ms,
+                          "GBps": out["bytes_per_token_GB"] / ms * 1e3,
+                          "fraction_of_copy_bw": out["bytes_per_token_GB"] / ms * 1e3 / ceil["copy_GBps"],
+                          "replay_fraction_of_copy_bw": out["bytes_per_token_GB"] / replay * 1e3 / ceil["copy_GBps"]})
+        rounds = ", ".join(f"{r:.2f}" for r in rows[arm]["rounds_ms"])
+        log(f"{variant} arm {arm}: graph {ms:.2f} ms/token (rounds {rounds}), replay {replay:.2f} ms "
+            f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {rows[arm]['capture_s']:.0f} s")
+    graphs.clear()
+    gc.collect()
     return rows
 
 
@@ -282,6 +292,7 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
                    "graph decode only")
+    p.add_argument("--rounds", type=int, default=3, help="with --arms: rounds that time every arm in turn")
     p.add_argument("--verify-widths", default="", help="also time a captured verify block of these widths "
                    "(comma-separated) at each context")
     args = p.parse_args()
