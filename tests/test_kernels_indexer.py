@@ -97,7 +97,7 @@ def test_select_top_counts_ties_and_masked_rows(config):
 
 
 @pytest.mark.parametrize("one_tile", [False, True])
-@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_select_top_radix_widths(bits, one_tile):
     """Every radix width finds the same k-th largest score, here of signed random scores."""
     gen = torch.Generator().manual_seed(bits)
@@ -105,6 +105,61 @@ def test_select_top_radix_widths(bits, one_tile):
     scores[1, ::3] = float("-inf")
     got = select_top(scores, 9, SelectConfig(block=16, bits=bits, warps=1, one_tile_max=64 if one_tile else 16))
     assert torch.equal(got, _lowest_index_top(scores, 9))
+
+
+def test_select_config_rejects_a_digit_that_does_not_divide_the_key():
+    with pytest.raises(ValueError, match="bits"):
+        SelectConfig(bits=3)
+
+
+def _near_one(gen: torch.Generator, T: int, low: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 scores ``1 + low * 2**-23``: the same sign, exponent and high mantissa bits, so that the
+    radix select must resolve the k-th largest in the last digits."""
+    if low is None:
+        low = torch.randint(0, 1 << 22, (T,), generator=gen, dtype=torch.int32)
+    return (torch.full((T,), 0x3F800000, dtype=torch.int32) + low).view(torch.float32)
+
+
+def _hard_rows(gen: torch.Generator, T: int, k: int) -> torch.Tensor:
+    """``[11, T]`` rows that a wrong radix digit, carry or tie count would get wrong (see the comments)."""
+    rows = torch.randn(11, T, generator=gen)
+    rows[0] = torch.randint(0, 8, (T,), generator=gen).float()  # hundreds of exact ties at the k-th score
+    rows[1] = _near_one(gen, T, torch.randint(0, 16, (T,), generator=gen, dtype=torch.int32))  # last digit only
+    digits = torch.randint(0, 3, (3, T), generator=gen, dtype=torch.int32)  # each of the three low digits 0..2
+    rows[2] = _near_one(gen, T, digits[0] | (digits[1] << 8) | (digits[2] << 16))
+    rows[3] = _near_one(gen, T)  # 22 random low bits: distinct keys under one long common prefix
+    rows[4] = -rows[2]  # negative scores under one prefix: the key order reverses the magnitudes
+    rows[5] = torch.where(torch.rand(T, generator=gen) < 0.5, -0.0, 0.0)  # the threshold is zero, of both signs
+    rows[5, torch.randperm(T, generator=gen)[:k // 2]] = torch.rand(k // 2, generator=gen) + 1
+    rows[5, torch.randperm(T, generator=gen)[:T // 3]] = -torch.rand(T // 3, generator=gen) - 1
+    rows[6, torch.randperm(T, generator=gen)[:T // 3]] = float("-inf")  # masked entries and a padded tail
+    rows[6, T - T // 5:] = float("-inf")
+    rows[6, 1] = float("inf")
+    for r, finite in ((7, k), (8, k + 1), (9, k // 2), (10, 0)):  # exactly k, one more, fewer, none finite
+        keep = torch.zeros(T, dtype=torch.bool)
+        keep[torch.randperm(T, generator=gen)[:finite]] = True
+        rows[r] = torch.randint(-2, 3, (T,), generator=gen).float().masked_fill(~keep, float("-inf"))
+    return rows
+
+
+@pytest.mark.parametrize("T,k,config", [
+    (2048, 512, None),  # a decode row of an 8K context: one 2048-wide tile, the default configuration
+    (3001, 512, None),  # one 4096-wide tile, T not a power of two
+    (4096, 512, None),  # the widest single tile of the default configuration
+    (300, 37, SelectConfig(block=64, warps=1, one_tile_max=64)),  # tiles: 8-bit digit histograms summed per pass
+    (300, 37, SelectConfig(block=64, bits=4, warps=1, one_tile_max=64)),
+], ids=["one_tile_2048", "one_tile_3001", "one_tile_4096", "tiles_bits8", "tiles_bits4"])
+def test_select_top_hard_rows(T, k, config):
+    """Ties at the k-th score, keys that differ only in their last digits, negative scores, -0.0
+    with +0.0, -inf (masked and padding), +inf, and rows with exactly k, k+1, fewer than k and no
+    finite scores: the lowest-index rule of the k largest, row by row."""
+    gen = torch.Generator().manual_seed(T + k)
+    scores = _hard_rows(gen, T, k).to(DEVICE)
+    got = select_top(scores, k, config)
+    want = _lowest_index_top(scores, k)
+    for r in range(scores.shape[0]):
+        assert torch.equal(got[r], want[r]), f"row {r}"
+    assert got.sum(dim=1).tolist() == [k] * 9 + [k // 2, 0]
 
 
 @pytest.mark.parametrize("S,integer", [(1, True), (3, True), (3, False)])

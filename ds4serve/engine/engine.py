@@ -97,6 +97,7 @@ class Engine:
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
         # (width, capture) -> the verify graph over self._state
         self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph] = {}
+        self._warned_eager_verify = False  # logged once: speculation would verify eagerly next to decode graphs
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -298,6 +299,13 @@ class Engine:
             return None
         from .drafts import resolve_proposer
 
+        model = self._require_model()
+        kinds = self._graph_kinds(model)
+        eager_verify = kinds is not None and (kinds[1] is None or not SWITCHES.speculative_graphs)
+        if eager_verify and not self._warned_eager_verify:
+            self._warned_eager_verify = True
+            log.warning("speculative decoding on %s verifies eagerly while plain decoding runs through "
+                        "CUDA graphs: expect it to be slower than plain decoding", type(model).__name__)
         return resolve_proposer(self, speculative)
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:

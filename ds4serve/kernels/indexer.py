@@ -11,12 +11,15 @@ chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two
   ``[S, T]`` fp32 scores reach memory, ``-inf`` where an entry is not visible. A tile with no
   visible entry reads no keys: the static decode buffer is sized for the longest context.
 * :func:`select_top`: one program per query row finds the k-th largest score by a radix select on
-  the order-preserving unsigned image of the fp32 bits (``bits`` bits per pass, each pass counting
-  ``2**bits`` candidate thresholds over the row at once), then keeps every score above it and,
-  among the scores equal to it, the lowest entry indices until ``k`` are taken. ``torch.topk``
-  leaves the order among equal values unspecified, so this tie rule is as exact as the reference.
-  A row with at most ``k`` finite scores keeps all of them without the radix passes, and the
-  passes end after the row's last finite score.
+  the order-preserving unsigned image of the fp32 bits, a ``bits``-wide digit per pass, most
+  significant first (8 bits: 4 passes): each pass builds the histogram of the digit over the keys
+  whose higher digits are those found so far, and its suffix sums give the digit of the k-th
+  largest key and how many keys lie above it. The passes are sequential block-wide steps, so their
+  number is the kernel's latency on a decode row. Then it keeps every score above the k-th largest
+  and, among the scores equal to it, the lowest entry indices until ``k`` are taken.
+  ``torch.topk`` leaves the order among equal values unspecified, so this tie rule is as exact as
+  the reference. A row with at most ``k`` finite scores keeps all of them without the radix passes,
+  and the passes end after the row's last finite score.
 
 Every row of every chunk size uses both kernels (decode, verify and prefill): the selection has no
 host synchronisation and no value-dependent shape, so the static decode step can be captured in a
@@ -46,11 +49,15 @@ class ScoresConfig:
 @dataclass(frozen=True)
 class SelectConfig:
     block: int = 1024  # scores read per step of a pass over the row
-    bits: int = 2  # radix bits per pass: 1, 2, 4 or 8
+    bits: int = 8  # radix digit width, both paths: 32 // bits passes, each a 2**bits-bin histogram
     warps: int = 8
     # A row of up to this many scores (rounded up to a power of two) is read once into registers and
     # every pass runs there; a longer one is read again by each pass, ``block`` at a time.
     one_tile_max: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.bits not in (1, 2, 4, 8):  # a digit must divide the 32 key bits; 2**8 bins at most
+            raise ValueError(f"SelectConfig.bits must be 1, 2, 4 or 8, not {self.bits}")
 
 
 def default_scores_config(rows: int) -> ScoresConfig:
@@ -118,28 +125,50 @@ def _key(x):
 
 
 @triton.jit
+def _count_and_max(n0, m0, n1, m1):
+    return n0 + n1, tl.maximum(m0, m1)
+
+
+@triton.jit
+def _digit_histogram(keys, prefix, found, shift, R: tl.constexpr):
+    """``[R]`` counts of the digit ``(key >> shift) % R`` over the keys whose bits under ``found`` (the
+    digits above this one) equal ``prefix``. The keys of -inf (masked entries, padding) are left out:
+    the k-th largest is finite, and on the GPU each counted key is an atomic add to its bin in shared
+    memory, which the many -inf keys of a partly visible row would all hit at once."""
+    digit = ((keys >> shift) & (R - 1)).to(tl.int32)
+    return tl.histogram(digit, R, mask=(keys != _NEG_INF_KEY) & ((keys & found) == prefix))
+
+
+@triton.jit
 def _kth_key(row_ptr, end, k, tile, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr):
-    """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest), built ``BITS`` bits a pass;
-    ``ONE_TILE``: the row's keys are ``tile`` (in registers), else each pass reads them again."""
+    """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest) and how many of the keys
+    equal to it are among the ``k`` largest, for a row of more than ``k`` finite scores, all before
+    ``end``; built ``BITS`` bits a pass from the top. ``ONE_TILE``: the row's keys are ``tile`` (in
+    registers), else each pass reads them again."""
     R: tl.constexpr = 1 << BITS
     offs = tl.arange(0, BLOCK)
-    digits = tl.arange(0, R).to(tl.uint32)
     prefix = tl.full((), 0, tl.uint32)
+    found = tl.full((), 0, tl.uint32)  # the bits of ``prefix`` set so far
+    need = k  # how many of the keys that match ``prefix`` are still to be taken (at most their count)
     for p in tl.static_range(32 // BITS):
         shift = 32 - BITS * (p + 1)
-        cand = prefix | (digits << shift)
         if ONE_TILE:
-            counts = tl.sum((tile[:, None] >= cand[None, :]).to(tl.int32), axis=0)
+            hist = _digit_histogram(tile, prefix, found, shift, R)
         else:
-            acc = tl.zeros([BLOCK, R], tl.int32)
+            hist = tl.zeros([R], tl.int32)
             for t0 in range(0, end, BLOCK):
                 inside = t0 + offs < end
                 u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-                acc += ((u[:, None] >= cand[None, :]) & inside[:, None]).to(tl.int32)
-            counts = tl.sum(acc, axis=0)
-        reached = tl.sum((counts >= k).to(tl.int32), axis=0)  # >= 1: digit 0 keeps the invariant
+                hist += _digit_histogram(u, prefix, found, shift, R)
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # [d]: matching keys with a digit >= d
+        # at_least falls as d grows: the digit is the last d where it still reaches ``need``, and the
+        # keys above that digit are at_least of the next d, the largest value below ``need``.
+        reached, above = tl.reduce(((at_least >= need).to(tl.int32), tl.where(at_least < need, at_least, 0)),
+                                   0, _count_and_max)
         prefix = prefix | ((reached - 1).to(tl.uint32) << shift)
-    return prefix
+        found = found | (tl.full((), R - 1, tl.uint32) << shift)
+        need = need - above
+    return prefix, need
 
 
 @triton.jit
@@ -165,16 +194,7 @@ def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.const
     threshold = tl.full((), _NEG_INF_KEY, tl.uint32)
     quota = 0  # how many of the scores equal to the threshold to take
     if finite > k:
-        threshold = _kth_key(row_ptr, end, k, tile, BLOCK, BITS, ONE_TILE)
-        if ONE_TILE:
-            above = tl.sum((tile > threshold).to(tl.int32), axis=0)
-        else:
-            above = 0
-            for t0 in range(0, end, BLOCK):
-                inside = t0 + offs < end
-                u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-                above += tl.sum(((u > threshold) & inside).to(tl.int32), axis=0)
-        quota = k - above
+        threshold, quota = _kth_key(row_ptr, end, k, tile, BLOCK, BITS, ONE_TILE)
     if ONE_TILE:
         inside = offs < T
         tie = (tile == threshold) & inside
