@@ -33,8 +33,8 @@ from bench_gpu import cuda_ms  # noqa: E402
 IH, DIM, ROPE, K = 64, 128, 64, 512
 SCORES_DECODE = [ScoresConfig(1, 16), ScoresConfig(1, 32), ScoresConfig(1, 64), ScoresConfig(1, 128, 8)]
 SCORES_PREFILL = [ScoresConfig(1, 64), ScoresConfig(2, 64), ScoresConfig(2, 128, 8), ScoresConfig(4, 64, 8)]
-SELECTS = [SelectConfig(256, 4, 4), SelectConfig(512, 4, 8), SelectConfig(1024, 4, 8), SelectConfig(1024, 2, 8),
-           SelectConfig(64, 8, 8)]
+SELECTS = [SelectConfig(1024, 8, 8), SelectConfig(1024, 8, 4), SelectConfig(1024, 4, 8), SelectConfig(1024, 4, 4),
+           SelectConfig(1024, 2, 8), SelectConfig(256, 8, 4)]
 RESULTS: list[dict] = []
 
 

@@ -14,12 +14,12 @@ chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two
   the order-preserving unsigned image of the fp32 bits, a ``bits``-wide digit per pass, most
   significant first (8 bits: 4 passes): each pass builds the histogram of the digit over the keys
   whose higher digits are those found so far, and its suffix sums give the digit of the k-th
-  largest key and how many keys lie above it. The passes are sequential block-wide steps, so their
-  number is the kernel's latency on a decode row. Then it keeps every score above the k-th largest
-  and, among the scores equal to it, the lowest entry indices until ``k`` are taken.
-  ``torch.topk`` leaves the order among equal values unspecified, so this tie rule is as exact as
-  the reference. A row with at most ``k`` finite scores keeps all of them without the radix passes,
-  and the passes end after the row's last finite score.
+  largest key and how many keys lie above it. The passes are sequential block-wide steps (a row
+  is one program), so their number sets the kernel's latency on a decode row. Then it keeps every
+  score above the k-th largest and, among the scores equal to it, the lowest entry indices until
+  ``k`` are taken. ``torch.topk`` leaves the order among equal values unspecified, so this tie rule
+  is as exact as the reference. A row with at most ``k`` finite scores keeps all of them without
+  the radix passes, and the passes end after the row's last finite score.
 
 Every row of every chunk size uses both kernels (decode, verify and prefill): the selection has no
 host synchronisation and no value-dependent shape, so the static decode step can be captured in a
