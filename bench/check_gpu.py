@@ -30,16 +30,19 @@ from pathlib import Path
 
 import torch
 
-from ds4serve import Engine, SamplingParams
+from ds4serve import Engine, SamplingParams, kernels
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
 from ds4serve.engine.drafts import OracleProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_ref
+from ds4serve.kernels.hc_pre import hc_pre
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
 from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
+from ds4serve.model.hyper import HCSite, hc_split
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
+from ds4serve.model.norms import rms_norm
 from ds4serve.tiny import TinySpec, make_tiny
 from ds4serve.weights import Checkpoint
 
@@ -153,6 +156,54 @@ def check_kernels() -> None:
     want = hc_coefficients_ref(mixes, base, scale, 4, 20, 1e-6)
     err = max(rel(g, w) for g, w in zip(got, want))
     record("kernel hc_coefficients", err <= 1e-5, rel_err=err)
+    check_hc_pre()
+
+
+def check_hc_pre() -> None:
+    """The fused mHC pre site (SWITCHES.hc_fused) at the real size (hc=4, D=4096) against hc_split then
+    rms_norm run as torch code, outputs poisoned; a second launch and three replays of a captured one give
+    the same bits (the arrival counters are left at zero). ms is one launch outside a graph."""
+    hc, D, iters, eps = 4, 4096, 20, 1e-6
+    site = HCSite(torch.randn(24, hc * D, device="cuda") / (hc * D) ** 0.5, 0.1 * torch.randn(24, device="cuda"),
+                  1 + 0.1 * torch.randn(3, device="cuda"))
+    norm_w = 1 + 0.1 * torch.randn(D, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        for S in (1, 4, 8):
+            X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
+            with kernels.disabled():
+                post, comb, y = hc_split(X, site, hc, iters, eps, eps)
+                want = (post, comb, rms_norm(y, norm_w, eps))
+
+            def run():
+                return hc_pre(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, eps)
+
+            poison_allocator(S * (D + 128 * 25 + 24) * 4)
+            got = run()
+            same = all(torch.equal(a, b) for a, b in zip(got, run()))
+            if S == 1:
+                same = same and _replays_equal(run, got)
+            errs = [rel(g, w) for g, w in zip(got, want)]
+            ok = same and max(errs[:2]) <= 1e-5 and errs[2] <= (1e-5 if dtype == torch.float32 else 2 ** -8)
+            record(f"kernel hc_pre {str(dtype)[6:]} S={S} hc=4 D=4096", ok, post_comb_rel_err=max(errs[:2]),
+                   x_in_rel_err=errs[2], repeatable=same, ms=timed(run))
+
+
+def _replays_equal(run, want: tuple[torch.Tensor, ...]) -> bool:
+    """``run`` captured in a CUDA graph (after a warm-up on a side stream): three replays give ``want``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    same = True
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        same = same and all(torch.equal(a, b) for a, b in zip(out, want))
+    return same
 
 
 def _chunked_logits(model: DeepSeekV4, ids: list[int], sizes: tuple[int, ...]) -> torch.Tensor:

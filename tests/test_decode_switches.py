@@ -1,7 +1,8 @@
-"""Decode-step switches that replace a cuBLAS call agree with the path they replace.
+"""Decode-step switches agree with the path they replace.
 
 ``router_gemv`` sends the router's gate product through the Triton GEMV (run by Triton's interpreter
-on CPU), ``merge_product_sum`` writes hc_merge's stream mix as a product-sum for decode-sized chunks.
+on CPU), ``merge_product_sum`` writes hc_merge's stream mix as a product-sum for decode-sized chunks,
+``hc_fused`` runs each mHC pre site of a decode step as one kernel (kernels/hc_pre.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import torch
 
 
 from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import regions  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import linear as linear_module  # noqa: E402
 from ds4serve.model.hyper import MIX_REDUCE_MAX_ROWS, hc_merge  # noqa: E402
 from ds4serve.model.moe import MoEWeights, route  # noqa: E402
+from tests.helpers import static_decode_setup, static_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,3 +68,25 @@ def test_merge_product_sum_matches_matmul(dtype, rows, monkeypatch):
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got, want, **tol)
     assert got.dtype == dtype and got.shape == X.shape
+
+
+def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
+    """A static decode step (kernels in Triton's interpreter on CPU, regions as written, so the switch is
+    the only difference) gives the unfused logits; every pre site of every layer went through the kernel."""
+    pytest.importorskip("triton", reason="the switch calls the Triton kernel")
+    from ds4serve.kernels import ops
+
+    calls = []
+    real = ops.hc_pre
+    monkeypatch.setattr(ops, "hc_pre", lambda *a: calls.append(1) or real(*a))
+    model, ids, (plain, fused) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=15, prefilled=14,
+                                                     capacity=24)
+    with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
+        with using(hc_fused=False):
+            ref, _ = static_step(model, plain, ids[14])
+        assert not calls
+        with using(hc_fused=True):
+            out, _ = static_step(model, fused, ids[14])
+    assert len(calls) == 2 * model.cfg.num_layers
+    err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
+    assert err <= 1e-5, f"relative error {err:.3g}"

@@ -15,29 +15,37 @@ from . import pdl
 
 
 @triton.jit
-def _hc_coeff_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
-                     HC: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
-    t = tl.program_id(0)
-    n_mix: tl.constexpr = (2 + HC) * HC
+def coefficients(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, eps, HC: tl.constexpr):
+    """``(pre [HC], post [HC], comb [HC, HC])`` from one token's fp32 mixes split as ``pre_w [HC]``,
+    ``post_w [HC]``, ``comb_w [HC, HC]``: the sigmoids and the Sinkhorn iterations in registers."""
     j = tl.arange(0, HC)
-    row = t * n_mix
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    pre = tl.load(mix_ptr + row + j) * s_pre + tl.load(base_ptr + j)
-    post = tl.load(mix_ptr + row + HC + j) * s_post + tl.load(base_ptr + HC + j)
-    tl.store(pre_ptr + t * HC + j, tl.sigmoid(pre) + eps)
-    tl.store(post_ptr + t * HC + j, 2.0 * tl.sigmoid(post))
     cell = j[:, None] * HC + j[None, :]
-    c = tl.load(mix_ptr + row + 2 * HC + cell) * s_comb + tl.load(base_ptr + 2 * HC + cell)
+    pre = tl.sigmoid(pre_w * tl.load(scale_ptr) + tl.load(base_ptr + j)) + eps
+    post = 2.0 * tl.sigmoid(post_w * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
+    c = comb_w * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cell)
     c = tl.exp(c - tl.max(c, axis=1)[:, None])
     c = c / tl.sum(c, axis=1)[:, None] + eps
     c = c / (tl.sum(c, axis=0)[None, :] + eps)
     for _ in range(iters - 1):
         c = c / (tl.sum(c, axis=1)[:, None] + eps)
         c = c / (tl.sum(c, axis=0)[None, :] + eps)
-    tl.store(comb_ptr + t * HC * HC + cell, c)
+    return pre, post, c
+
+
+@triton.jit
+def _hc_coeff_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
+                     HC: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    t = tl.program_id(0)
+    n_mix: tl.constexpr = (2 + HC) * HC
+    j = tl.arange(0, HC)
+    cell = j[:, None] * HC + j[None, :]
+    row = mix_ptr + t * n_mix
+    pre, post, comb = coefficients(tl.load(row + j), tl.load(row + HC + j), tl.load(row + 2 * HC + cell),
+                                   base_ptr, scale_ptr, iters, eps, HC)
+    tl.store(pre_ptr + t * HC + j, pre)
+    tl.store(post_ptr + t * HC + j, post)
+    tl.store(comb_ptr + t * HC * HC + cell, comb)
 
 
 def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,

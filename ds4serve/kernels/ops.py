@@ -14,6 +14,7 @@ import torch
 from . import hyper, indexer, moe
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
+from .hc_pre import hc_pre as _hc_pre
 
 _LIB = "ds4serve"
 
@@ -43,6 +44,21 @@ def _(mixes, base, scale, hc, iters, eps):
     S = mixes.shape[0]
     pre = mixes.new_empty(S, hc, dtype=torch.float32)
     return pre, torch.empty_like(pre), mixes.new_empty(S, hc, hc, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::hc_pre", mutates_args=())
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
+           hc: int, iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ds4serve.kernels.hc_pre.hc_pre`: a whole mHC pre site, ``(post, comb)`` in fp32 and the
+    sublayer's normed input ``[S, D]`` in X's dtype (the arrival counters it uses are left zero)."""
+    return _hc_pre(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
+
+
+@hc_pre.register_fake
+def _(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps):
+    S, D = X.shape[0], X.shape[-1]
+    post = X.new_empty(S, hc, dtype=torch.float32)
+    return post, X.new_empty(S, hc, hc, dtype=torch.float32), X.new_empty(S, D)
 
 
 @torch.library.custom_op(f"{_LIB}::moe_decode", mutates_args=())

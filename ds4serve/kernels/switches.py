@@ -70,6 +70,11 @@ class Switches:
     # 512: bf16 10.70 -> 10.15, FP8 8.22 -> 7.55 ms/token; check_gpu passed with it (H200, 2026-11-29,
     # bench/results/2026-11-29-h200-round8-*).
     pdl: bool = True
+    # Each mHC pre site of a decode-sized chunk (both per layer) is one launch (kernels/hc_pre.py: the RMS,
+    # the 24 mixes, the Sinkhorn coefficients, the collapse and the sublayer's input norm) instead of four
+    # (two Inductor reductions, the coefficient kernel, the collapse with the norm). Off until a GPU run
+    # measures it.
+    hc_fused: bool = False
 
 
 SWITCHES = Switches()

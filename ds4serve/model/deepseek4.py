@@ -24,7 +24,7 @@ from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
-from .hyper import HCSite, hc_head, hc_merge, hc_split
+from .hyper import HCSite, hc_head, hc_merge, hc_pre
 from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
@@ -193,17 +193,18 @@ def _static_block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerS
 def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
            cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    # "hc_pre" includes the sublayer's input norm, fused (SWITCHES.hc_fused) or not, so that the phases
+    # measure the same work either way
     with profiler.phase("hc_pre"):
-        post, comb, y = hc_split(X, b.hc_attn, hc, iters, eps, neps)
+        post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
     with profiler.phase("attention"):
-        a, delta = attention(b.attn, rms_norm(y, b.attn_norm, neps), chunk, ls, cfg, ropes)
+        a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
     with profiler.phase("hc_post"):
         X = hc_merge(X, a, post, comb)
     with profiler.phase("hc_pre"):
-        post, comb, y = hc_split(X, b.hc_ffn, hc, iters, eps, neps)
+        post, comb, x = hc_pre(X, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     with profiler.phase("moe_ffn"):
-        m = moe(b.moe, rms_norm(y, b.ffn_norm, neps), ids, cfg.top_k, cfg.routed_scaling_factor,
-                cfg.swiglu_limit)
+        m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
     with profiler.phase("hc_post"):
         return hc_merge(X, m, post, comb), delta
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..kernels.regions import region
 from ..kernels.switches import SWITCHES
-from .norms import unweighted_rms_norm
+from .norms import rms_norm, unweighted_rms_norm
 
 
 @dataclass
@@ -39,6 +39,22 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
         coefficients = hc_coefficients
     pre, post, comb = coefficients(mixes, site.base.float(), site.scale.float(), hc, iters, eps)
     return post, comb, _collapse(pre, X)
+
+
+def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole pre site: ``(post [S,hc], comb [S,hc,hc], x_in [S,D])``, ``x_in`` the collapsed streams
+    through the sublayer's input norm ``rms_norm(., norm_w, norm_eps)``.
+
+    With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`);
+    otherwise :func:`hc_split` and :func:`~ds4serve.model.norms.rms_norm`, the reference.
+    """
+    if SWITCHES.hc_fused and kernels.enabled(X) and X.shape[0] <= MIX_REDUCE_MAX_ROWS:
+        from ..kernels.ops import hc_pre as fused
+
+        return fused(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
+    post, comb, y = hc_split(X, site, hc, iters, eps, norm_eps)
+    return post, comb, rms_norm(y, norm_w, norm_eps)
 
 
 MIX_REDUCE_MAX_ROWS = 8  # up to this many rows the mixes are a product-sum (fused), else a matmul

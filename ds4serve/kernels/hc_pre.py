@@ -1,0 +1,163 @@
+"""A whole mHC "pre" site of a decode step in one launch: mixes, coefficients, collapse, the sublayer's norm.
+
+In a batch-1 CUDA-graph decode step the torch code of a site (:func:`ds4serve.model.hyper.hc_split` then
+:func:`ds4serve.model.norms.rms_norm`) is four launches: an Inductor reduction for the RMS of the
+flattened streams ``X[s].flatten()`` (``hc * D`` = 16384 values), one for the 24 mixes (a product-sum with
+``fn [24, 16384]``), the one-program Sinkhorn kernel (:mod:`ds4serve.kernels.hyper`) and a kernel for the
+collapse ``sum_k pre_k X_k`` with the weighted RMSNorm. Each moves little data and costs mostly its
+latency (~8 us per site together), at 86 sites per token (2 per layer, 43 layers). Here one launch does
+the site.
+
+Grid ``(P, S)``: program ``p`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
+``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread
+over P = 128 programs at the real size), and stores its partial sum of squares and 24 partial dot products
+to an fp32 scratch ``[S, P, 1 + mix]``. It then increments the row's arrival counter; the program that gets
+``P - 1`` back is the last of its row, and it alone finishes the row: it sums the partials in a fixed order
+(the same whichever program came last: deterministic), forms the mixes and the coefficients (the code of
+:func:`ds4serve.kernels.hyper.coefficients`), writes ``post`` and ``comb``, then the collapse and the norm.
+
+Memory ordering of the last-program pattern: a program's partials are stored by several threads;
+``tl.debug_barrier()`` (``bar.sync``) orders those stores before the one ``atom.acq_rel.gpu.add`` of the
+counter, whose release is cumulative over what the barrier made the atomic's thread observe, so it
+publishes all of them at GPU scope. The last program's atomic reads the value every other program's
+release wrote (the counter's read-modify-writes are totally ordered), so its acquire makes their partials
+visible to it; Triton hands the atomic's result to the program's other threads through shared memory and
+a barrier, which orders their loads after the acquire. The partials are read with ``.cg`` (at L2, not
+through L1), so no line cached in this SM's L1 can be stale. The last program also resets its row's
+counter to 0: no program of the launch touches it after the last increment, and the next launch in the
+stream starts only after this one has ended (with PDL too: its ``griddepcontrol.wait`` waits for the whole
+grid and its writes). The counters are therefore zero at every launch, which lets them be one buffer cached
+per device (:func:`_counters`) rather than a zero-filled tensor per call: inside a CUDA graph that fill
+would be one more launch per site, and it would break the PDL chain between the kernels around it.
+
+Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch
+scales each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation
+orders differ from this one anyway). The collapse sums the ``hc`` streams in fp32, in stream order, and
+rounds to X's dtype, as ``_collapse`` does; the norm takes fp32 statistics of that rounded value and casts
+``weight * (y * rsqrt(mean(y^2) + eps))`` once, as ``rms_norm`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from .hyper import coefficients
+
+BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
+NUM_WARPS = 4
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: a captured graph may still point at them
+
+
+@triton.jit
+def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr,
+                   D, iters, eps, norm_eps, HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr,
+                   P_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    s = tl.program_id(1).to(tl.int64)
+    MIX: tl.constexpr = (2 + HC) * HC
+    WIDTH: tl.constexpr = 1 + MIX
+    N = HC * D
+    x_row = x_ptr + s * N
+    n = p * BLOCK + tl.arange(0, BLOCK)
+    nm = n < N
+    x = tl.load(x_row + n, mask=nm, other=0.0).to(tl.float32)
+    m = tl.arange(0, MIX_PAD)
+    f = tl.load(fn_ptr + m[:, None] * N + n[None, :], mask=(m[:, None] < MIX) & nm[None, :], other=0.0)
+    part = part_ptr + (s * n_prog + p) * WIDTH
+    tl.store(part, tl.sum(x * x, axis=0))
+    tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + s, 1, sem="acq_rel") == n_prog - 1:
+        tl.store(count_ptr + s, 0)
+        pre, post, comb = _row_coefficients(part_ptr + s * n_prog * WIDTH, n_prog, N, base_ptr, scale_ptr,
+                                            iters, eps, norm_eps, HC, P_PAD)
+        j = tl.arange(0, HC)
+        tl.store(post_ptr + s * HC + j, post)
+        tl.store(comb_ptr + s * HC * HC + j[:, None] * HC + j[None, :], comb)
+        _collapse_and_norm(x_row, pre, w_ptr, y_ptr + s * D, D, norm_eps, HC, D_PAD)
+
+
+@triton.jit
+def _row_coefficients(rows_ptr, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC: tl.constexpr,
+                      P_PAD: tl.constexpr):
+    """``(pre, post, comb)`` of a row from its programs' partials ``[n_prog, 1 + mix]`` at ``rows_ptr``."""
+    WIDTH: tl.constexpr = 1 + (2 + HC) * HC
+    q = tl.arange(0, P_PAD)
+    j = tl.arange(0, HC)
+    rows = rows_ptr + q * WIDTH
+    pm = q < n_prog
+    sq = tl.sum(tl.load(rows, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
+    pre_w = tl.load(rows[:, None] + 1 + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
+    post_w = tl.load(rows[:, None] + 1 + HC + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
+    cell = j[:, None] * HC + j[None, :]
+    comb_w = tl.load(rows[:, None, None] + 1 + 2 * HC + cell[None, :, :], mask=pm[:, None, None], other=0.0,
+                     cache_modifier=".cg")
+    r = tl.rsqrt(sq / N + norm_eps)
+    return coefficients(tl.sum(pre_w, axis=0) * r, tl.sum(post_w, axis=0) * r, tl.sum(comb_w, axis=0) * r,
+                        base_ptr, scale_ptr, iters, eps, HC)
+
+
+@triton.jit
+def _collapse_and_norm(x_row, pre, w_ptr, y_ptr, D, norm_eps, HC: tl.constexpr, D_PAD: tl.constexpr):
+    """``y = sum_k pre_k X_k`` (fp32, rounded to the output dtype), then ``w * (y * rsqrt(mean(y^2) + eps))``."""
+    j = tl.arange(0, HC)
+    d = tl.arange(0, D_PAD)
+    dm = d < D
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for k in tl.static_range(HC):
+        pre_k = tl.sum(tl.where(j == k, pre, 0.0), axis=0)
+        acc += pre_k * tl.load(x_row + k * D + d, mask=dm, other=0.0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    y = acc.to(dtype).to(tl.float32)
+    y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + norm_eps)
+    tl.store(y_ptr + d, (tl.load(w_ptr + d, mask=dm, other=0.0) * y).to(dtype), mask=dm)
+
+
+def _counters(device: torch.device, rows: int) -> torch.Tensor:
+    """Zero int32 arrival counters for ``rows`` rows, cached per device (the kernel leaves them zero).
+
+    During a CUDA-graph capture a missing buffer cannot be made here (its zero fill would only run at
+    replay): the launch then gets zeros of its own, one captured fill. The engine's graphs run their step
+    eagerly before capturing it, so the cached buffer exists by then.
+    """
+    have = _COUNTERS.get(device)
+    if have is not None and have.numel() >= rows:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(rows, device=device, dtype=torch.int32)
+    if have is not None:
+        _OUTGROWN.append(have)
+    _COUNTERS[device] = torch.zeros(max(rows, 64), device=device, dtype=torch.int32)
+    return _COUNTERS[device]
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
+           hc: int, iters: int, eps: float, norm_eps: float, block: int = BLOCK
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(post [S, hc] fp32, comb [S, hc, hc] fp32, x_in [S, D] in X's dtype)`` for streams ``X [S, hc, D]``:
+    ``hc_split(X, HCSite(fn, base, scale), ...)`` then ``rms_norm(collapsed, norm_w, norm_eps)``.
+
+    ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]``, ``scale [3]`` and ``norm_w [D]`` are used in fp32.
+    Two launches must not run concurrently on one device (they share the arrival counters).
+    """
+    S, _, D = X.shape
+    X = X.contiguous()
+    mix = (2 + hc) * hc
+    n_prog = triton.cdiv(hc * D, block)
+    part = torch.empty(S, n_prog, 1 + mix, device=X.device, dtype=torch.float32)
+    post = torch.empty(S, hc, device=X.device, dtype=torch.float32)
+    comb = torch.empty(S, hc, hc, device=X.device, dtype=torch.float32)
+    x_in = torch.empty(S, D, device=X.device, dtype=X.dtype)
+    _hc_pre_kernel[(n_prog, S)](
+        X, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(),
+        norm_w.float().contiguous(), part, _counters(X.device, S), post, comb, x_in, D, iters, eps, norm_eps,
+        HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix), P_PAD=triton.next_power_of_2(n_prog),
+        D_PAD=triton.next_power_of_2(D), num_warps=NUM_WARPS, **pdl.launch(X))
+    return post, comb, x_in
