@@ -70,6 +70,8 @@ def test_merge_product_sum_matches_matmul(dtype, rows, monkeypatch):
     assert got.dtype == dtype and got.shape == X.shape
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the tiny model is on the CPU, its kernels need Triton's interpreter; "
+                    "on a GPU bench/check_gpu.py --switches defaults+hc_fused checks the model")
 def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
     """A static decode step (kernels in Triton's interpreter on CPU, regions as written, so the switch is
     the only difference) gives the unfused logits; every pre site of every layer went through the kernel."""

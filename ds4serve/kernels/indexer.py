@@ -49,7 +49,10 @@ class ScoresConfig:
 @dataclass(frozen=True)
 class SelectConfig:
     block: int = 1024  # scores read per step of a pass over the row
-    bits: int = 8  # radix digit width, both paths: 32 // bits passes, each a 2**bits-bin histogram
+    # radix digit width, both paths: 32 // bits passes, each a 2**bits-bin histogram. 4 was fastest on the
+    # H200 for decode rows of 2048 and 8192 entries (bench/sweep_indexer.py, 2026-11-29: 6.4 us / 13.8 us
+    # with 2048 visible against 8.2 / 15.0 at 8 bits)
+    bits: int = 4
     warps: int = 8
     # A row of up to this many scores (rounded up to a power of two) is read once into registers and
     # every pass runs there; a longer one is read again by each pass, ``block`` at a time.

@@ -37,8 +37,10 @@ class Switches:
     # (H200, 2026-11-29, bench/results/2026-11-29-h200-round6-arms.log).
     merge_product_sum: bool = True
     # Regions marked chunks=True (norms, RoPE, the mHC mixes) also run compiled (dynamic shapes) in
-    # prefill and verify chunks on CUDA (kernels/regions.py). Off until a GPU run measures it.
-    chunk_regions: bool = False
+    # prefill and verify chunks on CUDA (kernels/regions.py). bf16 proxy, one 2048-token prefill chunk:
+    # 7,441 -> 10,284 tok/s (25.1% -> 34.7% of the matmul rate; H200, 2026-11-29,
+    # bench/results/2026-11-29-h200-round9-ab.*).
+    chunk_regions: bool = True
     # Speculative decoding on CUDA runs as CUDA graphs: each verify width (engine/cuda_graphs.py
     # VerifyGraph: the static block forward, then commit_static of the accepted prefix) and the MTP /
     # DSpark draft passes (engine/draft_graphs.py) instead of eager forwards. check_gpu.py 62/62 with
@@ -72,8 +74,10 @@ class Switches:
     pdl: bool = True
     # Each mHC pre site of a decode-sized chunk (both per layer) is one launch (kernels/hc_pre.py: the RMS,
     # the 24 mixes, the Sinkhorn coefficients, the collapse and the sublayer's input norm) instead of four
-    # (two Inductor reductions, the coefficient kernel, the collapse with the norm). Off until a GPU run
-    # measures it.
+    # (two Inductor reductions, the coefficient kernel, the collapse with the norm). Checked on the H200
+    # (kernel, graph == eager) but off: interleaved A/B at 512 / 8192, bf16 9.98 -> 9.75 / 10.64 -> 10.37,
+    # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
+    # slower on FP8, the real checkpoints' format.
     hc_fused: bool = False
 
 
