@@ -173,6 +173,8 @@ def _fp4_experts(experts: torch.Tensor) -> FP4Weight:
     return FP4Weight(torch.stack(codes), torch.stack(scales))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter, which runs only "
+                    "without a GPU; on a GPU bench/check_gpu.py's tiny FP8+MXFP4 check runs this path")
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("group_experts", [1, 3, 8])
 def test_quantized_experts_in_dequantised_groups_equal_the_expert_loop(monkeypatch, fmt, group_experts):
