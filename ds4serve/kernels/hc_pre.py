@@ -16,19 +16,7 @@ to an fp32 scratch ``[S, P, 1 + mix]``. It then increments the row's arrival cou
 (the same whichever program came last: deterministic), forms the mixes and the coefficients (the code of
 :func:`ds4serve.kernels.hyper.coefficients`), writes ``post`` and ``comb``, then the collapse and the norm.
 
-Memory ordering of the last-program pattern: a program's partials are stored by several threads;
-``tl.debug_barrier()`` (``bar.sync``) orders those stores before the one ``atom.acq_rel.gpu.add`` of the
-counter, whose release is cumulative over what the barrier made the atomic's thread observe, so it
-publishes all of them at GPU scope. The last program's atomic reads the value every other program's
-release wrote (the counter's read-modify-writes are totally ordered), so its acquire makes their partials
-visible to it; Triton hands the atomic's result to the program's other threads through shared memory and
-a barrier, which orders their loads after the acquire. The partials are read with ``.cg`` (at L2, not
-through L1), so no line cached in this SM's L1 can be stale. The last program also resets its row's
-counter to 0: no program of the launch touches it after the last increment, and the next launch in the
-stream starts only after this one has ended (with PDL too: its ``griddepcontrol.wait`` waits for the whole
-grid and its writes). The counters are therefore zero at every launch, which lets them be one buffer cached
-per device (:func:`_counters`) rather than a zero-filled tensor per call: inside a CUDA graph that fill
-would be one more launch per site, and it would break the PDL chain between the kernels around it.
+The last-program pattern, its memory ordering and the shared counters: :mod:`ds4serve.kernels.arrival`.
 
 Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch
 scales each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation
@@ -44,13 +32,11 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .arrival import counters, last_to_arrive
 from .hyper import coefficients
 
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
 NUM_WARPS = 4
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # kept alive: a captured graph may still point at them
 
 
 @triton.jit
@@ -73,9 +59,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr, count_pt
     part = part_ptr + (s * n_prog + p) * WIDTH
     tl.store(part, tl.sum(x * x, axis=0))
     tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr + s, 1, sem="acq_rel") == n_prog - 1:
-        tl.store(count_ptr + s, 0)
+    if last_to_arrive(count_ptr + s, n_prog):
         pre, post, comb = _row_coefficients(part_ptr + s * n_prog * WIDTH, n_prog, N, base_ptr, scale_ptr,
                                             iters, eps, norm_eps, HC, P_PAD)
         j = tl.arange(0, HC)
@@ -120,24 +104,6 @@ def _collapse_and_norm(x_row, pre, w_ptr, y_ptr, D, norm_eps, HC: tl.constexpr, 
     tl.store(y_ptr + d, (tl.load(w_ptr + d, mask=dm, other=0.0) * y).to(dtype), mask=dm)
 
 
-def _counters(device: torch.device, rows: int) -> torch.Tensor:
-    """Zero int32 arrival counters for ``rows`` rows, cached per device (the kernel leaves them zero).
-
-    During a CUDA-graph capture a missing buffer cannot be made here (its zero fill would only run at
-    replay): the launch then gets zeros of its own, one captured fill. The engine's graphs run their step
-    eagerly before capturing it, so the cached buffer exists by then.
-    """
-    have = _COUNTERS.get(device)
-    if have is not None and have.numel() >= rows:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(rows, device=device, dtype=torch.int32)
-    if have is not None:
-        _OUTGROWN.append(have)
-    _COUNTERS[device] = torch.zeros(max(rows, 64), device=device, dtype=torch.int32)
-    return _COUNTERS[device]
-
-
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
            hc: int, iters: int, eps: float, norm_eps: float, block: int = BLOCK
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,7 +123,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     x_in = torch.empty(S, D, device=X.device, dtype=X.dtype)
     _hc_pre_kernel[(n_prog, S)](
         X, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(),
-        norm_w.float().contiguous(), part, _counters(X.device, S), post, comb, x_in, D, iters, eps, norm_eps,
+        norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in, D, iters, eps, norm_eps,
         HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix), P_PAD=triton.next_power_of_2(n_prog),
         D_PAD=triton.next_power_of_2(D), num_warps=NUM_WARPS, **pdl.launch(X))
     return post, comb, x_in

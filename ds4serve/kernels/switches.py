@@ -79,6 +79,10 @@ class Switches:
     # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
     # slower on FP8, the real checkpoints' format.
     hc_fused: bool = False
+    # The small sums at the end of the fused MoE (over a token's expert slots) and of a split-K GEMV (over
+    # its input slices) are done by the last program of each group to finish (kernels/arrival.py) instead
+    # of a launch of their own. Off until a GPU run measures it.
+    arrival_sums: bool = False
 
 
 SWITCHES = Switches()
