@@ -112,19 +112,3 @@ def test_dense_gemv_op_traces_whole():
     x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
     got = torch.compile(lambda x: ops.gemv(x * 2, w, None, 0, 0, 1) + 1, backend="aot_eager", fullgraph=True)(x)
     assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
-
-
-@pytest.mark.parametrize("kind,rows,config", [
-    ("fp8", 3, GemvConfig(16, 64, split=2, dot=True)), ("bf16", 1, GemvConfig(4, 32, split=3)),
-    ("fp32", 3, GemvConfig(16, 32, split=3))])
-def test_split_sums_by_the_last_slice_equal_the_sum_launch(kind, rows, config):
-    """``arrival_sums``: the last slice program of each block of rows sums the slices in slice order,
-    bit for bit what the separate sum launch writes; twice in a row (its counters were left at zero)."""
-    w, s, block = _weight(kind, seed=7)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float32
-                                                                             if kind == "fp32" else torch.bfloat16)
-    with using(arrival_sums=False):
-        want = gemv(x, w, s, block, config=config)
-    with using(arrival_sums=True):
-        got = [gemv(x, w, s, block, config=config) for _ in range(2)]
-    assert all(torch.equal(g, want) for g in got)

@@ -16,7 +16,6 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import moe  # noqa: E402
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
 from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
 from ds4serve.quant import dequant_fp4, quant_fp4  # noqa: E402
@@ -146,17 +145,3 @@ def test_moe_ref_shared_expert_is_one_more_slot():
                                                               *[s.unsqueeze(0) for s in shared], LIMIT)
     got = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
     assert torch.allclose(got, want, atol=1e-6)
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "fp8", "fp4+fp8"])
-def test_slot_sums_by_the_last_slot_equal_the_sum_launch(fmt, poisoned, monkeypatch):
-    """``arrival_sums``: the last slot program of each block of output rows sums the slots in slot
-    order, bit for bit what the separate sum launch writes; twice in a row (its counters were left at zero)."""
-    monkeypatch.setitem(moe.CONFIGS, "fp4", MoEConfig(Tile(16, 1024), Tile(16, 1024)))
-    x, idx, weights, w, _, _ = _case(fmt, 3)
-    with kernels.on_any_device():
-        with using(arrival_sums=False):
-            want = _moe_fused(w, x, idx, weights, LIMIT)
-        with using(arrival_sums=True):
-            got = [_moe_fused(w, x, idx, weights, LIMIT) for _ in range(2)]
-    assert all(torch.equal(g, want) for g in got)

@@ -56,14 +56,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ds4serve.kernels import gemv
 
-args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
-        "count_ptr": "*i32", "n_rows": "i32",
+args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "n_rows": "i32",
         "n_in": "i32", "k_per_split": "i32", "rows_per_group": "i32", "x_stride": "i32", "s_cols": "i32",
         "n_tokens": "i32"}
 ptx = {}
 for pdl in (False, True):
     consts = dict(SCALED=True, SB_R=128, SB_C=128, N_PAD=16, BLOCK_R=64, BLOCK_K=128, SUB_K=128, STAGES=4,
-                  PARTIAL=False, TAIL_SUM=False, DOT_DTYPE=triton.language.float16, N_LOAD=1, X_SCALE=2.0 ** -8, PDL=pdl)
+                  PARTIAL=False, DOT_DTYPE=triton.language.float16, N_LOAD=1, X_SCALE=2.0 ** -8, PDL=pdl)
     source = ASTSource(gemv._gemv_dot_kernel, {**args, **dict.fromkeys(consts, "constexpr")}, consts)
     ptx[str(pdl)] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 json.dump(ptx, sys.stdout)

@@ -27,8 +27,7 @@ Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weig
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
 issues one tile at a time and waits for it). Split-K (``split > 1``) gives a projection with few
 output rows enough programs: each reads one slice of the input and writes an fp32 partial, and a
-second launch sums the slices in a fixed order (deterministic, unlike atomics), or with
-``SWITCHES.arrival_sums`` the last slice program of each block of rows does (:mod:`.arrival`).
+second launch sums the slices in a fixed order (deterministic, unlike atomics).
 
 :func:`default_config` reads :data:`TABLE`, filled by ``bench/sweep_gemv.py`` on the target GPU,
 and falls back to a heuristic for other shapes.
@@ -46,8 +45,6 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .arrival import counters, last_to_arrive
-from .switches import SWITCHES
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
 SMS = 132  # streaming multiprocessors of the target GPU (H200)
@@ -58,7 +55,7 @@ TABLED_BLOCK = (128, 128)  # the FP8 scale block of real checkpoints, which the 
 class GemvConfig:
     block_r: int  # weight rows per program (a power of two)
     block_k: int  # inputs per loop step (a power of two)
-    split: int = 1  # slices of the input, one program each; then summed in slice order
+    split: int = 1  # slices of the input, one program each; summed by a second launch
     warps: int = 4
     stages: int = 4  # loop steps in flight (cp.async pipeline depth)
     dot: bool = False  # tensor cores: tl.dot with the activations padded to 16 rows
@@ -133,20 +130,9 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
 
 
 @triton.jit
-def _store(out_ptr, part_ptr, count_ptr, y, offsets, mask, split, n_tokens, n_rows, PARTIAL: tl.constexpr,
-           TAIL_SUM: tl.constexpr):
-    # Split-K: the fp32 partial of this slice; with TAIL_SUM the last slice of these rows to finish sums
-    # the slices in slice order into the output (kernels/arrival.py), else _sum_splits_kernel does.
+def _store(out_ptr, y, offsets, mask, split, n_tokens, n_rows, PARTIAL: tl.constexpr):
     if PARTIAL:
-        tl.store(part_ptr + split * n_tokens * n_rows + offsets, y, mask=mask)
-        if TAIL_SUM:
-            n_split = tl.num_programs(1)
-            if last_to_arrive(count_ptr + tl.program_id(0), n_split):
-                acc = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, n_split):
-                    acc += tl.load(part_ptr + s * n_tokens * n_rows + offsets, mask=mask, other=0.0,
-                                   cache_modifier=".cg")
-                tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + split * n_tokens * n_rows + offsets, y, mask=mask)
     else:
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -193,10 +179,10 @@ def _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R: tl.constexpr, N_PAD: 
 
 
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
-def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n_rows, n_in, k_per_split, rows_per_group,
-                     x_stride, s_cols, n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                     N_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                     STAGES: tl.constexpr, PARTIAL: tl.constexpr, TAIL_SUM: tl.constexpr, PDL: tl.constexpr):
+def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
+                     n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
+                     PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # A step reads BLOCK_K inputs as sub-tiles of SUB_K (one scale column each, for FP8), so that the
     # scale is one number per sub-tile and the accumulator holds only SUB_K columns.
     first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
@@ -215,16 +201,16 @@ def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n_rows, 
                 xs *= _scale(s_ptr, rows, rmask, first, k0 + j * SUB_K, s_cols, SB_R, SB_C, False)
             acc += w * xs
     y = tl.sum(acc, axis=2)
-    _store(out_ptr, part_ptr, count_ptr, y, tokens[:, None] * n_rows + rows[None, :], tmask[:, None] & rmask[None, :],
-           split, n_tokens, n_rows, PARTIAL, TAIL_SUM)
+    _store(out_ptr, y, tokens[:, None] * n_rows + rows[None, :], tmask[:, None] & rmask[None, :], split, n_tokens,
+           n_rows, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
-def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n_rows, n_in, k_per_split, rows_per_group,
-                     x_stride, s_cols, n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                     N_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                     STAGES: tl.constexpr, PARTIAL: tl.constexpr, TAIL_SUM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     N_LOAD: tl.constexpr, X_SCALE: tl.constexpr, PDL: tl.constexpr):
+def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
+                     n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
+                     PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr,
+                     PDL: tl.constexpr):
     first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
                                                                      N_PAD)
     pdl.start(PDL)
@@ -245,8 +231,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n_rows, 
                 xt = tl.load(x_base + tokens[None, :] * x_stride + cols[:, None], mask=cmask[:, None] & tmask[None, :],
                              other=0.0)
                 acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
-    _store(out_ptr, part_ptr, count_ptr, acc, tokens[None, :] * n_rows + rows[:, None], rmask[:, None] & tmask[None, :],
-           split, n_tokens, n_rows, PARTIAL, TAIL_SUM)
+    _store(out_ptr, acc, tokens[None, :] * n_rows + rows[:, None], rmask[:, None] & tmask[None, :], split, n_tokens,
+           n_rows, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["n_split"])
@@ -367,24 +353,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         out = torch.empty(n_tokens, n_rows, device=x.device, dtype=x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(n_in, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(n_in, k_per_split)
-    part = out if split == 1 else torch.empty(split, n_tokens, n_rows, device=x.device, dtype=torch.float32)
-    tail_sum = split > 1 and SWITCHES.arrival_sums
-    grid = (triton.cdiv(n_rows, cfg.block_r), split)
+    target = out if split == 1 else torch.empty(split, n_tokens, n_rows, device=x.device, dtype=torch.float32)
     sb_r, sb_c = block or (1, 1)
-    args = (x2, weight, scale, out, part, counters(x.device, grid[0]) if tail_sum else out, n_rows, n_in,
-            k_per_split, n_rows // groups, x2.stride(0), scale.shape[1] if scale is not None else 0, n_tokens)
+    args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0),
+            scale.shape[1] if scale is not None else 0, n_tokens)
     consts = dict(SCALED=scale is not None, SB_R=sb_r, SB_C=sb_c, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
                   SUB_K=min(cfg.block_k, sb_c) if scale is not None else cfg.block_k, STAGES=cfg.stages,
-                  PARTIAL=split > 1, TAIL_SUM=tail_sum, num_warps=cfg.warps, num_stages=cfg.stages,
-                  **pdl.launch(x2))
+                  PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch(x2))
+    grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.dot:
         _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
                                N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
     else:
         _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
-    if split > 1 and not tail_sum:
+    if split > 1:
         n = n_tokens * n_rows
-        _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, out, n, split, BLOCK=1024, num_warps=4,
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
                                                     **pdl.launch(x2))
     return out
 

@@ -1,17 +1,15 @@
 """Fused MoE for a few tokens (decode, small verify blocks): selected experts read in place.
 
 Tokens ``x [N, D]`` each go through their own ``k`` routed experts plus the shared expert, which
-is one more slot (``S = k + 1`` slots a token). Two or three launches a call, no host
-synchronisation, static shapes (CUDA-graph safe):
+is one more slot (``S = k + 1`` slots a token). Three launches a call, no host synchronisation,
+static shapes (CUDA-graph safe):
 
 1. gate-up: one program per (token, slot) pair and block of intermediate rows reads the w1 and w3
    rows together and writes ``h = silu(clamp(w1 x, max=L)) * clamp(w3 x, -L, L)`` in fp32
    (times 2^64 for MXFP4 experts, see :func:`_e2m1`);
 2. down: one program per pair and block of output rows writes the fp32 partial
    ``weight * w2 h`` (the shared slot's weight is 1) to ``[N, S, D]``;
-3. a sum over the slots in a fixed order (deterministic), cast to ``x.dtype``: with
-   ``SWITCHES.arrival_sums`` by the last of a token's slot programs to finish each block of rows
-   (:mod:`ds4serve.kernels.arrival`), else in a launch of its own.
+3. a sum over the slots in a fixed order (deterministic), cast to ``x.dtype``.
 
 A program picks its expert's base pointers from its slot, so the shared expert rides in the same
 launches. When its format differs from the routed experts' (MXFP4 routed, FP8 shared), the kernels
@@ -35,8 +33,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .arrival import counters, last_to_arrive
-from .switches import SWITCHES
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
@@ -254,15 +250,12 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, out_ptr, count_ptr, w2_ptr, s2_ptr, w_stride, s_stride, row_len,
-                 s_cols, sw2_ptr, ss2_ptr, srow_len, ss_cols, n_out, n_inter, top_k, n_slots,
+def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_stride, row_len, s_cols,
+                 sw2_ptr, ss2_ptr, srow_len, ss_cols, n_out, n_inter, top_k, n_slots,
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
-                 MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_SUM: tl.constexpr,
-                 PDL: tl.constexpr):
-    """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``. ``TAIL_SUM``: the
-    last of a token's slots to finish a block of rows sums the slots' partials in slot order into ``out``
-    (:mod:`ds4serve.kernels.arrival`), else :func:`_sum_slots_kernel` does, in the same order."""
+                 MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     h = h_ptr + pair * n_inter
@@ -281,15 +274,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, out_ptr, count_ptr, w2_ptr, s
                        tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
                        QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K)
     y *= tl.where(slot < top_k, weight, 1.0)
-    rows = row0 + tl.arange(0, BLOCK_R)
-    tl.store(part_ptr + pair * n_out + rows, y)
-    if TAIL_SUM:
-        if last_to_arrive(count_ptr + token * tl.num_programs(1) + tl.program_id(1), n_slots):
-            part = part_ptr + token * n_slots * n_out + rows
-            acc = tl.load(part, cache_modifier=".cg")
-            for j in range(1, n_slots):
-                acc += tl.load(part + j * n_out, cache_modifier=".cg")
-            tl.store(out_ptr + token * n_out + rows, acc.to(out_ptr.dtype.element_ty))
+    tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
 
 @triton.jit
@@ -403,16 +388,13 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k,
         num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
-    out = torch.empty_like(x)
-    tail_sum = SWITCHES.arrival_sums
-    count = counters(x.device, N * (D // rows)) if tail_sum else out
     _down_kernel[(N * slots, D // rows)](
-        h, idx, weights, part, out, count, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
+        h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
         **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k,
-        TAIL_SUM=tail_sum, num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
-    if not tail_sum:
-        _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
+        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
+    out = torch.empty_like(x)
+    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
     return out
 
 

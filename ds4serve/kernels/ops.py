@@ -68,7 +68,7 @@ def moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                sw1: torch.Tensor, ss1: torch.Tensor | None, sw3: torch.Tensor, ss3: torch.Tensor | None,
                sw2: torch.Tensor, ss2: torch.Tensor | None, shared_block: list[int], limit: float) -> torch.Tensor:
     """Routed experts ``[E, out, in]`` (scales None when dense) plus the shared expert ``[out, in]``,
-    for tokens ``x [N, D]`` routed to ``idx [N, k]`` with ``weights [N, k]``: two or three kernel launches,
+    for tokens ``x [N, D]`` routed to ``idx [N, k]`` with ``weights [N, k]``: three kernel launches,
     the shared expert one more slot in them."""
     rb, sb = (routed_block[0], routed_block[1]), (shared_block[0], shared_block[1])
     routed = [moe.ExpertStack(w, s, rb) for w, s in ((w1, s1), (w3, s3), (w2, s2))]

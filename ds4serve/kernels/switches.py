@@ -79,12 +79,6 @@ class Switches:
     # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
     # slower on FP8, the real checkpoints' format.
     hc_fused: bool = False
-    # The small sums at the end of the fused MoE (over a token's expert slots) and of a split-K GEMV (over
-    # its input slices) are done by the last program of each group to finish (kernels/arrival.py) instead
-    # of a launch of their own. Checked on the H200 (check_gpu kernels 53/53 with it) but no faster: bf16
-    # 10.04 -> 10.12, FP8 7.36 -> 7.31 ms/token at 512 (interleaved A/B, 2026-11-29,
-    # bench/results/2026-11-29-h200-round9-arrival-*): with PDL the sum launch costs about what the tail does.
-    arrival_sums: bool = False
 
 
 SWITCHES = Switches()
