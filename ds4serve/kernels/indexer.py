@@ -12,9 +12,9 @@ chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two
   visible entry reads no keys: the static decode buffer is sized for the longest context.
 * :func:`select_top`: one program per query row finds the k-th largest score by a radix select on
   the order-preserving unsigned image of the fp32 bits, a ``bits``-wide digit per pass, most
-  significant first (8 bits: 4 passes): each pass builds the histogram of the digit over the keys
-  whose higher digits are those found so far, and its suffix sums give the digit of the k-th
-  largest key and how many keys lie above it. The passes are sequential block-wide steps (a row
+  significant first (4 bits by default: 8 passes): each pass builds the histogram of the digit
+  over the keys whose higher digits are those found so far, and its suffix sums give the digit of
+  the k-th largest key and how many keys lie above it. The passes are sequential block-wide steps (a row
   is one program), so their number sets the kernel's latency on a decode row. Then it keeps every
   score above the k-th largest and, among the scores equal to it, the lowest entry indices until
   ``k`` are taken. ``torch.topk`` leaves the order among equal values unspecified, so this tie rule
