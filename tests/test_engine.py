@@ -240,3 +240,16 @@ def test_park_and_unpark(own_engine):
 def test_generate_error_carries_code_and_message():
     err = GenerateError(ErrorCode.INVALID_REQUEST, "top_k: expected an integer >= 0")
     assert err.code is ErrorCode.INVALID_REQUEST and "top_k" in str(err)
+
+
+def test_warm_up_leaves_the_engine_as_a_fresh_one(tiny_dir):
+    """The server's start-up request is dropped: the next request gives what a fresh engine gives; a
+    warm-up that fails raises instead of leaving a server that cannot answer."""
+    prompt, params = [5, 9, 2, 7, 1, 3], SamplingParams(max_tokens=8)
+    want = Engine.from_pretrained(tiny_dir).generate(prompt, params).tokens
+    engine = Engine.from_pretrained(tiny_dir)
+    assert engine.warm_up("ngram:3") > 0
+    assert engine.generate(prompt, params).tokens == want
+    with pytest.raises(RuntimeError, match="warm-up request failed"):
+        engine.warm_up("no-such-draft")
+    assert engine.generate(prompt, params).tokens == want

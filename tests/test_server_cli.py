@@ -47,7 +47,7 @@ def test_serve_builds_the_default_model_and_answers(tmp_path):
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
-    assert "RANDOM weights" in out
+    assert "RANDOM weights" in out and "warmed up in" in out
 
 
 def test_serve_places_a_layer_split(tiny_dir):

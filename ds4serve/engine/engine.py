@@ -33,6 +33,7 @@ from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
 
 log = logging.getLogger("ds4serve.engine")
+WARM_UP_PROMPT, WARM_UP_TOKENS = 16, 4  # Engine.warm_up's request: a prefill chunk and a few decode steps
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -195,6 +196,20 @@ class Engine:
             if on_token is not None and on_token(token) is False:
                 handle.cancel()
         return handle.result
+
+    def warm_up(self, speculative: object | None = None) -> float:
+        """Serve one short request and drop it, so that the first client does not wait for what the first
+        request of a process pays once: on CUDA the compiles of the decode and prefill regions and the
+        decode graph's capture, and with ``speculative`` the draft's load and its graphs. Leaves the engine
+        as any finished request does (the next request starts from a reset state); returns the seconds it
+        took. Raises RuntimeError when the request fails (a server should not start then)."""
+        vocab = self.cfg.vocab_size
+        prompt = [(i * 7919) % vocab for i in range(1, WARM_UP_PROMPT + 1)]
+        start = time.perf_counter()
+        res = self.generate(prompt, SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True), speculative=speculative)
+        if res.error is not None:
+            raise RuntimeError(f"warm-up request failed: {res.error}: {res.error_message}")
+        return time.perf_counter() - start
 
     def _run(self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None) -> Iterator[int]:
         res, params = handle.result, handle.params

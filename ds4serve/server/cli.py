@@ -25,6 +25,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--prefix-cache-mb", type=float, default=1024.0, help="memory for prefix snapshots (0: off)")
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
     p.add_argument("--prefix-cache-disk-mb", type=float, default=None, help="disk budget of --prefix-cache-dir")
+    p.add_argument("--no-warm-up", action="store_true", help="start serving without first running one short "
+                   "request (then the first client's request pays the compiles and graph captures)")
 
     def run(a: argparse.Namespace) -> int:
         import uvicorn
@@ -42,6 +44,9 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         config = ServerConfig(model_name=a.served_model_name or model.name, api_key=a.api_key,
                               max_queue=a.max_queue, max_body_bytes=int(a.max_body_mb * 2**20),
                               max_tokens_limit=a.max_tokens_limit, speculative=a.speculative)
+        if not a.no_warm_up:
+            log.info("warmed up in %.1f s (one short request: compiles, graph captures%s)",
+                     engine.warm_up(a.speculative), ", the draft" if a.speculative else "")
         app = create_app(engine, config, cache)
         if a.model is None:
             log.info("serving the built-in tiny model from %s: it has RANDOM weights (its output is gibberish)", model)
