@@ -12,6 +12,7 @@ import torch
 
 
 from ds4serve import kernels  # noqa: E402
+from ds4serve.config import CSA  # noqa: E402
 from ds4serve.kernels import regions  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import linear as linear_module  # noqa: E402
@@ -90,5 +91,30 @@ def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
         with using(hc_fused=True):
             out, _ = static_step(model, fused, ids[14])
     assert len(calls) == 2 * model.cfg.num_layers
+    err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
+    assert err <= 1e-5, f"relative error {err:.3g}"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the tiny model is on the CPU, its kernels need Triton's interpreter; "
+                    "on a GPU bench/check_gpu.py --switches defaults+gather_entries checks the model")
+def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
+    """A static decode step whose CSA layers attend only the indexer's index slots gives the masked
+    step's logits, with more visible entries than the indexer keeps (so the selection matters)."""
+    pytest.importorskip("triton", reason="the switch calls the Triton kernels")
+    from ds4serve.kernels import ops
+
+    calls = []
+    real = ops.index_top_indices
+    monkeypatch.setattr(ops, "index_top_indices", lambda *a: calls.append(a[3].sum().item()) or real(*a))
+    model, ids, (masked, gathered) = static_decode_setup(tiny_factory, seed=3, prompt_seed=6, length=41,
+                                                         prefilled=40, capacity=64)
+    with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
+        with using(gather_entries=False):
+            ref, _ = static_step(model, masked, ids[40])
+        assert not calls
+        with using(gather_entries=True):
+            out, _ = static_step(model, gathered, ids[40])
+    csa_layers = sum(t == CSA for t in model.cfg.layer_types)
+    assert len(calls) == csa_layers and min(calls) > model.cfg.index_topk
     err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
     assert err <= 1e-5, f"relative error {err:.3g}"

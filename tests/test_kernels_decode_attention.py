@@ -114,3 +114,34 @@ def test_attend_with_kernels_matches_reference(parts):
         with using(decode_attention=False):
             assert torch.equal(_attend.eager(q, keys, allowed, sinks, 0.125, cos, sin), want)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _slots(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 ``[S, k]``: each row's admitted rows in ascending order, then -1."""
+    out = torch.full((mask.shape[0], k), -1, dtype=torch.int32, device=mask.device)
+    for s, row in enumerate(mask):
+        idx = row.nonzero().flatten()[:k]
+        out[s, :idx.numel()] = idx.to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("S,k,config", [(1, 24, SMALL), (3, 16, SMALL), (3, 24, None)])
+def test_index_slots_read_the_rows_a_mask_admits(S, k, config):
+    """The second part given as index slots (the indexer's selection; -1 unused, fewer rows than slots in
+    some rows, a row with none) attends exactly the rows of the equivalent mask."""
+    q, keys, allowed, sinks = _inputs(40 + S, S, 16, 64, [16, 60], 1.0)
+    mask = allowed[1]
+    mask[-1] = False  # the last row admits no entry: only its window
+    slots = _slots(mask, k)  # the first k admitted rows of each row's mask
+    admitted = torch.zeros_like(mask)
+    for s, row in enumerate(slots):
+        admitted[s, row[row >= 0].long()] = True
+    got = decode_attention(q, keys, [allowed[0], slots], sinks, 0.125, config)
+    want = _reference(q, keys, [allowed[0], admitted], sinks, 0.125)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
+def test_index_slots_only_for_the_entries():
+    q, keys, allowed, sinks = _inputs(3, 1, 16, 64, [16, 40], 1.0)
+    with pytest.raises(ValueError, match="second key part only"):
+        decode_attention(q, keys, [_slots(allowed[0], 8), allowed[1]], sinks, 0.125)

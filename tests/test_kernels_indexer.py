@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
-from ds4serve.kernels.indexer import ScoresConfig, SelectConfig, index_scores, select_top  # noqa: E402
+from ds4serve.kernels.indexer import (  # noqa: E402
+    ScoresConfig, SelectConfig, index_scores, index_top, index_top_indices, select_top, select_top_indices)
 from ds4serve.model.attention import _index_top  # noqa: E402
 from ds4serve.model.rope import Rope  # noqa: E402
 
@@ -146,7 +147,7 @@ def _hard_rows(gen: torch.Generator, T: int, k: int) -> torch.Tensor:
     (2048, 512, None),  # a decode row of an 8K context: one 2048-wide tile, the default configuration
     (3001, 512, None),  # one 4096-wide tile, T not a power of two
     (4096, 512, None),  # the widest single tile of the default configuration
-    (300, 37, SelectConfig(block=64, warps=1, one_tile_max=64)),  # tiles: 8-bit digit histograms summed per pass
+    (300, 37, SelectConfig(block=64, bits=8, warps=1, one_tile_max=64)),  # tiles: 8-bit digit histograms summed per pass
     (300, 37, SelectConfig(block=64, bits=4, warps=1, one_tile_max=64)),
 ], ids=["one_tile_2048", "one_tile_3001", "one_tile_4096", "tiles_bits8", "tiles_bits4"])
 def test_select_top_hard_rows(T, k, config):
@@ -160,6 +161,48 @@ def test_select_top_hard_rows(T, k, config):
     for r in range(scores.shape[0]):
         assert torch.equal(got[r], want[r]), f"row {r}"
     assert got.sum(dim=1).tolist() == [k] * 9 + [k // 2, 0]
+
+
+
+def _mask_positions(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 ``[S, k]``: each row's True positions, ascending, then -1."""
+    out = torch.full((mask.shape[0], k), -1, dtype=torch.int32)
+    for r, row in enumerate(mask.cpu()):
+        where = row.nonzero().flatten()
+        out[r, :where.numel()] = where.to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("T,k,config", [
+    (2048, 512, None),
+    (3001, 512, None),
+    (300, 37, SelectConfig(block=128, warps=1, one_tile_max=128)),  # three tiles, the last one partial
+], ids=["one_tile_2048", "one_tile_3001", "tiles"])
+def test_select_top_indices_match_the_mask(T, k, config):
+    """The index output of the hard rows (11 rows in one call: ties at the k-th score, shared high
+    bits, +/-0, -inf padding, exactly k, fewer than k and no finite scores) lists the positions of
+    :func:`select_top`'s mask, ascending, padded with -1; one tile, T not a power of two, and tiles."""
+    gen = torch.Generator().manual_seed(T + k)
+    scores = _hard_rows(gen, T, k).to(DEVICE)
+    got = select_top_indices(scores, k, config)
+    assert got.dtype == torch.int32 and got.shape == (scores.shape[0], k)
+    want = _mask_positions(select_top(scores, k, config), k)
+    for r in range(scores.shape[0]):
+        assert torch.equal(got[r].cpu(), want[r]), f"row {r}"
+    assert (got >= 0).sum(dim=1).tolist() == [k] * 9 + [k // 2, 0]
+
+
+def test_index_top_indices_match_index_top():
+    """Integer inputs with repeated keys (ties at the k-th score), visible counts above and below k
+    and an all-masked row."""
+    gen = torch.Generator().manual_seed(5)
+    S, T, k = 3, 37, 8
+    q, keys, head_w = _inputs(gen, S, T, integer=True)
+    keys[20:30] = keys[10]
+    visible = _visible(gen, S, T, [T, 5, 0])
+    got = index_top_indices(q, keys, head_w, visible, k)
+    assert torch.equal(got.cpu(), _mask_positions(index_top(q, keys, head_w, visible, k), k))
+    assert (got >= 0).sum(dim=1).tolist() == [k, 5, 0]
 
 
 @pytest.mark.parametrize("S,integer", [(1, True), (3, True), (3, False)])

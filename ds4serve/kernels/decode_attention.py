@@ -41,6 +41,21 @@ class DecodeAttentionConfig:
 
 
 @triton.jit
+def _update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
+    """The online softmax state after a tile of keys ``kt [BLOCK_N, D_P]`` with at least one ``ok`` row."""
+    if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_N] fp32
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the tile has an allowed key
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(kt.dtype), kt, acc * alpha[:, None], input_precision="ieee")
+    return m_new, total, acc
+
+
+@triton.jit
 def _tile(q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr,
           WIDEN: tl.constexpr):
     """The online softmax state after key tile ``k`` (unchanged when none of its keys is allowed)."""
@@ -48,39 +63,35 @@ def _tile(q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: t
     if tl.max(ok.to(tl.int32), axis=0) > 0:
         d = tl.arange(0, D_P)
         kt = tl.load(keys + k[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-        if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_N] fp32
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the tile has an allowed key
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(kt.dtype), kt, acc * alpha[:, None], input_precision="ieee")
-        m = m_new
+        m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
+    return m, total, acc
+
+
+@triton.jit
+def _gathered_tile(q, keys, index, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr,
+                   WIDEN: tl.constexpr):
+    """The online softmax state after the keys named by index slots ``k`` (-1: an unused slot)."""
+    rows = tl.load(index + k, mask=k < hi, other=-1)
+    ok = rows >= 0
+    if tl.max(ok.to(tl.int32), axis=0) > 0:
+        d = tl.arange(0, D_P)
+        kt = tl.load(keys + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                     other=0.0)
+        m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
     return m, total, acc
 
 
 @triton.jit(do_not_specialize=["n0", "n1", "chunks0", "chunk", "sa0", "sa1"])
 def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_ptr, H, n0, n1, chunks0, chunk,
                     scale, sa0, sa1, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr):
+                    D: tl.constexpr, D_P: tl.constexpr, GATHER1: tl.constexpr, WIDEN: tl.constexpr,
+                    PDL: tl.constexpr):
+    # GATHER1: the second part's "mask" is int32 index slots [S, n1] naming its rows (-1: unused)
     pdl.start(PDL)
     head_blocks = tl.cdiv(H, BLOCK_H)
     s = tl.program_id(0) // head_blocks
     heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     c = tl.program_id(1)
-    if c < chunks0:
-        keys = k0_ptr
-        allowed = a0_ptr + s * sa0
-        lo = c * chunk
-        n = n0
-    else:
-        keys = k1_ptr
-        allowed = a1_ptr + s * sa1
-        lo = (c - chunks0) * chunk
-        n = n1
-    hi = tl.minimum(lo + chunk, n)
     d = tl.arange(0, D_P)
     heads_in = heads < H
     q = tl.load(q_ptr + (s * H + heads[:, None]) * D + d[None, :], mask=heads_in[:, None] & (d < D)[None, :],
@@ -90,8 +101,22 @@ def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_p
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_P], tl.float32)
-    for k0 in range(lo, hi, BLOCK_N):
-        m, total, acc = _tile(q, keys, allowed, k0 + tl.arange(0, BLOCK_N), hi, m, total, acc, scale, D, D_P, WIDEN)
+    if c < chunks0:
+        lo = c * chunk
+        hi = tl.minimum(lo + chunk, n0)
+        for k0 in range(lo, hi, BLOCK_N):
+            m, total, acc = _tile(q, k0_ptr, a0_ptr + s * sa0, k0 + tl.arange(0, BLOCK_N), hi, m, total, acc,
+                                  scale, D, D_P, WIDEN)
+    else:
+        lo = (c - chunks0) * chunk
+        hi = tl.minimum(lo + chunk, n1)
+        for k0 in range(lo, hi, BLOCK_N):
+            if GATHER1:
+                m, total, acc = _gathered_tile(q, k1_ptr, a1_ptr + s * sa1, k0 + tl.arange(0, BLOCK_N), hi, m,
+                                               total, acc, scale, D, D_P, WIDEN)
+            else:
+                m, total, acc = _tile(q, k1_ptr, a1_ptr + s * sa1, k0 + tl.arange(0, BLOCK_N), hi, m, total, acc,
+                                      scale, D, D_P, WIDEN)
     row = (s * H + heads) * tl.num_programs(1) + c  # partials [S, H, chunks(, D)]
     tl.store(m_ptr + row, m, mask=heads_in)
     tl.store(sum_ptr + row, total, mask=heads_in)
@@ -123,12 +148,15 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
     """``softmax([scale q.k where allowed, sinks[h]])[:K] @ keys`` as ``[S, H, d]`` in ``q``'s dtype.
 
     ``q [S, H, d]``; ``keys``: one or two parts ``[K_i, d]`` (shared K = V, ``q``'s dtype) taken as
-    one concatenated key sequence; ``allowed``: their bool masks ``[S or 1, K_i]``; ``sinks [H]``.
+    one concatenated key sequence; ``allowed``: their bool masks ``[S or 1, K_i]``, or for the second
+    part int32 index slots ``[S or 1, k]``: the rows it admits, -1 for an unused slot (the indexer's
+    selection: only those rows are read, where a mask would visit every tile holding one); ``sinks [H]``.
     """
     S, H, D = q.shape
     cfg = config or DecodeAttentionConfig()
     parts = _parts(keys, allowed, S, D, q.dtype)
-    sizes = [k.shape[0] for k, _ in parts]
+    gather = len(parts) > 1 and parts[1][1].dtype == torch.int32
+    sizes = [k.shape[0] for k, _ in parts[:1]] + [a.shape[1] if gather else k.shape[0] for k, a in parts[1:]]
     head_programs = S * triton.cdiv(H, BLOCK_H)
     chunk = _chunk(sizes, head_programs, cfg)
     n0, n1 = sizes[0], sizes[1] if len(parts) > 1 else 0
@@ -140,8 +168,8 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
     D_P = max(16, triton.next_power_of_2(D))
     _partial_kernel[(head_programs, chunks)](
         q.contiguous(), k0, a0, k1, a1, stats[0], stats[1], partial, H, n0, n1, chunks0, chunk, scale,
-        _row_stride(a0), _row_stride(a1), BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, D=D, D_P=D_P, WIDEN=not q.is_cuda,
-        num_warps=cfg.warps, **pdl.launch(q))
+        _row_stride(a0), _row_stride(a1), BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, D=D, D_P=D_P, GATHER1=gather,
+        WIDEN=not q.is_cuda, num_warps=cfg.warps, **pdl.launch(q))
     out = torch.empty(S, H, D, device=q.device, dtype=q.dtype)
     C_P = triton.next_power_of_2(chunks)
     block_d = max(1, min(D_P, cfg.combine_tile // C_P))
@@ -157,8 +185,12 @@ def _parts(keys: list[torch.Tensor], allowed: list[torch.Tensor], S: int, D: int
         raise ValueError(f"decode_attention: one or two key parts with one mask each, got {len(keys)} and "
                          f"{len(allowed)}")
     parts = []
-    for k, a in zip(keys, allowed):
-        if k.dim() != 2 or k.shape[1] != D or a.dim() != 2 or a.shape[0] not in (1, S) or a.shape[1] != k.shape[0]:
+    for i, (k, a) in enumerate(zip(keys, allowed)):
+        indexed = a.dtype == torch.int32
+        if indexed and i == 0:
+            raise ValueError("decode_attention: index slots are for the second key part only")
+        if (k.dim() != 2 or k.shape[1] != D or a.dim() != 2 or a.shape[0] not in (1, S)
+                or (a.shape[1] != k.shape[0] and not indexed)):
             raise ValueError(f"decode_attention: keys {tuple(k.shape)} with mask {tuple(a.shape)} for {S} rows of "
                              f"head dim {D}")
         if k.dtype != q_dtype:

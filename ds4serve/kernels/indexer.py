@@ -20,6 +20,10 @@ chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two
   ``k`` are taken. ``torch.topk`` leaves the order among equal values unspecified, so this tie rule
   is as exact as the reference. A row with at most ``k`` finite scores keeps all of them without
   the radix passes, and the passes end after the row's last finite score.
+  :func:`select_top_indices` runs the same kernel with an index output: the selected entries' indices
+  in ascending order, ``[S, k]`` with -1 in the places a row leaves, so that the decode attention
+  reads only those entries. Each selected entry's place is its rank among the row's selected ones (a
+  prefix sum of the selection flags), so the indices are written without a sort.
 
 Every row of every chunk size uses both kernels (decode, verify and prefill): the selection has no
 host synchronisation and no value-dependent shape, so the static decode step can be captured in a
@@ -175,11 +179,37 @@ def _kth_key(row_ptr, end, k, tile, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE
 
 
 @triton.jit
+def _store_selection(dst, t0, sel, inside, kept, k, BLOCK: tl.constexpr, INDICES: tl.constexpr):
+    """Store the selection ``sel`` of the entries ``t0 + [0, BLOCK)``: their flags at ``dst + t0``, or
+    (``INDICES``) each selected entry's index at its place among the row's selected ones, ``kept`` of
+    them in earlier tiles. Returns the count of selected entries so far (index mode). The place is
+    checked against ``k``: a positive NaN score is not finite yet above every key, so it could overflow a row."""
+    offs = t0 + tl.arange(0, BLOCK)
+    if INDICES:
+        place = kept + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(dst + place, offs, mask=sel & (place < k))
+        kept += tl.sum(sel.to(tl.int32), axis=0)
+    else:
+        tl.store(dst + offs, sel, mask=inside)
+    return kept
+
+
+@triton.jit
+def _pad_indices(dst, kept, k, BLOCK: tl.constexpr):
+    """-1 at the places ``[kept, k)`` of an index row, after its selected entries."""
+    offs = tl.arange(0, BLOCK)
+    for j0 in range(kept, k, BLOCK):
+        tl.store(dst + j0 + offs, tl.full([BLOCK], -1, tl.int32), mask=j0 + offs < k)
+
+
+@triton.jit
 def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   INDICES: tl.constexpr, PDL: tl.constexpr):
+    """One row per program. Out: the bool mask ``[S, T]``, or (``INDICES``) int32 ``[S, k]``, the
+    selected entries' indices in ascending order, then -1."""
     pdl.start(PDL)
     row_ptr = score_ptr + tl.program_id(0) * T
-    dst = out_ptr + tl.program_id(0) * T
+    dst = out_ptr + tl.program_id(0) * (k if INDICES else T)
     offs = tl.arange(0, BLOCK)
     if ONE_TILE:  # the whole row in registers: one read, then every pass over the keys there
         scores = tl.load(row_ptr + offs, mask=offs < T, other=float("-inf"))
@@ -198,11 +228,13 @@ def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.const
     quota = 0  # how many of the scores equal to the threshold to take
     if finite > k:
         threshold, quota = _kth_key(row_ptr, end, k, tile, BLOCK, BITS, ONE_TILE)
+    kept = 0  # index mode: the entries selected so far
     if ONE_TILE:
         inside = offs < T
         tie = (tile == threshold) & inside
         rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the row's ties
-        tl.store(dst + offs, (tile > threshold) | (tie & (rank <= quota)), mask=inside)
+        kept = _store_selection(dst, 0, (tile > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK,
+                                INDICES)
     else:
         taken = 0
         for t0 in range(0, end, BLOCK):
@@ -211,27 +243,52 @@ def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.const
             tie = (u == threshold) & inside
             rank = tl.cumsum(tie.to(tl.int32), axis=0) + taken  # 1-based among this row's ties
             taken += tl.sum(tie.to(tl.int32), axis=0)
-            tl.store(dst + t0 + offs, (u > threshold) | (tie & (rank <= quota)), mask=inside)
-        for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
-            tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
+            kept = _store_selection(dst, t0, (u > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK,
+                                    INDICES)
+        if not INDICES:
+            for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
+                tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
+    if INDICES:
+        _pad_indices(dst, kept, k, BLOCK)
+
+
+def _select(scores: torch.Tensor, k: int, config: SelectConfig | None, indices: bool) -> torch.Tensor:
+    cfg = config or SelectConfig()
+    scores = scores.contiguous()
+    S, T = scores.shape
+    if indices:
+        out = torch.empty(S, k, device=scores.device, dtype=torch.int32)
+    else:
+        out = torch.empty(S, T, device=scores.device, dtype=torch.bool)
+    block = cfg.block
+    if T > block and triton.next_power_of_2(T) <= cfg.one_tile_max:
+        block = triton.next_power_of_2(T)
+    _select_kernel[(S,)](scores, out, T, k, BLOCK=block, BITS=cfg.bits, ONE_TILE=T <= block, INDICES=indices,
+                         num_warps=cfg.warps, **pdl.launch(scores))
+    return out
 
 
 def select_top(scores: torch.Tensor, k: int, config: SelectConfig | None = None) -> torch.Tensor:
     """bool ``[S, T]``: per row, the ``k`` largest finite scores (all finite ones when there are at
     most ``k``; among scores equal to the k-th largest, the lowest indices)."""
-    cfg = config or SelectConfig()
-    scores = scores.contiguous()
-    S, T = scores.shape
-    out = torch.empty(S, T, device=scores.device, dtype=torch.bool)
-    block = cfg.block
-    if T > block and triton.next_power_of_2(T) <= cfg.one_tile_max:
-        block = triton.next_power_of_2(T)
-    _select_kernel[(S,)](scores, out, T, k, BLOCK=block, BITS=cfg.bits, ONE_TILE=T <= block, num_warps=cfg.warps,
-                         **pdl.launch(scores))
-    return out
+    return _select(scores, k, config, indices=False)
+
+
+def select_top_indices(scores: torch.Tensor, k: int, config: SelectConfig | None = None) -> torch.Tensor:
+    """int32 ``[S, k]``: per row, the indices of the entries :func:`select_top` marks, ascending, then
+    -1 for the places left (a row of fewer than ``k`` finite scores), so that the decode attention
+    reads only the selected entries."""
+    return _select(scores, k, config, indices=True)
 
 
 def index_top(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
               ) -> torch.Tensor:
     """The visible entries among the ``k`` best by indexer score, per query ``[S, T]`` (bool)."""
     return select_top(index_scores(q, keys, head_w, visible), k)
+
+
+def index_top_indices(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+                      ) -> torch.Tensor:
+    """:func:`index_top` as indices: int32 ``[S, k]``, the selected entries ascending, then -1 (see
+    :func:`select_top_indices`)."""
+    return select_top_indices(index_scores(q, keys, head_w, visible), k)

@@ -94,6 +94,19 @@ def _(q, keys, head_w, visible, k):
     return visible.new_empty(q.shape[0], keys.shape[0])
 
 
+@torch.library.custom_op(f"{_LIB}::index_top_indices", mutates_args=())
+def index_top_indices(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+                      ) -> torch.Tensor:
+    """:func:`ds4serve.kernels.indexer.index_top_indices`: the same selection as :func:`index_top` as int32
+    ``[S, k]`` entry indices, ascending, -1 for the unused places."""
+    return indexer.index_top_indices(q, keys, head_w, visible, k)
+
+
+@index_top_indices.register_fake
+def _(q, keys, head_w, visible, k):
+    return q.new_empty(q.shape[0], k, dtype=torch.int32)
+
+
 @torch.library.custom_op(f"{_LIB}::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
                      scale: float) -> torch.Tensor:

@@ -79,6 +79,11 @@ class Switches:
     # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
     # slower on FP8, the real checkpoints' format.
     hc_fused: bool = False
+    # A static step's CSA attention reads only the entries the indexer selected, named by index slots
+    # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile
+    # that holds a selected one under a mask (at 32K context 512 of 8192 entries are selected, and a
+    # mask still visits nearly every 32-entry tile). Off until a GPU run measures it.
+    gather_entries: bool = False
 
 
 SWITCHES = Switches()

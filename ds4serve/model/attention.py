@@ -139,7 +139,8 @@ def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
 def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: LayerState,
                  entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor, scale: float,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Attention over the window (and the entries ``visible`` admits), then the inverse RoPE.
+    """Attention over the window (and the entries ``visible`` admits: a mask, or in a static step with
+    ``SWITCHES.gather_entries`` the indexer's index slots), then the inverse RoPE.
 
     A static step reads the whole ring and entry buffers, masked (:func:`_attend`); a chunk runs
     block-wise over the ring rows in reach and its own rows (:mod:`.chunk_attention`).
@@ -210,13 +211,16 @@ def _indexer_select(w: IndexerWeights, xp: dict[str, torch.Tensor], qp: dict[str
         return delta, visible
     cos, sin = chunk.rope["compress"]
     q = qp["indexer.wq_b"].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-    return delta, _index_top(q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries))
+    slots = chunk.static and SWITCHES.gather_entries and SWITCHES.decode_attention and kernels.enabled(q)
+    return delta, _index_top(q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries),
+                             slots)
 
 
 @region
 def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor,
-               visible: torch.Tensor, k: int) -> torch.Tensor:
-    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``.
+               visible: torch.Tensor, k: int, slots: bool = False) -> torch.Tensor:
+    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``; with ``slots``
+    (kernels only) as int32 index slots ``[S, k]`` instead, which the decode attention kernel reads.
 
     With the kernels (:mod:`ds4serve.kernels.indexer`) the per-head scores never reach memory and
     the selection needs no sort; among scores equal to the k-th largest they keep the lowest entry
@@ -227,7 +231,7 @@ def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
     if kernels.enabled(q):
         from ..kernels import ops
 
-        return ops.index_top(q, keys, head_w, visible, k)
+        return (ops.index_top_indices if slots else ops.index_top)(q, keys, head_w, visible, k)
     scores = torch.matmul(q.float(), keys.float().t())  # [S, ih, T]
     scores = F.relu(scores) * dim ** -0.5
     scores = (scores * (head_w.float() * ih ** -0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]
