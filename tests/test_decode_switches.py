@@ -71,50 +71,51 @@ def test_merge_product_sum_matches_matmul(dtype, rows, monkeypatch):
     assert got.dtype == dtype and got.shape == X.shape
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the tiny model is on the CPU, its kernels need Triton's interpreter; "
-                    "on a GPU bench/check_gpu.py --switches defaults+hc_fused checks the model")
+def _static_step_error(tiny_factory, switch: str, calls: list, seed: int, prompt_seed: int, length: int,
+                       capacity: int) -> tuple[float, object]:
+    """One static decode step of the tiny model with ``switch`` off, then on (kernels in Triton's interpreter on
+    CPU, regions as written, so the switch is the only difference): the relative difference of the logits and
+    the model. ``calls`` (filled by the caller's spy on the switched kernel) must stay empty while it is off."""
+    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=seed, prompt_seed=prompt_seed, length=length,
+                                                prefilled=length - 1, capacity=capacity)
+    with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
+        with using(**{switch: False}):
+            ref, _ = static_step(model, off, ids[-1])
+        assert not calls
+        with using(**{switch: True}):
+            out, _ = static_step(model, on, ids[-1])
+    return float((out.logits - ref.logits).abs().max() / ref.logits.abs().max()), model
+
+
+_INTERPRETER_ONLY = ("the tiny model is on the CPU, its kernels need Triton's interpreter; on a GPU "
+                     "bench/check_gpu.py --switches defaults+<switch> checks the model")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
 def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
-    """A static decode step (kernels in Triton's interpreter on CPU, regions as written, so the switch is
-    the only difference) gives the unfused logits; every pre site of every layer went through the kernel."""
+    """The fused pre sites give the unfused logits; every pre site of every layer went through the kernel."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernel")
     from ds4serve.kernels import ops
 
     calls = []
     real = ops.hc_pre
     monkeypatch.setattr(ops, "hc_pre", lambda *a: calls.append(1) or real(*a))
-    model, ids, (plain, fused) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=15, prefilled=14,
-                                                     capacity=24)
-    with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
-        with using(hc_fused=False):
-            ref, _ = static_step(model, plain, ids[14])
-        assert not calls
-        with using(hc_fused=True):
-            out, _ = static_step(model, fused, ids[14])
+    err, model = _static_step_error(tiny_factory, "hc_fused", calls, seed=2, prompt_seed=5, length=15, capacity=24)
     assert len(calls) == 2 * model.cfg.num_layers
-    err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
     assert err <= 1e-5, f"relative error {err:.3g}"
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the tiny model is on the CPU, its kernels need Triton's interpreter; "
-                    "on a GPU bench/check_gpu.py --switches defaults+gather_entries checks the model")
+@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
 def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
-    """A static decode step whose CSA layers attend only the indexer's index slots gives the masked
-    step's logits, with more visible entries than the indexer keeps (so the selection matters)."""
+    """CSA layers that attend only the indexer's index slots give the masked step's logits, with more
+    visible entries than the indexer keeps (so the selection matters)."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernels")
     from ds4serve.kernels import ops
 
     calls = []
     real = ops.index_top_indices
     monkeypatch.setattr(ops, "index_top_indices", lambda *a: calls.append(a[3].sum().item()) or real(*a))
-    model, ids, (masked, gathered) = static_decode_setup(tiny_factory, seed=3, prompt_seed=6, length=41,
-                                                         prefilled=40, capacity=64)
-    with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
-        with using(gather_entries=False):
-            ref, _ = static_step(model, masked, ids[40])
-        assert not calls
-        with using(gather_entries=True):
-            out, _ = static_step(model, gathered, ids[40])
-    csa_layers = sum(t == CSA for t in model.cfg.layer_types)
-    assert len(calls) == csa_layers and min(calls) > model.cfg.index_topk
-    err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
+    err, model = _static_step_error(tiny_factory, "gather_entries", calls, seed=3, prompt_seed=6, length=41,
+                                    capacity=64)
+    assert len(calls) == sum(t == CSA for t in model.cfg.layer_types) and min(calls) > model.cfg.index_topk
     assert err <= 1e-5, f"relative error {err:.3g}"
