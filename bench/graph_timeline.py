@@ -6,7 +6,10 @@ For each context of one weight variant, captures the proxy's decode graph and re
 - then, once every context is timed (a profiler leaves the process's later launches slower, about
   0.5 us per graph node on the host), from a profiler trace of a few replays: kernels per replay,
   summed kernel time, the idle time between consecutive kernels (histogram, and by the kernel that
-  precedes each gap), and the kernel table (appended to ``--kernels``).
+  precedes each gap), and the kernel table (appended to ``--kernels``);
+- with ``--sequence FILE``, the kernels of one replay in launch order (start and duration in us), to
+  see what one layer launches; ``--switches defaults-pdl`` makes each duration the kernel's own
+  (under PDL a kernel's span includes its wait for the one before it).
 Usage (GPU machine, repository root; one variant per process)::
 
     PYTHONPATH=. python3 bench/graph_timeline.py --variant fp8 --out $OUT/timeline-fp8.json --kernels $OUT/kernels.txt
@@ -31,6 +34,7 @@ from bench_gpu import cuda_ms, log, prefill  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve.engine.cuda_graphs import DecodeGraph  # noqa: E402
+from ds4serve.kernels.switches import parse, using  # noqa: E402
 
 GAP_BINS_US = (0.5, 1, 2, 4, 8, 16, 1e9)
 
@@ -63,9 +67,11 @@ def _short(name: str) -> str:
     return name if len(name) <= 90 else name[:87] + "..."
 
 
-def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int = 3) -> dict:
+def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int = 3,
+               sequence: Path | None = None) -> dict:
     """Kernel count, kernel time and inter-kernel gaps per replay, from a profiler trace; the kernel
-    table by total GPU time is appended to ``kernels_txt``."""
+    table by total GPU time is appended to ``kernels_txt``, the last replay's kernels in order to
+    ``sequence``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -81,6 +87,12 @@ def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int =
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    if sequence is not None:
+        last = kernels[-len(kernels) // replays:]
+        with open(sequence, "a") as f:
+            f.write(f"## {title}: one replay, {len(last)} kernels (index, start us, duration us, name)\n")
+            f.writelines(f"{i}\t{e['ts'] - last[0]['ts']:.1f}\t{e['dur']:.2f}\t{_short(e['name'])}\n"
+                         for i, e in enumerate(last))
     busy = sum(e["dur"] for e in kernels)
     bins = collections.Counter()
     after: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -112,11 +124,14 @@ def main() -> None:
     p.add_argument("--variant", default="bf16")
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 8192])
     p.add_argument("--layers", type=int, default=43)
+    p.add_argument("--switches", default="defaults", help="kernels.switches set (switches.parse)")
+    p.add_argument("--sequence", type=Path, help="append one replay's kernels in launch order here")
     args = p.parse_args()
-    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": args.variant}
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": args.variant,
+                    "switches": args.switches}
     gen = torch.Generator().manual_seed(0)
     graphs = {}
-    with torch.inference_mode():
+    with torch.inference_mode(), using(**parse(args.switches)):
         model = build_proxy(args.variant, layers=args.layers)
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
@@ -129,7 +144,8 @@ def main() -> None:
                 f"alone {row['alone_ms']:.2f} ms, queued {row['queued_ms']:.2f} ms")
         for ctx, graph in graphs.items():
             row = result[str(ctx)]
-            row.update(trace_gaps(graph, f"{args.variant} ctx {ctx}", args.kernels))
+            row.update(trace_gaps(graph, f"{args.variant} ctx {ctx} [{args.switches}]", args.kernels,
+                                  sequence=args.sequence))
             pr = row["per_replay"]
             log(f"{args.variant} ctx {ctx}: {pr['nodes']:.0f} kernels, {pr['kernel_ms']:.2f} ms busy, "
                 f"{pr['gap_ms']:.2f} ms gaps, median gap {row['median_gap_us']:.2f} us")

@@ -31,6 +31,9 @@ def test_parse_switch_sets():
     assert parse("defaults") == {n: getattr(defaults, n) for n in NAMES}
     assert parse("defaults+pdl") == {n: getattr(defaults, n) or n == "pdl" for n in NAMES}
     assert parse("pdl+static_commit") == {n: n in ("pdl", "static_commit") for n in NAMES}
+    assert defaults.pdl and not parse("defaults-pdl")["pdl"]
+    assert parse("defaults+gather_entries-pdl") == {
+        n: (getattr(defaults, n) or n == "gather_entries") and n != "pdl" for n in NAMES}
     with pytest.raises(ValueError, match="unknown switches.*'pdll'"):
         parse("defaults+pdll")
 

@@ -9,6 +9,7 @@ split-K are per shape (``kernels/gemv.py`` ``TABLE``, swept by ``bench/sweep_gem
 from __future__ import annotations
 
 import dataclasses
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -93,16 +94,19 @@ NAMES = tuple(f.name for f in dataclasses.fields(Switches))
 def parse(spec: str) -> dict[str, bool]:
     """Every switch's value for a benchmark's switch set: ``base`` (all off), ``all`` (all on),
     ``defaults`` (as shipped), names joined by ``+`` (those on, the rest off), or ``defaults+NAME+...``
-    (the defaults with those on as well)."""
+    (the defaults with those on as well); ``-NAME`` after a name turns that switch off
+    (``defaults-pdl``, ``defaults+gather_entries-pdl``)."""
     if spec in ("base", "all"):
         return dict.fromkeys(NAMES, spec == "all")
-    names = [n for n in spec.split("+") if n]
-    start = Switches() if names[:1] == ["defaults"] else Switches(**dict.fromkeys(NAMES, False))
-    on = names[1:] if names[:1] == ["defaults"] else names
-    unknown = set(on) - set(NAMES)
+    terms = re.findall(r"([+-]?)([^+-]+)", spec)
+    start = Switches() if terms[:1] == [("", "defaults")] else Switches(**dict.fromkeys(NAMES, False))
+    changes = terms[1:] if terms[:1] == [("", "defaults")] else terms
+    unknown = {name for _, name in changes} - set(NAMES)
     if unknown:
         raise ValueError(f"unknown switches {sorted(unknown)}; expected names of {list(NAMES)}")
-    return {n: getattr(start, n) or n in on for n in NAMES}
+    values = {n: getattr(start, n) for n in NAMES}
+    values.update((name, sign != "-") for sign, name in changes)
+    return values
 
 
 @contextmanager
