@@ -83,8 +83,10 @@ class Switches:
     # A static step's CSA attention reads only the entries the indexer selected, named by index slots
     # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile
     # that holds a selected one under a mask (at 32K context 512 of 8192 entries are selected, and a
-    # mask still visits nearly every 32-entry tile). Off until a GPU run measures it.
-    gather_entries: bool = False
+    # mask still visits nearly every 32-entry tile). Interleaved A/B at 512 / 8192 / 32768 context:
+    # bf16 9.96 -> 9.96 / 10.51 -> 10.50 / 11.86 -> 11.46, FP8 7.32 -> 7.34 / 7.82 -> 7.81 / 9.21 -> 8.81
+    # ms/token; check_gpu passed with it (H200, 2026-11-29, bench/results/2026-11-29-h200-round10-*).
+    gather_entries: bool = True
 
 
 SWITCHES = Switches()
