@@ -329,8 +329,9 @@ def check_verify_graphs(root: Path) -> None:
 
 def check_split_graphs(root: Path) -> None:
     """A layer split (3 + 3 layers; on cuda:0 and the last GPU) decodes through one graph per shard and
-    verifies through one per shard: the same tokens as the whole model's graphs (fp32)."""
-    path = make_tiny(root / "split", TinySpec(seed=8, window=8, hca_rate=8, index_topk=5))
+    verifies through one per shard: the same tokens as the whole model's graphs (fp32); the MTP and
+    DSpark drafts run as graphs on the last GPU, their embedding rows looked up on the first."""
+    path = make_tiny(root / "split", TinySpec(seed=8, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(11)).tolist()
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     whole = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
@@ -348,6 +349,36 @@ def check_split_graphs(root: Path) -> None:
         with using(static_commit=True):
             _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 3),
                                "split, static_commit, ")
+        _check_split_drafts(split, prompt, plain.tokens, "mtp:3")
+        dspark = make_tiny(root / "split-dspark", TinySpec(seed=7, dspark=True))
+        reference = Engine.from_pretrained(dspark, device="cuda", dtype="float32", max_context=160)
+        n = reference.cfg.num_layers
+        _check_split_drafts(Engine.from_pretrained(dspark, devices=["cuda:0", last], layer_split=[n // 2, n - n // 2],
+                                                   dtype="float32", max_context=160),
+                            prompt, reference.generate(prompt, params).tokens, "dspark")
+
+
+def _check_split_drafts(split: Engine, prompt: list[int], plain: list[int], spec: str) -> None:
+    """Speculative decoding with a model draft on ``split``: its passes as graphs on the last shard's
+    GPU, the same tokens as plain decoding; and the time per generated token with the draft's passes
+    eager, for comparison (informational, tiny model)."""
+    from ds4serve.engine.drafts import resolve_proposer
+
+    proposer = resolve_proposer(split, spec)
+    _check_speculative(split, prompt, plain, proposer, f"split, {spec} drafts as graphs, ")
+    graphs = proposer._graphs
+    ms = {}
+    for static in (True, False):
+        for _ in range(2):  # the second run, without the first one's captures and compiles
+            drafts = resolve_proposer(split, spec)
+            drafts.static_passes = static
+            res = split.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                 speculative=drafts)
+        ms["graphs" if static else "eager"] = round(res.timings.decode_s * 1e3 / max(len(res.tokens) - 1, 1), 2)
+    drafted = getattr(graphs, "_step", None) or getattr(graphs, "_block", None)
+    record(f"split: the {spec} drafts ran as graphs on the last GPU",
+           proposer.static_passes and graphs is not None and graphs.graph and drafted is not None,
+           decode_ms_per_token=ms)
 
 
 def check_bf16_verify_block(root: Path) -> None:
@@ -376,7 +407,7 @@ def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec
     """Greedy speculative decoding with ``spec`` through the graphs (switch on) equals plain decoding."""
     res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=spec)
     graphs = len(engine._verify_graphs)
-    name = spec if isinstance(spec, str) else f"oracle width {spec.max_draft_tokens + 1}"
+    name = spec if isinstance(spec, str) else f"{spec.name} width {spec.max_draft_tokens + 1}"
     record(f"speculative greedy through the graphs == plain decoding ({where}fp32, {name})",
            res.error is None and res.tokens == plain and graphs > 0,
            matching=sum(x == y for x, y in zip(res.tokens, plain)), graphs=graphs,

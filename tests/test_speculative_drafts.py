@@ -71,12 +71,12 @@ def test_mtp_window_follows_committed_rows_exactly(mtp_engine):
 
     state = SequenceState(layers={0: _fresh_window(eng)}, max_context=64, window=cfg.sliding_window)
     rows = torch.tensor(SEQ[first + 1:stop + 1])
-    G, _ = mtp_forward(prop.w, hidden[first:stop], rows, model.embed, model.chunk_info(0, len(rows)),
+    G, _ = mtp_forward(prop.w, hidden[first:stop], rows, model.embed[rows], model.chunk_info(0, len(rows)),
                        state.layers[0], cfg, model.ropes)
     one_shot = torch.softmax(mtp_logits(prop.w, G[-1:], model.head.head, cfg)[0], -1)
     assert torch.allclose(draft.probs[0], one_shot, atol=1e-6)
-    chained, _ = mtp_forward(prop.w, torch.cat([hidden[first:stop], G[-1:]]),
-                             torch.cat([rows, torch.tensor([draft.tokens[0]])]), model.embed,
+    chained_ids = torch.cat([rows, torch.tensor([draft.tokens[0]])])
+    chained, _ = mtp_forward(prop.w, torch.cat([hidden[first:stop], G[-1:]]), chained_ids, model.embed[chained_ids],
                              model.chunk_info(0, len(rows) + 1), state.layers[0], cfg, model.ropes)
     second = torch.softmax(mtp_logits(prop.w, chained[-1:], model.head.head, cfg)[0], -1)
     assert torch.allclose(draft.probs[1], second, atol=1e-6)

@@ -116,3 +116,29 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
     assert graphs is not None and graphs._rows  # the committed rows ran through the static pass
     assert max(graphs._rows) <= MAX_STATIC_ROWS  # the 40-token prompt chunk did not get a graph
     assert (graphs._step if which == "mtp" else graphs._block) is not None  # and the drafting pass
+
+
+@pytest.mark.parametrize("which", ["mtp", "dspark"])
+def test_draft_static_passes_on_a_layer_split(request, which):
+    """On a layer split the drafts' static passes run with the last shard (the head's) and look the
+    embedding rows up on the first shard's table: the same drafts and tokens as on the whole model."""
+    from ds4serve import Engine
+    from ds4serve.engine.drafts import DSparkProposer, MTPProposer, _engine_drafts, target_parts
+
+    whole = request.getfixturevalue(f"{which}_engine")
+    n = whole.cfg.num_layers
+    split = Engine.from_pretrained(whole.path, devices=["cpu", "cpu"], layer_split=[n // 2, n - n // 2])
+    cls = MTPProposer if which == "mtp" else DSparkProposer
+    params = SamplingParams(max_tokens=14)
+    target = target_parts(split.model)
+    assert target.embed is split.model.shards[0].embed and target.last is split.model.shards[-1]
+    runs = {}
+    for name, engine, proposer in (
+            ("whole", whole, cls(_engine_drafts(whole).get(which), target_parts(whole.model), 3)),
+            ("split", split, cls(_engine_drafts(split).get(which), target, 3, static_passes=True, capture=False))):
+        runs[name] = engine.generate(MTP_PROMPT, params, speculative=proposer)
+        assert runs[name].ok, runs[name].error_message
+    assert proposer._graphs is not None and proposer._graphs._rows  # the split drafted through the static passes
+    assert runs["split"].tokens == runs["whole"].tokens == whole.generate(MTP_PROMPT, params).tokens
+    assert runs["split"].stats.speculative == runs["whole"].stats.speculative
+    assert runs["split"].stats.speculative["drafted"] > 0

@@ -14,6 +14,10 @@ draft state before each chain.
 tokens), attending to each stage's context ring: statically, the whole ring with a mask of the
 committed positions (:func:`~ds4serve.model.dspark.ring_context`), one graph. Its context rows of the
 committed positions are one graph per row count; the ring writes stay on the host's side.
+
+The passes run on the device of the target's head (the last shard of a layer split); the embedding rows
+of their tokens are looked up before each replay and copied into the graph's input buffer, since the
+table lives with the first shard, possibly on another device, outside the capture.
 """
 
 from __future__ import annotations
@@ -36,19 +40,20 @@ class MTPGraphs:
         self.w, self.target, self.state, self.graph = weights, target, state, graph
         self.scratch = state.fork()
         cfg, dev, dtype = target.cfg, target.device, target.last.dtype
-        self._rows: dict[int, tuple[Captured, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[int, tuple[Captured, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._hidden = torch.zeros(1, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
+        self._embedded = torch.zeros(1, cfg.hidden_size, dtype=target.embed.dtype, device=dev)
         self._token = torch.zeros(1, dtype=torch.long, device=dev)
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._step: Captured | None = None
 
-    def _pass(self, state: SequenceState, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
+    def _pass(self, state: SequenceState, hidden: torch.Tensor, embedded: torch.Tensor, ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
         """Output streams, the layer delta and the last row's logits of a static pass at ``positions``."""
         t = self.target
         with regions.static_step():
             chunk = t.last.chunk_info(0, ids.shape[0], positions)
-            G, delta = mtp_forward(self.w, hidden, ids, t.embed, chunk, state.layers[0], t.cfg, t.last.ropes)
+            G, delta = mtp_forward(self.w, hidden, ids, embedded, chunk, state.layers[0], t.cfg, t.last.ropes)
             return G, delta, mtp_logits(self.w, G[-1:], t.head, t.cfg)[0]
 
     def observe(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,12 +63,14 @@ class MTPGraphs:
         if S not in self._rows:
             dev = self._hidden.device
             rows_hidden = torch.zeros(S, *self._hidden.shape[1:], dtype=self._hidden.dtype, device=dev)
+            embedded = torch.zeros(S, self._embedded.shape[1], dtype=self._embedded.dtype, device=dev)
             ids = torch.zeros(S, dtype=torch.long, device=dev)
             positions = torch.zeros(S, dtype=torch.long, device=dev)
-            run = Captured(lambda: self._pass(self.state, rows_hidden, ids, positions), dev, graph=self.graph)
-            self._rows[S] = (run, rows_hidden, ids, positions)
-        run, rows_hidden, ids, positions = self._rows[S]
+            run = Captured(lambda: self._pass(self.state, rows_hidden, embedded, ids, positions), dev, graph=self.graph)
+            self._rows[S] = (run, rows_hidden, embedded, ids, positions)
+        run, rows_hidden, embedded, ids, positions = self._rows[S]
         rows_hidden.copy_(hidden)
+        embedded.copy_(self.target.embed_rows(next_ids))
         ids.copy_(torch.tensor(next_ids, dtype=torch.long))
         torch.arange(self.state.pos, self.state.pos + S, out=positions)
         G, delta, logits = run.replay()
@@ -79,10 +86,12 @@ class MTPGraphs:
         """One chained draft over the scratch state (committed there): streams ``[1, hc, D]`` and logits."""
         if self._step is None:
             self._step = Captured(self._step_and_commit, self._hidden.device, graph=self.graph,
-                                  warm=lambda: self._pass(self.scratch, self._hidden, self._token, self._pos),
+                                  warm=lambda: self._pass(self.scratch, self._hidden, self._embedded, self._token,
+                                                          self._pos),
                                   setup=lambda: self.scratch.prepare_capture(self._pos))
             self.scratch.finish_capture()
         self._hidden.copy_(hidden)
+        self._embedded.copy_(self.target.embed_rows([token]))
         self._token.fill_(token)
         self._pos.fill_(self.scratch.pos)
         G, logits = self._step.replay()
@@ -90,7 +99,7 @@ class MTPGraphs:
         return G, logits
 
     def _step_and_commit(self) -> tuple[torch.Tensor, torch.Tensor]:
-        G, delta, logits = self._pass(self.scratch, self._hidden, self._token, self._pos)
+        G, delta, logits = self._pass(self.scratch, self._hidden, self._embedded, self._token, self._pos)
         self.scratch.write_token(ChunkDelta(start=0, tokens=[], layers={0: delta}), self._pos)
         return G, logits
 
@@ -104,6 +113,7 @@ class DSparkGraphs:
         dev = target.device
         spec = weights.spec
         self._ids = torch.full((spec.block_size,), spec.noise_token_id, dtype=torch.long, device=dev)
+        self._embedded = target.embed_rows(self._ids)  # row 0 (the seed's) is replaced before each pass
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._offsets = torch.arange(spec.block_size, device=dev)
         self._block: Captured | None = None
@@ -112,7 +122,8 @@ class DSparkGraphs:
     def _block_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
         t, rings = self.target, [ls.window for ls in self.state.layers.values()]
         cos, sin = t.last.chunk_info(0, self._ids.shape[0], self._pos + self._offsets).rope["main"]
-        merged = block_merged(self.w, self._ids, t.embed, rings, cos, sin, t.cfg, ring_context(rings[0], self._pos))
+        merged = block_merged(self.w, self._ids, self._embedded, rings, cos, sin, t.cfg,
+                              ring_context(rings[0], self._pos))
         return merged, base_logits(self.w, merged, t.head, t.cfg)
 
     def propose(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +132,7 @@ class DSparkGraphs:
         if self._block is None:
             self._block = Captured(self._block_pass, self._pos.device, graph=self.graph)
         self._ids[:1].fill_(seed)
+        self._embedded[:1].copy_(self.target.embed_rows([seed]))
         self._pos.fill_(self.state.pos)
         return self._block.replay()
 

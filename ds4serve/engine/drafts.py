@@ -97,6 +97,10 @@ class TargetParts:
     def device(self) -> torch.device:
         return self.last.device
 
+    def embed_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``ids`` on the drafts' device (the table is on the first shard's)."""
+        return self.embed[torch.as_tensor(ids, dtype=torch.long).to(self.embed.device)].to(self.device)
+
 
 def target_parts(model: object) -> TargetParts:
     shards = getattr(model, "shards", None) or [model]
@@ -154,7 +158,7 @@ class MTPProposer(DraftProposer):
         t = self.target
         ids = torch.tensor(next_ids, dtype=torch.long, device=t.device)
         with profiler.step("draft", len(next_ids), state.pos, _draft_layers(self.cfg, 1)):
-            G, delta = mtp_forward(self.w, hidden, ids, t.embed, t.last.chunk_info(state.pos, len(next_ids)),
+            G, delta = mtp_forward(self.w, hidden, ids, t.embed_rows(next_ids), t.last.chunk_info(state.pos, len(next_ids)),
                                    state.layers[0], self.cfg, t.last.ropes)
         state.commit(ChunkDelta(start=state.pos, tokens=list(next_ids), layers={0: delta}), len(next_ids))
         self.forwards += 1
@@ -247,7 +251,7 @@ class DSparkProposer(DraftProposer):
             slots = torch.arange(max(0, pos - self.state.window), pos, device=t.device) % self.state.window
             context = [self.state.layers[s].window[slots] for s in range(len(self.w.stages))]
             with profiler.step("draft", spec.block_size, pos, layers):
-                merged = block_merged(self.w, ids, t.embed, context, cos, sin, self.cfg)
+                merged = block_merged(self.w, ids, t.embed_rows(ids), context, cos, sin, self.cfg)
                 logits = base_logits(self.w, merged, t.head, self.cfg)
         self.forwards += 1
         tokens, probs, conf = [], [], []
@@ -390,7 +394,8 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
                  name)
     target = target_parts(engine._require_model())
     weights = _engine_drafts(engine).get(name)
-    static = SWITCHES.speculative_graphs and engine._graphs_apply(engine.model)
+    # the drafts' passes run on the device of the target's head: graphs there, for a whole model or a split
+    static = SWITCHES.speculative_graphs and not engine.eager and target.device.type == "cuda"
     if name == "mtp":
         return MTPProposer(weights, target, *(() if k is None else (k,)), static_passes=static)
     return DSparkProposer(weights, target, k, static_passes=static)

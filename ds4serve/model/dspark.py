@@ -78,14 +78,15 @@ def context_rows(w: DSparkWeights, features: torch.Tensor, cos: torch.Tensor, si
     return [Rope.apply(rms_norm(linear(main_x, s.attn.wkv), s.attn.kv_norm, eps), cos, sin) for s in w.stages]
 
 
-def block_merged(w: DSparkWeights, ids: torch.Tensor, embed: torch.Tensor, context: list[torch.Tensor],
+def block_merged(w: DSparkWeights, ids: torch.Tensor, embedded: torch.Tensor, context: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
                  context_allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """The last stage's merged streams ``h [B, D]`` (before the norm) for block ``ids [B]``.
+    """The last stage's merged streams ``h [B, D]`` (before the norm) for block ``ids [B]``, whose
+    embedding rows are ``embedded [B, D]`` (on ``ids``' device).
 
     ``context_allowed [1, C]`` marks the context rows to attend (a static pass reads each stage's
     whole ring; see :func:`ring_context`); None: all of them."""
-    X = embed[ids.to(embed.device)].to(ids.device).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+    X = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     for stage, ctx in zip(w.stages, context):
         X = _stage(stage, X, ids, ctx, cos, sin, cfg, context_allowed)
     return hc_head(X, w.hc_fn, w.hc_base, w.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)

@@ -57,11 +57,14 @@ def load_mtp(ckpt: Checkpoint, index: int, dtype: torch.dtype, device: torch.dev
     )
 
 
-def mtp_forward(w: MTPWeights, hidden: torch.Tensor, next_ids: torch.Tensor, embed: torch.Tensor, chunk: ChunkInfo,
-                ls: LayerState, cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
-    """Output streams ``[S, hc, D]`` for rows ``(hidden [S, hc, D], next_ids [S])`` and the rows to commit."""
+def mtp_forward(w: MTPWeights, hidden: torch.Tensor, next_ids: torch.Tensor, embedded: torch.Tensor,
+                chunk: ChunkInfo, ls: LayerState, cfg: ModelConfig, ropes: dict[str, Rope]
+                ) -> tuple[torch.Tensor, LayerDelta]:
+    """Output streams ``[S, hc, D]`` for rows ``(hidden [S, hc, D], next_ids [S])`` and the rows to commit;
+    ``embedded [S, D]`` holds the target's embedding rows of ``next_ids`` on ``hidden``'s device (the
+    caller looks them up: the table may live on another device, outside a captured pass)."""
     eps = cfg.rms_norm_eps
-    e = linear(rms_norm(embed[next_ids.to(embed.device)].to(hidden.device), w.enorm, eps), w.e_proj)
+    e = linear(rms_norm(embedded, w.enorm, eps), w.e_proj)
     h = linear(rms_norm(hidden.to(e.dtype), w.hnorm, eps), w.h_proj)
     return block_forward(w.block, h + e.unsqueeze(1), chunk, ls, next_ids, cfg, ropes)
 
