@@ -20,6 +20,7 @@ from ds4serve.model.deepseek4 import BlockWeights, HeadWeights
 from ds4serve.model.hyper import HCSite
 from ds4serve.model.linear import FP4Weight, FP8Weight, Weight
 from ds4serve.model.moe import MoEWeights
+from ds4serve.model.mtp import MTPWeights
 
 VARIANTS = ("bf16", "fp8", "fp8+fp4")
 BLOCK = (128, 128)
@@ -81,11 +82,12 @@ class _Maker:
         return CompressorWeights(wkv=self.dense(width, D), wgate=self.dense(width, D),
                                  ape=self.f32(rate, width, std=0.5), norm=self.f32(dim, mean=1.0))
 
-    def block(self, layer: int) -> BlockWeights:
+    def block(self, layer: int | None) -> BlockWeights:
+        """Layer ``layer``'s block; None: an MTP block (sliding window, score-routed)."""
         c = self.cfg
         D, H, hd, q, hc = c.hidden_size, c.num_heads, c.head_dim, c.q_lora_rank, c.hc_mult
         fp8 = self.variant != "bf16"
-        kind = c.layer_types[layer]
+        kind = SLIDING if layer is None else c.layer_types[layer]
         attn = AttentionWeights(
             layer_type=kind, wq_a=self.proj(q, D, fp8=fp8), q_norm=self.f32(q, mean=1.0),
             wq_b=self.proj(H * hd, q, fp8=fp8), wkv=self.proj(hd, D, fp8=fp8), kv_norm=self.f32(hd, mean=1.0),
@@ -100,7 +102,7 @@ class _Maker:
                                           compressor=self.compressor(2 * ihd, ihd, c.csa_rate))
         concatenate_projections(attn)
         E, inter = c.n_routed_experts, c.moe_inter
-        hashed = c.is_hash_layer(layer)
+        hashed = layer is not None and c.is_hash_layer(layer)
         if self.variant == "fp8+fp4":
             w1, w3, w2 = self.fp4(E, inter, D), self.fp4(E, inter, D), self.fp4(E, D, inter)
         else:
@@ -117,6 +119,14 @@ class _Maker:
                               self.f32(3, mean=1.0))
         return BlockWeights(attn_norm=self.f32(D, mean=1.0), ffn_norm=self.f32(D, mean=1.0), hc_attn=site(),
                             hc_ffn=site(), attn=attn, moe=moe)
+
+    def mtp(self) -> MTPWeights:
+        """An MTP draft block (its projections dense, as the official checkpoint stores them)."""
+        D, hc = self.cfg.hidden_size, self.cfg.hc_mult
+        return MTPWeights(e_proj=self.dense(D, D), h_proj=self.dense(D, D), enorm=self.f32(D, mean=1.0),
+                          hnorm=self.f32(D, mean=1.0), block=self.block(None),
+                          hc_fn=self.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)), hc_base=self.f32(hc),
+                          hc_scale=self.f32(1, mean=1.0), norm=self.f32(D, mean=1.0))
 
     def head(self) -> HeadWeights:
         D, hc = self.cfg.hidden_size, self.cfg.hc_mult

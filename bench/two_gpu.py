@@ -34,7 +34,11 @@ reports what it did):
   continuation the verify path itself emits at that width (``spec_gpu.verifier_sequence``: a few
   perfect-oracle runs, which also compile the width's shapes): tokens/s, tokens per verify step,
   acceptance, and whether the tokens equal plain decoding's (the baseline, also timed; in bf16 on
-  random weights they need not, near-tied greedy choices flip with the rounding).
+  random weights they need not, near-tied greedy choices flip with the rounding);
+* with ``--mtp K`` (the split only: model drafts need the embedding and head in this process), an
+  MTP draft block with random weights on the last GPU drafting ``K`` tokens per step (fixed width
+  ``K + 1``), its passes eager and as CUDA graphs: random drafts are rejected, so the two tokens/s
+  differ by what the draft passes cost per step.
 
 Two H200s (repository root)::
 
@@ -68,7 +72,7 @@ import torch.distributed as dist
 from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
-from ds4serve.engine.drafts import OracleProposer
+from ds4serve.engine.drafts import MTPProposer, OracleProposer, target_parts
 from ds4serve.kernels.switches import NAMES, SWITCHES, parse as parse_switches
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
@@ -287,6 +291,28 @@ def speculative(engine: Engine, args: argparse.Namespace, section: dict, save: S
             log(f"{section['placement']} speculative width {width} p {p}: {tps:.2f} tok/s "
                 f"({row['speedup']:.2f}x plain), {row['tokens_per_verify']:.2f} tokens/verify, "
                 f"equal to plain {row['equal_to_plain']}")
+    if args.mtp and isinstance(engine.model, SplitModel):
+        mtp_drafts(engine, args, prompt, params, plain_tps, out, save)
+
+
+def mtp_drafts(engine: Engine, args: argparse.Namespace, prompt: list[int], params: SamplingParams,
+               plain_tps: float, out: dict, save: Save) -> None:
+    """Random MTP drafts of ``args.mtp`` tokens per step, the draft passes eager and as graphs."""
+    target = target_parts(engine.model)
+    weights = _Maker(target.cfg, args.variant, target.device, seed=99).mtp()
+    out["mtp"] = []
+    for static in (False, True):
+        for _ in range(2):  # the second run: the first one compiles and captures
+            res, tps = timed(engine, prompt, params, MTPProposer(weights, target, args.mtp, static_passes=static,
+                                                                 adaptive=False))
+        spec = res.stats.speculative
+        row = {"drafts_per_step": args.mtp, "draft_passes": "graphs" if static else "eager", "tokens_per_s": tps,
+               "vs_plain": tps / plain_tps, "tokens_per_verify": spec["tokens_per_forward"],
+               "acceptance": spec["acceptance_rate"]}
+        out["mtp"].append(row)
+        save()
+        log(f"split MTP drafts ({args.mtp} per step, passes {row['draft_passes']}): {tps:.2f} tok/s "
+            f"({row['vs_plain']:.2f}x plain), {row['tokens_per_verify']:.2f} tokens/verify")
 
 
 # ---- the split: both shards in this process ----------------------------------------------------------
@@ -438,6 +464,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--spec-tokens", type=int, default=32)
     p.add_argument("--oracle-rounds", type=int, default=2,
                    help="perfect-oracle runs per width that find the verify path's own continuation")
+    p.add_argument("--mtp", type=int, default=0, help="split: also time K random MTP drafts per step, eager and as "
+                   "graphs (0: not)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="pipeline: longest wait for a peer")
     p.add_argument("--switches", default="", help="kernels.switches to turn on besides the defaults (NAME+NAME)")
     p.add_argument("--copy-gbps", default=None, help=argparse.SUPPRESS)  # measured once, handed to the ranks

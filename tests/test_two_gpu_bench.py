@@ -20,7 +20,7 @@ def test_two_gpu_bench_cpu_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "two_gpu.py"), "--out", str(out), "--device", "cpu", "--dims", "tiny",
            "--layers", "4", "--experts", "8", "--contexts", "24,80", "--chunk", "32", "--steps", "3", "--reps", "3",
            "--greedy-tokens", "6", "--spec-widths", "2,4", "--accept", "0.5", "--spec-prompt", "16",
-           "--spec-tokens", "8", "--timeout-s", "60"]
+           "--spec-tokens", "8", "--mtp", "2", "--timeout-s", "60"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -37,3 +37,6 @@ def test_two_gpu_bench_cpu_smoke(tmp_path):
         assert [(x["width"], x["p"]) for x in runs] == [(2, 0.5), (4, 0.5)]
         assert all(x["equal_to_plain"] for x in runs)
     assert r["split"]["shards"] == r["pipeline"]["shards"]
+    mtp = r["split"]["speculative"]["mtp"]  # random MTP drafts on the split, passes eager then static
+    assert [x["draft_passes"] for x in mtp] == ["eager", "graphs"] and all(x["tokens_per_s"] > 0 for x in mtp)
+    assert "mtp" not in r["pipeline"]["speculative"]
