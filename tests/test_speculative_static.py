@@ -119,11 +119,18 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
 
 
 @pytest.mark.parametrize("which", ["mtp", "dspark"])
-def test_draft_static_passes_on_a_layer_split(request, which):
-    """On a layer split the drafts' static passes run with the last shard (the head's) and look the
-    embedding rows up on the first shard's table: the same drafts and tokens as on the whole model."""
+def test_draft_static_passes_on_a_layer_split(request, monkeypatch, which):
+    """On a layer split the drafts' static passes run with the last shard (the head's) device current
+    and look the embedding rows up on the first shard's table: the same drafts and tokens as on the
+    whole model."""
+    import contextlib
+
     from ds4serve import Engine
+    from ds4serve.engine import drafts as drafts_module
     from ds4serve.engine.drafts import DSparkProposer, MTPProposer, _engine_drafts, target_parts
+
+    current = []  # the devices made current for the drafts' passes (Triton launches go to the current one)
+    monkeypatch.setattr(drafts_module, "on_device", lambda d: current.append(d) or contextlib.nullcontext())
 
     whole = request.getfixturevalue(f"{which}_engine")
     n = whole.cfg.num_layers
@@ -142,3 +149,4 @@ def test_draft_static_passes_on_a_layer_split(request, which):
     assert runs["split"].tokens == runs["whole"].tokens == whole.generate(MTP_PROMPT, params).tokens
     assert runs["split"].stats.speculative == runs["whole"].stats.speculative
     assert runs["split"].stats.speculative["drafted"] > 0
+    assert current and set(current) == {target.device} and target.device is split.model.shards[-1].device

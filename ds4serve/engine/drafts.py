@@ -12,6 +12,7 @@ relative positions, so they count positions from 0). The first step therefore ha
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 
 from .. import profiler
 from ..config import SLIDING, ModelConfig
+from ..devices import on_device
 from ..model import DeepSeekV4
 from ..model.dspark import DSparkWeights, base_logits, block_merged, confidence, context_rows, load_dspark, \
     markov_bias, target_features
@@ -112,6 +114,16 @@ def target_parts(model: object) -> TargetParts:
     return TargetParts(first.cfg, first.embed, last.head.head, last)
 
 
+def _at_target(method: Callable) -> Callable:
+    """Run a model draft's method with the device of the target's head current: Triton launches and CUDA
+    graph replays go to the current device, which on a layer split is another shard's."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with on_device(self.target.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 def _draft_state(cfg: ModelConfig, stages: int, max_context: int, dtype: torch.dtype,
                  device: torch.device) -> SequenceState:
     layers = {s: allocate_layer(cfg, SLIDING, max_context, dtype, device) for s in range(stages)}
@@ -164,6 +176,7 @@ class MTPProposer(DraftProposer):
         self.forwards += 1
         return G
 
+    @_at_target
     def observe(self, committed: Committed) -> None:
         next_ids = committed.tokens[1:] + [committed.next_token]
         if self._graphs is not None and len(next_ids) <= MAX_STATIC_ROWS:
@@ -175,6 +188,7 @@ class MTPProposer(DraftProposer):
         G = self._run(self.state, committed.hidden, next_ids)[-1:]
         self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0])
 
+    @_at_target
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         if self._last is None or k < 1:
             return Draft()
@@ -227,6 +241,7 @@ class DSparkProposer(DraftProposer):
         self._graphs = (DSparkGraphs(self.w, self.target, self.state, self.capture_layers, graph=capture)
                         if self.static_passes else None)
 
+    @_at_target
     def observe(self, committed: Committed) -> None:
         n, pos = len(committed.tokens), self.state.pos
         if self._graphs is not None and n <= MAX_STATIC_ROWS:
@@ -237,6 +252,7 @@ class DSparkProposer(DraftProposer):
         delta = ChunkDelta(start=pos, tokens=committed.tokens, layers={s: LayerDelta(r) for s, r in enumerate(rows)})
         self.state.commit(delta, n)
 
+    @_at_target
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         t, spec, pos = self.target, self.w.spec, self.state.pos
         seed = history[-1]
