@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import hyper, indexer, moe
+from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .hc_pre import hc_pre as _hc_pre
@@ -79,6 +79,19 @@ def moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
 @moe_decode.register_fake
 def _(x, idx, weights, w1, s1, w3, s3, w2, s2, routed_block, sw1, ss1, sw3, ss3, sw2, ss2, shared_block, limit):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{_LIB}::route_decode", mutates_args=())
+def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                 token_ids: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ds4serve.kernels.router.route_decode`: the MoE router of a few tokens in one launch,
+    ``(weights [N, k] in x's dtype, expert ids [N, k] int64)`` (the arrival counter it uses is left zero)."""
+    return router.route_decode(x, gate, bias, tid2eid, token_ids, k, scaling)
+
+
+@route_decode.register_fake
+def _(x, gate, bias, tid2eid, token_ids, k, scaling):
+    return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.int64)
 
 
 @torch.library.custom_op(f"{_LIB}::index_top", mutates_args=())

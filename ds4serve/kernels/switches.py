@@ -87,6 +87,11 @@ class Switches:
     # bf16 9.96 -> 9.96 / 10.51 -> 10.50 / 11.86 -> 11.46, FP8 7.32 -> 7.34 / 7.82 -> 7.81 / 9.21 -> 8.81
     # ms/token; check_gpu passed with it (H200, 2026-11-29, bench/results/2026-11-29-h200-round10-*).
     gather_entries: bool = True
+    # The MoE router of a decode step (at most 16 rows, dense gate) is one launch (kernels/router.py: the gate
+    # product split over ~256 programs, the last of which computes the scores, the top-k and the weights)
+    # instead of six (the GEMV, its split sum and four Inductor kernels) per layer. Off until a GPU run
+    # measures it.
+    router_fused: bool = False
 
 
 SWITCHES = Switches()

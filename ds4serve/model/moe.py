@@ -15,6 +15,7 @@ from .linear import FP8Weight, Weight, linear
 from .moe_grouped import routed_experts, swiglu_gate
 
 FUSED_MAX_PAIRS = 64  # (token, expert) pairs up to which the fused kernel runs (decode, short verify)
+ROUTER_FUSED_MAX_ROWS = 16  # tokens up to which the one-launch router runs (kernels/router.py takes 16)
 
 
 @dataclass
@@ -34,6 +35,10 @@ class MoEWeights:
 def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k], expert ids [N, k])`` for tokens ``x [N, D]``."""
+    if _router_fused_applies(w, x):
+        from ..kernels import ops
+
+        return ops.route_decode(x, w.gate, w.bias, w.tid2eid, token_ids, top_k, scaling)
     scores = F.softplus(linear(x, w.gate) if SWITCHES.router_gemv else F.linear(x, w.gate)).sqrt()
     if w.tid2eid is not None:
         idx = w.tid2eid[token_ids]
@@ -42,6 +47,14 @@ def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, s
     weights = scores.gather(1, idx)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, idx
+
+
+def _router_fused_applies(w: MoEWeights, x: torch.Tensor) -> bool:
+    """The one-launch router (``SWITCHES.router_fused``) takes a few rows (decode) of bf16 / fp32 tokens
+    with a dense contiguous gate."""
+    return (SWITCHES.router_fused and kernels.enabled(x) and x.dim() == 2 and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float32) and isinstance(w.gate, torch.Tensor)
+            and w.gate.dim() == 2 and w.gate.is_contiguous())
 
 
 RANK_MAX_ROWS = 64  # up to this many rows, top-k by pairwise ranks (decode, verify); else torch.topk
