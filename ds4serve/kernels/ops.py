@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import hyper, indexer, moe, prefetch, router
+from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .hc_pre import hc_pre as _hc_pre
@@ -92,18 +92,6 @@ def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
 @route_decode.register_fake
 def _(x, gate, bias, tid2eid, token_ids, k, scaling):
     return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.int64)
-
-
-@torch.library.custom_op(f"{_LIB}::prefetch_l2", mutates_args=())
-def prefetch_l2(x: torch.Tensor, weights: list[torch.Tensor], budget: int) -> torch.Tensor:
-    """:func:`ds4serve.kernels.prefetch.prefetch_l2`: a copy of ``x`` whose launch also has L2 prefetch
-    the first ``budget`` bytes of ``weights``."""
-    return prefetch.prefetch_l2(x, weights, budget)
-
-
-@prefetch_l2.register_fake
-def _(x, weights, budget):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op(f"{_LIB}::index_top", mutates_args=())

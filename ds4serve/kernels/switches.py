@@ -93,11 +93,6 @@ class Switches:
     # bf16 10.10 -> 9.79, FP8 7.61 -> 7.28 ms/token; its GPU tests and check_gpu passed with it (H200,
     # 2026-11-29, bench/results/2026-11-29-h200x2-round10-router-*).
     router_fused: bool = True
-    # A static step has L2 prefetch the weights of its next GEMVs while the small kernels before them run
-    # (kernels/prefetch.py; model/linear.py prefetch_weights): the input and q_res projections during the
-    # attention's mHC pre site, wo_a / wo_b during the attention, the shared expert and router during the
-    # MoE's pre site, each up to L2_BUDGET bytes. Off until a GPU run measures it.
-    prefetch_weights: bool = False
 
 
 SWITCHES = Switches()

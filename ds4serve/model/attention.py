@@ -21,7 +21,7 @@ from ..kernels.switches import SWITCHES
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
-from .linear import Weight, grouped_linear, linear, prefetch_weights
+from .linear import Weight, grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
 from .projections import Projections, concatenate
 from .rope import Rope
@@ -64,11 +64,6 @@ class AttentionWeights:
 
     def _compressors(self) -> tuple[tuple[str, CompressorWeights | None], ...]:
         return ("compressor", self.compressor), ("indexer.compressor", self.indexer and self.indexer.compressor)
-
-    def leading_weights(self) -> list[Weight]:
-        """The weights of the layer's first products, in order: the input's, then q_res's."""
-        return [g.weight for p in (self.x_proj or Projections.separate(self.input_parts()),
-                                   self.q_proj or Projections.separate(self.q_parts())) for g in p.groups]
 
     def q_parts(self) -> dict[str, Weight]:
         """Every projection of ``q_res``, by name."""
@@ -115,8 +110,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     xp = (w.x_proj or Projections.separate(w.input_parts()))(x)
     q_res = rms_norm(xp["wq_a"], w.q_norm, eps)
     qp = (w.q_proj or Projections.separate(w.q_parts()))(q_res)
-    q = prefetch_weights(qp["wq_b"], [w.wo_a, w.wo_b], chunk.static)  # DRAM idles until wo_a
-    q = unweighted_rms_norm(q.unflatten(-1, (H, hd)), eps)
+    q = unweighted_rms_norm(qp["wq_b"].unflatten(-1, (H, hd)), eps)
     q = Rope.apply(q, cos, sin)
     kv = Rope.apply(rms_norm(xp["wkv"], w.kv_norm, eps), cos, sin)
 

@@ -25,8 +25,7 @@ from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
 from .hyper import HCSite, hc_head, hc_merge, hc_pre
-from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear, \
-    prefetch_weights
+from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
 from .rope import Rope
@@ -194,7 +193,6 @@ def _static_block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerS
 def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
            cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    X = prefetch_weights(X, b.attn.leading_weights(), chunk.static)  # DRAM idles during the mHC pre site
     # "hc_pre" includes the sublayer's input norm, fused (SWITCHES.hc_fused) or not, so that the phases
     # measure the same work either way
     with profiler.phase("hc_pre"):
@@ -203,7 +201,6 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
         a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
     with profiler.phase("hc_post"):
         X = hc_merge(X, a, post, comb)
-    X = prefetch_weights(X, [b.moe.shared_w1, b.moe.shared_w3, b.moe.shared_w2, b.moe.gate], chunk.static)
     with profiler.phase("hc_pre"):
         post, comb, x = hc_pre(X, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     with profiler.phase("moe_ffn"):

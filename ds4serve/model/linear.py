@@ -19,7 +19,6 @@ from ..kernels.switches import SWITCHES
 from ..quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
 GEMV_MAX_ROWS = 8  # up to this many activation rows (tokens), projections run as GEMV kernels
-L2_BUDGET = 40 << 20  # bytes of weights one prefetch site asks for (the H200's L2 holds 50 MB)
 
 
 @dataclass
@@ -139,19 +138,3 @@ def fp4_from_checkpoint(data: torch.Tensor, scale: torch.Tensor, device: torch.d
     """An :class:`FP4Weight` from stored packed codes and ue8m0 scales (kept as uint8 exponents)."""
     exps = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
     return FP4Weight(data.view(torch.int8).to(device), exps.to(device))
-
-
-def weight_tensors(w: Weight) -> list[torch.Tensor]:
-    """The tensors a product with ``w`` reads: the data, then the scales of a quantized weight."""
-    return [w] if isinstance(w, torch.Tensor) else [w.data, w.scale]
-
-
-def prefetch_weights(x: torch.Tensor, weights: list[Weight], static: bool) -> torch.Tensor:
-    """``x``, or in a static step with ``SWITCHES.prefetch_weights`` a copy of it whose launch has L2
-    prefetch the first :data:`L2_BUDGET` bytes of ``weights`` (kernels/prefetch.py): call it where the
-    kernels up to those weights' products leave DRAM idle."""
-    if not (static and SWITCHES.prefetch_weights and kernels.enabled(x)):
-        return x
-    from ..kernels import ops
-
-    return ops.prefetch_l2(x, [t for w in weights for t in weight_tensors(w)], L2_BUDGET)
