@@ -39,7 +39,7 @@ def test_router_gemv_matches_cublas_path(monkeypatch):
     calls = []
     real = linear_module._gemv
     monkeypatch.setattr(linear_module, "_gemv", lambda *a: calls.append(a) or real(*a))
-    with kernels.on_any_device():
+    with kernels.on_any_device(), using(router_fused=False):  # the one-launch router replaces both paths
         with using(router_gemv=False):
             want_w, want_i = route.eager(w, x, ids, 4, 1.5)
         assert not calls
