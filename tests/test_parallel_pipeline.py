@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds4serve import SamplingParams
-from ds4serve.engine.cuda_graphs import DecodeGraph
+from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph
 from tests.helpers import random_prompt
 
 SPLIT = [2, 4]
@@ -95,7 +95,23 @@ def _exact(engine) -> dict:
     out["nbytes"] = model.nbytes()
     state = model.new_state(64)
     out["graph_steps"] = _graph_steps(engine, state, model.decode_graph(state, graph=False))
+    state = model.new_state(64)
+    out["verify_graph_steps"] = _verify_graph_steps(engine, state, model.verify_graph(state, 4, graph=False))
+    out["speculative_graphs"] = _speculative_through_graphs(engine, out["generate"])
     return out
+
+
+def _speculative_through_graphs(engine, plain: list[int]) -> dict:
+    """Greedy speculative decoding with the engine's graphs for the pipeline (uncaptured on CPU, where the
+    engine would otherwise run eagerly): the decode and verify graphs of every rank, plain's tokens."""
+    from ds4serve.engine.drafts import OracleProposer
+
+    engine._graph_kinds = lambda model: (lambda m, s: m.decode_graph(s, graph=False),
+                                         lambda m, s, width, capture: m.verify_graph(s, width, capture, graph=False))
+    res = engine.generate(PROMPT, GREEDY, speculative=OracleProposer(PROMPT + plain, 0.7, 4))
+    del engine._graph_kinds
+    return {"tokens": res.tokens, "drafted": res.stats.speculative["drafted"],
+            "graphs": sorted({type(g).__name__ for g in engine._verify_graphs.values()})}
 
 
 def _graph_steps(engine, state, graph) -> torch.Tensor:
@@ -107,6 +123,19 @@ def _graph_steps(engine, state, graph) -> torch.Tensor:
         steps.append(logits)
     assert state.pos == 38
     return torch.stack(steps)
+
+
+def _verify_graph_steps(engine, state, graph) -> torch.Tensor:
+    """Logits of two verify blocks of width 4 through ``graph`` (uncaptured on CPU), 2 then 3 rows
+    committed by the graph, then of one eager decode step over the committed state."""
+    engine.prefill(state, PROMPT[:30])
+    first = graph.run(PROMPT[30:34]).logits.clone()
+    graph.commit(PROMPT[30:32])
+    second = graph.run(PROMPT[32:36]).logits.clone()
+    graph.commit(PROMPT[32:35])
+    assert state.pos == 35 and state.tokens[-5:] == PROMPT[30:35]
+    after = engine.model.forward([PROMPT[35]], state, logit_rows=slice(None)).logits
+    return torch.cat([first, second, after])
 
 
 def _after_peer_loss(engine) -> dict:
@@ -155,6 +184,8 @@ def reference(tiny_dir, engine) -> dict:
     out["nbytes"] = engine.model.nbytes()
     state = engine.new_sequence(64)
     out["graph_steps"] = _graph_steps(engine, state, DecodeGraph(engine.model, state, graph=False))
+    state = engine.new_sequence(64)
+    out["verify_graph_steps"] = _verify_graph_steps(engine, state, VerifyGraph(engine.model, state, 4, graph=False))
     return out
 
 
@@ -164,13 +195,16 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     go.set()
     assert _stop(procs) == [0, 0]  # rank 0 closed the pipeline and the worker returned cleanly
     got = torch.load(out)
-    for key in ("score", "verify", "tail", "tail_hidden", "graph_steps"):  # graph_steps: one graph per rank
+    for key in ("score", "verify", "tail", "tail_hidden", "graph_steps", "verify_graph_steps"):  # graphs: one per rank
         assert torch.equal(got[key], reference[key]), key
     assert got["generate"] == reference["generate"]
     assert got["restored"] == reference["restored"] and got["restored_cached"] == reference["restored_cached"]
     assert got["snapshot_layers"] == list(range(6))
     assert got["cancelled"] == "cancelled" and got["after_cancel"] == reference["generate"]
     assert got["nbytes"] == reference["nbytes"]
+    spec = got["speculative_graphs"]
+    assert spec["tokens"] == reference["generate"] and spec["drafted"] > 0
+    assert spec["graphs"] == ["PipelineVerifyGraph"]
 
 
 @pytest.mark.timeout(180)

@@ -25,7 +25,7 @@ from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
-from ..parallel.pipeline import PipelineDecodeGraph, PipelineModel
+from ..parallel.pipeline import PipelineDecodeGraph, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
@@ -97,7 +97,8 @@ class Engine:
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
         # (width, capture) -> the verify graph over self._state
-        self._verify_graphs: dict[tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph] = {}
+        self._verify_graphs: dict[tuple[int, tuple[int, ...]],
+                                  VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph] = {}
         self._warned_eager_verify = False  # logged once: speculation would verify eagerly next to decode graphs
 
     @classmethod
@@ -359,7 +360,9 @@ class Engine:
         if isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
             return SplitDecodeGraph, SplitVerifyGraph if SWITCHES.split_verify_graphs else None
         if isinstance(model, PipelineModel) and model.device.type == "cuda" and SWITCHES.pipeline_graphs:
-            return PipelineModel.decode_graph, None  # verify steps of a pipeline run eagerly
+            # its verify graphs commit by device writes only (SWITCHES.static_commit)
+            verify = SWITCHES.pipeline_verify_graphs and SWITCHES.static_commit
+            return PipelineModel.decode_graph, PipelineModel.verify_graph if verify else None
         return None
 
     def _graphs_apply(self, model: object) -> bool:
@@ -369,7 +372,7 @@ class Engine:
                 and model.embed is not None and model.head is not None)
 
     def verify_graph(self, model: object, state: SequenceState, width: int,
-                     capture: tuple[int, ...]) -> VerifyGraph | SplitVerifyGraph | None:
+                     capture: tuple[int, ...]) -> VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph | None:
         """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
         prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
         (``SWITCHES.static_commit``)."""

@@ -68,6 +68,10 @@ class Switches:
     # pipeline identical (bench/two_gpu.py, 2026-11-29, bench/results/2026-11-29-h200x2-graphs-*).
     split_verify_graphs: bool = True
     pipeline_graphs: bool = True
+    # A multi-process pipeline's speculative verify steps as one CUDA graph per rank (parallel/pipeline.py
+    # PipelineVerifyGraph; with static_commit). Off until a GPU run checks it: checked on CPU (gloo, the
+    # graphs uncaptured) only; eagerly a pipeline verifies ~15x slower than it decodes through graphs.
+    pipeline_verify_graphs: bool = False
     # Hand-written and Inductor kernels are launched with programmatic dependent launch (kernels/pdl.py):
     # each may be scheduled while the one before it runs, and waits for it before touching memory. At
     # 512: bf16 10.70 -> 10.15, FP8 8.22 -> 7.55 ms/token; check_gpu passed with it (H200, 2026-11-29,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import profiler
 from ..config import ModelConfig
-from ..engine.cuda_graphs import DecodeGraph
+from ..engine.cuda_graphs import DecodeGraph, VerifyGraph
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
@@ -218,6 +218,16 @@ class PipelineModel:
         runs the same static steps uncaptured, for CPU tests)."""
         return PipelineDecodeGraph(self, state, self.device.type == "cuda" if graph is None else graph)
 
+    def verify_graph(self, state: "PipelineState", width: int, capture: tuple[int, ...] = (),
+                     graph: bool | None = None) -> "PipelineVerifyGraph":
+        """Speculative verify blocks of ``width`` over ``state`` as one CUDA graph per rank (default: on
+        CUDA; ``graph=False`` runs the same static blocks uncaptured, for CPU tests). They capture no
+        layers' streams: model drafts, which need them, need the whole model in one process."""
+        if capture:
+            raise ValueError("capture: a pipeline's verify graphs capture no layers (model drafts need the "
+                             "embedding and head in one process)")
+        return PipelineVerifyGraph(self, state, width, self.device.type == "cuda" if graph is None else graph)
+
     def tensors(self) -> list[torch.Tensor]:
         return self.shard.tensors()
 
@@ -327,6 +337,44 @@ class PipelineDecodeGraph:
         return link.recv(buf, last, "logits")
 
 
+class PipelineVerifyGraph:
+    """Speculative verify blocks of ``width`` over the pipeline: every rank captures the static block of its
+    layers (:class:`~ds4serve.engine.cuda_graphs.VerifyGraph`) once. A run is one ``verify`` operation (the
+    streams go rank to rank as in a decode step, the last rank returns the final streams and every row's
+    logits); the accepted prefix is one ``vcommit`` operation: each rank's captured device writes of that
+    many rows, then its host counters. Same interface as :class:`~ds4serve.engine.cuda_graphs.VerifyGraph`
+    (the engine commits through :meth:`commit`, ``SWITCHES.static_commit``)."""
+
+    def __init__(self, model: PipelineModel, state: "PipelineState", width: int, graph: bool):
+        self.model, self.state, self.width, self.capture = model, state, width, ()
+        model._op("vgraph", state.sid, width, graph)
+        self.local = VerifyGraph(model.shard, state, width, graph=graph)
+
+    def run(self, block: list[int]) -> ForwardResult:
+        """Every row's logits ``[width, V]`` and final streams of ``block`` at ``state.pos`` (buffers the
+        next run overwrites); the delta holds rank 0's layers only, :meth:`commit` commits every rank's."""
+        state, model = self.state, self.model
+        if len(block) != self.width or state.pos + self.width > state.max_context:
+            raise ValueError(f"verify graph of width {self.width}: got {len(block)} tokens at position "
+                             f"{state.pos} of a state of {state.max_context}")
+        model._op("verify", state.sid, self.width, list(block), state.pos)
+        return model._guarded(self._run, block, state.pos)
+
+    def _run(self, block: list[int], pos: int) -> ForwardResult:
+        link, last = self.model.link, self.model.groups.world - 1
+        out = self.local.replay(block, pos)
+        link.send(out.hidden, 1, "hidden streams")
+        final = link.recv(link.streams(self.width), last, "final streams")
+        buf = torch.empty(self.width, self.model.cfg.vocab_size, dtype=torch.float32, device=self.model.device)
+        return ForwardResult(hidden=final, delta=out.delta, logits=link.recv(buf, last, "logits"), captured={})
+
+    def commit(self, tokens: list[int]) -> None:
+        """The last block's first ``len(tokens)`` rows committed on every rank."""
+        self.model._op("vcommit", self.state.sid, self.width, list(tokens))
+        self.model._guarded(self.local.write, len(tokens))
+        self.state.advance_block(tokens)
+
+
 def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, int]]) -> None:
     """A worker rank's loop: apply rank 0's operations until it says stop.
 
@@ -337,6 +385,7 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
     states: dict[int, SequenceState] = {}
     pending: dict[int, dict[int, ChunkDelta]] = {}
     graphs: dict[int, DecodeGraph] = {}  # sid -> the decode step of this rank's layers
+    verify_graphs: dict[tuple[int, int], VerifyGraph] = {}  # (sid, width) -> the verify block of its layers
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -347,6 +396,8 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                 states.pop(sid, None)
                 pending.pop(sid, None)
                 graphs.pop(sid, None)
+                for key in [k for k in verify_graphs if k[0] == sid]:
+                    del verify_graphs[key]
             kind, args = op[0], op[1:]
             if kind == "stop":
                 return
@@ -385,6 +436,25 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                     link.send(out.logits, 0, "logits")
                 else:
                     link.send(out.hidden, rank + 1, "hidden streams")
+            elif kind == "vgraph":
+                sid, width, graph = args
+                verify_graphs[sid, width] = VerifyGraph(shard, states[sid], width, graph=graph,
+                                                        hidden=torch.zeros_like(link.streams(width)))
+            elif kind == "verify":
+                sid, width, block, pos = args
+                block_graph = verify_graphs[sid, width]
+                link.recv(block_graph.hidden, rank - 1, "hidden streams")
+                out = block_graph.replay(block, pos)
+                pending[sid] = {}
+                if rank == last:
+                    link.send(out.hidden, 0, "final streams")
+                    link.send(out.logits, 0, "logits")
+                else:
+                    link.send(out.hidden, rank + 1, "hidden streams")
+            elif kind == "vcommit":
+                sid, width, tokens = args
+                verify_graphs[sid, width].write(len(tokens))
+                states[sid].advance_block(tokens)
             elif kind == "commit":
                 sid, seq, n = args
                 states[sid].commit(pending[sid][seq], n)
