@@ -386,6 +386,17 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
     pending: dict[int, dict[int, ChunkDelta]] = {}
     graphs: dict[int, DecodeGraph] = {}  # sid -> the decode step of this rank's layers
     verify_graphs: dict[tuple[int, int], VerifyGraph] = {}  # (sid, width) -> the verify block of its layers
+
+    def pass_on(graph: DecodeGraph | VerifyGraph, *at: Any) -> None:
+        """Receive the streams into ``graph``'s input, replay it ``at`` (tokens, position) and send its
+        output on: to the next rank, or from the last rank the final streams and logits to rank 0."""
+        link.recv(graph.hidden, rank - 1, "hidden streams")
+        out = graph.replay(*at)
+        if rank == last:
+            link.send(out.hidden, 0, "final streams")
+            link.send(out.logits, 0, "logits")
+        else:
+            link.send(out.hidden, rank + 1, "hidden streams")
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -426,31 +437,17 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                 graphs[sid] = DecodeGraph(shard, states[sid], hidden=torch.zeros_like(link.streams(1)), graph=graph)
             elif kind == "step":
                 sid, token, pos = args
-                step = graphs[sid]
-                link.recv(step.hidden, rank - 1, "hidden streams")
-                out = step.replay(token, pos)
+                pass_on(graphs[sid], token, pos)
                 states[sid].advance(token)
                 pending[sid] = {}
-                if rank == last:
-                    link.send(out.hidden, 0, "final streams")
-                    link.send(out.logits, 0, "logits")
-                else:
-                    link.send(out.hidden, rank + 1, "hidden streams")
             elif kind == "vgraph":
                 sid, width, graph = args
                 verify_graphs[sid, width] = VerifyGraph(shard, states[sid], width, graph=graph,
                                                         hidden=torch.zeros_like(link.streams(width)))
             elif kind == "verify":
                 sid, width, block, pos = args
-                block_graph = verify_graphs[sid, width]
-                link.recv(block_graph.hidden, rank - 1, "hidden streams")
-                out = block_graph.replay(block, pos)
+                pass_on(verify_graphs[sid, width], block, pos)
                 pending[sid] = {}
-                if rank == last:
-                    link.send(out.hidden, 0, "final streams")
-                    link.send(out.logits, 0, "logits")
-                else:
-                    link.send(out.hidden, rank + 1, "hidden streams")
             elif kind == "vcommit":
                 sid, width, tokens = args
                 verify_graphs[sid, width].write(len(tokens))
