@@ -170,8 +170,8 @@ class MTPProposer(DraftProposer):
         t = self.target
         ids = torch.tensor(next_ids, dtype=torch.long, device=t.device)
         with profiler.step("draft", len(next_ids), state.pos, _draft_layers(self.cfg, 1)):
-            G, delta = mtp_forward(self.w, hidden, ids, t.embed_rows(next_ids), t.last.chunk_info(state.pos, len(next_ids)),
-                                   state.layers[0], self.cfg, t.last.ropes)
+            G, delta = mtp_forward(self.w, hidden, ids, t.embed_rows(next_ids),
+                                   t.last.chunk_info(state.pos, len(next_ids)), state.layers[0], self.cfg, t.last.ropes)
         state.commit(ChunkDelta(start=state.pos, tokens=list(next_ids), layers={0: delta}), len(next_ids))
         self.forwards += 1
         return G
