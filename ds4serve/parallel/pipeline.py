@@ -346,7 +346,7 @@ class PipelineVerifyGraph:
     (the engine commits through :meth:`commit`, ``SWITCHES.static_commit``)."""
 
     def __init__(self, model: PipelineModel, state: "PipelineState", width: int, graph: bool):
-        self.model, self.state, self.width, self.capture = model, state, width, ()
+        self.model, self.state, self.width = model, state, width
         model._op("vgraph", state.sid, width, graph)
         self.local = VerifyGraph(model.shard, state, width, graph=graph)
 
