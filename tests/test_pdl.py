@@ -46,7 +46,7 @@ def test_cpu_launches_ignore_pdl():
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
     with using(pdl=True):
-        assert pdl.launch(x) == {"PDL": 0}
+        assert pdl.launch(x) == {"PDL": False}
         with kernels.on_any_device():
             got = gemv(x, w)
     torch.testing.assert_close(got, gemv_ref(x, w), rtol=1e-5, atol=1e-5)
@@ -63,12 +63,11 @@ args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf
         "n_in": "i32", "k_per_split": "i32", "rows_per_group": "i32", "x_stride": "i32", "s_cols": "i32",
         "n_tokens": "i32"}
 ptx = {}
-for name, pdl, prefetch in (("off", 0, 0), ("pdl", 1, 0), ("prefetch", 1, 4), ("early", 2, 4)):
+for pdl in (False, True):
     consts = dict(SCALED=True, SB_R=128, SB_C=128, N_PAD=16, BLOCK_R=64, BLOCK_K=128, SUB_K=128, STAGES=4,
-                  PARTIAL=False, DOT_DTYPE=triton.language.float16, N_LOAD=1, X_SCALE=2.0 ** -8, PDL=pdl,
-                  PREFETCH=prefetch)
+                  PARTIAL=False, DOT_DTYPE=triton.language.float16, N_LOAD=1, X_SCALE=2.0 ** -8, PDL=pdl)
     source = ASTSource(gemv._gemv_dot_kernel, {**args, **dict.fromkeys(consts, "constexpr")}, consts)
-    ptx[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx[str(pdl)] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 json.dump(ptx, sys.stdout)
 """
 
@@ -87,56 +86,13 @@ def sm90_gemv_ptx() -> dict[str, str]:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("variant", ["pdl", "prefetch"])
-def test_gemv_compiles_for_hopper_with_pdl(sm90_gemv_ptx, variant):
-    ptx = sm90_gemv_ptx[variant]
+def test_gemv_compiles_for_hopper_with_pdl(sm90_gemv_ptx):
+    ptx = sm90_gemv_ptx["True"]
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= wait < release
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
     assert wait < first_load  # nothing the previous kernel writes is read before the wait
 
 
-def test_early_release_lets_the_next_grid_launch_before_the_wait(sm90_gemv_ptx):
-    ptx = sm90_gemv_ptx["early"]
-    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    assert 0 <= release < wait
-    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
-    assert wait < first_load
-
-
-def test_launch_constants():
-    x = torch.empty(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pdl, "enabled_for", lambda _: True)
-        with using(pdl=True, early_release=False):
-            assert pdl.launch(x) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
-        with using(pdl=True, early_release=True):
-            assert pdl.launch(x) == {"PDL": pdl.EARLY, "launch_pdl": True}
-
-
-def test_gemv_prefetches_its_weights_before_the_wait(sm90_gemv_ptx):
-    """With ``prefetch_weights``, 4 lines of each of the program's 64 rows are asked of L2 before the wait."""
-    ptx = sm90_gemv_ptx["prefetch"]
-    assert "prefetch.global.L2" not in sm90_gemv_ptx["pdl"]
-    prefetches = [i for i in range(len(ptx)) if ptx.startswith("prefetch.global.L2", i)]
-    assert prefetches and max(prefetches) < ptx.find("griddepcontrol.wait")
-    assert len(prefetches) * 32 * 4 >= 64 * 4  # 4 warps of 32 threads cover the 64 x 4 lines
-
-
-def test_prefetch_lines_budget():
-    """About PREFETCH_BYTES_PER_SM per SM, a power of two, at most the row, and none when off or on CPU."""
-    t = torch.empty(1, device="meta")
-    with using(pdl=True, prefetch_weights=True), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pdl, "enabled_for", lambda _: True)
-        assert pdl.prefetch_lines(t, programs=512, rows_per_program=16, row_bytes=4096, sms=132) == 4
-        assert pdl.prefetch_lines(t, programs=8, rows_per_program=16, row_bytes=1024, sms=132) == 8
-        assert pdl.prefetch_lines(t, programs=100000, rows_per_program=64, row_bytes=4096, sms=132) == 1
-        with using(prefetch_weights=False):
-            assert pdl.prefetch_lines(t, programs=512, rows_per_program=16, row_bytes=4096, sms=132) == 0
-    with using(pdl=True, prefetch_weights=True):
-        assert pdl.prefetch_lines(torch.empty(1), 512, 16, 4096, 132) == 0
-
-
 def test_gemv_without_pdl_has_no_grid_dependency_instructions(sm90_gemv_ptx):
-    assert "griddepcontrol" not in sm90_gemv_ptx["off"]
-    assert "prefetch.global.L2" not in sm90_gemv_ptx["off"]
+    assert "griddepcontrol" not in sm90_gemv_ptx["False"]

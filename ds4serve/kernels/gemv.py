@@ -178,22 +178,15 @@ def _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R: tl.constexpr, N_PAD: 
     return first, split, rows, tokens, rows < n_rows, tokens < n_tokens, k_lo, tl.minimum(k_lo + k_per_split, n_in)
 
 
-@triton.jit
-def _prefetch(w_ptr, rows, n_rows, n_in, k_lo, k_hi, LINES: tl.constexpr):
-    # Before the PDL wait: the first lines of this program's slice of its weight rows (pdl.prefetch_l2).
-    pdl.prefetch_l2(w_ptr + tl.minimum(rows, n_rows - 1).to(tl.int64) * n_in + k_lo, k_hi - k_lo, LINES)
-
-
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
 def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
                      n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
-                     PARTIAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # A step reads BLOCK_K inputs as sub-tiles of SUB_K (one scale column each, for FP8), so that the
     # scale is one number per sub-tile and the accumulator holds only SUB_K columns.
     first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
                                                                      N_PAD)
-    _prefetch(w_ptr, rows, n_rows, n_in, k_lo, k_hi, PREFETCH)
     pdl.start(PDL)
     w_rows = w_ptr + rows[None, :, None].to(tl.int64) * n_in
     x_rows = x_ptr + tokens[:, None, None] * x_stride + (first // rows_per_group) * n_in
@@ -217,10 +210,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                      n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
                      PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     PDL: tl.constexpr):
     first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
                                                                      N_PAD)
-    _prefetch(w_ptr, rows, n_rows, n_in, k_lo, k_hi, PREFETCH)
     pdl.start(PDL)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
     x_base = x_ptr + (first // rows_per_group) * n_in
@@ -369,7 +361,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                   SUB_K=min(cfg.block_k, sb_c) if scale is not None else cfg.block_k, STAGES=cfg.stages,
                   PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch(x2))
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
-    consts["PREFETCH"] = pdl.prefetch_lines(x2, grid[0] * split, cfg.block_r, k_per_split * weight.element_size(), SMS)
     if cfg.dot:
         _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
                                N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)

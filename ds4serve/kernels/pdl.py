@@ -9,11 +9,6 @@ wait it lets the next grid launch (``griddepcontrol.launch_dependents``). Induct
 compiled regions take part through its ``triton.enable_pdl`` option, so the chain is not broken
 between a hand-written kernel and a fused one.
 
-A weight-streaming kernel launched this way can also start reading its weights before its wait: they
-do not depend on the kernel before it. :func:`prefetch_l2` asks L2 for the first lines each program will
-read (``SWITCHES.prefetch_weights``), so that the memory latency of a kernel's first loads overlaps the
-kernel before it instead of following it. How many bytes to ask for: :func:`prefetch_lines`.
-
 On CPU tensors (Triton's interpreter) it is off whatever the switch says.
 """
 
@@ -41,55 +36,13 @@ def enabled_for(t: torch.Tensor) -> bool:
 def launch(t: torch.Tensor) -> dict:
     """Keyword arguments for a launch of a kernel that calls :func:`start`: its ``PDL`` constant and,
     when on, Triton's ``launch_pdl`` launch option."""
-    if not enabled_for(t):
-        return {"PDL": 0}
-    return {"PDL": EARLY if SWITCHES.early_release else WAIT_FIRST, "launch_pdl": True}
-
-
-WAIT_FIRST, EARLY = 1, 2  # values of a kernel's PDL constant when on: the order of its wait and release
-
-
-PREFETCH_BYTES_PER_SM = 32 << 10  # about what one SM streams during one memory latency at full bandwidth
-LINE = 128  # bytes of one L2 line request
-LINE_BYTES = tl.constexpr(LINE)
-
-
-def prefetch_lines(t: torch.Tensor, programs: int, rows_per_program: int, row_bytes: int, sms: int) -> int:
-    """Lines per weight row that each of ``programs`` programs (``rows_per_program`` rows of ``row_bytes``
-    each) prefetches before its wait: a power of two giving about :data:`PREFETCH_BYTES_PER_SM` per SM
-    in all, at most the row; 0 when prefetching is off for ``t``'s kernels."""
-    if not (SWITCHES.prefetch_weights and enabled_for(t)):
-        return 0
-    want = PREFETCH_BYTES_PER_SM * sms // max(programs * rows_per_program * LINE, 1)
-    have = triton.cdiv(row_bytes, LINE)
-    lines = 1
-    while lines * 2 <= min(want, have):
-        lines *= 2
-    return lines
-
-
-@triton.jit
-def prefetch_l2(starts, n_elems, LINES: tl.constexpr):
-    """Ask L2 for the first ``LINES`` lines of the ``n_elems`` elements from each pointer of ``starts`` (a 1-D
-    tensor of valid pointers) without waiting for them; lines past the elements ask for the last one."""
-    if LINES > 0:
-        n_bytes = n_elems.to(tl.int64) * (starts.dtype.element_ty.primitive_bitwidth // 8)
-        offsets = tl.minimum(tl.arange(0, LINES).to(tl.int64) * LINE_BYTES, n_bytes - 1)
-        lines = starts.to(tl.int64, bitcast=True)[:, None] + offsets[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    return {"PDL": True, "launch_pdl": True} if enabled_for(t) else {"PDL": False}
 
 
 @triton.jit
 def start(PDL: tl.constexpr):
-    """Wait for the previous grid and its writes, then let the next grid launch (no-op without PDL); with
-    ``PDL == EARLY`` the release comes first, so that the next grid may be scheduled (and prefetch its
-    weights) as soon as every program of this one has started. Either way each kernel waits for the one
-    before it, which waited for its own predecessor, so every kernel still sees all earlier writes."""
-    if PDL == 2:  # EARLY
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    """Wait for the previous grid and its writes, then let the next grid launch (no-op without PDL)."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -142,8 +142,8 @@ def _router_kernel(x_ptr, gate_ptr, bias_ptr, tid2eid_ptr, ids_ptr, part_ptr, co
                    n_tokens, n_experts, dim, x_stride, k_per_split, tid2eid_stride, scaling,
                    K: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                   HASH: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   HASH: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     split = tl.program_id(1)
     tokens = tl.arange(0, N_PAD)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -151,8 +151,6 @@ def _router_kernel(x_ptr, gate_ptr, bias_ptr, tid2eid_ptr, ids_ptr, part_ptr, co
     emask = e < n_experts
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, dim)
-    pdl.prefetch_l2(gate_ptr + tl.minimum(e, n_experts - 1).to(tl.int64) * dim + k_lo, k_hi - k_lo, PREFETCH)
-    pdl.start(PDL)
     w_rows = gate_ptr + e[None, :, None].to(tl.int64) * dim
     x_rows = x_ptr + tokens[:, None, None] * x_stride
     acc = tl.zeros([N_PAD, BLOCK_E, BLOCK_K], tl.float32)
@@ -203,7 +201,6 @@ def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         K=k, N_PAD=triton.next_power_of_2(n_tokens), E_PAD=triton.next_power_of_2(n_experts),
         K_PAD=triton.next_power_of_2(k), BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, SPLIT=split, STAGES=cfg.stages,
         HASH=tid2eid is not None, HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
-        PREFETCH=pdl.prefetch_lines(x, grid[0] * split, cfg.block_e, k_per_split * gate.element_size(), SMS),
         num_warps=cfg.warps, **pdl.launch(x))
     return weights, idx
 

@@ -97,13 +97,6 @@ class Switches:
     # bf16 10.10 -> 9.79, FP8 7.61 -> 7.28 ms/token; its GPU tests and check_gpu passed with it (H200,
     # 2026-11-29, bench/results/2026-11-29-h200x2-round10-router-*).
     router_fused: bool = True
-    # Weight-streaming kernels launched with PDL (the GEMV, the router) ask L2 for the first lines of their
-    # weights before their wait (kernels/pdl.py prefetch_l2), so that the latency of their first loads
-    # overlaps the kernel before them. Off until a GPU A/B measures it.
-    prefetch_weights: bool = False
-    # The hand-written kernels let the next grid launch before their PDL wait instead of after it
-    # (kernels/pdl.py start), so a chain of them is scheduled further ahead. Off until a GPU A/B measures it.
-    early_release: bool = False
 
 
 SWITCHES = Switches()
