@@ -69,9 +69,11 @@ class Switches:
     split_verify_graphs: bool = True
     pipeline_graphs: bool = True
     # A multi-process pipeline's speculative verify steps as one CUDA graph per rank (parallel/pipeline.py
-    # PipelineVerifyGraph; with static_commit). Off until a GPU run checks it: checked on CPU (gloo, the
-    # graphs uncaptured) only; eagerly a pipeline verifies ~15x slower than it decodes through graphs.
-    pipeline_verify_graphs: bool = False
+    # PipelineVerifyGraph; with static_commit). Full-size Flash shape (FP8+MXFP4, 256 experts) on two H200s,
+    # oracle drafts at p 0.9: width 2 6.5 -> 118.1 tok/s, width 4 9.6 -> 126.0 (plain decoding 101.8);
+    # exactness checked on CPU (gloo, graphs uncaptured: logits and tokens equal the single device's)
+    # (bench/two_gpu.py, 2026-11-30, bench/results/2026-11-30-h200x2-round11-pipeline-verify-*).
+    pipeline_verify_graphs: bool = True
     # Hand-written and Inductor kernels are launched with programmatic dependent launch (kernels/pdl.py):
     # each may be scheduled while the one before it runs, and waits for it before touching memory. At
     # 512: bf16 10.70 -> 10.15, FP8 8.22 -> 7.55 ms/token; check_gpu passed with it (H200, 2026-11-29,
