@@ -33,7 +33,7 @@ import torch
 from ds4serve import Engine, SamplingParams, kernels
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
 from ds4serve.engine.drafts import OracleProposer
-from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_ref
+from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_pair, gemv_ref
 from ds4serve.kernels.hc_pre import hc_pre
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
@@ -111,6 +111,25 @@ def check_gemv() -> None:
                        GBps=2 * rows * cols / ms / 1e6)
 
 
+def check_gemv_pair() -> None:
+    """A layer's two input products in one launch (``gemv_pair``): FP8 ``wq_a``+``wkv`` (1536 rows) with the
+    bf16 compressors of an HCA layer (1024 rows) and of a CSA layer with its indexer (2624 rows), one token,
+    against each product's reference and against the two launches it replaces."""
+    for dense_rows in (1024, 2624):
+        q = quantize_fp8(torch.randn(1536, 4096, device="cuda", dtype=torch.bfloat16) / 64)
+        dense_w = torch.randn(dense_rows, 4096, device="cuda", dtype=torch.bfloat16) / 64
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        a, b = (q.data, q.scale, q.block), (dense_w, None, None)
+        poison_allocator((1536 + dense_rows) * 4)
+        ya, yb = gemv_pair(x, a, b)
+        err = max(rel(ya, gemv_ref(x, *a)), rel(yb, gemv_ref(x, *b)))
+        two = (gemv(x, *a), gemv(x, *b))
+        ms, ms_two = timed(lambda: gemv_pair(x, a, b)), timed(lambda: (gemv(x, *a), gemv(x, *b)))
+        record(f"kernel gemv_pair fp8 1536x4096 + bf16 {dense_rows}x4096 N=1", err <= 1e-2, rel_err=err,
+               equal_to_two_launches=bool(torch.equal(ya, two[0]) and torch.equal(yb, two[1])), ms=ms,
+               ms_two_launches=ms_two)
+
+
 def check_moe() -> None:
     """Fused MoE at the proxy's shapes: 6 routed experts of 32 plus the shared expert (bf16, FP8 with
     FP8 shared, MXFP4 with FP8 shared). Timings repeat one layer's weights; bench/sweep_moe.py
@@ -150,6 +169,7 @@ def check_moe() -> None:
 def check_kernels() -> None:
     check_moe()
     check_gemv()
+    check_gemv_pair()
     mixes = torch.randn(7, 24, device="cuda")
     base, scale = 0.1 * torch.randn(24, device="cuda"), 1 + 0.1 * torch.randn(3, device="cuda")
     got = hc_coefficients(mixes, base, scale, 4, 20, 1e-6)

@@ -15,9 +15,10 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.gemv import (  # noqa: E402
-    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_ref, weight_kind)
+    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_pair, gemv_ref, weight_kind)
 from ds4serve.kernels.switches import using  # noqa: E402
-from ds4serve.model.linear import grouped_linear, linear, quantize_fp8  # noqa: E402
+from ds4serve.kernels import gemv as gemv_module  # noqa: E402
+from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 R, K, BLOCK = 64, 96, (32, 32)  # K is not a multiple of the wider tiles: the tail is masked
@@ -112,3 +113,72 @@ def test_dense_gemv_op_traces_whole():
     x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
     got = torch.compile(lambda x: ops.gemv(x * 2, w, None, 0, 0, 1) + 1, backend="aot_eager", fullgraph=True)(x)
     assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
+
+
+def _count_pair_launches(monkeypatch) -> list[int]:
+    launches = []
+    kernel = gemv_module._gemv_fma_pair_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid[0])
+            return kernel[grid]
+
+    monkeypatch.setattr(gemv_module, "_gemv_fma_pair_kernel", Spy())
+    return launches
+
+
+@pytest.mark.parametrize("kinds,rows", [(("fp8", "bf16"), 1), (("fp8", "bf16"), 3), (("bf16", "fp8"), 2),
+                                        (("fp8", "fp8"), 1)])
+def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows):
+    """Both products in one launch (CUDA-core tiles without split-K, as the H200 table has for a layer's
+    input products), each equal to its own reference."""
+    launches = _count_pair_launches(monkeypatch)
+    tiles = {"fp8": GemvConfig(8, 64, warps=1), "bf16": GemvConfig(16, 32, warps=2)}
+    monkeypatch.setattr(gemv_module, "default_config", lambda kind, *args: tiles[kind])
+    a, b = _weight(kinds[0], 1), _weight(kinds[1], 2)
+    b = (b[0][: R // 2].contiguous(), None if b[1] is None else b[1][: R // 2 // BLOCK[0]].contiguous(), b[2])
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+    ya, yb = gemv_pair(x, a, b)
+    assert _rel(ya, gemv_ref(x, *a)) <= 1e-2 and _rel(yb, gemv_ref(x, *b)) <= 1e-2
+    assert ya.shape == (rows, R) and yb.shape == (rows, R // 2)
+    assert launches == [sum(-(-op[0].shape[0] // tiles[kind].block_r) for op, kind in zip((a, b), kinds))]
+
+
+def test_gemv_pair_falls_back_to_two_launches(monkeypatch):
+    """A product whose tiles are tensor-core or split-K tiles runs as its own GEMV."""
+    launches = _count_pair_launches(monkeypatch)
+    calls = []
+    monkeypatch.setattr(gemv_module, "gemv", lambda *args: calls.append(args[1].shape) or gemv(*args))
+    monkeypatch.setattr(gemv_module, "default_config", lambda *args: GemvConfig(16, 32, split=2))
+    a, b = _weight("fp8", 3), _weight("fp32", 4)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ya, yb = gemv_pair(x, a, b)
+    assert launches == [] and len(calls) == 2
+    assert _rel(ya, gemv_ref(x, *a)) <= 1e-5 and _rel(yb, gemv_ref(x, *b)) <= 1e-5
+
+
+@pytest.mark.parametrize("pair_on", [True, False])
+def test_linear_pair_uses_the_pair_op_with_the_switch(monkeypatch, pair_on):
+    calls = []
+    op = ops.gemv_pair
+    monkeypatch.setattr(ops, "gemv_pair", lambda *args: calls.append(len(args)) or op(*args))
+    gen = torch.Generator().manual_seed(6)
+    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    q = quantize_fp8(torch.randn(R // 2, K, generator=gen).to(DEVICE) / K ** 0.5, BLOCK)
+    x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
+    with kernels.on_any_device(), using(gemv_pair=pair_on):
+        ya, yb = linear_pair(x, q, w)
+    assert _rel(ya, gemv_ref(x, q.data, q.scale, q.block)) <= 1e-2 and _rel(yb, gemv_ref(x, w)) <= 1e-2
+    assert calls == ([9] if pair_on else [])
+
+
+def test_pair_op_traces_as_one_node():
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    q = quantize_fp8(torch.randn(R, K, generator=gen).to(DEVICE) / K ** 0.5, BLOCK)
+    x = torch.randn(1, K, generator=gen).to(DEVICE, torch.bfloat16)
+    fn = torch.compile(lambda x: [y + 1 for y in ops.gemv_pair(x * 2, q.data, q.scale, *q.block, w, None, 0, 0)],
+                       backend="aot_eager", fullgraph=True)
+    ya, yb = fn(x)
+    assert _rel(ya, gemv_ref(x * 2, q.data, q.scale, q.block) + 1) <= 1e-2 and _rel(yb, gemv_ref(x * 2, w) + 1) <= 1e-2

@@ -44,3 +44,28 @@ def test_separate_runs_one_product_per_part():
     parts = _parts()
     proj = Projections.separate(parts)
     assert [g.names for g in proj.groups] == [(n,) for n in parts]
+
+
+def test_two_groups_go_through_one_pair_product(monkeypatch):
+    """A layer's FP8 group and bf16 group (decode GEMVs) are one gemv_pair call with the switch on."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from ds4serve import kernels
+    from ds4serve.kernels import ops
+    from ds4serve.kernels.switches import using
+
+    g = torch.Generator().manual_seed(2)
+    parts = {"q": quantize_fp8(torch.randn(128, 256, generator=g) / 16),
+             "kv": quantize_fp8(torch.randn(128, 256, generator=g) / 16),
+             "gate": (torch.randn(32, 256, generator=g) / 16).bfloat16()}
+    proj, _ = concatenate(parts)
+    x = torch.randn(1, 256, generator=g).bfloat16()
+    calls = []
+    op = ops.gemv_pair
+    monkeypatch.setattr(ops, "gemv_pair", lambda *args: calls.append(args[1].shape) or op(*args))
+    with kernels.on_any_device(), using(gemv_pair=True):
+        got = proj(x)
+    assert calls == [torch.Size([256, 256])]
+    for name, w in parts.items():
+        torch.testing.assert_close(got[name], linear(x, w), rtol=2e-2, atol=2e-2)

@@ -168,10 +168,10 @@ def _scale(s_ptr, rows, rmask, first, kc, s_cols, SB_R: tl.constexpr, SB_C: tl.c
 
 
 @triton.jit
-def _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R: tl.constexpr, N_PAD: tl.constexpr):
-    # This program's output rows and token slots with their masks, and its slice [k_lo, k_hi) of the input.
-    first = tl.program_id(0) * BLOCK_R
-    split = tl.program_id(1)
+def _program(pid, split, n_rows, n_in, k_per_split, n_tokens, BLOCK_R: tl.constexpr, N_PAD: tl.constexpr):
+    # Program (pid, split)'s output rows and token slots with their masks, and its slice [k_lo, k_hi) of
+    # the input.
+    first = pid * BLOCK_R
     rows = first + tl.arange(0, BLOCK_R)
     tokens = tl.arange(0, N_PAD)
     k_lo = split * k_per_split
@@ -183,11 +183,42 @@ def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                      n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
                      PARTIAL: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    _fma_program(tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split,
+                 rows_per_group, x_stride, s_cols, n_tokens, SCALED, SB_R, SB_C, N_PAD, BLOCK_R, BLOCK_K, SUB_K,
+                 STAGES, PARTIAL)
+
+
+@triton.jit(do_not_specialize=["s_cols_a", "s_cols_b", "n_tokens"])
+def _gemv_fma_pair_kernel(x_ptr, x_stride, n_in, n_tokens, programs_a,
+                          wa_ptr, sa_ptr, outa_ptr, rows_a, s_cols_a, wb_ptr, sb_ptr, outb_ptr, rows_b, s_cols_b,
+                          N_PAD: tl.constexpr, A_SCALED: tl.constexpr, A_SB_R: tl.constexpr, A_SB_C: tl.constexpr,
+                          A_BLOCK_R: tl.constexpr, A_BLOCK_K: tl.constexpr, A_SUB_K: tl.constexpr,
+                          A_STAGES: tl.constexpr, B_SCALED: tl.constexpr, B_SB_R: tl.constexpr,
+                          B_SB_C: tl.constexpr, B_BLOCK_R: tl.constexpr, B_BLOCK_K: tl.constexpr,
+                          B_SUB_K: tl.constexpr, B_STAGES: tl.constexpr, PDL: tl.constexpr):
+    # Two products of one input in one launch (gemv_pair): the first programs_a programs are product a's,
+    # the rest product b's, each with its own weight format and tiles.
+    pdl.start(PDL)
+    pid = tl.program_id(0)
+    if pid < programs_a:
+        _fma_program(pid, 0, x_ptr, wa_ptr, sa_ptr, outa_ptr, rows_a, n_in, n_in, rows_a, x_stride, s_cols_a,
+                     n_tokens, A_SCALED, A_SB_R, A_SB_C, N_PAD, A_BLOCK_R, A_BLOCK_K, A_SUB_K, A_STAGES, False)
+    else:
+        _fma_program(pid - programs_a, 0, x_ptr, wb_ptr, sb_ptr, outb_ptr, rows_b, n_in, n_in, rows_b, x_stride,
+                     s_cols_b, n_tokens, B_SCALED, B_SB_R, B_SB_C, N_PAD, B_BLOCK_R, B_BLOCK_K, B_SUB_K, B_STAGES,
+                     False)
+
+
+@triton.jit
+def _fma_program(pid, split, x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride,
+                 s_cols, n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
+                 PARTIAL: tl.constexpr):
     # A step reads BLOCK_K inputs as sub-tiles of SUB_K (one scale column each, for FP8), so that the
     # scale is one number per sub-tile and the accumulator holds only SUB_K columns.
-    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
-                                                                     N_PAD)
-    pdl.start(PDL)
+    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(pid, split, n_rows, n_in, k_per_split, n_tokens,
+                                                                     BLOCK_R, N_PAD)
     w_rows = w_ptr + rows[None, :, None].to(tl.int64) * n_in
     x_rows = x_ptr + tokens[:, None, None] * x_stride + (first // rows_per_group) * n_in
     acc = tl.zeros([N_PAD, BLOCK_R, SUB_K], dtype=tl.float32)
@@ -211,8 +242,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
                      PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr,
                      PDL: tl.constexpr):
-    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(n_rows, n_in, k_per_split, n_tokens, BLOCK_R,
-                                                                     N_PAD)
+    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(tl.program_id(0), tl.program_id(1), n_rows,
+                                                                     n_in, k_per_split, n_tokens, BLOCK_R, N_PAD)
     pdl.start(PDL)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
     x_base = x_ptr + (first // rows_per_group) * n_in
@@ -371,6 +402,53 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
                                                     **pdl.launch(x2))
     return out
+
+
+Operand = tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None]  # weight, FP8 scales, their block
+
+
+def gemv_pair(x: torch.Tensor, a: Operand, b: Operand) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemv(x, *a), gemv(x, *b))`` for two weights of one input width, each ``(weight, scale, block)``
+    as :func:`gemv` takes them (e.g. a layer's FP8 input projections and its bf16 compressor weights).
+
+    When both products' table configurations are CUDA-core tiles without split-K, one launch runs both
+    (the first programs product ``a``'s, the rest product ``b``'s), so the second product's ramp and the
+    gap between them are saved; otherwise two :func:`gemv` launches."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    n_tokens, n_in = x2.shape
+    plans = [_pair_plan(x2, *op) for op in (a, b)]
+    if any(plan is None for plan in plans) or any(op[0].shape[1] != n_in for op in (a, b)):
+        return gemv(x2, *a), gemv(x2, *b)
+    outs = [torch.empty(n_tokens, op[0].shape[0], device=x.device, dtype=x.dtype) for op in (a, b)]
+    consts = {}
+    for prefix, (weight, scale, block), cfg in zip("AB", (a, b), plans):
+        sb_r, sb_c = block if scale is not None else (1, 1)
+        consts.update({f"{prefix}_SCALED": scale is not None, f"{prefix}_SB_R": sb_r, f"{prefix}_SB_C": sb_c,
+                       f"{prefix}_BLOCK_R": cfg.block_r, f"{prefix}_BLOCK_K": cfg.block_k,
+                       f"{prefix}_SUB_K": min(cfg.block_k, sb_c) if scale is not None else cfg.block_k,
+                       f"{prefix}_STAGES": cfg.stages})
+    programs = [triton.cdiv(op[0].shape[0], cfg.block_r) for op, cfg in zip((a, b), plans)]
+    (wa, sa, _), (wb, sb, _) = a, b
+    _gemv_fma_pair_kernel[(sum(programs),)](
+        x2, x2.stride(0), n_in, n_tokens, programs[0], wa, sa, outs[0], wa.shape[0],
+        sa.shape[1] if sa is not None else 0, wb, sb, outs[1], wb.shape[0], sb.shape[1] if sb is not None else 0,
+        N_PAD=triton.next_power_of_2(n_tokens), num_warps=max(cfg.warps for cfg in plans),
+        num_stages=max(cfg.stages for cfg in plans), **consts, **pdl.launch(x2))
+    return outs[0], outs[1]
+
+
+def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+               block: tuple[int, int] | None) -> GemvConfig | None:
+    """``weight``'s configuration when it can run inside the pair kernel (CUDA-core tiles, no split-K,
+    contiguous), else None."""
+    if not weight.is_contiguous() or (scale is not None and weight.dtype != torch.float8_e4m3fn):
+        return None
+    block = block if scale is not None else None
+    kind = weight_kind(x2.dtype, weight.dtype, scale is not None)
+    cfg = default_config(kind, weight.shape[0], weight.shape[1], x2.shape[0], 1, block)
+    if cfg.dot or cfg.split > 1 or config_problem(cfg, kind, weight.shape[0], x2.shape[0], 1, block):
+        return None
+    return cfg
 
 
 def _dot_dtype(x: torch.Tensor, scaled: bool) -> tl.dtype:

@@ -14,6 +14,7 @@ import torch
 from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
+from .gemv import gemv_pair as _gemv_pair
 from .hc_pre import hc_pre as _hc_pre
 
 _LIB = "ds4serve"
@@ -30,6 +31,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bloc
 @gemv.register_fake
 def _(x, weight, scale, block_rows, block_cols, groups):
     return x.new_empty(x.numel() // (groups * weight.shape[1]), weight.shape[0])
+
+
+@torch.library.custom_op(f"{_LIB}::gemv_pair", mutates_args=())
+def gemv_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, block_a_rows: int,
+              block_a_cols: int, weight_b: torch.Tensor, scale_b: torch.Tensor | None, block_b_rows: int,
+              block_b_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ds4serve.kernels.gemv.gemv_pair`: two products of ``x [N, K]``, each weight FP8 with its
+    block scales or dense (scale None)."""
+    return _gemv_pair(x, (weight_a, scale_a, None if scale_a is None else (block_a_rows, block_a_cols)),
+                      (weight_b, scale_b, None if scale_b is None else (block_b_rows, block_b_cols)))
+
+
+@gemv_pair.register_fake
+def _(x, weight_a, scale_a, block_a_rows, block_a_cols, weight_b, scale_b, block_b_rows, block_b_cols):
+    n = x.numel() // weight_a.shape[1]
+    return x.new_empty(n, weight_a.shape[0]), x.new_empty(n, weight_b.shape[0])
 
 
 @torch.library.custom_op(f"{_LIB}::hc_coefficients", mutates_args=())

@@ -99,6 +99,10 @@ class Switches:
     # bf16 10.10 -> 9.79, FP8 7.61 -> 7.28 ms/token; its GPU tests and check_gpu passed with it (H200,
     # 2026-11-29, bench/results/2026-11-29-h200x2-round10-router-*).
     router_fused: bool = True
+    # A layer's two input products of a decode step (FP8 ``wq_a``+``wkv`` and the bf16 compressor and indexer
+    # weights, model/projections.py) run in one launch (kernels/gemv.py gemv_pair) instead of two, where
+    # both products' tiles are CUDA-core tiles without split-K. Off until a GPU A/B measures it.
+    gemv_pair: bool = False
 
 
 SWITCHES = Switches()

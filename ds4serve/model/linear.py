@@ -85,6 +85,17 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype))
 
 
+def linear_pair(x: torch.Tensor, a: Weight, b: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(x, a), linear(x, b))``; with ``SWITCHES.gemv_pair``, when both run as GEMVs, one call of
+    :func:`ds4serve.kernels.gemv.gemv_pair` (one launch where the two products' tiles allow)."""
+    if SWITCHES.gemv_pair and _gemv_applies(x, a, 1) and _gemv_applies(x, b, 1):
+        from ..kernels import ops
+
+        ya, yb = ops.gemv_pair(x.reshape(-1, x.shape[-1]), *_operand(a), *_operand(b))
+        return ya.view(*x.shape[:-1], a.shape[0]), yb.view(*x.shape[:-1], b.shape[0])
+    return linear(x, a), linear(x, b)
+
+
 def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     """``x [S, G, K]`` times ``w [G*R, K]``, group g using rows ``[gR, (g+1)R)``: ``[S, G*R]``."""
     S = x.shape[0]
@@ -108,9 +119,14 @@ def _gemv_applies(x: torch.Tensor, w: Weight, groups: int) -> bool:
 def _gemv(x: torch.Tensor, w: torch.Tensor | FP8Weight, groups: int) -> torch.Tensor:
     from ..kernels import ops
 
+    return ops.gemv(x, *_operand(w), groups)
+
+
+def _operand(w: torch.Tensor | FP8Weight) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """The GEMV ops' ``(weight, scale, block rows, block cols)`` arguments of ``w`` (dense: no scale)."""
     if isinstance(w, FP8Weight):
-        return ops.gemv(x, w.data, w.scale, w.block[0], w.block[1], groups)
-    return ops.gemv(x, w, None, 0, 0, groups)
+        return w.data, w.scale, w.block[0], w.block[1]
+    return w, None, 0, 0
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Weight:

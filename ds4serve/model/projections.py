@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .linear import FP8Weight, Weight, linear
+from .linear import FP8Weight, Weight, linear, linear_pair
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,11 @@ class Projections:
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for g in self.groups:
-            y = linear(x, g.weight)
+        if len(self.groups) == 2:  # e.g. a layer's FP8 inputs and its bf16 compressors: maybe one launch
+            ys = linear_pair(x, self.groups[0].weight, self.groups[1].weight)
+        else:
+            ys = tuple(linear(x, g.weight) for g in self.groups)
+        for g, y in zip(self.groups, ys):
             out.update(zip(g.names, y.split(g.sizes, dim=-1) if len(g.names) > 1 else (y,)))
         return out
 
