@@ -34,12 +34,12 @@ from ds4serve import Engine, SamplingParams, kernels
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
 from ds4serve.engine.drafts import OracleProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_pair, gemv_ref
-from ds4serve.kernels.hc_pre import hc_pre
+from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
 from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
-from ds4serve.model.hyper import HCSite, hc_split
+from ds4serve.model.hyper import HCSite, hc_merge, hc_split
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
 from ds4serve.model.norms import rms_norm
@@ -177,6 +177,7 @@ def check_kernels() -> None:
     err = max(rel(g, w) for g, w in zip(got, want))
     record("kernel hc_coefficients", err <= 1e-5, rel_err=err)
     check_hc_pre()
+    check_hc_merge_pre()
 
 
 def check_hc_pre() -> None:
@@ -184,9 +185,7 @@ def check_hc_pre() -> None:
     rms_norm run as torch code, outputs poisoned; a second launch and three replays of a captured one give
     the same bits (the arrival counters are left at zero). ms is one launch outside a graph."""
     hc, D, iters, eps = 4, 4096, 20, 1e-6
-    site = HCSite(torch.randn(24, hc * D, device="cuda") / (hc * D) ** 0.5, 0.1 * torch.randn(24, device="cuda"),
-                  1 + 0.1 * torch.randn(3, device="cuda"))
-    norm_w = 1 + 0.1 * torch.randn(D, device="cuda")
+    site, norm_w = _hc_site(hc, D)
     for dtype in (torch.float32, torch.bfloat16):
         for S in (1, 4, 8):
             X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
@@ -197,15 +196,63 @@ def check_hc_pre() -> None:
             def run():
                 return hc_pre(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, eps)
 
-            poison_allocator(S * (D + 128 * 25 + 24) * 4)
-            got = run()
-            same = all(torch.equal(a, b) for a, b in zip(got, run()))
-            if S == 1:
-                same = same and _replays_equal(run, got)
+            got, same = _run_site(run, S, S * (D + 128 * 25 + 24) * 4)
             errs = [rel(g, w) for g, w in zip(got, want)]
-            ok = same and max(errs[:2]) <= 1e-5 and errs[2] <= (1e-5 if dtype == torch.float32 else 2 ** -8)
+            ok = same and max(errs[:2]) <= 1e-5 and errs[2] <= _x_in_tol(dtype)
             record(f"kernel hc_pre {str(dtype)[6:]} S={S} hc=4 D=4096", ok, post_comb_rel_err=max(errs[:2]),
                    x_in_rel_err=errs[2], repeatable=same, ms=timed(run))
+
+
+def check_hc_merge_pre() -> None:
+    """The same with the merge before the site (hc_merge_pre, the attention -> MoE boundary with
+    SWITCHES.hc_fused) against hc_merge, hc_split and rms_norm run as torch code. The merged streams round as
+    hc_merge's product-sum does: equal up to the summation order of the fp32 stream mix and fused multiply-adds
+    (fp32), which in bf16 can move a rare value by an ulp."""
+    hc, D, iters, eps = 4, 4096, 20, 1e-6
+    site, norm_w = _hc_site(hc, D)
+    for dtype in (torch.float32, torch.bfloat16):
+        for S in (1, 4, 8):
+            X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
+            out = torch.randn(S, D, device="cuda", dtype=dtype)
+            post = 2 * torch.rand(S, hc, device="cuda")
+            comb = hc_coefficients_ref(torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps)[2]
+            with kernels.disabled():
+                merged = hc_merge(X, out, post, comb)
+                post_n, comb_n, y = hc_split(merged, site, hc, iters, eps, eps)
+                want = (merged, post_n, comb_n, rms_norm(y, norm_w, eps))
+
+            def run():
+                return hc_merge_pre(X, out, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, eps)
+
+            got, same = _run_site(run, S, S * ((hc + 1) * D + 128 * 25 + 24) * 4)
+            errs = [rel(g, w) for g, w in zip(got, want)]
+            ok = (same and errs[0] <= (1e-6 if dtype == torch.float32 else 2 ** -8) and max(errs[1:3]) <= 1e-5
+                  and errs[3] <= _x_in_tol(dtype))
+            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096", ok, merged_rel_err=errs[0],
+                   post_comb_rel_err=max(errs[1:3]), x_in_rel_err=errs[3], repeatable=same, ms=timed(run))
+
+
+def _hc_site(hc: int, D: int) -> tuple[HCSite, torch.Tensor]:
+    """A random mHC site and sublayer norm weight of the real scale."""
+    site = HCSite(torch.randn(24, hc * D, device="cuda") / (hc * D) ** 0.5, 0.1 * torch.randn(24, device="cuda"),
+                  1 + 0.1 * torch.randn(3, device="cuda"))
+    return site, 1 + 0.1 * torch.randn(D, device="cuda")
+
+
+def _x_in_tol(dtype: torch.dtype) -> float:
+    """A fused site's normed sublayer input against the torch code's: fp32 rounding, or bf16's."""
+    return 1e-5 if dtype == torch.float32 else 2 ** -8
+
+
+def _run_site(run, S: int, nbytes: int) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``run()``'s outputs on memory poisoned beforehand (``nbytes``), and whether a second launch and, for
+    ``S = 1``, three replays of a captured one give the same bits."""
+    poison_allocator(nbytes)
+    got = run()
+    same = all(torch.equal(a, b) for a, b in zip(got, run()))
+    if S == 1:
+        same = same and _replays_equal(run, got)
+    return got, same
 
 
 def _replays_equal(run, want: tuple[torch.Tensor, ...]) -> bool:

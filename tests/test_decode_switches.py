@@ -2,7 +2,8 @@
 
 ``router_gemv`` sends the router's gate product through the Triton GEMV (run by Triton's interpreter
 on CPU), ``merge_product_sum`` writes hc_merge's stream mix as a product-sum for decode-sized chunks,
-``hc_fused`` runs each mHC pre site of a decode step as one kernel (kernels/hc_pre.py).
+``hc_fused`` runs each mHC pre site of a decode step as one kernel (kernels/hc_pre.py), the MoE's with the
+merge of the attention output before it.
 """
 
 from __future__ import annotations
@@ -93,15 +94,17 @@ _INTERPRETER_ONLY = ("the tiny model is on the CPU, its kernels need Triton's in
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
 def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
-    """The fused pre sites give the unfused logits; every pre site of every layer went through the kernel."""
+    """The fused pre sites give the unfused logits; every pre site of every layer went through the kernel: the
+    attention's alone, the MoE's with the merge before it."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernel")
     from ds4serve.kernels import ops
 
     calls = []
-    real = ops.hc_pre
-    monkeypatch.setattr(ops, "hc_pre", lambda *a: calls.append(1) or real(*a))
+    for name in ("hc_pre", "hc_merge_pre"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
     err, model = _static_step_error(tiny_factory, "hc_fused", calls, seed=2, prompt_seed=5, length=15, capacity=24)
-    assert len(calls) == 2 * model.cfg.num_layers
+    assert calls == ["hc_pre", "hc_merge_pre"] * model.cfg.num_layers
     assert err <= 1e-5, f"relative error {err:.3g}"
 
 

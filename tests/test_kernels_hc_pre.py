@@ -1,4 +1,5 @@
-"""The fused mHC pre site (kernels/hc_pre.py) against the torch code it replaces: hc_split, then rms_norm."""
+"""The fused mHC pre site (kernels/hc_pre.py) against the torch code it replaces: hc_split, then rms_norm; and
+with the merge before it, hc_merge then that."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
-from ds4serve.kernels.hc_pre import hc_pre  # noqa: E402
+from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 from ds4serve.model.norms import rms_norm  # noqa: E402
@@ -33,6 +34,31 @@ def _reference(X: torch.Tensor, site: hyper.HCSite, norm_w: torch.Tensor):
     mixes = hyper._hc_mixes.eager(X, site.fn, NORM_EPS)
     pre, post, comb = hyper.hc_coefficients(mixes, site.base, site.scale, HC, ITERS, EPS)
     return post, comb, rms_norm.eager(hyper._collapse.eager(pre, X), norm_w, NORM_EPS)
+
+
+def _merge_inputs(S: int, D: int, dtype: torch.dtype, seed: int):
+    """The streams, a site and its norm weight as :func:`_inputs`, plus a sublayer output ``[S, D]`` and the
+    fp32 ``post`` and ``comb`` of the site before the sublayer."""
+    X, site, norm_w = _inputs(S, D, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    out = torch.randn(S, D, generator=g).to(DEVICE, dtype)
+    post = (2 * torch.rand(S, HC, generator=g)).to(DEVICE)
+    comb = torch.softmax(torch.randn(S, HC, HC, generator=g), dim=-1).to(DEVICE)
+    return X, out, post, comb, site, norm_w
+
+
+def _reference_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """hc_merge as written, on its decode-sized branch (the product-sum)."""
+    with using(merge_product_sum=True):
+        return hyper.hc_merge.eager(X, out, post, comb)
+
+
+def _check_merged(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 equal up to rounding; bf16 within a few ulps of the largest value (the interpreter truncates
+    each of the merge's three roundings)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs().max()
+    assert err <= (1e-6 if got.dtype == torch.float32 else 2.0 ** -5) * want.float().abs().max()
 
 
 def _check(got, want, dtype: torch.dtype) -> None:
@@ -58,6 +84,24 @@ def test_kernel_matches_torch_composition(dtype, S, D, block):
     got = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
     _check(got, _reference(X, site, norm_w), dtype)
     again = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S, D, block", [(1, 64, 32), (3, 256, 128), (3, 200, 64)])
+def test_merge_kernel_matches_torch_composition(dtype, S, D, block):
+    """hc_merge then the site, in one launch: 8, 8 and 13 programs per row; with D = 200 programs straddle two
+    streams and the last one is partly masked. The site's outputs are checked against the torch site on the
+    merged streams: torch's in fp32, the kernel's in bf16 (the interpreter's truncated casts make them differ
+    from torch's by an ulp here and there, which the fp32 coefficients would see). A second launch gives the
+    same bits."""
+    X, out, post, comb, site, norm_w = _merge_inputs(S, D, dtype, seed=S * D + block)
+    args = (site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
+    got = hc_merge_pre(X, out, post, comb, *args, block=block)
+    want_X = _reference_merge(X, out, post, comb)
+    _check_merged(got[0], want_X)
+    _check(got[1:], _reference(want_X if dtype == torch.float32 else got[0], site, norm_w), dtype)
+    again = hc_merge_pre(X, out, post, comb, *args, block=block)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
@@ -96,3 +140,44 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_
         with using(hc_fused=False), kernels.on_any_device():
             _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
     assert calls == [1, hyper.MIX_REDUCE_MAX_ROWS]
+
+
+def test_merge_op_traces_as_one_node():
+    """As above, for the op with the merge: its fake gives the merged streams too."""
+    X, out, post, comb, site, norm_w = _merge_inputs(2, 64, torch.bfloat16, seed=2)
+    args = (site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops.hc_merge_pre(*(mode.from_tensor(t) for t in (X, out, post, comb, *args[:4])), *args[4:])
+    assert [(t.shape, t.dtype) for t in fake] == [((2, HC, 64), torch.bfloat16), ((2, HC), torch.float32),
+                                                   ((2, HC, HC), torch.float32), ((2, 64), torch.bfloat16)]
+
+    def fn(X):
+        X_new, post_new, comb_new, x_in = ops.hc_merge_pre(X * 1, out, post, comb, *args)
+        return X_new * 1, post_new + 0, comb_new, x_in * 1
+
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(X)
+    want = hc_merge_pre(X, out, post, comb, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks_with_the_switch_on(monkeypatch):
+    calls = []
+    real = ops.hc_merge_pre
+    monkeypatch.setattr(ops, "hc_merge_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
+    for S in (1, hyper.MIX_REDUCE_MAX_ROWS + 1):
+        X, out, post, comb, site, norm_w = _merge_inputs(S, 32, torch.float32, seed=S)
+        want_X = _reference_merge(X, out, post, comb)
+        want = _reference(want_X, site, norm_w)
+
+        def check(got):
+            _check_merged(got[0], want_X)
+            _check(got[1:], want, torch.float32)
+
+        with using(hc_fused=True):
+            with kernels.disabled():
+                check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
+            with kernels.on_any_device():
+                check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
+        with using(hc_fused=False), kernels.on_any_device():
+            check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
+    assert calls == [1]

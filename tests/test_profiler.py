@@ -116,7 +116,7 @@ def test_prefill_and_decode_records_carry_every_field(engine, caplog):
     compressed, csa = layer_counts(engine.cfg)
     calls = {r["phase"]: r["calls"] for r in steps[1]}
     assert calls == {"step": 1, "hc_pre": 2 * layers, "attention": layers, "compressor": compressed,
-                     "indexer": csa, "hc_post": 2 * layers, "moe_ffn": layers, "output_projection": 1}
+                     "indexer": csa, "hc_post": layers, "moe_ffn": layers, "output_projection": 1}
     lines = [m for m in caplog.messages if m.startswith("[ds4-gpu-profile]")]
     assert lines == [profiler.format_record(r) for r in records]
     assert lines[0].startswith("[ds4-gpu-profile] clock=host scope=forward mode=prefill tokens=20 kv_start=0 "

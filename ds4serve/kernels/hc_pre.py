@@ -1,28 +1,42 @@
 """A whole mHC "pre" site of a decode step in one launch: mixes, coefficients, collapse, the sublayer's norm.
 
 In a batch-1 CUDA-graph decode step the torch code of a site (:func:`ds4serve.model.hyper.hc_split` then
-:func:`ds4serve.model.norms.rms_norm`) is four launches: an Inductor reduction for the RMS of the
-flattened streams ``X[s].flatten()`` (``hc * D`` = 16384 values), one for the 24 mixes (a product-sum with
-``fn [24, 16384]``), the one-program Sinkhorn kernel (:mod:`ds4serve.kernels.hyper`) and a kernel for the
-collapse ``sum_k pre_k X_k`` with the weighted RMSNorm. Each moves little data and costs mostly its
-latency (~8 us per site together), at 86 sites per token (2 per layer, 43 layers). Here one launch does
-the site.
+:func:`ds4serve.model.norms.rms_norm`) is four launches: an Inductor reduction for the RMS of the flattened streams
+``X[s].flatten()`` (``hc * D`` = 16384 values), one for the 24 mixes (a product-sum with ``fn [24, 16384]``), the
+one-program Sinkhorn kernel (:mod:`ds4serve.kernels.hyper`) and a kernel for the collapse ``sum_k pre_k X_k`` with
+the weighted RMSNorm. Each moves little data and costs mostly its latency (~8 us per site together), at 86 sites per
+token (2 per layer, 43 layers). Here one launch does the site. With ``MERGE`` (:func:`hc_merge_pre`) the same launch
+first does the merge of the sublayer output before the site, ``X' = hc_merge(X, out, post, comb)``: the boundary
+between the attention and the MoE (otherwise an Inductor merge kernel and the four launches above) is then one
+launch.
 
 Grid ``(P, S)``: program ``p`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
-``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread
-over P = 128 programs at the real size), and stores its partial sum of squares and 24 partial dot products
-to an fp32 scratch ``[S, P, 1 + mix]``. It then increments the row's arrival counter; the program that gets
-``P - 1`` back is the last of its row, and it alone finishes the row: it sums the partials in a fixed order
-(the same whichever program came last: deterministic), forms the mixes and the coefficients (the code of
-:func:`ds4serve.kernels.hyper.coefficients`), writes ``post`` and ``comb``, then the collapse and the norm.
+``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread over
+P = 128 programs at the real size), and stores its partial sum of squares and 24 partial dot products to an fp32
+scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it computes them from the
+``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and uses them for its
+partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is the last of its row,
+and it alone finishes the row: it sums the partials in a fixed order (the same whichever program came last:
+deterministic), forms the mixes and the coefficients (the code of :func:`ds4serve.kernels.hyper.coefficients`),
+writes ``post`` and ``comb``, then the collapse and the norm. That tail is one program's chain of dependent memory
+latencies (on the H200, ~3.3 us for the partials and the coefficients, ~3.6 us for the collapse and the norm,
+against ~3.9 us for everything before it): so the last program issues the loads of the ``hc`` rows it collapses and
+of the norm weight before it reads the partials, and their latency overlaps the coefficients' instead of following
+them; and the kernel runs 8 warps (not 4), which halves each thread's share of the collapse and the norm and of the
+rows held meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no spills either way,
+ptxas for sm_90).
 
-The last-program pattern, its memory ordering and the shared counters: :mod:`ds4serve.kernels.arrival`.
+The last-program pattern, its memory ordering and the shared counters: :mod:`ds4serve.kernels.arrival`. The last
+program reads the merged rows, stored by the other programs before they counted themselves in, as it reads their
+partials: after the acquire, at L2 (``.cg``).
 
-Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch
-scales each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation
-orders differ from this one anyway). The collapse sums the ``hc`` streams in fp32, in stream order, and
-rounds to X's dtype, as ``_collapse`` does; the norm takes fp32 statistics of that rounded value and casts
-``weight * (y * rsqrt(mean(y^2) + eps))`` once, as ``rms_norm`` does.
+Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch scales
+each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation orders differ from
+this one anyway). The collapse sums the ``hc`` streams in fp32, in stream order, and rounds to X's dtype, as
+``_collapse`` does; the norm takes fp32 statistics of that rounded value and casts
+``weight * (y * rsqrt(mean(y^2) + eps))`` once, as ``rms_norm`` does. The merge rounds as ``hc_merge``'s
+decode-sized (product-sum) branch: ``post_k * out`` rounded to X's dtype, the stream mix summed in fp32 in stream
+order and rounded, then their sum rounded (:func:`ds4serve.kernels.hc_streams.merged`).
 """
 
 from __future__ import annotations
@@ -33,16 +47,18 @@ import triton.language as tl
 
 from . import pdl
 from .arrival import counters, last_to_arrive
+from .hc_streams import merged
 from .hyper import coefficients
 
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
-NUM_WARPS = 4
+NUM_WARPS = 8  # see the module docstring: the last program's tail; not yet timed against 4 on the GPU
 
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr,
-                   D, iters, eps, norm_eps, HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr,
-                   P_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr):
+def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+                   part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, HC: tl.constexpr,
+                   BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                   MERGE: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     p = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -50,22 +66,35 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr, count_pt
     MIX: tl.constexpr = (2 + HC) * HC
     WIDTH: tl.constexpr = 1 + MIX
     N = HC * D
-    x_row = x_ptr + s * N
     n = p * BLOCK + tl.arange(0, BLOCK)
     nm = n < N
-    x = tl.load(x_row + n, mask=nm, other=0.0).to(tl.float32)
+    if MERGE:
+        # n = k * D + d; k clamped so that the masked tail of the last program reads comb and post in bounds
+        d = n % D
+        o = tl.load(out_ptr + s * D + d, mask=nm, other=0.0).to(tl.float32)
+        x = merged(x_ptr + s * N, o, post_in_ptr + s * HC, comb_in_ptr + s * HC * HC, tl.minimum(n // D, HC - 1),
+                   d, nm, D, HC, BLOCK)
+        site_row = merged_ptr + s * N
+        tl.store(site_row + n, x, mask=nm)
+    else:
+        site_row = x_ptr + s * N
+        x = tl.load(site_row + n, mask=nm, other=0.0)
+    x = x.to(tl.float32)
     m = tl.arange(0, MIX_PAD)
     f = tl.load(fn_ptr + m[:, None] * N + n[None, :], mask=(m[:, None] < MIX) & nm[None, :], other=0.0)
     part = part_ptr + (s * n_prog + p) * WIDTH
     tl.store(part, tl.sum(x * x, axis=0))
     tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
     if last_to_arrive(count_ptr + s, n_prog):
+        # The collapse's rows and the norm weight do not depend on the coefficients: loaded first, their
+        # latency overlaps the partials' loads and the Sinkhorn math instead of following them.
+        rows, w = _collapse_inputs(site_row, w_ptr, D, HC, D_PAD)
         pre, post, comb = _row_coefficients(part_ptr + s * n_prog * WIDTH, n_prog, N, base_ptr, scale_ptr,
                                             iters, eps, norm_eps, HC, P_PAD)
         j = tl.arange(0, HC)
         tl.store(post_ptr + s * HC + j, post)
         tl.store(comb_ptr + s * HC * HC + j[:, None] * HC + j[None, :], comb)
-        _collapse_and_norm(x_row, pre, w_ptr, y_ptr + s * D, D, norm_eps, HC, D_PAD)
+        _collapse_and_norm(rows, w, pre, y_ptr + s * D, D, norm_eps, HC, D_PAD)
 
 
 @triton.jit
@@ -89,19 +118,30 @@ def _row_coefficients(rows_ptr, n_prog, N, base_ptr, scale_ptr, iters, eps, norm
 
 
 @triton.jit
-def _collapse_and_norm(x_row, pre, w_ptr, y_ptr, D, norm_eps, HC: tl.constexpr, D_PAD: tl.constexpr):
-    """``y = sum_k pre_k X_k`` (fp32, rounded to the output dtype), then ``w * (y * rsqrt(mean(y^2) + eps))``."""
-    j = tl.arange(0, HC)
+def _collapse_inputs(site_row, w_ptr, D, HC: tl.constexpr, D_PAD: tl.constexpr):
+    """``(rows, w)``: the tuple of the row's ``HC`` streams ``[D_PAD]`` and the norm weight. The streams are
+    read at L2 (``.cg``): with the merge, other programs of the launch wrote them (see the partials)."""
     d = tl.arange(0, D_PAD)
     dm = d < D
+    rows = ()
+    for k in tl.static_range(HC):
+        rows = rows + (tl.load(site_row + k * D + d, mask=dm, other=0.0, cache_modifier=".cg"),)
+    return rows, tl.load(w_ptr + d, mask=dm, other=0.0)
+
+
+@triton.jit
+def _collapse_and_norm(rows, w, pre, y_ptr, D, norm_eps, HC: tl.constexpr, D_PAD: tl.constexpr):
+    """``y = sum_k pre_k X_k`` (fp32, in stream order, rounded to the output dtype), then
+    ``w * (y * rsqrt(mean(y^2) + eps))``."""
+    j = tl.arange(0, HC)
+    d = tl.arange(0, D_PAD)
     acc = tl.zeros([D_PAD], dtype=tl.float32)
     for k in tl.static_range(HC):
-        pre_k = tl.sum(tl.where(j == k, pre, 0.0), axis=0)
-        acc += pre_k * tl.load(x_row + k * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(j == k, pre, 0.0), axis=0) * rows[k].to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + norm_eps)
-    tl.store(y_ptr + d, (tl.load(w_ptr + d, mask=dm, other=0.0) * y).to(dtype), mask=dm)
+    tl.store(y_ptr + d, (w * y).to(dtype), mask=d < D)
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
@@ -113,6 +153,25 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]``, ``scale [3]`` and ``norm_w [D]`` are used in fp32.
     Two launches must not run concurrently on one device (they share the arrival counters).
     """
+    return _site(X, None, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)[1:]
+
+
+def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                 base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
+                 norm_eps: float, block: int = BLOCK
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(X' [S, hc, D], post' [S, hc], comb' [S, hc, hc], x_in [S, D])``: the merge
+    ``X' = hc_merge(X, out, post, comb)`` of a sublayer's output ``out [S, D]`` (fp32 ``post``, ``comb``),
+    then the next pre site on ``X'`` as :func:`hc_pre` (same arguments), in one launch."""
+    merge = (out.to(X.dtype).contiguous(), post.float().contiguous(), comb.float().contiguous())
+    return _site(X, merge, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)
+
+
+def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, fn: torch.Tensor,
+          base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
+          norm_eps: float, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch of the kernel: ``(the site's streams, post, comb, x_in)``, the streams ``X`` itself, or
+    the merged ones when ``merge`` is ``(out, post, comb)``."""
     S, _, D = X.shape
     X = X.contiguous()
     mix = (2 + hc) * hc
@@ -121,9 +180,12 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     post = torch.empty(S, hc, device=X.device, dtype=torch.float32)
     comb = torch.empty(S, hc, hc, device=X.device, dtype=torch.float32)
     x_in = torch.empty(S, D, device=X.device, dtype=X.dtype)
+    streams = X if merge is None else torch.empty_like(X)
+    out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     _hc_pre_kernel[(n_prog, S)](
-        X, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(),
-        norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in, D, iters, eps, norm_eps,
-        HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix), P_PAD=triton.next_power_of_2(n_prog),
-        D_PAD=triton.next_power_of_2(D), num_warps=NUM_WARPS, **pdl.launch(X))
-    return post, comb, x_in
+        X, out, post_in, comb_in, streams, fn.float().contiguous(), base.float().contiguous(),
+        scale.float().contiguous(), norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in,
+        D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
+        P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
+        num_warps=NUM_WARPS, **pdl.launch(X))
+    return streams, post, comb, x_in

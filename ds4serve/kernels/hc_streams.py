@@ -20,22 +20,32 @@ BLOCK_D = 1024
 
 
 @triton.jit
+def merged(x_row, o, post_row, comb_row, k, d, mask, D, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """Stream ``k`` of the merge at columns ``d`` (``k`` one stream, or one per column: then ``[BLOCK]``
+    indices, each < ``HC``), ``post_k * out + sum_j comb[j, k] X_j`` for the token's streams at ``x_row``, its
+    fp32 ``post`` and ``comb`` at ``post_row`` and ``comb_row`` and its sublayer output ``o [BLOCK]`` (fp32
+    values), rounded to X's dtype as ``hc_merge`` rounds: ``post_k * out`` and the fp32 sum of the mix each,
+    then their sum."""
+    dtype = x_row.dtype.element_ty
+    mix = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(HC):
+        c = tl.load(comb_row + j * HC + k).to(dtype).to(tl.float32)
+        mix += c * tl.load(x_row + j * D + d, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(post_row + k).to(dtype).to(tl.float32)
+    return ((p * o).to(dtype).to(tl.float32) + mix.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _merge_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr,
                   PDL: tl.constexpr):
     pdl.start(PDL)
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
-    dtype = y_ptr.dtype.element_ty
     o = tl.load(out_ptr + s * D + d, mask=dm, other=0.0).to(tl.float32)
     for k in tl.static_range(HC):
-        mix = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            c = tl.load(comb_ptr + s * HC * HC + j * HC + k).to(dtype).to(tl.float32)
-            mix += c * tl.load(x_ptr + (s * HC + j) * D + d, mask=dm, other=0.0).to(tl.float32)
-        p = tl.load(post_ptr + s * HC + k).to(dtype).to(tl.float32)
-        y = (p * o).to(dtype).to(tl.float32) + mix.to(dtype).to(tl.float32)
-        tl.store(y_ptr + (s * HC + k) * D + d, y.to(dtype), mask=dm)
+        y = merged(x_ptr + s * HC * D, o, post_ptr + s * HC, comb_ptr + s * HC * HC, k, d, dm, D, HC, BLOCK)
+        tl.store(y_ptr + (s * HC + k) * D + d, y, mask=dm)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .gemv import gemv_pair as _gemv_pair
+from .hc_pre import hc_merge_pre as _hc_merge_pre
 from .hc_pre import hc_pre as _hc_pre
 
 _LIB = "ds4serve"
@@ -73,6 +74,25 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 @hc_pre.register_fake
 def _(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps):
+    return _site_outputs(X, hc)
+
+
+@torch.library.custom_op(f"{_LIB}::hc_merge_pre", mutates_args=())
+def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                 base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ds4serve.kernels.hc_pre.hc_merge_pre`: a sublayer output's mHC merge and the next pre site in
+    one launch, the merged streams ``[S, hc, D]`` then the outputs of :func:`hc_pre` on them."""
+    return _hc_merge_pre(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
+
+
+@hc_merge_pre.register_fake
+def _(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps):
+    return X.new_empty(X.shape), *_site_outputs(X, hc)
+
+
+def _site_outputs(X: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(post, comb, x_in)`` of a pre site on streams like ``X``: the fakes' outputs."""
     S, D = X.shape[0], X.shape[-1]
     post = X.new_empty(S, hc, dtype=torch.float32)
     return post, X.new_empty(S, hc, hc, dtype=torch.float32), X.new_empty(S, D)

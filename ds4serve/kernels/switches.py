@@ -84,7 +84,8 @@ class Switches:
     # (two Inductor reductions, the coefficient kernel, the collapse with the norm). Checked on the H200
     # (kernel, graph == eager) but off: interleaved A/B at 512 / 8192, bf16 9.98 -> 9.75 / 10.64 -> 10.37,
     # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
-    # slower on FP8, the real checkpoints' format.
+    # slower on FP8, the real checkpoints' format. Since then the MoE's site also does the merge of the
+    # attention output before it (kernels/hc_pre.py hc_merge_pre), not yet measured on the GPU.
     hc_fused: bool = False
     # A static step's CSA attention reads only the entries the indexer selected, named by index slots
     # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile

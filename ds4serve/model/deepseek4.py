@@ -24,7 +24,7 @@ from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
-from .hyper import HCSite, hc_head, hc_merge, hc_pre
+from .hyper import HCSite, hc_head, hc_merge, hc_merge_pre, hc_pre
 from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
@@ -171,7 +171,7 @@ class DeepSeekV4:
 
 def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
                   cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
-    """One decoder block: hc_pre, attention, hc_post, hc_pre, MoE, hc_post.
+    """One decoder block: hc_pre, attention, hc_post with the next hc_pre (one call), MoE, hc_post.
 
     A static step with ``SWITCHES.block_regions`` runs the block as one compiled region. Its chunk
     start is then given as 0: the compiled code must not depend on the host position (a new
@@ -199,10 +199,10 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
         post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
     with profiler.phase("attention"):
         a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
-    with profiler.phase("hc_post"):
-        X = hc_merge(X, a, post, comb)
+    # The attention output's merge and the MoE's pre site are one call (one launch with SWITCHES.hc_fused):
+    # both are timed as "hc_pre", fused or not, and "hc_post" is the block-end merge alone
     with profiler.phase("hc_pre"):
-        post, comb, x = hc_pre(X, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
+        X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     with profiler.phase("moe_ffn"):
         m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
     with profiler.phase("hc_post"):

@@ -22,7 +22,7 @@ from ..config import SLIDING, DSparkSpec, ModelConfig
 from ..weights import Checkpoint
 from .attention import AttentionWeights, _core
 from .deepseek4 import BlockWeights, load_block
-from .hyper import hc_head, hc_merge, hc_pre
+from .hyper import hc_head, hc_merge, hc_merge_pre, hc_pre
 from .linear import Weight, grouped_linear, linear
 from .moe import moe
 from .norms import rms_norm, unweighted_rms_norm
@@ -120,8 +120,8 @@ def _stage(b: BlockWeights, X: torch.Tensor, ids: torch.Tensor, ctx: torch.Tenso
     """One stage: the decoder block with block attention in place of causal window attention."""
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
-    X = hc_merge(X, _block_attention(b.attn, x, ctx, cos, sin, cfg, ctx_allowed), post, comb)
-    post, comb, x = hc_pre(X, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
+    a = _block_attention(b.attn, x, ctx, cos, sin, cfg, ctx_allowed)
+    X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
     return hc_merge(X, m, post, comb)
 

@@ -49,12 +49,34 @@ def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: 
     With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`);
     otherwise :func:`hc_split` and :func:`~ds4serve.model.norms.rms_norm`, the reference.
     """
-    if SWITCHES.hc_fused and kernels.enabled(X) and X.shape[0] <= MIX_REDUCE_MAX_ROWS:
+    if _site_kernel(X):
         from ..kernels.ops import hc_pre as fused
 
         return fused(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
     post, comb, y = hc_split(X, site, hc, iters, eps, norm_eps)
     return post, comb, rms_norm(y, norm_w, norm_eps)
+
+
+def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, site: HCSite,
+                 norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sublayer's merge then the next pre site: ``(X', post', comb', x_in)`` for
+    ``X' = hc_merge(X, out, post, comb)`` and ``hc_pre(X', site, norm_w, ...)``.
+
+    With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`), whose
+    merge rounds as the product-sum branch of :func:`hc_merge` does; otherwise the two functions.
+    """
+    if _site_kernel(X):
+        from ..kernels.ops import hc_merge_pre as fused
+
+        return fused(X, out, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
+    X = hc_merge(X, out, post, comb)
+    return X, *hc_pre(X, site, norm_w, hc, iters, eps, norm_eps)
+
+
+def _site_kernel(X: torch.Tensor) -> bool:
+    """Whether a pre site on the streams ``X`` is the one-launch kernel (``SWITCHES.hc_fused``, decode-sized)."""
+    return SWITCHES.hc_fused and kernels.enabled(X) and X.shape[0] <= MIX_REDUCE_MAX_ROWS
 
 
 MIX_REDUCE_MAX_ROWS = 8  # up to this many rows the mixes are a product-sum (fused), else a matmul
