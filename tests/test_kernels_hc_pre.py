@@ -15,6 +15,7 @@ from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 from ds4serve.model.norms import rms_norm  # noqa: E402
+from tests.helpers import sm90_ptx  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HC, ITERS, EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
@@ -181,3 +182,34 @@ def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks_with_the_switch
         with using(hc_fused=False), kernels.on_any_device():
             check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
     assert calls == [1]
+
+
+_COMPILE_MERGE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds4serve.kernels import hc_pre
+from ds4serve.kernels.hc_streams import EXACT_ROUNDING
+
+sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_ptr", "scale_ptr", "w_ptr",
+                                  "part_ptr", "post_ptr", "comb_ptr")}
+sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", iters="i32",
+           eps="fp32", norm_eps="fp32")
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, PDL=0)
+ptx = {}
+for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
+    source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+    ptx[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": hc_pre.NUM_WARPS, **options}).asm["ptx"]
+json.dump(ptx, sys.stdout)
+"""
+
+
+def test_merge_rounds_the_product_on_hopper():
+    """Compiled for sm_90 in bf16, the merge rounds ``post_k * out`` before adding the mix, as hc_merge does:
+    with floating-point contraction the compiler makes the two one bf16 FMA (which the H200 check caught as a
+    relative 2.6e-3 difference), so the kernel is launched without it (``EXACT_ROUNDING``)."""
+    ptx = sm90_ptx(_COMPILE_MERGE)
+    assert "fma.rn.bf16" in ptx["fused"]
+    assert "fma.rn.bf16" not in ptx["exact"] and "mul.rn.f32" in ptx["exact"]

@@ -8,18 +8,13 @@ and benchmark switch sets parse as documented.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from ds4serve import kernels
 from ds4serve.kernels import pdl
 from ds4serve.kernels.switches import NAMES, Switches, parse, using
+from tests.helpers import sm90_ptx
 
 triton = pytest.importorskip("triton")
 
@@ -76,14 +71,7 @@ json.dump(ptx, sys.stdout)
 def sm90_gemv_ptx() -> dict[str, str]:
     """The FP8 tensor-core GEMV compiled for sm_90 (PTX) without and with PDL; in a process of its
     own, since this one runs Triton's interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[1], timeout=600)
-    if done.returncode != 0:
-        if "ptxas" in done.stderr or "No module named" in done.stderr:
-            pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-300:]}")
-        raise AssertionError(done.stderr[-3000:])
-    return json.loads(done.stdout)
+    return sm90_ptx(_COMPILE)
 
 
 def test_gemv_compiles_for_hopper_with_pdl(sm90_gemv_ptx):

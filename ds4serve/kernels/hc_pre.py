@@ -47,7 +47,7 @@ import triton.language as tl
 
 from . import pdl
 from .arrival import counters, last_to_arrive
-from .hc_streams import merged
+from .hc_streams import EXACT_ROUNDING, merged
 from .hyper import coefficients
 
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
@@ -187,5 +187,5 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
         scale.float().contiguous(), norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in,
         D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        num_warps=NUM_WARPS, **pdl.launch(X))
+        num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
     return streams, post, comb, x_in
