@@ -85,7 +85,11 @@ class Switches:
     # (kernel, graph == eager) but off: interleaved A/B at 512 / 8192, bf16 9.98 -> 9.75 / 10.64 -> 10.37,
     # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
     # slower on FP8, the real checkpoints' format. Since then the MoE's site also does the merge of the
-    # attention output before it (kernels/hc_pre.py hc_merge_pre), not yet measured on the GPU.
+    # attention output before it (kernels/hc_pre.py hc_merge_pre) and the tail overlaps its loads: at 512,
+    # bf16 9.74 -> 9.41, FP8 7.17 -> 6.87 ms/token (2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
+    # Still off: that run's bf16 check of hc_merge_pre failed (the compiler had fused the merge's rounded
+    # product and add into one bf16 FMA); the fix (kernels/hc_streams.py EXACT_ROUNDING) is checked in sm_90
+    # PTX only, not yet on a GPU.
     hc_fused: bool = False
     # A static step's CSA attention reads only the entries the indexer selected, named by index slots
     # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile
@@ -102,8 +106,10 @@ class Switches:
     router_fused: bool = True
     # A layer's two input products of a decode step (FP8 ``wq_a``+``wkv`` and the bf16 compressor and indexer
     # weights, model/projections.py) run in one launch (kernels/gemv.py gemv_pair) instead of two, where
-    # both products' tiles are CUDA-core tiles without split-K. Off until a GPU A/B measures it.
-    gemv_pair: bool = False
+    # both products' tiles are CUDA-core tiles without split-K. At 512: FP8 7.17 -> 7.04 ms/token (6.87 ->
+    # 6.71 with hc_fused; bf16 has one input product, unchanged); the pair kernel's outputs equal the two
+    # launches' bit for bit at the real shapes (H200, 2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
+    gemv_pair: bool = True
 
 
 SWITCHES = Switches()
