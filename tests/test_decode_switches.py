@@ -94,8 +94,9 @@ _INTERPRETER_ONLY = ("the tiny model is on the CPU, its kernels need Triton's in
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
 def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
-    """The fused pre sites give the unfused logits; every pre site of every layer went through the kernel: the
-    attention's alone, the MoE's with the merge before it."""
+    """The fused pre sites give the unfused logits; every pre site of every layer went through the kernel, each
+    with the merge before it except the first layer's attention site (every block's closing merge but the last
+    one joins the next block's first site)."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernel")
     from ds4serve.kernels import ops
 
@@ -104,8 +105,26 @@ def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
     err, model = _static_step_error(tiny_factory, "hc_fused", calls, seed=2, prompt_seed=5, length=15, capacity=24)
-    assert calls == ["hc_pre", "hc_merge_pre"] * model.cfg.num_layers
+    assert calls == ["hc_pre"] + ["hc_merge_pre"] * (2 * model.cfg.num_layers - 1)
     assert err <= 1e-5, f"relative error {err:.3g}"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
+def test_hc_fused_keeps_captured_layers_merged(tiny_factory):
+    """A layer whose streams are captured (the MTP / DSpark inputs) closes its own merge: the captured streams
+    and the logits equal the unfused step's."""
+    pytest.importorskip("triton", reason="the switch calls the Triton kernel")
+    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=15, prefilled=14,
+                                                capacity=24)
+    layer = model.cfg.num_layers // 2
+    results = []
+    for state, fused in ((off, False), (on, True)):
+        with torch.inference_mode(), regions.disabled(), kernels.on_any_device(), using(hc_fused=fused):
+            results.append(model.forward(torch.tensor([ids[-1]]), state, logit_rows=slice(0, 1), capture=(layer,),
+                                         positions=torch.tensor([state.pos])))
+    (ref, got) = results
+    assert torch.allclose(got.captured[layer], ref.captured[layer], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got.logits, ref.logits, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)

@@ -24,7 +24,7 @@ from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
-from .hyper import HCSite, hc_head, hc_merge, hc_merge_pre, hc_pre
+from .hyper import HCSite, fused_sites, hc_head, hc_merge, hc_merge_pre, hc_pre
 from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
@@ -138,8 +138,12 @@ class DeepSeekV4:
         captured: dict[int, torch.Tensor] = {}
         with regions.static_step() if positions is not None else nullcontext():
             chunk = self.chunk_info(state.pos, S, positions)
+            pending = None
             for i in self.layers:
-                X, deltas[i] = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg, self.ropes)
+                # a block's closing merge joins the next block's first mHC site when that is one launch
+                defer = i != self.layers[-1] and i not in capture and fused_sites(X)
+                X, deltas[i], pending = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg,
+                                                      self.ropes, pending, defer)
                 if i in capture:
                     captured[i] = X
             logits = None
@@ -169,9 +173,20 @@ class DeepSeekV4:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+PendingMerge = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a sublayer's (out, post, comb), not yet merged
+
+
 def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
-                  cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
-    """One decoder block: hc_pre, attention, hc_post with the next hc_pre (one call), MoE, hc_post.
+                  cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None = None,
+                  defer: bool = False) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
+    """One decoder block: hc_pre, attention, hc_post with the next hc_pre (one call), MoE, hc_post;
+    returns ``(X, delta, None)``.
+
+    ``pending`` (the previous block's MoE output with its ``post`` and ``comb``) is merged into ``X`` by the
+    block's first mHC site, in the same call (:func:`~ds4serve.model.hyper.hc_merge_pre`); ``defer`` leaves
+    this block's own closing merge to the next block that way: it then returns ``(X before that merge,
+    delta, its pending merge)``. With the fused sites (``SWITCHES.hc_fused``) every mHC boundary of a
+    decode step is then one launch; the results are those of merging first.
 
     A static step with ``SWITCHES.block_regions`` runs the block as one compiled region. Its chunk
     start is then given as 0: the compiled code must not depend on the host position (a new
@@ -179,24 +194,29 @@ def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerS
     by :func:`ds4serve.engine.cuda_graphs.delta_at` anyway.
     """
     if chunk.static and SWITCHES.block_regions:
-        return _static_block(b, X, dataclasses.replace(chunk, start=0), ls, ids, cfg, ropes)
-    return _block(b, X, chunk, ls, ids, cfg, ropes)
+        return _static_block(b, X, dataclasses.replace(chunk, start=0), ls, ids, cfg, ropes, pending, defer)
+    return _block(b, X, chunk, ls, ids, cfg, ropes, pending, defer)
 
 
 @region
 def _static_block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
-                  cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+                  cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None,
+                  defer: bool) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     """:func:`_block` as one compiled region (see :func:`block_forward`)."""
-    return _block(b, X, chunk, ls, ids, cfg, ropes)
+    return _block(b, X, chunk, ls, ids, cfg, ropes, pending, defer)
 
 
 def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
-           cfg: ModelConfig, ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+           cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None,
+           defer: bool) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     # "hc_pre" includes the sublayer's input norm, fused (SWITCHES.hc_fused) or not, so that the phases
     # measure the same work either way
     with profiler.phase("hc_pre"):
-        post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
+        if pending is None:
+            post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
+        else:
+            X, post, comb, x = hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
     with profiler.phase("attention"):
         a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
     # The attention output's merge and the MoE's pre site are one call (one launch with SWITCHES.hc_fused):
@@ -205,8 +225,10 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
         X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     with profiler.phase("moe_ffn"):
         m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
+    if defer:
+        return X, delta, (m, post, comb)
     with profiler.phase("hc_post"):
-        return hc_merge(X, m, post, comb), delta
+        return hc_merge(X, m, post, comb), delta, None
 
 
 def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -49,7 +49,7 @@ def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: 
     With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`);
     otherwise :func:`hc_split` and :func:`~ds4serve.model.norms.rms_norm`, the reference.
     """
-    if _site_kernel(X):
+    if fused_sites(X):
         from ..kernels.ops import hc_pre as fused
 
         return fused(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
@@ -66,7 +66,7 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`), whose
     merge rounds as the product-sum branch of :func:`hc_merge` does; otherwise the two functions.
     """
-    if _site_kernel(X):
+    if fused_sites(X):
         from ..kernels.ops import hc_merge_pre as fused
 
         return fused(X, out, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
@@ -74,8 +74,9 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     return X, *hc_pre(X, site, norm_w, hc, iters, eps, norm_eps)
 
 
-def _site_kernel(X: torch.Tensor) -> bool:
-    """Whether a pre site on the streams ``X`` is the one-launch kernel (``SWITCHES.hc_fused``, decode-sized)."""
+def fused_sites(X: torch.Tensor) -> bool:
+    """Whether a pre site on the streams ``X`` is the one-launch kernel (``SWITCHES.hc_fused``, decode-sized),
+    with or without the merge before it."""
     return SWITCHES.hc_fused and kernels.enabled(X) and X.shape[0] <= MIX_REDUCE_MAX_ROWS
 
 

@@ -66,7 +66,8 @@ def mtp_forward(w: MTPWeights, hidden: torch.Tensor, next_ids: torch.Tensor, emb
     eps = cfg.rms_norm_eps
     e = linear(rms_norm(embedded, w.enorm, eps), w.e_proj)
     h = linear(rms_norm(hidden.to(e.dtype), w.hnorm, eps), w.h_proj)
-    return block_forward(w.block, h + e.unsqueeze(1), chunk, ls, next_ids, cfg, ropes)
+    streams, delta, _ = block_forward(w.block, h + e.unsqueeze(1), chunk, ls, next_ids, cfg, ropes)
+    return streams, delta
 
 
 def mtp_logits(w: MTPWeights, streams: torch.Tensor, head: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
