@@ -30,7 +30,10 @@ output rows enough programs: each reads one slice of the input and writes an fp3
 second launch sums the slices in a fixed order (deterministic, unlike atomics).
 
 :func:`default_config` reads :data:`TABLE`, filled by ``bench/sweep_gemv.py`` on the target GPU,
-and falls back to a heuristic for other shapes.
+and falls back to a heuristic for other shapes. :func:`gemv_pair` runs two products of one input in one
+launch when both tables pick CUDA-core tiles without split-K (an FP8 layer's FP8 and bf16 input
+products): the first programs are the first product's, the rest the second's, each with its own tiles,
+so the results are those of the two launches, bit for bit.
 """
 
 from __future__ import annotations
