@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gemv_tables import arm_scope, load  # noqa: E402
 from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
-from ds4serve.kernels.switches import parse, using  # noqa: E402
 
 NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
 
@@ -203,7 +203,7 @@ def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: d
             continue
         t0 = time.perf_counter()
         try:
-            with using(**parse(arm)):
+            with arm_scope(arm, args.tables):
                 graphs[arm] = DecodeGraph(model, state)
         except Exception as exc:  # noqa: BLE001 - a failed arm is a result
             traceback.print_exc()
@@ -212,7 +212,7 @@ def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: d
         rows[arm] = {"capture_s": time.perf_counter() - t0, "rounds_ms": []}
     for _ in range(args.rounds):
         for arm, graph in graphs.items():
-            with using(**parse(arm)):
+            with arm_scope(arm, args.tables):
                 ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
             rows[arm]["rounds_ms"].append(ms)
             rows[arm].setdefault("first_tokens", tokens[:8])
@@ -291,12 +291,17 @@ def main() -> None:
     p.add_argument("--peer-steps", type=int, default=6)
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
-                   "graph decode only")
+                   "graph decode only; SWITCHES@TABLE also uses a GEMV tile table of --tables")
+    p.add_argument("--tables", type=Path, default=None, help="GEMV tile tables (bench/gemv_tables.py)")
+    p.add_argument("--table-arms", action="store_true", help="arms: the defaults, then defaults@TABLE for every table")
     p.add_argument("--rounds", type=int, default=3, help="with --arms: rounds that time every arm in turn")
     p.add_argument("--verify-widths", default="", help="also time a captured verify block of these widths "
                    "(comma-separated) at each context")
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
+    args.tables = load(args.tables) if args.tables is not None else {}
+    if args.table_arms:
+        args.arms = [*(args.arms or ["defaults"]), *(f"defaults@{name}" for name in args.tables)]
     args.verify_widths = [int(w) for w in args.verify_widths.split(",") if w]
     args.save_partial = None
     args.contexts = [int(c) for c in args.contexts.split(",") if c]

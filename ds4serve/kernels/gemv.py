@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import triton
@@ -286,6 +288,24 @@ def weight_kind(x_dtype: torch.dtype, weight_dtype: torch.dtype, scaled: bool) -
     if x_dtype == torch.bfloat16 and (scaled or weight_dtype == torch.bfloat16):
         return "fp8" if scaled else "bf16"
     return "fp32"
+
+
+@contextmanager
+def table_overrides(entries: dict[tuple[str, int, int, int, int], GemvConfig]) -> Iterator[None]:
+    """:data:`TABLE` with ``entries`` replacing (or adding) some configurations inside the scope: benchmarks
+    time other tiles inside the decode graph, where a kernel's neighbours shape its cost
+    (``bench/bench_gpu.py`` ``--tables``). Launches read the table when they are issued, so a graph keeps
+    the tiles it was captured with."""
+    saved = {key: TABLE.get(key) for key in entries}
+    TABLE.update(entries)
+    try:
+        yield
+    finally:
+        for key, cfg in saved.items():
+            if cfg is None:
+                TABLE.pop(key)
+            else:
+                TABLE[key] = cfg
 
 
 def table_key(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int) -> tuple[str, int, int, int, int]:

@@ -1,0 +1,112 @@
+"""Alternative GEMV tiles timed inside the decode graph (``bench_gpu.py --tables FILE``).
+
+``bench/sweep_gemv.py`` times each projection alone; inside the decode graph a kernel's cost also depends
+on its neighbours (the PDL overlap, what is in L2, the wave its grid leaves behind), and the eleventh run
+found the FP8 projections at ~79% of the copy rate there against ~89% for the MoE. This module writes
+candidate tiles for the decode projections, one shape changed per candidate, as named tables::
+
+    {"wo_b-0": [{"key": ["fp8", 4096, 8192, 1, 1], "config": {"block_r": 32, "block_k": 128, ...}}], ...}
+
+and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as an arm
+``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
+Usage (GPU machine, repository root)::
+
+    PYTHONPATH=. python3 bench/gemv_tables.py --out $OUT/tables.json
+    PYTHONPATH=. python3 bench/bench_gpu.py --out $OUT/tiles.json --variants fp8 --contexts 512 --steps 16 \\
+        --no-peer --prefill-variants none --chunks "" --tables $OUT/tables.json --table-arms
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+from ds4serve.kernels.gemv import TABLE, TABLED_BLOCK, GemvConfig, config_problem, table_key, table_overrides
+from ds4serve.kernels.switches import parse, using
+
+Key = tuple[str, int, int, int, int]
+Tables = dict[str, dict[Key, GemvConfig]]
+
+# The decode projections of DeepSeek-V4-Flash at one token (N bucket 1): FP8 checkpoints' attention
+# projections and the bf16 compressor parts that share an input launch with the FP8 ones (gemv_pair).
+SHAPES: dict[str, Key] = {
+    "wo_b": ("fp8", 4096, 8192, 1, 1),
+    "wo_a": ("fp8", 8192, 4096, 1, 8),
+    "q_res": ("fp8", 32768, 1024, 1, 1),
+    "q_res_csa": ("fp8", 40960, 1024, 1, 1),
+    "x_fp8": ("fp8", 1536, 4096, 1, 1),
+    "x_bf16_hca": ("bf16", 1024, 4096, 1, 1),
+    "x_bf16_csa": ("bf16", 2624, 4096, 1, 1),
+}
+
+
+def candidates(key: Key) -> list[GemvConfig]:
+    """Tiles near ``key``'s table entry, one field changed at a time, that can run its product."""
+    kind, rows, _, tokens, groups = key
+    base = TABLE[key]
+    block = TABLED_BLOCK if kind == "fp8" else None
+    changes = [
+        {"block_r": base.block_r * 2}, {"block_r": max(base.block_r // 2, 1)},
+        {"block_k": base.block_k * 2}, {"block_k": max(base.block_k // 2, 16)},
+        {"split": base.split * 2}, {"split": max(base.split // 2, 1)},
+        {"warps": base.warps * 2}, {"warps": max(base.warps // 2, 1)},
+        {"stages": base.stages + 2}, {"stages": max(base.stages - 2, 2)},
+        {"dot": not base.dot, "block_r": max(base.block_r, 16), "block_k": 128},
+    ]
+    out: list[GemvConfig] = []
+    for change in changes:
+        cfg = dataclasses.replace(base, **change)
+        if cfg != base and cfg not in out and config_problem(cfg, kind, rows, tokens, groups, block) is None:
+            out.append(cfg)
+    return out
+
+
+def write(path: Path) -> Tables:
+    """Every shape's candidates as one-entry tables named ``SHAPE-i``, written to ``path`` as JSON."""
+    tables: Tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items()
+                      for i, cfg in enumerate(candidates(key))}
+    path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
+                                for name, t in tables.items()}, indent=1) + "\n")
+    return tables
+
+
+def load(path: Path) -> Tables:
+    """Tables written by :func:`write` (or by hand), each entry checked against its product."""
+    tables: Tables = {}
+    for name, entries in json.loads(path.read_text()).items():
+        table: dict[Key, GemvConfig] = {}
+        for entry in entries:
+            key = table_key(*entry["key"])
+            cfg = GemvConfig(**entry["config"])
+            problem = config_problem(cfg, key[0], key[1], key[3], key[4], TABLED_BLOCK if key[0] == "fp8" else None)
+            if problem:
+                raise ValueError(f"table {name!r}, {key}: {problem}")
+            table[key] = cfg
+        tables[name] = table
+    return tables
+
+
+def arm_scope(arm: str, tables: Tables) -> ExitStack:
+    """The scope of an A/B arm ``SWITCHES[@TABLE]``: those switches, and that table's tiles if named."""
+    spec, _, name = arm.partition("@")
+    if name and name not in tables:
+        raise ValueError(f"arm {arm!r}: no table {name!r} (tables: {sorted(tables)[:8]}...)")
+    stack = ExitStack()
+    stack.enter_context(using(**parse(spec)))
+    if name:
+        stack.enter_context(table_overrides(tables[name]))
+    return stack
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    tables = write(p.parse_args().out)
+    print(f"{len(tables)} tables: {', '.join(tables)}")
+
+
+if __name__ == "__main__":
+    main()

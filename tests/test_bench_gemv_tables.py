@@ -1,0 +1,49 @@
+"""bench/gemv_tables.py: the GEMV tile tables that bench_gpu.py times as arms inside the decode graph."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the GEMV module needs triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import gemv_tables  # noqa: E402
+
+from ds4serve.kernels.gemv import TABLE, GemvConfig, default_config  # noqa: E402
+from ds4serve.kernels.switches import SWITCHES  # noqa: E402
+
+
+def test_written_tables_load_and_change_one_shape_each(tmp_path):
+    tables = gemv_tables.write(tmp_path / "t.json")
+    assert gemv_tables.load(tmp_path / "t.json") == tables
+    assert {name.rsplit("-", 1)[0] for name in tables} == set(gemv_tables.SHAPES)
+    for name, table in tables.items():
+        (key, cfg), = table.items()
+        assert key == gemv_tables.SHAPES[name.rsplit("-", 1)[0]] and cfg != TABLE[key]
+
+
+def test_arm_scope_sets_switches_and_tiles_then_restores_them():
+    key = gemv_tables.SHAPES["wo_b"]
+    before, tiles = TABLE[key], GemvConfig(32, 128, split=1, warps=2, stages=4, dot=True)
+    pdl_before = SWITCHES.pdl
+    with gemv_tables.arm_scope("defaults-pdl@t", {"t": {key: tiles}}):
+        assert not SWITCHES.pdl
+        assert default_config("fp8", 4096, 8192, 1, 1, (128, 128)) == tiles
+    assert TABLE[key] == before and SWITCHES.pdl == pdl_before
+    with gemv_tables.arm_scope("defaults", {}):
+        assert default_config("fp8", 4096, 8192, 1, 1, (128, 128)) == before
+
+
+def test_bad_tables_and_arms_are_rejected(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"x": [{"key": ["fp8", 4096, 8192, 1, 1],
+                                       "config": {"block_r": 24, "block_k": 128}}]}))
+    with pytest.raises(ValueError, match="table 'x'.*powers of two"):
+        gemv_tables.load(path)
+    with pytest.raises(ValueError, match="no table 'missing'"):
+        gemv_tables.arm_scope("defaults@missing", {})
