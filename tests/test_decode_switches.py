@@ -110,6 +110,21 @@ def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
+def test_hc_fused_static_verify_block_matches_unfused(tiny_factory):
+    """A static block of three tokens (a verify step) through the fused sites gives the unfused logits."""
+    pytest.importorskip("triton", reason="the switch calls the Triton kernel")
+    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=15, prefilled=12,
+                                                capacity=24)
+    logits = []
+    for state, fused in ((off, False), (on, True)):
+        with torch.inference_mode(), regions.disabled(), kernels.on_any_device(), using(hc_fused=fused):
+            logits.append(model.forward(torch.tensor(ids[-3:]), state, logit_rows=slice(0, 3),
+                                        positions=torch.arange(state.pos, state.pos + 3)).logits)
+    err = float((logits[1] - logits[0]).abs().max() / logits[0].abs().max())
+    assert err <= 1e-5, f"relative error {err:.3g}"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
 def test_hc_fused_keeps_captured_layers_merged(tiny_factory):
     """A layer whose streams are captured (the MTP / DSpark inputs) closes its own merge: the captured streams
     and the logits equal the unfused step's."""
