@@ -42,6 +42,7 @@ from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import HCSite, hc_merge, hc_split
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
+from ds4serve.model.moe import sum_slots
 from ds4serve.model.norms import rms_norm
 from ds4serve.tiny import TinySpec, make_tiny
 from ds4serve.weights import Checkpoint
@@ -207,13 +208,16 @@ def check_hc_merge_pre() -> None:
     """The same with the merge before the site (hc_merge_pre, the attention -> MoE boundary with
     SWITCHES.hc_fused) against hc_merge, hc_split and rms_norm run as torch code. The merged streams round as
     hc_merge's product-sum does: equal up to the summation order of the fp32 stream mix and fused multiply-adds
-    (fp32), which in bf16 can move a rare value by an ulp."""
+    (fp32), which in bf16 can move a rare value by an ulp. The sublayer output is given as is, or (S = 1, 4)
+    as the fused MoE's 7 fp32 slot terms, which the kernel sums as the MoE's slot-sum launch does."""
     hc, D, iters, eps = 4, 4096, 20, 1e-6
     site, norm_w = _hc_site(hc, D)
+    cases = [(S, False) for S in (1, 4, 8)] + [(1, True), (4, True)]
     for dtype in (torch.float32, torch.bfloat16):
-        for S in (1, 4, 8):
+        for S, terms in cases:
             X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
-            out = torch.randn(S, D, device="cuda", dtype=dtype)
+            given = torch.randn(S, 7, D, device="cuda") / 4 if terms else torch.randn(S, D, device="cuda", dtype=dtype)
+            out = sum_slots(given, dtype) if terms else given
             post = 2 * torch.rand(S, hc, device="cuda")
             comb = hc_coefficients_ref(torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps)[2]
             with kernels.disabled():
@@ -222,14 +226,16 @@ def check_hc_merge_pre() -> None:
                 want = (merged, post_n, comb_n, rms_norm(y, norm_w, eps))
 
             def run():
-                return hc_merge_pre(X, out, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, eps)
+                return hc_merge_pre(X, given, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps,
+                                    eps)
 
             got, same = _run_site(run, S, S * ((hc + 1) * D + 128 * 25 + 24) * 4)
             errs = [rel(g, w) for g, w in zip(got, want)]
             ok = (same and errs[0] <= (1e-6 if dtype == torch.float32 else 2 ** -8) and max(errs[1:3]) <= 1e-5
                   and errs[3] <= _x_in_tol(dtype))
-            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096", ok, merged_rel_err=errs[0],
-                   post_comb_rel_err=max(errs[1:3]), x_in_rel_err=errs[3], repeatable=same, ms=timed(run))
+            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' slot terms' if terms else ''}", ok,
+                   merged_rel_err=errs[0], post_comb_rel_err=max(errs[1:3]), x_in_rel_err=errs[3], repeatable=same,
+                   ms=timed(run))
 
 
 def _hc_site(hc: int, D: int) -> tuple[HCSite, torch.Tensor]:

@@ -143,6 +143,26 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_
     assert calls == [1, hyper.MIX_REDUCE_MAX_ROWS]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_sums_the_moe_slot_terms(dtype):
+    """Given the fused MoE's fp32 slot terms ``[S, slots, D]`` instead of its output, the merge sums them as the
+    MoE's slot-sum launch does: every output as with the summed output (fp32: the same bits)."""
+    from ds4serve.model.moe import sum_slots
+
+    X, _, post, comb, site, norm_w = _merge_inputs(3, 256, dtype, seed=12)
+    terms = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    args = (post, comb, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
+    got = hc_merge_pre(X, terms, *args, block=64)
+    want = hc_merge_pre(X, sum_slots(terms, dtype), *args, block=64)
+    if dtype == torch.float32:
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    else:  # the interpreter truncates the sum's cast to bf16, torch rounds it
+        _check_merged(got[0], want[0])
+    wrong = terms.clone()
+    wrong[:, -1] = 0  # a slot left out: a different merge
+    assert not torch.allclose(hc_merge_pre(X, wrong, *args, block=64)[0].float(), want[0].float())
+
+
 def test_merge_op_traces_as_one_node():
     """As above, for the op with the merge: its fake gives the merged streams too."""
     X, out, post, comb, site, norm_w = _merge_inputs(2, 64, torch.bfloat16, seed=2)
@@ -196,7 +216,7 @@ sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_
                                   "part_ptr", "post_ptr", "comb_ptr")}
 sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", iters="i32",
            eps="fp32", norm_eps="fp32")
-consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, PDL=0)
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, PDL=0)
 ptx = {}
 for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
     source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)

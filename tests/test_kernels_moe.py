@@ -17,7 +17,7 @@ from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import moe  # noqa: E402
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref  # noqa: E402
 from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
-from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
+from ds4serve.model.moe import MoEWeights, _moe_fused, sum_slots  # noqa: E402
 from ds4serve.quant import dequant_fp4, quant_fp4  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,8 +88,14 @@ def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
     ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
     with kernels.on_any_device():
         out = _moe_fused(w, x, idx, weights, LIMIT)
+        terms = _moe_fused(w, x, idx, weights, LIMIT, summed=False)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+    # unsummed: the fp32 slot terms, the shared expert last, whose slot-order sum is the output
+    assert terms.shape == (N, idx.shape[1] + 1, x.shape[1]) and terms.dtype == torch.float32
+    if fmt == "fp32":
+        assert torch.equal(sum_slots(terms, x.dtype), out)
+    assert _rel(sum_slots(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64

@@ -58,7 +58,7 @@ NUM_WARPS = 8  # see the module docstring: the last program's tail; not yet time
 def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
                    part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, HC: tl.constexpr,
                    BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                   MERGE: tl.constexpr, PDL: tl.constexpr):
+                   MERGE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     p = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -71,7 +71,7 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
     if MERGE:
         # n = k * D + d; k clamped so that the masked tail of the last program reads comb and post in bounds
         d = n % D
-        o = tl.load(out_ptr + s * D + d, mask=nm, other=0.0).to(tl.float32)
+        o = _sublayer_output(out_ptr, x_ptr, s, d, nm, D, SLOTS)
         x = merged(x_ptr + s * N, o, post_in_ptr + s * HC, comb_in_ptr + s * HC * HC, tl.minimum(n // D, HC - 1),
                    d, nm, D, HC, BLOCK)
         site_row = merged_ptr + s * N
@@ -95,6 +95,20 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
         tl.store(post_ptr + s * HC + j, post)
         tl.store(comb_ptr + s * HC * HC + j[:, None] * HC + j[None, :], comb)
         _collapse_and_norm(rows, w, pre, y_ptr + s * D, D, norm_eps, HC, D_PAD)
+
+
+@triton.jit
+def _sublayer_output(out_ptr, x_ptr, s, d, mask, D, SLOTS: tl.constexpr):
+    """Row ``s`` of the sublayer output at columns ``d``, as fp32 values: read as stored (``SLOTS == 0``), or
+    summed from its fp32 slot terms ``[S, SLOTS, D]`` (the fused MoE's, left unsummed) in slot order and
+    rounded to X's dtype, as the MoE's own slot-sum launch would have stored it."""
+    if SLOTS == 0:
+        return tl.load(out_ptr + s * D + d, mask=mask, other=0.0).to(tl.float32)
+    row = out_ptr + s * SLOTS * D + d
+    acc = tl.load(row, mask=mask, other=0.0)
+    for j in tl.static_range(1, SLOTS):
+        acc += tl.load(row + j * D, mask=mask, other=0.0)
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -162,8 +176,11 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(X' [S, hc, D], post' [S, hc], comb' [S, hc, hc], x_in [S, D])``: the merge
     ``X' = hc_merge(X, out, post, comb)`` of a sublayer's output ``out [S, D]`` (fp32 ``post``, ``comb``),
-    then the next pre site on ``X'`` as :func:`hc_pre` (same arguments), in one launch."""
-    merge = (out.to(X.dtype).contiguous(), post.float().contiguous(), comb.float().contiguous())
+    then the next pre site on ``X'`` as :func:`hc_pre` (same arguments), in one launch. ``out`` may also be
+    the fp32 slot terms ``[S, slots, D]`` of the fused MoE: the kernel sums them as the MoE would have."""
+    terms = out.dim() == 3
+    merge = ((out.float() if terms else out.to(X.dtype)).contiguous(), post.float().contiguous(),
+             comb.float().contiguous())
     return _site(X, merge, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)
 
 
@@ -187,5 +204,5 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
         scale.float().contiguous(), norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in,
         D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
+        SLOTS=out.shape[1] if out.dim() == 3 else 0, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
     return streams, post, comb, x_in

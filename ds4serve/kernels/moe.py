@@ -365,10 +365,12 @@ def _formats(a: ExpertStack, b: ExpertStack) -> dict:
 
 def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: ExpertStack, w3: ExpertStack,
               w2: ExpertStack, limit: float, shared: Experts | None = None,
-              configs: Mapping[str, MoEConfig] | None = None) -> torch.Tensor:
+              configs: Mapping[str, MoEConfig] | None = None, summed: bool = True) -> torch.Tensor:
     """``sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` (plus the ``shared`` expert, weight 1)
     for tokens ``x [N, D]`` routed to ``idx [N, k]``. Tiles: the routed format's entry of ``configs``
-    or else :data:`CONFIGS`."""
+    or else :data:`CONFIGS`. ``summed=False`` returns the fp32 terms ``[N, slots, D]`` (the shared
+    expert last) instead, for a consumer that sums them itself (:func:`ds4serve.model.moe.sum_slots` is that
+    sum)."""
     N, D = x.shape
     k = idx.shape[1]
     sw1, sw3, sw2 = shared or (w1, w3, w2)
@@ -393,6 +395,8 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
         **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k,
         num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
+    if not summed:
+        return part
     out = torch.empty_like(x)
     _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
     return out

@@ -87,7 +87,8 @@ class Switches:
     # slower on FP8, the real checkpoints' format. Since then the MoE's site also does the merge of the
     # attention output before it (kernels/hc_pre.py hc_merge_pre) and the tail overlaps its loads: at 512,
     # bf16 9.74 -> 9.41, FP8 7.17 -> 6.87 ms/token (2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
-    # Since that run a block's closing merge also joins the next block's first site (model/deepseek4.py).
+    # Since that run a block's closing merge also joins the next block's first site (model/deepseek4.py),
+    # which then sums the fused MoE's slot terms itself (one launch less per layer).
     # Still off: that run's bf16 check of hc_merge_pre failed (the compiler had fused the merge's rounded
     # product and add into one bf16 FMA); the fix (kernels/hc_streams.py EXACT_ROUNDING) is checked in sm_90
     # PTX only, not yet on a GPU.

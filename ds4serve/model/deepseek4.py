@@ -173,7 +173,8 @@ class DeepSeekV4:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-PendingMerge = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a sublayer's (out, post, comb), not yet merged
+# a sublayer's (out, post, comb), not yet merged; out may be the MoE's fp32 slot terms [S, slots, D]
+PendingMerge = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
@@ -224,7 +225,8 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
     with profiler.phase("hc_pre"):
         X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     with profiler.phase("moe_ffn"):
-        m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit)
+        # a deferred merge sums the MoE's slot terms itself: one launch less
+        m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer)
     if defer:
         return X, delta, (m, post, comb)
     with profiler.phase("hc_post"):
