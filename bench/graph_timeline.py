@@ -9,7 +9,8 @@ For each context of one weight variant, captures the proxy's decode graph and re
   precedes each gap), and the kernel table (appended to ``--kernels``);
 - with ``--sequence FILE``, the kernels of one replay in launch order (start and duration in us), to
   see what one layer launches; ``--switches defaults-pdl`` makes each duration the kernel's own
-  (under PDL a kernel's span includes its wait for the one before it).
+  (under PDL a kernel's span includes its wait for the one before it). A last column gives what each
+  kernel costs the chain (:func:`chain_costs`), with or without PDL.
 Usage (GPU machine, repository root; one variant per process)::
 
     PYTHONPATH=. python3 bench/graph_timeline.py --variant fp8 --out $OUT/timeline-fp8.json --kernels $OUT/kernels.txt
@@ -63,12 +64,23 @@ def queued_ms(graph: DecodeGraph, n: int = 20) -> float:
     return a.elapsed_time(b) / n
 
 
+def chain_costs(starts: list[float], pdl: bool) -> list[float | None]:
+    """What each kernel of a replay adds to the replay's span, from the kernels' start times (us). Without PDL
+    a kernel starts when the one before it has ended: its cost is the time to the next start. Under PDL a
+    kernel starts (and waits) as soon as the one before it has passed its own wait, so the next start marks
+    the end of the kernel *before* it: kernel ``i``'s cost is ``start[i + 2] - start[i + 1]``. None where the
+    replay ends first."""
+    shift = 2 if pdl else 1
+    return [starts[i + shift] - starts[i + shift - 1] if i + shift < len(starts) else None
+            for i in range(len(starts))]
+
+
 def _short(name: str) -> str:
     return name if len(name) <= 90 else name[:87] + "..."
 
 
 def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int = 3,
-               sequence: Path | None = None) -> dict:
+               sequence: Path | None = None, pdl: bool = True) -> dict:
     """Kernel count, kernel time and inter-kernel gaps per replay, from a profiler trace; the kernel
     table by total GPU time is appended to ``kernels_txt``, the last replay's kernels in order to
     ``sequence``."""
@@ -89,10 +101,12 @@ def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int =
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     if sequence is not None:
         last = kernels[-len(kernels) // replays:]
+        costs = chain_costs([e["ts"] for e in last], pdl)
         with open(sequence, "a") as f:
-            f.write(f"## {title}: one replay, {len(last)} kernels (index, start us, duration us, name)\n")
-            f.writelines(f"{i}\t{e['ts'] - last[0]['ts']:.1f}\t{e['dur']:.2f}\t{_short(e['name'])}\n"
-                         for i, e in enumerate(last))
+            f.write(f"## {title}: one replay, {len(last)} kernels (index, start us, duration us, name, "
+                    f"cost to the chain us{' under PDL' if pdl else ''})\n")
+            f.writelines(f"{i}\t{e['ts'] - last[0]['ts']:.1f}\t{e['dur']:.2f}\t{_short(e['name'])}\t"
+                         f"{'' if c is None else f'{c:.2f}'}\n" for i, (e, c) in enumerate(zip(last, costs)))
     busy = sum(e["dur"] for e in kernels)
     bins = collections.Counter()
     after: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -145,7 +159,7 @@ def main() -> None:
         for ctx, graph in graphs.items():
             row = result[str(ctx)]
             row.update(trace_gaps(graph, f"{args.variant} ctx {ctx} [{args.switches}]", args.kernels,
-                                  sequence=args.sequence))
+                                  sequence=args.sequence, pdl=parse(args.switches)["pdl"]))
             pr = row["per_replay"]
             log(f"{args.variant} ctx {ctx}: {pr['nodes']:.0f} kernels, {pr['kernel_ms']:.2f} ms busy, "
                 f"{pr['gap_ms']:.2f} ms gaps, median gap {row['median_gap_us']:.2f} us")
