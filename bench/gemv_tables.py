@@ -47,7 +47,7 @@ def candidates(key: Key) -> list[GemvConfig]:
     """Tiles near ``key``'s table entry, one field changed at a time, that can run its product."""
     kind, rows, _, tokens, groups = key
     base = TABLE[key]
-    block = TABLED_BLOCK if kind == "fp8" else None
+    block = _scale_block(kind)
     changes = [
         {"block_r": base.block_r * 2}, {"block_r": max(base.block_r // 2, 1)},
         {"block_k": base.block_k * 2}, {"block_k": max(base.block_k // 2, 16)},
@@ -62,6 +62,11 @@ def candidates(key: Key) -> list[GemvConfig]:
         if cfg != base and cfg not in out and config_problem(cfg, kind, rows, tokens, groups, block) is None:
             out.append(cfg)
     return out
+
+
+def _scale_block(kind: str) -> tuple[int, int] | None:
+    """The scale block the table holds entries of ``kind`` for (None: dense weights)."""
+    return TABLED_BLOCK if kind == "fp8" else None
 
 
 def write(path: Path) -> Tables:
@@ -81,7 +86,7 @@ def load(path: Path) -> Tables:
         for entry in entries:
             key = table_key(*entry["key"])
             cfg = GemvConfig(**entry["config"])
-            problem = config_problem(cfg, key[0], key[1], key[3], key[4], TABLED_BLOCK if key[0] == "fp8" else None)
+            problem = config_problem(cfg, key[0], key[1], key[3], key[4], _scale_block(key[0]))
             if problem:
                 raise ValueError(f"table {name!r}, {key}: {problem}")
             table[key] = cfg

@@ -182,3 +182,11 @@ def test_pair_op_traces_as_one_node():
                        backend="aot_eager", fullgraph=True)
     ya, yb = fn(x)
     assert _rel(ya, gemv_ref(x * 2, q.data, q.scale, q.block) + 1) <= 1e-2 and _rel(yb, gemv_ref(x * 2, w) + 1) <= 1e-2
+
+
+def test_gemv_pair_rejects_weights_of_different_input_widths():
+    a, b = _weight("fp8", 8), _weight("bf16", 9)
+    b = (b[0][:, : K // 2].contiguous(), None, None)
+    x = torch.randn(1, K).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match=f"must take {K} inputs, not {K} and {K // 2}"):
+        gemv_pair(x, a, b)

@@ -408,12 +408,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     k_per_split = triton.cdiv(triton.cdiv(n_in, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(n_in, k_per_split)
     target = out if split == 1 else torch.empty(split, n_tokens, n_rows, device=x.device, dtype=torch.float32)
-    sb_r, sb_c = block or (1, 1)
     args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0),
             scale.shape[1] if scale is not None else 0, n_tokens)
-    consts = dict(SCALED=scale is not None, SB_R=sb_r, SB_C=sb_c, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-                  SUB_K=min(cfg.block_k, sb_c) if scale is not None else cfg.block_k, STAGES=cfg.stages,
-                  PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch(x2))
+    consts = dict(**_tile_consts(cfg, block), PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
+                  **pdl.launch(x2))
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.dot:
         _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
@@ -439,17 +437,14 @@ def gemv_pair(x: torch.Tensor, a: Operand, b: Operand) -> tuple[torch.Tensor, to
     gap between them are saved; otherwise two :func:`gemv` launches."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_tokens, n_in = x2.shape
+    if any(op[0].shape[1] != n_in for op in (a, b)):
+        raise ValueError(f"gemv_pair: both weights must take {n_in} inputs, not {a[0].shape[1]} and {b[0].shape[1]}")
     plans = [_pair_plan(x2, *op) for op in (a, b)]
-    if any(plan is None for plan in plans) or any(op[0].shape[1] != n_in for op in (a, b)):
+    if any(plan is None for plan in plans):
         return gemv(x2, *a), gemv(x2, *b)
     outs = [torch.empty(n_tokens, op[0].shape[0], device=x.device, dtype=x.dtype) for op in (a, b)]
-    consts = {}
-    for prefix, (weight, scale, block), cfg in zip("AB", (a, b), plans):
-        sb_r, sb_c = block if scale is not None else (1, 1)
-        consts.update({f"{prefix}_SCALED": scale is not None, f"{prefix}_SB_R": sb_r, f"{prefix}_SB_C": sb_c,
-                       f"{prefix}_BLOCK_R": cfg.block_r, f"{prefix}_BLOCK_K": cfg.block_k,
-                       f"{prefix}_SUB_K": min(cfg.block_k, sb_c) if scale is not None else cfg.block_k,
-                       f"{prefix}_STAGES": cfg.stages})
+    consts = {f"{prefix}_{name}": value for prefix, (_, scale, block), cfg in zip("AB", (a, b), plans)
+              for name, value in _tile_consts(cfg, block if scale is not None else None).items()}
     programs = [triton.cdiv(op[0].shape[0], cfg.block_r) for op, cfg in zip((a, b), plans)]
     (wa, sa, _), (wb, sb, _) = a, b
     _gemv_fma_pair_kernel[(sum(programs),)](
@@ -458,6 +453,13 @@ def gemv_pair(x: torch.Tensor, a: Operand, b: Operand) -> tuple[torch.Tensor, to
         N_PAD=triton.next_power_of_2(n_tokens), num_warps=max(cfg.warps for cfg in plans),
         num_stages=max(cfg.stages for cfg in plans), **consts, **pdl.launch(x2))
     return outs[0], outs[1]
+
+
+def _tile_consts(cfg: GemvConfig, block: tuple[int, int] | None) -> dict:
+    """A GEMV program's compile-time tile parameters for ``cfg`` and the FP8 scale ``block`` (None: dense)."""
+    sb_r, sb_c = block or (1, 1)
+    return dict(SCALED=block is not None, SB_R=sb_r, SB_C=sb_c, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+                SUB_K=min(cfg.block_k, sb_c) if block is not None else cfg.block_k, STAGES=cfg.stages)
 
 
 def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
