@@ -79,20 +79,15 @@ class Switches:
     # 512: bf16 10.70 -> 10.15, FP8 8.22 -> 7.55 ms/token; check_gpu passed with it (H200, 2026-11-29,
     # bench/results/2026-11-29-h200-round8-*).
     pdl: bool = True
-    # Each mHC pre site of a decode-sized chunk (both per layer) is one launch (kernels/hc_pre.py: the RMS,
-    # the 24 mixes, the Sinkhorn coefficients, the collapse and the sublayer's input norm) instead of four
-    # (two Inductor reductions, the coefficient kernel, the collapse with the norm). Checked on the H200
-    # (kernel, graph == eager) but off: interleaved A/B at 512 / 8192, bf16 9.98 -> 9.75 / 10.64 -> 10.37,
-    # FP8 7.40 -> 7.62 / 8.17 -> 8.31 ms/token (2026-11-29, bench/results/2026-11-29-h200-round9-ab.*):
-    # slower on FP8, the real checkpoints' format. Since then the MoE's site also does the merge of the
-    # attention output before it (kernels/hc_pre.py hc_merge_pre) and the tail overlaps its loads: at 512,
-    # bf16 9.74 -> 9.41, FP8 7.17 -> 6.87 ms/token (2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
-    # Since that run a block's closing merge also joins the next block's first site (model/deepseek4.py),
-    # which then sums the fused MoE's slot terms itself (one launch less per layer).
-    # Still off: that run's bf16 check of hc_merge_pre failed (the compiler had fused the merge's rounded
-    # product and add into one bf16 FMA); the fix (kernels/hc_streams.py EXACT_ROUNDING) is checked in sm_90
-    # PTX only, not yet on a GPU.
-    hc_fused: bool = False
+    # Each mHC boundary of a decode-sized chunk is one launch (kernels/hc_pre.py): a pre site (the RMS, the
+    # 24 mixes, the Sinkhorn coefficients, the collapse and the sublayer's input norm) instead of four, with
+    # the merge of the sublayer output before it (hc_merge_pre) instead of about ten; a block's closing merge
+    # joins the next block's first site, which also sums the fused MoE's slot terms (model/deepseek4.py).
+    # The merge kernels run without FP contraction (kernels/hc_streams.py EXACT_ROUNDING). Interleaved A/B
+    # at 512 / 8192: bf16 9.80 -> 9.33 / 10.28 -> 9.81, FP8 6.99 -> 6.54 / 7.46 -> 6.97 ms/token; check_gpu
+    # (kernels, tiny, graphs, verify graphs) 83/83 with it (H200, 2026-11-30,
+    # bench/results/2026-11-30-h200-round12-hcfused-*).
+    hc_fused: bool = True
     # A static step's CSA attention reads only the entries the indexer selected, named by index slots
     # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile
     # that holds a selected one under a mask (at 32K context 512 of 8192 entries are selected, and a
