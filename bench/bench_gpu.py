@@ -15,7 +15,6 @@ machine, repository root)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -23,6 +22,7 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
+from ds4serve.kernels.switches import using  # noqa: E402
 
 NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
 
@@ -57,16 +58,22 @@ def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def prefill_once(model, state, ids: list[int]) -> None:
+    """One prefill of ``ids`` from an empty state."""
+    state.reset()
+    model.forward(ids, state)
+
+
 def ceilings() -> dict:
     n = 1 << 31  # 4 GiB of bf16 per buffer
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = cuda_ms(lambda: dst.copy_(src), 10)
+    ms = cuda_ms(partial(dst.copy_, src), 10)
     copy = 2 * src.numel() * src.element_size() / ms / 1e6  # GB/s, bytes read + written
     del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = cuda_ms(lambda: a @ b, 10, warmup=3)
+    ms = cuda_ms(partial(torch.matmul, a, b), 10, warmup=3)
     rate = 2 * 8192 ** 3 / ms / 1e9  # TFLOP/s
     del a, b
     torch.cuda.empty_cache()
@@ -163,11 +170,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
                 arms.append((args.prefill_switches, dict.fromkeys(args.prefill_switches.split("+"), True)))
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
-
-                def run():
-                    state.reset()
-                    model.forward(ids, state)
-
+                run = partial(prefill_once, model, state, ids)
                 for arm, switches in arms:
                     key = f"prefill_{chunk}" + (f"_{arm}" if arm else "")
                     try:
@@ -266,7 +269,7 @@ def bench_peer(args) -> dict:
         out["decode_ms_per_layer"] = out["decode_512_ms"] / 4
         log(f"peer decode {out['decode_512_ms']:.1f} ms/token over 4 layers")
         ids = torch.randint(3, 128000, (1, 2048), generator=gen).cuda()
-        ms = cuda_ms(lambda: model(ids, use_cache=False), 2, warmup=1)
+        ms = cuda_ms(partial(model, ids, use_cache=False), 2, warmup=1)
         out["prefill_2048_ms"] = ms
         out["prefill_2048_tokens_per_s_4_layers"] = 2048 / ms * 1e3
         log(f"peer prefill 2048: {ms:.0f} ms over 4 layers")

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from .config import CSA, HCA, SLIDING, ModelConfig
+from .config import CSA, SLIDING, ModelConfig
 from .quant import FP4_BLOCK, dequant_fp4, dequant_fp8
 
 
