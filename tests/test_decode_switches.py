@@ -156,3 +156,20 @@ def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
                                     capacity=64)
     assert len(calls) == sum(t == CSA for t in model.cfg.layer_types) and min(calls) > model.cfg.index_topk
     assert err <= 1e-5, f"relative error {err:.3g}"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
+def test_combine_rope_static_step_matches_rope_after(tiny_factory, monkeypatch):
+    """The inverse RoPE in the decode attention's combine launch gives the logits of Rope.apply after it; every
+    layer's attention passed its tables to the kernel, and none once the switch is off."""
+    pytest.importorskip("triton", reason="the switch calls the Triton kernel")
+    from ds4serve.kernels import ops
+
+    calls = []
+    real = ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention",
+                        lambda *a: (calls.append(len(a)) if len(a) > 5 else None) or real(*a))
+    err, model = _static_step_error(tiny_factory, "combine_rope", calls, seed=4, prompt_seed=6, length=15,
+                                    capacity=24)
+    assert calls == [7] * model.cfg.num_layers
+    assert err == 0, f"relative error {err:.3g}"  # fp32: the same rounded operations

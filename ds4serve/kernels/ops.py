@@ -164,12 +164,13 @@ def _(q, keys, head_w, visible, k):
 
 @torch.library.custom_op(f"{_LIB}::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ds4serve.kernels.decode_attention.decode_attention`: ``[S, H, d]`` attention of ``q [S, H, d]``
-    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``."""
-    return _decode_attention(q, keys, allowed, sinks, scale)
+    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``;
+    with ``cos``/``sin`` ``[S, r/2]`` the inverse RoPE of the output's last ``r`` channels in the same launch."""
+    return _decode_attention(q, keys, allowed, sinks, scale, rope=None if cos is None else (cos, sin))
 
 
 @decode_attention.register_fake
-def _(q, keys, allowed, sinks, scale):
+def _(q, keys, allowed, sinks, scale, cos=None, sin=None):
     return q.new_empty(q.shape)

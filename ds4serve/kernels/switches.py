@@ -107,6 +107,11 @@ class Switches:
     # 6.71 with hc_fused; bf16 has one input product, unchanged); the pair kernel's outputs equal the two
     # launches' bit for bit at the real shapes (H200, 2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
     gemv_pair: bool = True
+    # The static step's decode attention applies the inverse RoPE of its output in its combine launch
+    # (kernels/decode_attention.py), instead of the compiled region's kernels after it (two per layer in
+    # the twelfth run's FP8 kernel table: the rotation and the cat feeding wo_a). CPU-tested against
+    # Rope.apply; off until a GPU check and A/B.
+    combine_rope: bool = False
 
 
 SWITCHES = Switches()

@@ -248,11 +248,14 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tenso
     """Attention over the concatenated key parts, then the inverse RoPE of the output.
 
     With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
-    attention is two launches instead of the cat, two products and the softmax kernels between them.
+    attention is two launches instead of the cat, two products and the softmax kernels between them;
+    with ``SWITCHES.combine_rope`` the second of them also applies the inverse RoPE.
     """
     if kernels.enabled(q) and SWITCHES.decode_attention:
         from ..kernels import ops
 
+        if SWITCHES.combine_rope:
+            return ops.decode_attention(q, keys, allowed, sinks, scale, cos, sin)
         out = ops.decode_attention(q, keys, allowed, sinks, scale)
     else:
         keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]
