@@ -10,7 +10,11 @@ For each context of one weight variant, captures the proxy's decode graph and re
 - with ``--sequence FILE``, the kernels of one replay in launch order (start and duration in us), to
   see what one layer launches; ``--switches defaults-pdl`` makes each duration the kernel's own
   (under PDL a kernel's span includes its wait for the one before it). A last column gives what each
-  kernel costs the chain (:func:`chain_costs`), with or without PDL.
+  kernel costs the chain (:func:`chain_costs`), with or without PDL;
+- with ``--inductor-code FILE``, the modules Inductor generated for the compiled regions (the static
+  block of each layer kind, the head, ...) in one file, each led by its launches in order and the torch
+  source nodes of each (:func:`launch_summary`): which model code a ``triton_poi_fused_N`` of the
+  sequence runs. Use few layers (``--layers 4``) to keep it short.
 Usage (GPU machine, repository root; one variant per process)::
 
     PYTHONPATH=. python3 bench/graph_timeline.py --variant fp8 --out $OUT/timeline-fp8.json --kernels $OUT/kernels.txt
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import re
 import statistics
 import sys
 import tempfile
@@ -131,6 +137,36 @@ def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int =
     }
 
 
+_SOURCE_NODES = re.compile(r"#\s*(Topologically Sorted Source Nodes|Source node to ATen node mapping|Original ATen)")
+_LAUNCH = re.compile(r"^\s*(?:\w+ = )?(?:(\w+)\.run\(|(torch\.ops\.\w+\.\w+|extern_kernels\.\w+)|(\w*fused\w*)\()")
+
+
+def launch_summary(module: str) -> list[str]:
+    """The launches of a generated module's ``call`` in order, each after the source-node comments that
+    Inductor writes above it: ``["# Topologically Sorted Source Nodes: [...]", "triton_poi_fused_0", ...]``."""
+    body = module[module.find("def call("):]
+    lines: list[str] = []
+    for line in body.splitlines():
+        if _SOURCE_NODES.search(line):
+            lines.append(line.strip())
+        else:
+            launch = _LAUNCH.match(line)
+            if launch:
+                lines.append("-> " + next(g for g in launch.groups() if g))
+    return lines
+
+
+def write_inductor_code(cache_dir: Path, out: Path) -> int:
+    """Every output-code module under ``cache_dir`` (those holding a ``call``) into ``out``, each led by
+    its :func:`launch_summary`; returns how many."""
+    modules = sorted(f for f in cache_dir.rglob("*.py") if "def call(" in f.read_text(errors="replace"))
+    with out.open("w") as fh:
+        for f in modules:
+            text = f.read_text(errors="replace")
+            fh.write(f"#### {f.name}\n" + "\n".join(launch_summary(text)) + "\n\n" + text + "\n\n")
+    return len(modules)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -140,7 +176,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--switches", default="defaults", help="kernels.switches set (switches.parse)")
     p.add_argument("--sequence", type=Path, help="append one replay's kernels in launch order here")
+    p.add_argument("--inductor-code", type=Path, help="write Inductor's generated modules here (a fresh "
+                   "compile cache for this process, so that every region is compiled and kept)")
     args = p.parse_args()
+    if args.inductor_code:
+        cache = Path(tempfile.mkdtemp(prefix="inductor-code-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": args.variant,
                     "switches": args.switches}
     gen = torch.Generator().manual_seed(0)
@@ -164,6 +205,8 @@ def main() -> None:
             log(f"{args.variant} ctx {ctx}: {pr['nodes']:.0f} kernels, {pr['kernel_ms']:.2f} ms busy, "
                 f"{pr['gap_ms']:.2f} ms gaps, median gap {row['median_gap_us']:.2f} us")
     args.out.write_text(json.dumps(result, indent=1))
+    if args.inductor_code:
+        log(f"{write_inductor_code(cache, args.inductor_code)} generated modules in {args.inductor_code}")
 
 
 if __name__ == "__main__":
