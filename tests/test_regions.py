@@ -26,6 +26,24 @@ def test_region_runs_plain_outside_a_static_step():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
 
 
+def test_inductor_switches_give_a_region_its_own_compile(monkeypatch):
+    """A region compiles once per set of the switches that Inductor reads (an A/B's arms each run their own
+    code), and Inductor gets them as options."""
+    compiles = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or real(fn, **kw))
+    monkeypatch.setattr(regions, "_active", lambda args, kwargs, chunks: "eager")
+    double = regions.region(lambda x: x * 2)
+    x = torch.randn(3, 8)
+    for fused in (False, True, False):
+        with using(aggressive_fusion=fused):
+            assert torch.equal(double(x), x * 2)
+    assert len(compiles) == 2
+    with using(aggressive_fusion=True, combo_kernels=False):
+        options = regions.inductor_options()
+    assert options["aggressive_fusion"] is True and options["combo_kernels"] is False
+
+
 def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factory, monkeypatch):
     """``chunk_regions``: the norms, RoPE and mHC mixes of prefill chunks run traced (whole graphs,
     dynamic shapes: chunks of two lengths and a ring that wraps) and give the plain logits."""

@@ -44,6 +44,13 @@ _SWITCHED_OFF = Scoped(False)
 _FORCED_BACKEND: Scoped[str | None] = Scoped(None)  # tests: compile on any device with this backend, full graphs
 
 
+def inductor_options() -> dict[str, object]:
+    """Inductor's options for a region compiled now: the fixed ones and those the switches choose (a region
+    compiles once per set, so that the arms of an A/B each run their own code)."""
+    return {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels,
+            "aggressive_fusion": SWITCHES.aggressive_fusion, "triton.enable_pdl": SWITCHES.pdl}
+
+
 def _static_depth() -> int:
     return getattr(_local, "depth", 0)
 
@@ -105,15 +112,12 @@ def region(fn: F | None = None, *, chunks: bool = False) -> F | Callable[[F], F]
         if backend is None:
             return fn(*args, **kwargs)
         dynamic = _static_depth() == 0  # a chunk: any length, one compile
-        key = (backend, SWITCHES.combo_kernels, SWITCHES.pdl, dynamic)
+        options = inductor_options()
+        key = (backend, dynamic, tuple(options.items()))
         if key not in compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            options = None
-            if backend == "inductor":
-                options = {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels,
-                           "triton.enable_pdl": SWITCHES.pdl}
-            compiled[key] = torch.compile(fn, backend=backend, options=options, dynamic=dynamic or None,
-                                          fullgraph=_FORCED_BACKEND.value is not None)
+            compiled[key] = torch.compile(fn, backend=backend, options=options if backend == "inductor" else None,
+                                          dynamic=dynamic or None, fullgraph=_FORCED_BACKEND.value is not None)
         return compiled[key](*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]

@@ -30,6 +30,10 @@ class Switches:
     # Inductor's horizontal fusion (``combo_kernels``): independent small kernels of a compiled region
     # share one launch (bf16 decode at 512: 11.72 -> 10.98 ms/token on the H200, 2026-11-29).
     combo_kernels: bool = True
+    # Inductor's ``aggressive_fusion``: nodes of a compiled region fuse even when they share no buffer, so
+    # that a decoder block's small chains between the hand-written kernels become fewer launches. Off until
+    # a GPU A/B.
+    aggressive_fusion: bool = False
     # The router's gate product of a decode step runs as the Triton GEMV instead of cuBLAS (F.linear:
     # a split-K kernel and its reduce per layer); at 512: bf16 11.02 -> 10.95, FP8 8.52 -> 8.45 ms/token.
     router_gemv: bool = True
