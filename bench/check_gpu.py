@@ -39,10 +39,9 @@ from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
 from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
-from ds4serve.model.hyper import HCSite, hc_merge, hc_split
+from ds4serve.model.hyper import HCSite, hc_merge, hc_split, sum_terms
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
-from ds4serve.model.moe import sum_slots
 from ds4serve.model.norms import rms_norm
 from ds4serve.tiny import TinySpec, make_tiny
 from ds4serve.weights import Checkpoint
@@ -217,7 +216,7 @@ def check_hc_merge_pre() -> None:
         for S, terms in cases:
             X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
             given = torch.randn(S, 7, D, device="cuda") / 4 if terms else torch.randn(S, D, device="cuda", dtype=dtype)
-            out = sum_slots(given, dtype) if terms else given
+            out = sum_terms(given, dtype) if terms else given
             post = 2 * torch.rand(S, hc, device="cuda")
             comb = hc_coefficients_ref(torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps)[2]
             with kernels.disabled():

@@ -147,13 +147,11 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_
 def test_merge_sums_the_moe_slot_terms(dtype):
     """Given the fused MoE's fp32 slot terms ``[S, slots, D]`` instead of its output, the merge sums them as the
     MoE's slot-sum launch does: every output as with the summed output (fp32: the same bits)."""
-    from ds4serve.model.moe import sum_slots
-
     X, _, post, comb, site, norm_w = _merge_inputs(3, 256, dtype, seed=12)
     terms = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     args = (post, comb, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
     got = hc_merge_pre(X, terms, *args, block=64)
-    want = hc_merge_pre(X, sum_slots(terms, dtype), *args, block=64)
+    want = hc_merge_pre(X, hyper.sum_terms(terms, dtype), *args, block=64)
     if dtype == torch.float32:
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     else:  # the interpreter truncates the sum's cast to bf16, torch rounds it
@@ -214,9 +212,9 @@ from ds4serve.kernels.hc_streams import EXACT_ROUNDING
 
 sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_ptr", "scale_ptr", "w_ptr",
                                   "part_ptr", "post_ptr", "comb_ptr")}
-sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", iters="i32",
-           eps="fp32", norm_eps="fp32")
-consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, PDL=0)
+sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32",
+           row_stride="i32", term_stride="i32", iters="i32", eps="fp32", norm_eps="fp32")
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, TERMS=7, PDL=0)
 ptx = {}
 for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
     source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
