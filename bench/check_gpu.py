@@ -39,10 +39,9 @@ from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
 from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
-from ds4serve.model.hyper import HCSite, hc_merge, hc_split
+from ds4serve.model.hyper import HCSite, hc_merge, hc_split, sum_terms
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.linear import FP4Weight, quantize_fp8
-from ds4serve.model.moe import sum_slots
 from ds4serve.model.norms import rms_norm
 from ds4serve.tiny import TinySpec, make_tiny
 from ds4serve.weights import Checkpoint
@@ -209,15 +208,23 @@ def check_hc_merge_pre() -> None:
     SWITCHES.hc_fused) against hc_merge, hc_split and rms_norm run as torch code. The merged streams round as
     hc_merge's product-sum does: equal up to the summation order of the fp32 stream mix and fused multiply-adds
     (fp32), which in bf16 can move a rare value by an ulp. The sublayer output is given as is, or (S = 1, 4)
-    as the fused MoE's 7 fp32 slot terms, which the kernel sums as the MoE's slot-sum launch does."""
+    as fp32 terms that the kernel sums as the launch they replace would: the fused MoE's 7 slot terms
+    ``[S, 7, D]``, or a split-K GEMV's slice partials (``SWITCHES.merge_splits``: ``wo_b``'s 2 and 4 slices in
+    TABLE), read in place from ``[split, S, D]``. Given terms, every output must have the bits it has with
+    their sum given instead (``sum_terms``, what the replaced launch stores)."""
     hc, D, iters, eps = 4, 4096, 20, 1e-6
     site, norm_w = _hc_site(hc, D)
-    cases = [(S, False) for S in (1, 4, 8)] + [(1, True), (4, True)]
+    cases = [(S, "") for S in (1, 4, 8)] + [(S, terms) for terms in ("slot terms", "split partials") for S in (1, 4)]
     for dtype in (torch.float32, torch.bfloat16):
         for S, terms in cases:
             X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
-            given = torch.randn(S, 7, D, device="cuda") / 4 if terms else torch.randn(S, D, device="cuda", dtype=dtype)
-            out = sum_slots(given, dtype) if terms else given
+            if terms == "slot terms":
+                given = torch.randn(S, 7, D, device="cuda") / 4
+            elif terms:
+                given = (torch.randn(2 if S == 1 else 4, S, D, device="cuda") / 4).transpose(0, 1)
+            else:
+                given = torch.randn(S, D, device="cuda", dtype=dtype)
+            out = sum_terms(given, dtype) if terms else given
             post = 2 * torch.rand(S, hc, device="cuda")
             comb = hc_coefficients_ref(torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps)[2]
             with kernels.disabled():
@@ -225,17 +232,18 @@ def check_hc_merge_pre() -> None:
                 post_n, comb_n, y = hc_split(merged, site, hc, iters, eps, eps)
                 want = (merged, post_n, comb_n, rms_norm(y, norm_w, eps))
 
-            def run():
+            def run(given=given):
                 return hc_merge_pre(X, given, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps,
                                     eps)
 
             got, same = _run_site(run, S, S * ((hc + 1) * D + 128 * 25 + 24) * 4)
             errs = [rel(g, w) for g, w in zip(got, want)]
-            ok = (same and errs[0] <= (1e-6 if dtype == torch.float32 else 2 ** -8) and max(errs[1:3]) <= 1e-5
-                  and errs[3] <= _x_in_tol(dtype))
-            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' slot terms' if terms else ''}", ok,
+            as_summed = not terms or all(torch.equal(g, w) for g, w in zip(got, run(out)))
+            ok = (same and as_summed and errs[0] <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+                  and max(errs[1:3]) <= 1e-5 and errs[3] <= _x_in_tol(dtype))
+            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' ' + terms if terms else ''}", ok,
                    merged_rel_err=errs[0], post_comb_rel_err=max(errs[1:3]), x_in_rel_err=errs[3], repeatable=same,
-                   ms=timed(run))
+                   as_summed=as_summed, ms=timed(run))
 
 
 def _hc_site(hc: int, D: int) -> tuple[HCSite, torch.Tensor]:

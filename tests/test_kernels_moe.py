@@ -16,8 +16,9 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import moe  # noqa: E402
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref  # noqa: E402
+from ds4serve.model.hyper import sum_terms  # noqa: E402
 from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
-from ds4serve.model.moe import MoEWeights, _moe_fused, sum_slots  # noqa: E402
+from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
 from ds4serve.quant import dequant_fp4, quant_fp4  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,8 +95,8 @@ def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
     # unsummed: the fp32 slot terms, the shared expert last, whose slot-order sum is the output
     assert terms.shape == (N, idx.shape[1] + 1, x.shape[1]) and terms.dtype == torch.float32
     if fmt == "fp32":
-        assert torch.equal(sum_slots(terms, x.dtype), out)
-    assert _rel(sum_slots(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+        assert torch.equal(sum_terms(terms, x.dtype), out)
+    assert _rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64

@@ -369,8 +369,8 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     """``sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` (plus the ``shared`` expert, weight 1)
     for tokens ``x [N, D]`` routed to ``idx [N, k]``. Tiles: the routed format's entry of ``configs``
     or else :data:`CONFIGS`. ``summed=False`` returns the fp32 terms ``[N, slots, D]`` (the shared
-    expert last) instead, for a consumer that sums them itself (:func:`ds4serve.model.moe.sum_slots` is that
-    sum)."""
+    expert last) instead, for a consumer that sums them itself (:func:`ds4serve.model.hyper.sum_terms` is
+    that sum)."""
     N, D = x.shape
     k = idx.shape[1]
     sw1, sw3, sw2 = shared or (w1, w3, w2)

@@ -15,6 +15,7 @@ from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .gemv import gemv_pair as _gemv_pair
+from .gemv import split_count
 from .hc_pre import hc_merge_pre as _hc_merge_pre
 from .hc_pre import hc_pre as _hc_pre
 
@@ -23,15 +24,21 @@ _LIB = "ds4serve"
 
 @torch.library.custom_op(f"{_LIB}::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block_rows: int, block_cols: int,
-         groups: int) -> torch.Tensor:
+         groups: int, terms: bool = False) -> torch.Tensor:
     """:func:`ds4serve.kernels.gemv.gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``): ``weight`` FP8
-    with its block scales, or dense with ``scale`` None (the block sizes are then ignored)."""
-    return _gemv(x, weight, scale, None if scale is None else (block_rows, block_cols), groups)
+    with its block scales, or dense with ``scale`` None (the block sizes are then ignored). ``terms``: where
+    the product splits K, its fp32 partials ``[N, split, R]`` unsummed instead."""
+    return _gemv(x, weight, scale, None if scale is None else (block_rows, block_cols), groups, terms=terms)
 
 
 @gemv.register_fake
-def _(x, weight, scale, block_rows, block_cols, groups):
-    return x.new_empty(x.numel() // (groups * weight.shape[1]), weight.shape[0])
+def _(x, weight, scale, block_rows, block_cols, groups, terms=False):
+    n, rows = x.numel() // (groups * weight.shape[1]), weight.shape[0]
+    split = split_count(x, weight, scale, None if scale is None else (block_rows, block_cols), groups) if terms else 1
+    if split == 1:
+        return x.new_empty(n, rows)
+    # the launcher's strides too: a view of the [split, N, R] partials (compiled code asserts them)
+    return x.new_empty(split, n, rows, dtype=torch.float32).transpose(0, 1)
 
 
 @torch.library.custom_op(f"{_LIB}::gemv_pair", mutates_args=())
@@ -82,7 +89,8 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
                  base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
                  norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.hc_pre.hc_merge_pre`: a sublayer output's mHC merge and the next pre site in
-    one launch, the merged streams ``[S, hc, D]`` then the outputs of :func:`hc_pre` on them."""
+    one launch, the merged streams ``[S, hc, D]`` then the outputs of :func:`hc_pre` on them. ``out`` is the
+    output ``[S, D]`` or its fp32 terms ``[S, terms, D]`` (MoE slot terms, :func:`gemv` partials)."""
     return _hc_merge_pre(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
 
 

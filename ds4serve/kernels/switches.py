@@ -92,6 +92,11 @@ class Switches:
     # (kernels, tiny, graphs, verify graphs) 83/83 with it (H200, 2026-11-30,
     # bench/results/2026-11-30-h200-round12-hcfused-*).
     hc_fused: bool = True
+    # With the fused mHC sites, the attention output projection's split-K GEMV (FP8 ``wo_b``: split 2 at one
+    # token, 4 at four in TABLE) leaves its fp32 slice partials unsummed, and the MoE's pre site (hc_merge_pre)
+    # sums them in split order, as the GEMV's sum launch would (model/attention.py, kernels/hc_pre.py): one
+    # launch less per layer, the same bits. Checked on CPU only; off until a GPU A/B measures it.
+    merge_splits: bool = False
     # A static step's CSA attention reads only the entries the indexer selected, named by index slots
     # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile
     # that holds a selected one under a mask (at 32K context 512 of 8192 entries are selected, and a

@@ -100,8 +100,13 @@ class ChunkInfo:
 
 
 def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: LayerState, cfg: ModelConfig,
-              ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
-    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit."""
+              ropes: dict[str, Rope], split_terms: bool = False) -> tuple[torch.Tensor, LayerDelta]:
+    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit.
+
+    ``split_terms``: where the output projection ``wo_b`` runs as a split-K GEMV, the output as its fp32 slice
+    partials ``[S, split, D]`` unsummed (:func:`~ds4serve.model.linear.linear` ``terms``), for the merge
+    after the attention to sum (:func:`ds4serve.model.hyper.hc_merge_pre`, ``SWITCHES.merge_splits``).
+    """
     S = x.shape[0]
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     table = "main" if w.layer_type == SLIDING else "compress"
@@ -129,7 +134,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
 
     out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
-    return linear(low, w.wo_b), delta
+    return linear(low, w.wo_b, terms=split_terms), delta
 
 
 def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:

@@ -87,21 +87,12 @@ def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, sca
         limit: float, slot_terms: bool = False) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert. ``slot_terms``: where the
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
-    them in its own launch, :func:`sum_slots` being that sum); elsewhere the sum."""
+    them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
         return _moe_fused(w, x, idx, weights, limit, not slot_terms)
     out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
-
-
-def sum_slots(terms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The MoE output from its fp32 slot terms ``[S, slots, D]``: summed in slot order in fp32, then cast to
-    ``dtype``, as the fused MoE's own slot-sum launch does."""
-    acc = terms[:, 0]
-    for j in range(1, terms.shape[1]):
-        acc = acc + terms[:, j]
-    return acc.to(dtype)
 
 
 def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float,
