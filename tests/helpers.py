@@ -61,3 +61,18 @@ CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
         '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
         '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
         '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+
+
+def spy_launches(monkeypatch, module, name: str) -> list[int]:
+    """Record the launches of the Triton kernel ``module.name`` (``kernel[grid](...)``): the list of their
+    grids' first sizes, filled as they are issued."""
+    launches: list[int] = []
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid[0])
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return launches

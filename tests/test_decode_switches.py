@@ -20,7 +20,7 @@ from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import linear as linear_module  # noqa: E402
 from ds4serve.model.hyper import MIX_REDUCE_MAX_ROWS, hc_merge  # noqa: E402
 from ds4serve.model.moe import MoEWeights, route  # noqa: E402
-from tests.helpers import static_decode_setup, static_step  # noqa: E402
+from tests.helpers import spy_launches, static_decode_setup, static_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -176,22 +176,6 @@ def test_combine_rope_static_step_matches_rope_after(tiny_factory, monkeypatch):
     assert err == 0, f"relative error {err:.3g}"  # fp32: the same rounded operations
 
 
-def _count_split_sums(monkeypatch) -> list[int]:
-    """Spy on the split-K GEMV's sum launches: the list of their grids' sizes."""
-    from ds4serve.kernels import gemv
-
-    launches = []
-    kernel = gemv._sum_splits_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid[0])
-            return kernel[grid]
-
-    monkeypatch.setattr(gemv, "_sum_splits_kernel", Spy())
-    return launches
-
-
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
 @pytest.mark.parametrize("tokens, traced", [(1, False), (3, False), (1, True)])
 def test_merge_splits_static_step_matches_summed(tiny_factory, monkeypatch, tokens, traced):
@@ -202,6 +186,7 @@ def test_merge_splits_static_step_matches_summed(tiny_factory, monkeypatch, toke
     a static block of three (a verify step), and one token with each decoder block traced whole
     (``block_regions``: the GEMV op's fake gives the partials' shape)."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernels")
+    from ds4serve.kernels import gemv as gemv_module
     from ds4serve.kernels import ops
     from ds4serve.kernels.gemv import GemvConfig, table_overrides
 
@@ -219,7 +204,7 @@ def test_merge_splits_static_step_matches_summed(tiny_factory, monkeypatch, toke
         return y
 
     monkeypatch.setattr(ops, "gemv", gemv)
-    sums = _count_split_sums(monkeypatch)
+    sums = spy_launches(monkeypatch, gemv_module, "_sum_splits_kernel")
     results, counts = [], []
     with table_overrides({wo_b: GemvConfig(block_r=16, block_k=16, split=2)}):
         for state, merge in ((off, False), (on, True)):

@@ -21,6 +21,7 @@ from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.kernels import gemv as gemv_module  # noqa: E402
 from ds4serve.model.hyper import sum_terms  # noqa: E402
 from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
+from tests.helpers import spy_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 R, K, BLOCK = 64, 96, (32, 32)  # K is not a multiple of the wider tiles: the tail is masked
@@ -162,25 +163,12 @@ def test_dense_gemv_op_traces_whole():
     assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
 
 
-def _count_pair_launches(monkeypatch) -> list[int]:
-    launches = []
-    kernel = gemv_module._gemv_fma_pair_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid[0])
-            return kernel[grid]
-
-    monkeypatch.setattr(gemv_module, "_gemv_fma_pair_kernel", Spy())
-    return launches
-
-
 @pytest.mark.parametrize("kinds,rows", [(("fp8", "bf16"), 1), (("fp8", "bf16"), 3), (("bf16", "fp8"), 2),
                                         (("fp8", "fp8"), 1)])
 def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows):
     """Both products in one launch (CUDA-core tiles without split-K, as the H200 table has for a layer's
     input products), each equal to its own reference."""
-    launches = _count_pair_launches(monkeypatch)
+    launches = spy_launches(monkeypatch, gemv_module, "_gemv_fma_pair_kernel")
     tiles = {"fp8": GemvConfig(8, 64, warps=1), "bf16": GemvConfig(16, 32, warps=2)}
     monkeypatch.setattr(gemv_module, "default_config", lambda kind, *args: tiles[kind])
     a, b = _weight(kinds[0], 1), _weight(kinds[1], 2)
@@ -194,7 +182,7 @@ def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows)
 
 def test_gemv_pair_falls_back_to_two_launches(monkeypatch):
     """A product whose tiles are tensor-core or split-K tiles runs as its own GEMV."""
-    launches = _count_pair_launches(monkeypatch)
+    launches = spy_launches(monkeypatch, gemv_module, "_gemv_fma_pair_kernel")
     calls = []
     monkeypatch.setattr(gemv_module, "gemv", lambda *args: calls.append(args[1].shape) or gemv(*args))
     monkeypatch.setattr(gemv_module, "default_config", lambda *args: GemvConfig(16, 32, split=2))
