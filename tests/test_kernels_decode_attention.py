@@ -87,6 +87,7 @@ def _tables(seed: int, S: int, half: int, dtype=torch.float32) -> tuple[torch.Te
     (1, 16, 64, 8, [16, 40], SMALL),  # the rotated channels in one slice of the head dim
     (3, 20, 72, 16, [12, 45], SMALL),  # several rows, a partial head block, head dim not a power of two
     (2, 16, 64, 32, [8], DecodeAttentionConfig(combine_tile=64)),  # every channel rotated, 8-channel slices
+    (1, 16, 73, 8, [16], DecodeAttentionConfig(combine_tile=16)),  # an odd head dim: pairs start at channel 57
 ])
 def test_inverse_rope_in_the_combine_equals_rope_apply(S, H, D, half, sizes, config):
     """The combine launch's inverse RoPE is Rope.apply's, bit for bit in fp32: the same rounded products."""

@@ -160,11 +160,12 @@ def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr
         first = D - 2 * HALF
         rot = (dd >= first) & (dd < D)
         pair = tl.where(rot, (dd - first) // 2, 0)
-        other = _merged(m, total, acc_ptr, row, chunks, c, c_in, dd ^ 1, D, sink).to(ty).to(tl.float32)
+        even = (dd - first) % 2 == 0
+        partner = tl.where(rot, tl.where(even, dd + 1, dd - 1), D)  # D: not loaded
+        other = _merged(m, total, acc_ptr, row, chunks, c, c_in, partner, D, sink).to(ty).to(tl.float32)
         cos = tl.load(cos_ptr + (row // H) * HALF + pair, mask=rot, other=0.0).to(tl.float32)
         sin = -tl.load(sin_ptr + (row // H) * HALF + pair, mask=rot, other=0.0).to(tl.float32)
         x = out.to(tl.float32)
-        even = (dd - first) % 2 == 0
         rotated = tl.where(even, x * cos - other * sin, x * cos + other * sin)
         out = tl.where(rot, rotated.to(ty), out)
     tl.store(out_ptr + row * D + dd, out, mask=dd < D)
