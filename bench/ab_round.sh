@@ -6,9 +6,10 @@
 #
 #     OUT=$OUT bash bench/ab_round.sh combine_rope merge_splits [-- extra bench_gpu.py arguments]
 #
-# Results under $OUT, four files (a device call returns at most eight): pytest.log, checks.json, checks.log
-# (its last line: "N/M checks passed"), ab.json with the log in ab.log. Default bench_gpu.py arguments:
-# bf16 and FP8 at 512 context, 24 steps, no peer, no prefill; extra arguments after "--" are appended.
+# The tests and the checks run at once (~5 min), then the A/B (~3 min for four arms). Results under $OUT, five
+# files (a device call returns at most eight): pytest.log, checks.json, checks.log (its last line: "N/M checks
+# passed"), ab.json and ab.log. Default bench_gpu.py arguments: bf16 and FP8 at 512 context, 24 steps, no peer,
+# no prefill; extra arguments after "--" are appended.
 set -o pipefail
 OUT=${OUT:-/tmp/ds4serve-ab}
 mkdir -p "$OUT"
@@ -30,12 +31,16 @@ arms="defaults"
 for s in "${switches[@]}"; do arms="$arms,defaults+$s"; done
 [ ${#switches[@]} -gt 1 ] && arms="$arms,$all"
 start=$(date +%s)
+# the tests and the checks at once, as run_all.sh runs them: most of their time is compiling on the host
 python3 -m pytest tests/test_kernels*.py tests/test_pdl.py tests/test_regions.py tests/test_decode_switches.py \
-    tests/test_projections.py -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
-echo "pytest exit $?: $(tail -1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)"
+    tests/test_projections.py -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1 &
+tests=$!
 python3 bench/check_gpu.py --out "$OUT/checks.json" --switches "$all" --only kernels,tiny,graphs,verify_graphs \
     2>&1 | grep -v -i "$noise" > "$OUT/checks.log"
-echo "check_gpu --switches $all exit $?: $(tail -1 "$OUT/checks.log") ($(( $(date +%s) - start )) s)"
+checks=$?
+wait $tests
+echo "pytest exit $?: $(tail -1 "$OUT/pytest.log")"
+echo "check_gpu --switches $all exit $checks: $(tail -1 "$OUT/checks.log") ($(( $(date +%s) - start )) s)"
 grep FAIL "$OUT/checks.log"
 python3 bench/bench_gpu.py --out "$OUT/ab.json" --variants bf16,fp8 --contexts 512 --steps 24 --no-peer \
     --prefill-variants none --chunks "" --arms "$arms" "$@" 2>&1 | grep -v -i "$noise" > "$OUT/ab.log"
