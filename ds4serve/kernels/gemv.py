@@ -495,12 +495,11 @@ def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     contiguous), else None."""
     if not weight.is_contiguous() or (scale is not None and weight.dtype != torch.float8_e4m3fn):
         return None
-    block = block if scale is not None else None
-    kind = weight_kind(x2.dtype, weight.dtype, scale is not None)
-    cfg = default_config(kind, weight.shape[0], weight.shape[1], x2.shape[0], 1, block)
-    if cfg.dot or cfg.split > 1 or config_problem(cfg, kind, weight.shape[0], x2.shape[0], 1, block):
+    try:
+        cfg, _, _, slices = _plan(x2.dtype, x2.shape[0], weight, scale, block, 1, None)
+    except ValueError:  # a table entry this product cannot run: gemv says why
         return None
-    return cfg
+    return None if cfg.dot or slices > 1 else cfg
 
 
 def _dot_dtype(x: torch.Tensor, scaled: bool) -> tl.dtype:
