@@ -22,19 +22,24 @@ from .hc_pre import hc_pre as _hc_pre
 _LIB = "ds4serve"
 
 
+def _block(scale: torch.Tensor | None, rows: int, cols: int) -> tuple[int, int] | None:
+    """An FP8 weight's scale block as the GEMV launchers take it (None for a dense weight)."""
+    return None if scale is None else (rows, cols)
+
+
 @torch.library.custom_op(f"{_LIB}::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block_rows: int, block_cols: int,
          groups: int, terms: bool = False) -> torch.Tensor:
     """:func:`ds4serve.kernels.gemv.gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``): ``weight`` FP8
     with its block scales, or dense with ``scale`` None (the block sizes are then ignored). ``terms``: where
     the product splits K, its fp32 partials ``[N, split, R]`` unsummed instead."""
-    return _gemv(x, weight, scale, None if scale is None else (block_rows, block_cols), groups, terms=terms)
+    return _gemv(x, weight, scale, _block(scale, block_rows, block_cols), groups, terms=terms)
 
 
 @gemv.register_fake
 def _(x, weight, scale, block_rows, block_cols, groups, terms=False):
     n, rows = x.numel() // (groups * weight.shape[1]), weight.shape[0]
-    split = split_count(x, weight, scale, None if scale is None else (block_rows, block_cols), groups) if terms else 1
+    split = split_count(x, weight, scale, _block(scale, block_rows, block_cols), groups) if terms else 1
     if split == 1:
         return x.new_empty(n, rows)
     # the launcher's strides too: a view of the [split, N, R] partials (compiled code asserts them)
@@ -47,8 +52,8 @@ def gemv_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | N
               block_b_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.gemv.gemv_pair`: two products of ``x [N, K]``, each weight FP8 with its
     block scales or dense (scale None)."""
-    return _gemv_pair(x, (weight_a, scale_a, None if scale_a is None else (block_a_rows, block_a_cols)),
-                      (weight_b, scale_b, None if scale_b is None else (block_b_rows, block_b_cols)))
+    return _gemv_pair(x, (weight_a, scale_a, _block(scale_a, block_a_rows, block_a_cols)),
+                      (weight_b, scale_b, _block(scale_b, block_b_rows, block_b_cols)))
 
 
 @gemv_pair.register_fake
