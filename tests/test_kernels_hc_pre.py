@@ -11,7 +11,6 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
-from ds4serve.kernels.gemv import GemvConfig, gemv, table_overrides  # noqa: E402
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
@@ -162,74 +161,6 @@ def test_merge_sums_the_moe_slot_terms(dtype):
     assert not torch.allclose(hc_merge_pre(X, wrong, *args, block=64)[0].float(), want[0].float())
 
 
-def _split_partials(S: int, D: int, dtype: torch.dtype, split: int, seed: int):
-    """A split-K GEMV's product ``[S, D]`` in ``dtype`` (``K = 16 * split``, ``split`` slices of 16 inputs) as
-    the unsummed fp32 partials ``[S, split, D]`` (a view of its ``[split, S, D]`` buffer) and as its summed
-    output, the two from the same kernel."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(S, 16 * split, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(D, 16 * split, generator=g) / (4 * split ** 0.5)).to(DEVICE, dtype)
-    cfg = GemvConfig(block_r=16, block_k=16, split=split)
-    return gemv(x, w, config=cfg, terms=True), gemv(x, w, config=cfg)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S, split", [(1, 2), (3, 2), (3, 3)])
-def test_merge_sums_split_partials(dtype, S, split):
-    """Given a split-K GEMV's slice partials (read in place: term stride S * D, row stride D), the merge sums
-    them as the GEMV's sum launch does, so every output has the bits it has with that launch's output, in
-    both dtypes (both casts are Triton's here). Torch's sum of the terms, :func:`hyper.sum_terms` (the model's
-    fallback), gives the same bits in fp32; in bf16 the interpreter truncates the cast that torch rounds."""
-    X, _, post, comb, site, norm_w = _merge_inputs(S, 256, dtype, seed=20 + S + split)
-    terms, summed = _split_partials(S, 256, dtype, split, seed=S + split)
-    assert terms.shape == (S, split, 256) and terms.stride() == (256, S * 256, 1) and terms.dtype == torch.float32
-    args = (post, comb, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
-    got = hc_merge_pre(X, terms, *args, block=64)
-    assert all(torch.equal(g, w) for g, w in zip(got, hc_merge_pre(X, summed, *args, block=64)))
-    by_torch = hc_merge_pre(X, hyper.sum_terms(terms, dtype), *args, block=64)
-    if dtype == torch.float32:
-        assert all(torch.equal(g, w) for g, w in zip(got, by_torch))
-    else:
-        _check_merged(got[0], by_torch[0])
-    assert not torch.equal(hc_merge_pre(X, terms[:, :-1], *args, block=64)[0], got[0])  # a slice left out
-
-
-def test_model_merge_pre_takes_split_partials_on_both_paths():
-    """The model's hc_merge_pre given split partials (strided: a view of ``[split, S, D]``) gives what it gives
-    with their sum (:func:`hyper.sum_terms`, as the GEMV's sum launch stores it), bit for bit, on the torch
-    path (kernels off) and through the kernel; the two paths agree as they do for a summed output."""
-    X, _, post, comb, site, norm_w = _merge_inputs(2, 64, torch.float32, seed=5)
-    terms, _ = _split_partials(2, 64, torch.float32, 2, seed=6)
-    args = (post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS)
-    got = []
-    for scope in (kernels.disabled, kernels.on_any_device):
-        with using(hc_fused=True), scope():
-            got.append(hyper.hc_merge_pre(X, terms, *args))
-            summed = hyper.hc_merge_pre(X, hyper.sum_terms(terms, X.dtype), *args)
-        assert all(torch.equal(g, w) for g, w in zip(got[-1], summed))
-    _check_merged(got[1][0], got[0][0])
-    _check(got[1][1:], got[0][1:], torch.float32)
-
-
-def test_merge_op_takes_split_partials_from_the_gemv_op_traced():
-    """The GEMV op's unsummed partials (a table entry with split-K) into the merge op, traced whole: the GEMV's
-    fake gives the partials' shape and strides, and the compiled function the eager bits."""
-    X, _, post, comb, site, norm_w = _merge_inputs(2, 64, torch.bfloat16, seed=3)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 64, generator=g).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(64, 64, generator=g) / 8).to(DEVICE, torch.bfloat16)
-    args = (post, comb, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
-
-    def fn(x):
-        return ops.hc_merge_pre(X, ops.gemv(x * 1, w, None, 0, 0, 1, True), *args)
-
-    with table_overrides({("bf16", 64, 64, 4, 1): GemvConfig(block_r=16, block_k=16, split=2)}):
-        assert ops.gemv(x, w, None, 0, 0, 1, True).shape == (2, 2, 64)
-        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
-        want = fn(x)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
 def test_merge_op_traces_as_one_node():
     """As above, for the op with the merge: its fake gives the merged streams too."""
     X, out, post, comb, site, norm_w = _merge_inputs(2, 64, torch.bfloat16, seed=2)
@@ -281,9 +212,9 @@ from ds4serve.kernels.hc_streams import EXACT_ROUNDING
 
 sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_ptr", "scale_ptr", "w_ptr",
                                   "part_ptr", "post_ptr", "comb_ptr")}
-sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32",
-           row_stride="i32", term_stride="i32", iters="i32", eps="fp32", norm_eps="fp32")
-consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, TERMS=7, PDL=0)
+sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", iters="i32",
+           eps="fp32", norm_eps="fp32")
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, PDL=0)
 ptx = {}
 for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
     source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)

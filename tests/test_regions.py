@@ -35,13 +35,13 @@ def test_inductor_switches_give_a_region_its_own_compile(monkeypatch):
     monkeypatch.setattr(regions, "_active", lambda args, kwargs, chunks: "eager")
     double = regions.region(lambda x: x * 2)
     x = torch.randn(3, 8)
-    for fused in (False, True, False):
-        with using(aggressive_fusion=fused):
+    for combo in (False, True, False):
+        with using(combo_kernels=combo):
             assert torch.equal(double(x), x * 2)
     assert len(compiles) == 2
-    with using(aggressive_fusion=True, combo_kernels=False):
+    with using(combo_kernels=False, pdl=True):
         options = regions.inductor_options()
-    assert options["aggressive_fusion"] is True and options["combo_kernels"] is False
+    assert options["combo_kernels"] is False and options["triton.enable_pdl"] is True
 
 
 def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factory, monkeypatch):

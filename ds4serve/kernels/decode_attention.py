@@ -13,11 +13,8 @@ place (the window ring, then the compressed entries when the layer has them; K =
   entry buffer is sized for the longest context), and masked key rows are not read.
 * :func:`_combine_kernel`: one program per (query row, head) and slice of the head dim merges
   the chunks' partials with the sink logit in the denominator, in a fixed order (deterministic).
-  Given the rows' cos / sin it also applies the inverse RoPE of the output's trailing channels, as
-  ``model.rope.Rope.apply(out, cos, sin, inverse=True)`` does after the output's rounding (each channel's
-  pair partner is merged from its own partials), so that no launch follows for it. It runs without FP
-  contraction, so that the rotation rounds each product as torch does and a channel merges alike with
-  and without it.
+  It runs without FP contraction (``hc_streams.EXACT_ROUNDING``: each product rounded, none folded
+  into a multiply-add), the launch that the thirteenth run's GPU checks passed and its decode timings measured.
 
 A query row that sees no key gets only the sink's weight: its output is 0, as in the reference.
 The scores stay in fp32 (the reference rounds them to the keys' dtype) and, with bf16 keys, the
@@ -130,20 +127,8 @@ def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_p
 
 
 @triton.jit
-def _merged(m, total, acc_ptr, row, chunks, c, c_in, dd, D: tl.constexpr, sink):
-    """The output channels ``dd`` of one (row, head): the chunks' partials merged with the sink, fp32."""
-    top = tl.maximum(tl.max(m, axis=0), sink)
-    w = tl.exp(m - top)  # 0 for a chunk without an allowed key (m = -inf)
-    denom = tl.sum(total * w, axis=0) + tl.exp(sink - top)
-    part = tl.load(acc_ptr + (row * chunks + c)[:, None] * D + dd[None, :], mask=c_in[:, None] & (dd < D)[None, :],
-                   other=0.0)
-    return tl.sum(part * w[:, None], axis=0) / denom
-
-
-@triton.jit
-def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, H, chunks, D: tl.constexpr,
-                    C_P: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
-    # HALF > 0: rotate the last 2 * HALF channels by minus the row's angles (cos / sin [S, HALF])
+def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, out_ptr, H, chunks, D: tl.constexpr, C_P: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0)  # s * H + h
     dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -152,31 +137,18 @@ def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr
     m = tl.load(m_ptr + row * chunks + c, mask=c_in, other=float("-inf"))
     total = tl.load(sum_ptr + row * chunks + c, mask=c_in, other=0.0)
     sink = tl.load(sink_ptr + row % H).to(tl.float32)
-    ty: tl.constexpr = out_ptr.dtype.element_ty
-    out = _merged(m, total, acc_ptr, row, chunks, c, c_in, dd, D, sink).to(ty)
-    if HALF > 0:
-        # Rope.apply's arithmetic: the pair (even, odd) of the rounded output in fp32, then
-        # (even c - odd s', odd c + even s') with s' = -sin, rounded once
-        first = D - 2 * HALF
-        rot = (dd >= first) & (dd < D)
-        pair = tl.where(rot, (dd - first) // 2, 0)
-        even = (dd - first) % 2 == 0
-        partner = tl.where(rot, tl.where(even, dd + 1, dd - 1), D)  # D: not loaded
-        other = _merged(m, total, acc_ptr, row, chunks, c, c_in, partner, D, sink).to(ty).to(tl.float32)
-        cos = tl.load(cos_ptr + (row // H) * HALF + pair, mask=rot, other=0.0).to(tl.float32)
-        sin = -tl.load(sin_ptr + (row // H) * HALF + pair, mask=rot, other=0.0).to(tl.float32)
-        x = out.to(tl.float32)
-        rotated = tl.where(even, x * cos - other * sin, x * cos + other * sin)
-        out = tl.where(rot, rotated.to(ty), out)
-    tl.store(out_ptr + row * D + dd, out, mask=dd < D)
+    top = tl.maximum(tl.max(m, axis=0), sink)
+    w = tl.exp(m - top)  # 0 for a chunk without an allowed key (m = -inf)
+    denom = tl.sum(total * w, axis=0) + tl.exp(sink - top)
+    part = tl.load(acc_ptr + (row * chunks + c)[:, None] * D + dd[None, :], mask=c_in[:, None] & (dd < D)[None, :],
+                   other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / denom
+    tl.store(out_ptr + row * D + dd, out.to(out_ptr.dtype.element_ty), mask=dd < D)
 
 
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-                     scale: float, config: DecodeAttentionConfig | None = None,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``softmax([scale q.k where allowed, sinks[h]])[:K] @ keys`` as ``[S, H, d]`` in ``q``'s dtype; with
-    ``rope = (cos, sin)`` (``[S, r/2]``) its last ``r`` channels are then rotated by minus the rows' angles,
-    as :meth:`ds4serve.model.rope.Rope.apply` with ``inverse=True`` rotates them.
+                     scale: float, config: DecodeAttentionConfig | None = None) -> torch.Tensor:
+    """``softmax([scale q.k where allowed, sinks[h]])[:K] @ keys`` as ``[S, H, d]`` in ``q``'s dtype.
 
     ``q [S, H, d]``; ``keys``: one or two parts ``[K_i, d]`` (shared K = V, ``q``'s dtype) taken as
     one concatenated key sequence; ``allowed``: their bool masks ``[S or 1, K_i]``, or for the second
@@ -204,21 +176,10 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
     out = torch.empty(S, H, D, device=q.device, dtype=q.dtype)
     C_P = triton.next_power_of_2(chunks)
     block_d = max(1, min(D_P, cfg.combine_tile // C_P))
-    cos, sin = (sinks, sinks) if rope is None else _rope_tables(rope, S, D)  # unread without the rope
-    _combine_kernel[(S * H, triton.cdiv(D, block_d))](stats[0], stats[1], partial, sinks, cos, sin, out, H, chunks,
-                                                       D=D, C_P=C_P, BLOCK_D=block_d,
-                                                       HALF=0 if rope is None else cos.shape[1], num_warps=4,
-                                                       **EXACT_ROUNDING, **pdl.launch(q))
+    _combine_kernel[(S * H, triton.cdiv(D, block_d))](stats[0], stats[1], partial, sinks, out, H, chunks, D=D,
+                                                       C_P=C_P, BLOCK_D=block_d, num_warps=4, **EXACT_ROUNDING,
+                                                       **pdl.launch(q))
     return out
-
-
-def _rope_tables(rope: tuple[torch.Tensor, torch.Tensor], S: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse RoPE's ``cos, sin [S, r/2]``, checked and contiguous."""
-    cos, sin = rope
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != S or not 0 < 2 * cos.shape[1] <= D:
-        raise ValueError(f"decode_attention: rope tables {tuple(cos.shape)} / {tuple(sin.shape)} for {S} rows "
-                         f"of head dim {D}: expected [S, r/2] each, r <= {D}")
-    return cos.contiguous(), sin.contiguous()
 
 
 def _parts(keys: list[torch.Tensor], allowed: list[torch.Tensor], S: int, D: int, q_dtype: torch.dtype

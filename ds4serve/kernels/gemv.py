@@ -27,8 +27,7 @@ Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weig
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
 issues one tile at a time and waits for it). Split-K (``split > 1``) gives a projection with few
 output rows enough programs: each reads one slice of the input and writes an fp32 partial, and a
-second launch sums the slices in a fixed order (deterministic, unlike atomics), unless the caller
-takes the partials (``terms``) to a kernel that sums them the same way in a launch it makes anyway.
+second launch sums the slices in a fixed order (deterministic, unlike atomics).
 
 :func:`default_config` reads :data:`TABLE`, filled by ``bench/sweep_gemv.py`` on the target GPU,
 and falls back to a heuristic for other shapes. :func:`gemv_pair` runs two products of one input in one
@@ -296,9 +295,7 @@ def table_overrides(entries: dict[tuple[str, int, int, int, int], GemvConfig]) -
     """:data:`TABLE` with ``entries`` replacing (or adding) some configurations inside the scope: benchmarks
     time other tiles inside the decode graph, where a kernel's neighbours shape its cost
     (``bench/bench_gpu.py`` ``--tables``). Launches read the table when they are issued, so a graph keeps
-    the tiles it was captured with. Unsummed partials (``terms``) are the exception: their count is a shape,
-    fixed when a region is traced, so a table that changes such a product's split later fails the compiled
-    code's shape check (``SWITCHES.merge_splits``: ``wo_b``)."""
+    the tiles it was captured with."""
     saved = {key: TABLE.get(key) for key in entries}
     TABLE.update(entries)
     try:
@@ -388,15 +385,11 @@ def _with_split(cfg: GemvConfig, n_rows: int, n_in: int) -> GemvConfig:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, groups: int = 1, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None, terms: bool = False) -> torch.Tensor:
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [N, K]`` (or ``[N, G, K]`` with ``groups=G``) times ``weight [R, K]`` → ``[N, R]``.
 
     ``scale`` (with its ``block``) makes ``weight`` FP8 e4m3; ``out`` is an optional contiguous
-    ``[N, R]`` destination of ``x``'s dtype. ``terms``: when the product splits K (:func:`split_count`
-    > 1), the slices' fp32 partials unsummed instead, ``[N, split, R]`` (a view of the ``[split, N, R]``
-    buffer the kernel writes; ``out`` unused), for a consumer that sums them as the second launch would:
-    in fp32, in split order, then cast to ``x``'s dtype (:func:`ds4serve.kernels.hc_pre.hc_merge_pre`);
-    without a split, the output as usual."""
+    ``[N, R]`` destination of ``x``'s dtype."""
     n_rows, n_in = weight.shape
     x2 = x.reshape(-1, groups * n_in).contiguous()
     n_tokens = x2.shape[0]
@@ -405,7 +398,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     if not weight.is_contiguous():
         raise ValueError("gemv: the weight must be contiguous (copying it would cost more than the product)")
     cfg, block, k_per_split, split = _plan(x2.dtype, n_tokens, weight, scale, block, groups, config)
-    if out is None and not (terms and split > 1):
+    if out is None:
         out = torch.empty(n_tokens, n_rows, device=x.device, dtype=x.dtype)
     target = out if split == 1 else torch.empty(split, n_tokens, n_rows, device=x.device, dtype=torch.float32)
     args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0),
@@ -419,21 +412,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     else:
         _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
     if split > 1:
-        if terms:
-            return target.transpose(0, 1)
         n = n_tokens * n_rows
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
                                                     **pdl.launch(x2))
     return out
-
-
-def split_count(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                block: tuple[int, int] | None = None, groups: int = 1) -> int:
-    """The slices of the input :func:`gemv` computes for this product with the current :data:`TABLE` (1: no
-    split-K), i.e. the terms ``gemv(..., terms=True)`` returns; shapes and dtypes suffice (fake tensors). A
-    symbolic shape is made concrete (a guard, when traced): the table is keyed by it."""
-    n_tokens = int(x.numel()) // (groups * int(weight.shape[1]))
-    return _plan(x.dtype, n_tokens, weight, scale, block, groups, None)[3]
 
 
 def _plan(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -441,7 +423,7 @@ def _plan(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torc
           ) -> tuple[GemvConfig, tuple[int, int] | None, int, int]:
     """``(config, scale block or None, inputs per slice, slices)`` of a product: ``config`` or the
     table's, checked; the last slice may be shorter, and a split wider than the input has fewer slices."""
-    n_rows, n_in = (int(n) for n in weight.shape)  # concrete when traced with symbolic shapes: table keys
+    n_rows, n_in = weight.shape
     block = block if scale is not None else None
     kind = weight_kind(x_dtype, weight.dtype, scale is not None)
     cfg = config or default_config(kind, n_rows, n_in, n_tokens, groups, block)

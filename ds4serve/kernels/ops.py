@@ -15,7 +15,6 @@ from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .gemv import gemv_pair as _gemv_pair
-from .gemv import split_count
 from .hc_pre import hc_merge_pre as _hc_merge_pre
 from .hc_pre import hc_pre as _hc_pre
 
@@ -29,21 +28,15 @@ def _block(scale: torch.Tensor | None, rows: int, cols: int) -> tuple[int, int] 
 
 @torch.library.custom_op(f"{_LIB}::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block_rows: int, block_cols: int,
-         groups: int, terms: bool = False) -> torch.Tensor:
+         groups: int) -> torch.Tensor:
     """:func:`ds4serve.kernels.gemv.gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``): ``weight`` FP8
-    with its block scales, or dense with ``scale`` None (the block sizes are then ignored). ``terms``: where
-    the product splits K, its fp32 partials ``[N, split, R]`` unsummed instead."""
-    return _gemv(x, weight, scale, _block(scale, block_rows, block_cols), groups, terms=terms)
+    with its block scales, or dense with ``scale`` None (the block sizes are then ignored)."""
+    return _gemv(x, weight, scale, _block(scale, block_rows, block_cols), groups)
 
 
 @gemv.register_fake
-def _(x, weight, scale, block_rows, block_cols, groups, terms=False):
-    n, rows = x.numel() // (groups * weight.shape[1]), weight.shape[0]
-    split = split_count(x, weight, scale, _block(scale, block_rows, block_cols), groups) if terms else 1
-    if split == 1:
-        return x.new_empty(n, rows)
-    # the launcher's strides too: a view of the [split, N, R] partials (compiled code asserts them)
-    return x.new_empty(split, n, rows, dtype=torch.float32).transpose(0, 1)
+def _(x, weight, scale, block_rows, block_cols, groups):
+    return x.new_empty(x.numel() // (groups * weight.shape[1]), weight.shape[0])
 
 
 @torch.library.custom_op(f"{_LIB}::gemv_pair", mutates_args=())
@@ -95,7 +88,7 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
                  norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.hc_pre.hc_merge_pre`: a sublayer output's mHC merge and the next pre site in
     one launch, the merged streams ``[S, hc, D]`` then the outputs of :func:`hc_pre` on them. ``out`` is the
-    output ``[S, D]`` or its fp32 terms ``[S, terms, D]`` (MoE slot terms, :func:`gemv` partials)."""
+    output ``[S, D]`` or the fused MoE's fp32 slot terms ``[S, slots, D]``."""
     return _hc_merge_pre(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
 
 
@@ -177,13 +170,12 @@ def _(q, keys, head_w, visible, k):
 
 @torch.library.custom_op(f"{_LIB}::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-                     scale: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float) -> torch.Tensor:
     """:func:`ds4serve.kernels.decode_attention.decode_attention`: ``[S, H, d]`` attention of ``q [S, H, d]``
-    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``;
-    with ``cos``/``sin`` ``[S, r/2]`` the inverse RoPE of the output's last ``r`` channels in the same launch."""
-    return _decode_attention(q, keys, allowed, sinks, scale, rope=None if cos is None else (cos, sin))
+    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``."""
+    return _decode_attention(q, keys, allowed, sinks, scale)
 
 
 @decode_attention.register_fake
-def _(q, keys, allowed, sinks, scale, cos=None, sin=None):
+def _(q, keys, allowed, sinks, scale):
     return q.new_empty(q.shape)

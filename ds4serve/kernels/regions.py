@@ -47,8 +47,7 @@ _FORCED_BACKEND: Scoped[str | None] = Scoped(None)  # tests: compile on any devi
 def inductor_options() -> dict[str, object]:
     """Inductor's options for a region compiled now: the fixed ones and those the switches choose (a region
     compiles once per set, so that the arms of an A/B each run their own code)."""
-    return {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels,
-            "aggressive_fusion": SWITCHES.aggressive_fusion, "triton.enable_pdl": SWITCHES.pdl}
+    return {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels, "triton.enable_pdl": SWITCHES.pdl}
 
 
 def _static_depth() -> int:

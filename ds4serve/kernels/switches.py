@@ -30,10 +30,6 @@ class Switches:
     # Inductor's horizontal fusion (``combo_kernels``): independent small kernels of a compiled region
     # share one launch (bf16 decode at 512: 11.72 -> 10.98 ms/token on the H200, 2026-11-29).
     combo_kernels: bool = True
-    # Inductor's ``aggressive_fusion``: nodes of a compiled region fuse even when they share no buffer, so
-    # that a decoder block's small chains between the hand-written kernels become fewer launches. Off until
-    # a GPU A/B.
-    aggressive_fusion: bool = False
     # The router's gate product of a decode step runs as the Triton GEMV instead of cuBLAS (F.linear:
     # a split-K kernel and its reduce per layer); at 512: bf16 11.02 -> 10.95, FP8 8.52 -> 8.45 ms/token.
     router_gemv: bool = True
@@ -92,11 +88,6 @@ class Switches:
     # (kernels, tiny, graphs, verify graphs) 83/83 with it (H200, 2026-11-30,
     # bench/results/2026-11-30-h200-round12-hcfused-*).
     hc_fused: bool = True
-    # With the fused mHC sites, the attention output projection's split-K GEMV (FP8 ``wo_b``: split 2 at one
-    # token, 4 at four in TABLE) leaves its fp32 slice partials unsummed, and the MoE's pre site (hc_merge_pre)
-    # sums them in split order, as the GEMV's sum launch would (model/attention.py, kernels/hc_pre.py): one
-    # launch less per layer, the same bits. Checked on CPU only; off until a GPU A/B measures it.
-    merge_splits: bool = False
     # A static step's CSA attention reads only the entries the indexer selected, named by index slots
     # (kernels/indexer.py select_top_indices, kernels/decode_attention.py), instead of every entry tile
     # that holds a selected one under a mask (at 32K context 512 of 8192 entries are selected, and a
@@ -116,11 +107,6 @@ class Switches:
     # 6.71 with hc_fused; bf16 has one input product, unchanged); the pair kernel's outputs equal the two
     # launches' bit for bit at the real shapes (H200, 2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
     gemv_pair: bool = True
-    # The static step's decode attention applies the inverse RoPE of its output in its combine launch
-    # (kernels/decode_attention.py), instead of the compiled region's kernels after it (two per layer in
-    # the twelfth run's FP8 kernel table: the rotation and the cat feeding wo_a). CPU-tested against
-    # Rope.apply; off until a GPU check and A/B.
-    combine_rope: bool = False
 
 
 SWITCHES = Switches()

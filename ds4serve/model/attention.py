@@ -100,13 +100,8 @@ class ChunkInfo:
 
 
 def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: LayerState, cfg: ModelConfig,
-              ropes: dict[str, Rope], split_terms: bool = False) -> tuple[torch.Tensor, LayerDelta]:
-    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit.
-
-    ``split_terms``: where the output projection ``wo_b`` runs as a split-K GEMV, the output as its fp32 slice
-    partials ``[S, split, D]`` unsummed (:func:`~ds4serve.model.linear.linear` ``terms``), for the merge
-    after the attention to sum (:func:`ds4serve.model.hyper.hc_merge_pre`, ``SWITCHES.merge_splits``).
-    """
+              ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit."""
     S = x.shape[0]
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     table = "main" if w.layer_type == SLIDING else "compress"
@@ -134,7 +129,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
 
     out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
-    return linear(low, w.wo_b, terms=split_terms), delta
+    return linear(low, w.wo_b), delta
 
 
 def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
@@ -253,14 +248,11 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tenso
     """Attention over the concatenated key parts, then the inverse RoPE of the output.
 
     With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
-    attention is two launches instead of the cat, two products and the softmax kernels between them;
-    with ``SWITCHES.combine_rope`` the second of them also applies the inverse RoPE.
+    attention is two launches instead of the cat, two products and the softmax kernels between them.
     """
     if kernels.enabled(q) and SWITCHES.decode_attention:
         from ..kernels import ops
 
-        if SWITCHES.combine_rope:
-            return ops.decode_attention(q, keys, allowed, sinks, scale, cos, sin)
         out = ops.decode_attention(q, keys, allowed, sinks, scale)
     else:
         keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]

@@ -219,9 +219,7 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
         else:
             X, post, comb, x = hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
     with profiler.phase("attention"):
-        # the fused merge after the attention sums the output projection's split-K partials itself (one
-        # launch less); that merge is always this block's own, so captured and last layers take it too
-        a, delta = attention(b.attn, x, chunk, ls, cfg, ropes, SWITCHES.merge_splits and fused_sites(X))
+        a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
     # The attention output's merge and the MoE's pre site are one call (one launch with SWITCHES.hc_fused):
     # both are timed as "hc_pre", fused or not, and "hc_post" is the block-end merge alone
     with profiler.phase("hc_pre"):

@@ -63,10 +63,10 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     """A sublayer's merge then the next pre site: ``(X', post', comb', x_in)`` for
     ``X' = hc_merge(X, out, post, comb)`` and ``hc_pre(X', site, norm_w, ...)``.
 
-    ``out`` is ``[S, D]``, or the output's fp32 terms ``[S, terms, D]`` (:func:`sum_terms`): the fused MoE's
-    slot terms, or the slice partials of a split-K GEMV (``SWITCHES.merge_splits``). With
-    ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`), whose merge
-    rounds as the product-sum branch of :func:`hc_merge` does; otherwise the two functions.
+    ``out`` is ``[S, D]``, or the fused MoE's fp32 slot terms ``[S, slots, D]`` (their sum is the output,
+    :func:`sum_terms`). With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch
+    (:mod:`ds4serve.kernels.hc_pre`), whose merge rounds as the product-sum branch of :func:`hc_merge` does;
+    otherwise the two functions.
     """
     if fused_sites(X):
         from ..kernels.ops import hc_merge_pre as fused
@@ -79,9 +79,9 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
 
 
 def sum_terms(terms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A sublayer output from its fp32 terms ``[S, terms, D]`` (any strides): summed in term order in fp32,
-    then cast to ``dtype``, as the launch that the unsummed terms save does (the fused MoE's slot sum, the
-    split-K GEMV's slice sum) and as the fused merge does (:mod:`ds4serve.kernels.hc_pre`)."""
+    """A sublayer output from its fp32 terms ``[S, terms, D]`` (the fused MoE's slot terms): summed in term order
+    in fp32, then cast to ``dtype``, as the MoE's slot-sum launch that the unsummed terms save does and as the
+    fused merge does (:mod:`ds4serve.kernels.hc_pre`)."""
     acc = terms[:, 0]
     for j in range(1, terms.shape[1]):
         acc = acc + terms[:, j]

@@ -76,14 +76,10 @@ def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
-def linear(x: torch.Tensor, w: Weight, terms: bool = False) -> torch.Tensor:
-    """``x @ w.T`` for a dense or quantized weight ``w [out, in]``. ``terms``: where the product runs as a
-    GEMV whose configuration splits K, the slices' fp32 partials ``[..., split, out]`` unsummed instead, for
-    a consumer that sums them in a launch of its own (:func:`ds4serve.model.hyper.sum_terms` is that sum);
-    elsewhere the output."""
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """``x @ w.T`` for a dense or quantized weight ``w [out, in]``."""
     if _gemv_applies(x, w, 1):
-        y = _gemv(x, w, 1, terms)
-        return y.view(*x.shape[:-1], *y.shape[1:])
+        return _gemv(x, w, 1).view(*x.shape[:-1], w.shape[0])
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
     return F.linear(x, w.dequantize(x.dtype))
@@ -120,10 +116,10 @@ def _gemv_applies(x: torch.Tensor, w: Weight, groups: int) -> bool:
             and w.is_contiguous())
 
 
-def _gemv(x: torch.Tensor, w: torch.Tensor | FP8Weight, groups: int, terms: bool = False) -> torch.Tensor:
+def _gemv(x: torch.Tensor, w: torch.Tensor | FP8Weight, groups: int) -> torch.Tensor:
     from ..kernels import ops
 
-    return ops.gemv(x, *_operand(w), groups, terms)
+    return ops.gemv(x, *_operand(w), groups)
 
 
 def _operand(w: torch.Tensor | FP8Weight) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
