@@ -228,7 +228,7 @@ def test_spare_programs_prefetch_to_l2_on_hopper():
     """Compiled for sm_90, the site's spare programs issue the L2 prefetch of their plan's lines
     (``kernels/prefetch.py``): the instruction Triton's interpreter cannot run is in the PTX."""
     ptx = sm90_ptx(_COMPILE_MERGE)
-    assert "cp.async.bulk.prefetch.L2.global" in ptx["exact"]
+    assert "prefetch.global.L2::evict_last" in ptx["exact"]
 
 
 def test_merge_rounds_the_product_on_hopper():

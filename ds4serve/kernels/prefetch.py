@@ -3,12 +3,11 @@
 In a batch-1 decode step HBM idles while latency-bound launches run: an mHC site (~10 us), the attention
 (~12 us at 512 context). The projection after such a window then starts cold, and a 33.5 MB FP8 GEMV
 takes 11.6-14.1 us cold and 7.9-8.9 us when its weight was prefetched to L2 during the window (H200,
-``bench/probe_l2.py`` of commit 0cb3e51; bench/RESULTS.md, thirteenth run). With ``SWITCHES.l2_prefetch``
-a launch in such a window gets :data:`PROGRAMS` extra programs: after the launch's PDL wait, each hands the
-copy engine bulk L2 prefetches of its pieces of a :func:`plan` (``cp.async.bulk.prefetch.L2``, 4 KB each)
-and ends. Nothing reads the lines, so what every kernel computes is unchanged. A first version asked for
-every 128-byte line from the programs themselves: those programs then lasted as long as the transfer
-(the attention's launch 4.8 -> 16.9 us), which the next launch waited for, and the step got slower.
+``bench/probe_l2.py`` of commit 0cb3e51; bench/RESULTS.md, thirteenth run). With ``SWITCHES.l2_prefetch`` a launch
+in such a window gets :data:`PROGRAMS` extra programs: after the launch's PDL wait, each asks L2 for every
+128-byte line of its pieces of a :func:`plan` (``prefetch.global.L2::evict_last``: the lines then outlast
+the streaming loads of the kernels between) and ends. The instructions complete at once; the lines arrive
+while the window's own programs run. Nothing reads them, so what every kernel computes is unchanged.
 
 A plan is an int64 tensor ``[n, 2]`` of ``(address, bytes)`` pieces of at most :data:`PIECE_BYTES`,
 covering the given weights in order up to :data:`BUDGET_BYTES` (less than the H200's 50 MB L2). The
@@ -28,8 +27,8 @@ import triton.language as tl
 PIECE_BYTES = 1 << 20
 BUDGET_BYTES = 40 << 20
 PROGRAMS = 16
-_CHUNK = tl.constexpr(4096)  # bytes of one bulk request
-_LANES = tl.constexpr(256)  # requests of one loop step: one per thread of an 8-warp program
+_LINE = tl.constexpr(128)  # bytes of an L2 line request
+_LANES = tl.constexpr(256)  # lines one loop step requests: one per thread of an 8-warp program
 
 
 def plan(weights: Iterable[torch.Tensor], budget: int = BUDGET_BYTES, piece: int = PIECE_BYTES) -> torch.Tensor:
@@ -66,15 +65,12 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def issue(pieces_ptr, n_pieces, prog, n_programs):
-    """Program ``prog`` of ``n_programs`` requests its pieces (``prog``, ``prog + n``, ...) from L2, one bulk
-    request of up to ``_CHUNK`` bytes per thread: the copy engine fetches them after the program has ended."""
-    lanes = tl.arange(0, _LANES) * _CHUNK
+    """Program ``prog`` of ``n_programs`` requests the L2 lines of its pieces (``prog``, ``prog + n``, ...)."""
+    lanes = tl.arange(0, _LANES) * _LINE
     for i in range(prog, n_pieces, n_programs):
         addr = tl.load(pieces_ptr + 2 * i)
         n = tl.load(pieces_ptr + 2 * i + 1)
-        for off in range(0, n, _LANES * _CHUNK):
-            at = tl.minimum(off + lanes, n - 16)  # lanes past the end repeat the last 16 bytes
-            size = tl.maximum(tl.minimum(n - at, _CHUNK) // 16 * 16, 16)
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                      [(addr + at).to(tl.pointer_type(tl.int8)), size.to(tl.int32)],
+        for off in range(0, n, _LANES * _LINE):
+            lines = (addr + tl.minimum(off + lanes, n - 1)).to(tl.pointer_type(tl.int8))
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [lines],
                                       dtype=tl.int32, is_pure=False, pack=1)
