@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, prefetch
+from . import pdl
 from .hc_streams import EXACT_ROUNDING
 
 BLOCK_H = 16  # heads per program: tl.dot needs at least 16 rows
@@ -86,24 +86,11 @@ def _gathered_tile(q, keys, index, k, hi, m, total, acc, scale, D: tl.constexpr,
 
 @triton.jit(do_not_specialize=["n0", "n1", "chunks0", "chunk", "sa0", "sa1"])
 def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_ptr, H, n0, n1, chunks0, chunk,
-                    scale, sa0, sa1, head_programs, pf_ptr, pf_pieces, pf_programs, BLOCK_H: tl.constexpr,
-                    BLOCK_N: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, GATHER1: tl.constexpr,
-                    WIDEN: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
-    if tl.program_id(0) >= head_programs:  # a spare program (kernels/prefetch.py): chunk 0's ask L2 for the plan
-        if tl.program_id(1) == 0:
-            prefetch.issue(pf_ptr, pf_pieces, tl.program_id(0) - head_programs, pf_programs)
-    else:
-        _partial_program(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_ptr, H, n0, n1, chunks0, chunk,
-                         scale, sa0, sa1, BLOCK_H, BLOCK_N, D, D_P, GATHER1, WIDEN)
-
-
-@triton.jit
-def _partial_program(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_ptr, H, n0, n1, chunks0, chunk,
-                     scale, sa0, sa1, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                     D_P: tl.constexpr, GATHER1: tl.constexpr, WIDEN: tl.constexpr):
-    """Program ``(query row and head block, chunk)`` (module docstring)."""
+                    scale, sa0, sa1, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                    D: tl.constexpr, D_P: tl.constexpr, GATHER1: tl.constexpr, WIDEN: tl.constexpr,
+                    PDL: tl.constexpr):
     # GATHER1: the second part's "mask" is int32 index slots [S, n1] naming its rows (-1: unused)
+    pdl.start(PDL)
     head_blocks = tl.cdiv(H, BLOCK_H)
     s = tl.program_id(0) // head_blocks
     heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -160,16 +147,13 @@ def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, out_ptr, H, chunks, D: tl
 
 
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-                     scale: float, config: DecodeAttentionConfig | None = None,
-                     pieces: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, config: DecodeAttentionConfig | None = None) -> torch.Tensor:
     """``softmax([scale q.k where allowed, sinks[h]])[:K] @ keys`` as ``[S, H, d]`` in ``q``'s dtype.
 
     ``q [S, H, d]``; ``keys``: one or two parts ``[K_i, d]`` (shared K = V, ``q``'s dtype) taken as
     one concatenated key sequence; ``allowed``: their bool masks ``[S or 1, K_i]``, or for the second
     part int32 index slots ``[S or 1, k]``: the rows it admits, -1 for an unused slot (the indexer's
     selection: only those rows are read, where a mask would visit every tile holding one); ``sinks [H]``.
-    ``pieces``: an L2 prefetch plan (:func:`ds4serve.kernels.prefetch.plan`) that spare programs of the
-    first launch request.
     """
     S, H, D = q.shape
     cfg = config or DecodeAttentionConfig()
@@ -185,11 +169,10 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
     stats = torch.empty(2, S, H, chunks, device=q.device, dtype=torch.float32)
     partial = torch.empty(S, H, chunks, D, device=q.device, dtype=torch.float32)
     D_P = max(16, triton.next_power_of_2(D))
-    spare = prefetch.launch(pieces, q)
-    _partial_kernel[(head_programs + spare["pf_programs"], chunks)](
+    _partial_kernel[(head_programs, chunks)](
         q.contiguous(), k0, a0, k1, a1, stats[0], stats[1], partial, H, n0, n1, chunks0, chunk, scale,
-        _row_stride(a0), _row_stride(a1), head_programs, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, D=D, D_P=D_P,
-        GATHER1=gather, WIDEN=not q.is_cuda, num_warps=cfg.warps, **spare, **pdl.launch(q))
+        _row_stride(a0), _row_stride(a1), BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, D=D, D_P=D_P, GATHER1=gather,
+        WIDEN=not q.is_cuda, num_warps=cfg.warps, **pdl.launch(q))
     out = torch.empty(S, H, D, device=q.device, dtype=q.dtype)
     C_P = triton.next_power_of_2(chunks)
     block_d = max(1, min(D_P, cfg.combine_tile // C_P))

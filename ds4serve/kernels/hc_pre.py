@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, prefetch
+from . import pdl
 from .arrival import counters, last_to_arrive
 from .hc_streams import EXACT_ROUNDING, merged
 from .hyper import coefficients
@@ -58,26 +58,12 @@ NUM_WARPS = 8  # the last program's tail (module docstring); alone 10.0 us a sit
 
 @triton.jit
 def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                   part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, n_prog, pf_ptr, pf_pieces,
-                   pf_programs, HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
+                   part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, HC: tl.constexpr,
+                   BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                   MERGE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
-    if tl.program_id(0) >= n_prog:  # a spare program (kernels/prefetch.py): row 0's ask L2 for the plan's lines
-        if tl.program_id(1) == 0:
-            prefetch.issue(pf_ptr, pf_pieces, tl.program_id(0) - n_prog, pf_programs)
-    else:
-        _site_program(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                      part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, n_prog, HC, BLOCK,
-                      MIX_PAD, P_PAD, D_PAD, MERGE, SLOTS)
-
-
-@triton.jit
-def _site_program(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr,
-                  count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, n_prog, HC: tl.constexpr,
-                  BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                  MERGE: tl.constexpr, SLOTS: tl.constexpr):
-    """Program ``(p, s)`` of the site's ``n_prog`` per row (module docstring)."""
     p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
     s = tl.program_id(1).to(tl.int64)
     MIX: tl.constexpr = (2 + HC) * HC
     WIDTH: tl.constexpr = 1 + MIX
@@ -175,21 +161,20 @@ def _collapse_and_norm(rows, w, pre, y_ptr, D, norm_eps, HC: tl.constexpr, D_PAD
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
-           hc: int, iters: int, eps: float, norm_eps: float, block: int = BLOCK, pieces: torch.Tensor | None = None
+           hc: int, iters: int, eps: float, norm_eps: float, block: int = BLOCK
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(post [S, hc] fp32, comb [S, hc, hc] fp32, x_in [S, D] in X's dtype)`` for streams ``X [S, hc, D]``:
     ``hc_split(X, HCSite(fn, base, scale), ...)`` then ``rms_norm(collapsed, norm_w, norm_eps)``.
 
     ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]``, ``scale [3]`` and ``norm_w [D]`` are used in fp32.
-    Two launches must not run concurrently on one device (they share the arrival counters). ``pieces``: an L2
-    prefetch plan (:func:`ds4serve.kernels.prefetch.plan`) that spare programs of the launch request.
+    Two launches must not run concurrently on one device (they share the arrival counters).
     """
-    return _site(X, None, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block, pieces)[1:]
+    return _site(X, None, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)[1:]
 
 
 def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                  base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
-                 norm_eps: float, block: int = BLOCK, pieces: torch.Tensor | None = None
+                 norm_eps: float, block: int = BLOCK
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(X' [S, hc, D], post' [S, hc], comb' [S, hc, hc], x_in [S, D])``: the merge
     ``X' = hc_merge(X, out, post, comb)`` of a sublayer's output ``out [S, D]`` (fp32 ``post``, ``comb``),
@@ -198,16 +183,14 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     terms = out.dim() == 3
     merge = ((out.float() if terms else out.to(X.dtype)).contiguous(), post.float().contiguous(),
              comb.float().contiguous())
-    return _site(X, merge, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block, pieces)
+    return _site(X, merge, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)
 
 
 def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, fn: torch.Tensor,
           base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
-          norm_eps: float, block: int, pieces: torch.Tensor | None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          norm_eps: float, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of the kernel: ``(the site's streams, post, comb, x_in)``, the streams ``X`` itself, or
-    the merged ones when ``merge`` is ``(out, post, comb)``; ``pieces``: the prefetch plan of its spare
-    programs."""
+    the merged ones when ``merge`` is ``(out, post, comb)``."""
     S, _, D = X.shape
     X = X.contiguous()
     mix = (2 + hc) * hc
@@ -219,11 +202,10 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     streams = X if merge is None else torch.empty_like(X)
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
-    spare = prefetch.launch(pieces, X)
-    _hc_pre_kernel[(n_prog + spare["pf_programs"], S)](
+    _hc_pre_kernel[(n_prog, S)](
         X, out, post_in, comb_in, streams, fn.float().contiguous(), base.float().contiguous(),
         scale.float().contiguous(), norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in,
-        D, iters, eps, norm_eps, n_prog, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
+        D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        SLOTS=slots, num_warps=NUM_WARPS, **spare, **EXACT_ROUNDING, **pdl.launch(X))
+        SLOTS=slots, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
     return streams, post, comb, x_in

@@ -71,32 +71,29 @@ def _(mixes, base, scale, hc, iters, eps):
 
 @torch.library.custom_op(f"{_LIB}::hc_pre", mutates_args=())
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
-           hc: int, iters: int, eps: float, norm_eps: float, pieces: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc: int, iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.hc_pre.hc_pre`: a whole mHC pre site, ``(post, comb)`` in fp32 and the
-    sublayer's normed input ``[S, D]`` in X's dtype (the arrival counters it uses are left zero); ``pieces``:
-    an L2 prefetch plan for its spare programs."""
-    return _hc_pre(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps, pieces=pieces)
+    sublayer's normed input ``[S, D]`` in X's dtype (the arrival counters it uses are left zero)."""
+    return _hc_pre(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
 
 
 @hc_pre.register_fake
-def _(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps, pieces=None):
+def _(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps):
     return _site_outputs(X, hc)
 
 
 @torch.library.custom_op(f"{_LIB}::hc_merge_pre", mutates_args=())
 def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                  base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
-                 norm_eps: float, pieces: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.hc_pre.hc_merge_pre`: a sublayer output's mHC merge and the next pre site in
     one launch, the merged streams ``[S, hc, D]`` then the outputs of :func:`hc_pre` on them. ``out`` is the
-    output ``[S, D]`` or the fused MoE's fp32 slot terms ``[S, slots, D]``; ``pieces`` as for :func:`hc_pre`."""
-    return _hc_merge_pre(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps, pieces=pieces)
+    output ``[S, D]`` or the fused MoE's fp32 slot terms ``[S, slots, D]``."""
+    return _hc_merge_pre(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
 
 
 @hc_merge_pre.register_fake
-def _(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps, pieces=None):
+def _(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps):
     return X.new_empty(X.shape), *_site_outputs(X, hc)
 
 
@@ -173,13 +170,12 @@ def _(q, keys, head_w, visible, k):
 
 @torch.library.custom_op(f"{_LIB}::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-                     scale: float, pieces: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float) -> torch.Tensor:
     """:func:`ds4serve.kernels.decode_attention.decode_attention`: ``[S, H, d]`` attention of ``q [S, H, d]``
-    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``;
-    ``pieces``: an L2 prefetch plan for its spare programs."""
-    return _decode_attention(q, keys, allowed, sinks, scale, pieces=pieces)
+    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``."""
+    return _decode_attention(q, keys, allowed, sinks, scale)
 
 
 @decode_attention.register_fake
-def _(q, keys, allowed, sinks, scale, pieces=None):
+def _(q, keys, allowed, sinks, scale):
     return q.new_empty(q.shape)

@@ -107,11 +107,6 @@ class Switches:
     # 6.71 with hc_fused; bf16 has one input product, unchanged); the pair kernel's outputs equal the two
     # launches' bit for bit at the real shapes (H200, 2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
     gemv_pair: bool = True
-    # The latency-bound launches of a static step (each block's two mHC sites, the decode attention) get spare
-    # programs that ask L2 for the weights of the projections after them (kernels/prefetch.py,
-    # model/prefetch_plans.py): the first site the input and q_res projections, the attention wo_a and wo_b,
-    # the MoE's site the router gate and the shared expert, up to 40 MB each. Off until a GPU A/B.
-    l2_prefetch: bool = False
 
 
 SWITCHES = Switches()

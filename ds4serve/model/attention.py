@@ -100,10 +100,8 @@ class ChunkInfo:
 
 
 def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: LayerState, cfg: ModelConfig,
-              ropes: dict[str, Rope], prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerDelta]:
-    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit;
-    ``prefetch``: an L2 prefetch plan that a static step's attention launch requests
-    (:mod:`ds4serve.kernels.prefetch`)."""
+              ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit."""
     S = x.shape[0]
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     table = "main" if w.layer_type == SLIDING else "compress"
@@ -129,7 +127,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, xp, qp, chunk, state, cfg, ropes, visible)
 
-    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin, prefetch)
+    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b), delta
 
@@ -140,7 +138,7 @@ def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
 
 def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: LayerState,
                  entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor, scale: float,
-                 cos: torch.Tensor, sin: torch.Tensor, prefetch: torch.Tensor | None) -> torch.Tensor:
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Attention over the window (and the entries ``visible`` admits: a mask, or in a static step with
     ``SWITCHES.gather_entries`` the indexer's index slots), then the inverse RoPE.
 
@@ -150,8 +148,8 @@ def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: Lay
     if chunk.static:
         keys, allowed = _window_keys_static(kv, chunk.positions, state.window)
         if entries is None:
-            return _attend(q, [keys], [allowed], sinks, scale, cos, sin, prefetch)
-        return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin, prefetch)
+            return _attend(q, [keys], [allowed], sinks, scale, cos, sin)
+        return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin)
     seq = window_sequence(kv, state.window, chunk.start)
     out = chunk_attention(q, seq, chunk.start, entries, visible, sinks, scale)
     return Rope.apply(out, cos, sin, inverse=True)
@@ -246,8 +244,7 @@ def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
 
 @region
 def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-            scale: float, cos: torch.Tensor, sin: torch.Tensor, prefetch: torch.Tensor | None = None
-            ) -> torch.Tensor:
+            scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Attention over the concatenated key parts, then the inverse RoPE of the output.
 
     With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
@@ -256,7 +253,7 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tenso
     if kernels.enabled(q) and SWITCHES.decode_attention:
         from ..kernels import ops
 
-        out = ops.decode_attention(q, keys, allowed, sinks, scale, prefetch)
+        out = ops.decode_attention(q, keys, allowed, sinks, scale)
     else:
         keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]
         mask = torch.cat(allowed, dim=-1) if len(allowed) > 1 else allowed[0]

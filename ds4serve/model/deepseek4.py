@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import kernels, profiler
+from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels import regions
 from ..kernels.regions import region
@@ -28,7 +28,6 @@ from .hyper import HCSite, fused_sites, hc_head, hc_merge, hc_merge_pre, hc_pre
 from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
-from .prefetch_plans import NO_PREFETCH, BlockPrefetch, block_prefetch
 from .rope import Rope
 
 
@@ -40,8 +39,6 @@ class BlockWeights:
     hc_ffn: HCSite
     attn: AttentionWeights
     moe: MoEWeights
-    # the L2 prefetch plans of a static step (SWITCHES.l2_prefetch), made on its first uncaptured call
-    prefetch: BlockPrefetch | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -197,9 +194,6 @@ def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerS
     position would recompile), and the only use of it, the delta's ``first_entry``, is set per step
     by :func:`ds4serve.engine.cuda_graphs.delta_at` anyway.
     """
-    if chunk.static and SWITCHES.l2_prefetch and b.prefetch is None and kernels.enabled(X) \
-            and not (X.is_cuda and torch.cuda.is_current_stream_capturing()):  # plans are host-to-device copies
-        b.prefetch = block_prefetch(b.attn, b.moe)
     if chunk.static and SWITCHES.block_regions:
         return _static_block(b, X, dataclasses.replace(chunk, start=0), ls, ids, cfg, ropes, pending, defer)
     return _block(b, X, chunk, ls, ids, cfg, ropes, pending, defer)
@@ -217,21 +211,19 @@ def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, i
            cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None,
            defer: bool) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    pf = b.prefetch if chunk.static and SWITCHES.l2_prefetch and b.prefetch is not None else NO_PREFETCH
     # "hc_pre" includes the sublayer's input norm, fused (SWITCHES.hc_fused) or not, so that the phases
     # measure the same work either way
     with profiler.phase("hc_pre"):
         if pending is None:
-            post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps, pf.attn_site)
+            post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
         else:
-            X, post, comb, x = hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps,
-                                            pf.attn_site)
+            X, post, comb, x = hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
     with profiler.phase("attention"):
-        a, delta = attention(b.attn, x, chunk, ls, cfg, ropes, pf.attention)
+        a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
     # The attention output's merge and the MoE's pre site are one call (one launch with SWITCHES.hc_fused):
     # both are timed as "hc_pre", fused or not, and "hc_post" is the block-end merge alone
     with profiler.phase("hc_pre"):
-        X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps, pf.moe_site)
+        X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
     with profiler.phase("moe_ffn"):
         # a deferred merge sums the MoE's slot terms itself: one launch less
         m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer)

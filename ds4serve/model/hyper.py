@@ -41,38 +41,37 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     return post, comb, _collapse(pre, X)
 
 
-def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float,
-           prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole pre site: ``(post [S,hc], comb [S,hc,hc], x_in [S,D])``, ``x_in`` the collapsed streams
     through the sublayer's input norm ``rms_norm(., norm_w, norm_eps)``.
 
     With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`);
-    otherwise :func:`hc_split` and :func:`~ds4serve.model.norms.rms_norm`, the reference. ``prefetch``: an L2
-    prefetch plan that the one launch's spare programs request (:mod:`ds4serve.kernels.prefetch`).
+    otherwise :func:`hc_split` and :func:`~ds4serve.model.norms.rms_norm`, the reference.
     """
     if fused_sites(X):
         from ..kernels.ops import hc_pre as fused
 
-        return fused(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps, prefetch)
+        return fused(X, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
     post, comb, y = hc_split(X, site, hc, iters, eps, norm_eps)
     return post, comb, rms_norm(y, norm_w, norm_eps)
 
 
 def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, site: HCSite,
-                 norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float,
-                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sublayer's merge then the next pre site: ``(X', post', comb', x_in)`` for
     ``X' = hc_merge(X, out, post, comb)`` and ``hc_pre(X', site, norm_w, ...)``.
 
     ``out`` is ``[S, D]``, or the fused MoE's fp32 slot terms ``[S, slots, D]`` (their sum is the output,
     :func:`sum_terms`). With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch
     (:mod:`ds4serve.kernels.hc_pre`), whose merge rounds as the product-sum branch of :func:`hc_merge` does;
-    otherwise the two functions. ``prefetch`` as for :func:`hc_pre`.
+    otherwise the two functions.
     """
     if fused_sites(X):
         from ..kernels.ops import hc_merge_pre as fused
 
-        return fused(X, out, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps, prefetch)
+        return fused(X, out, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, norm_eps)
     if out.dim() == 3:
         out = sum_terms(out, X.dtype)
     X = hc_merge(X, out, post, comb)
