@@ -20,6 +20,7 @@ from ds4serve.model.hyper import sum_terms  # noqa: E402
 from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
 from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
 from ds4serve.quant import dequant_fp4, quant_fp4  # noqa: E402
+from tests.helpers import sm90_ptx  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, K, D, INTER, LIMIT = 5, 2, 96, 64, 1.5
@@ -101,8 +102,8 @@ def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
 
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64
     "fp32": MoEConfig(Tile(8, 32, warps=2, stages=2), Tile(16, 16, warps=1, stages=1)),
-    "fp8": MoEConfig(Tile(64, 64), Tile(8, 32)),  # 64 rows: lowered to the 32-row scale block
-    "fp4": MoEConfig(Tile(8, 64), Tile(32, 32, warps=2)),
+    "fp8": MoEConfig(Tile(64, 64, stages=3), Tile(8, 32, stages=2)),  # 64 rows: lowered to the 32-row scale block
+    "fp4": MoEConfig(Tile(8, 64, stages=2), Tile(32, 32, warps=2)),
 }
 
 
@@ -152,3 +153,33 @@ def test_moe_ref_shared_expert_is_one_more_slot():
                                                               *[s.unsqueeze(0) for s in shared], LIMIT)
     got = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
     assert torch.allclose(got, want, atol=1e-6)
+
+
+_COMPILE_DOWN = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds4serve.kernels import moe
+
+sig = dict(h_ptr="*fp32", idx_ptr="*i32", wt_ptr="*fp32", part_ptr="*fp32", w2_ptr="*fp8e4nv", s2_ptr="*fp32",
+           sw2_ptr="*fp8e4nv", ss2_ptr="*fp32", w_stride="i64", s_stride="i32", row_len="i32", s_cols="i32",
+           srow_len="i32", ss_cols="i32", n_out="i32", n_inter="i32", top_k="i32", n_slots="i32")
+ptx = {}
+for stages in (1, 3):
+    consts = dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16, MIXED=False,
+                  BLOCK_R=64, BLOCK_K=256, STAGES=stages, PDL=0)
+    source = ASTSource(moe._down_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+    ptx[stages] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+json.dump(ptx, sys.stdout)
+"""
+
+
+def test_down_loop_stages_pipeline_the_weight_loads_on_hopper():
+    """Compiled for sm_90, the FP8 down kernel's loop with ``stages`` 3 loads its weight steps with
+    ``cp.async`` (steps in flight), where with 1 it issues plain loads one step at a time: the tile table's
+    ``stages`` reach Triton's pipeliner, as the GEMV's do."""
+    ptx = sm90_ptx(_COMPILE_DOWN)
+    assert "cp.async" not in ptx["1"]
+    assert "cp.async.cg" in ptx["3"] or "cp.async.ca" in ptx["3"]
