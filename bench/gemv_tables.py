@@ -1,17 +1,19 @@
-"""Alternative GEMV tiles timed inside the decode graph (``bench_gpu.py --tables FILE``).
+"""Alternative GEMV and fused-MoE tiles timed inside the decode graph (``bench_gpu.py --tables FILE``).
 
-``bench/sweep_gemv.py`` times each projection alone; inside the decode graph a kernel's cost also depends
-on its neighbours (the PDL overlap, what is in L2, the wave its grid leaves behind), and the eleventh run
-found the FP8 projections at ~79% of the copy rate there against ~89% for the MoE. This module writes
-candidate tiles for the decode projections, one shape changed per candidate, as named tables::
+``bench/sweep_gemv.py`` and ``bench/sweep_moe.py`` time each kernel alone; inside the decode graph a kernel's
+cost also depends on its neighbours (the PDL overlap, what is in L2, the wave its grid leaves behind), and the
+eleventh run found the FP8 projections at ~79% of the copy rate there against ~89% for the MoE. This module
+writes candidate tiles, one field changed per candidate, as named tables::
 
     {"wo_b-0": [{"key": ["fp8", 4096, 8192, 1, 1], "config": {"block_r": 32, "block_k": 128, ...}}], ...}
+    {"moe-fp8-down-s3": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 64, ...}}}]}
 
-and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as an arm
-``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
+(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format,
+with more loop stages) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
+an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=. python3 bench/gemv_tables.py --out $OUT/tables.json
+    PYTHONPATH=. python3 bench/gemv_tables.py --out $OUT/tables.json [--moe]
     PYTHONPATH=. python3 bench/bench_gpu.py --out $OUT/tiles.json --variants fp8 --contexts 512 --steps 16 \\
         --no-peer --prefill-variants none --chunks "" --tables $OUT/tables.json --table-arms
 """
@@ -25,10 +27,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from ds4serve.kernels.gemv import TABLE, TABLED_BLOCK, GemvConfig, config_problem, table_key, table_overrides
+from ds4serve.kernels.moe import CONFIGS, MoEConfig, Tile, config_overrides
 from ds4serve.kernels.switches import parse, using
 
-Key = tuple[str, int, int, int, int]
-Tables = dict[str, dict[Key, GemvConfig]]
+Key = tuple  # a GEMV TABLE key (kind, rows, inputs, token bucket, groups), or ("moe", expert format)
+Tables = dict[str, dict[Key, GemvConfig | MoEConfig]]
+MOE = "moe"
 
 # The decode projections of DeepSeek-V4-Flash at one token (N bucket 1): FP8 checkpoints' attention
 # projections and the bf16 compressor parts that share an input launch with the FP8 ones (gemv_pair).
@@ -64,34 +68,65 @@ def candidates(key: Key) -> list[GemvConfig]:
     return out
 
 
+def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
+    """The fused MoE's tiles for expert format ``fmt`` with one launch's loop pipelined deeper (2 to 4 stages),
+    by name (``gate_up-s3``, ``down-s2``, ...)."""
+    base = CONFIGS[fmt]
+    out: dict[str, MoEConfig] = {}
+    for part in ("gate_up", "down"):
+        tile = getattr(base, part)
+        for stages in (2, 3, 4):
+            if stages != tile.stages:
+                out[f"{part}-s{stages}"] = dataclasses.replace(base, **{part: dataclasses.replace(tile, stages=stages)})
+    return out
+
+
 def _scale_block(kind: str) -> tuple[int, int] | None:
     """The scale block the table holds entries of ``kind`` for (None: dense weights)."""
     return TABLED_BLOCK if kind == "fp8" else None
 
 
-def write(path: Path) -> Tables:
-    """Every shape's candidates as one-entry tables named ``SHAPE-i``, written to ``path`` as JSON."""
-    tables: Tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items()
-                      for i, cfg in enumerate(candidates(key))}
+def write(path: Path, moe: bool = False) -> Tables:
+    """Every GEMV shape's candidates as one-entry tables named ``SHAPE-i`` (with ``moe``: every expert format's
+    MoE candidates, ``moe-FORMAT-NAME``), written to ``path`` as JSON."""
+    if moe:
+        tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
+                          for name, cfg in moe_candidates(fmt).items()}
+    else:
+        tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items() for i, cfg in enumerate(candidates(key))}
     path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
                                 for name, t in tables.items()}, indent=1) + "\n")
     return tables
 
 
 def load(path: Path) -> Tables:
-    """Tables written by :func:`write` (or by hand), each entry checked against its product."""
+    """Tables written by :func:`write` (or by hand), each entry checked against its product or format."""
     tables: Tables = {}
     for name, entries in json.loads(path.read_text()).items():
-        table: dict[Key, GemvConfig] = {}
+        table: dict[Key, GemvConfig | MoEConfig] = {}
         for entry in entries:
-            key = table_key(*entry["key"])
-            cfg = GemvConfig(**entry["config"])
-            problem = config_problem(cfg, key[0], key[1], key[3], key[4], _scale_block(key[0]))
+            if entry["key"][0] == MOE:
+                key = (MOE, entry["key"][1])
+                cfg = MoEConfig(*(Tile(**entry["config"][part]) for part in ("gate_up", "down")))
+                problem = _moe_problem(key[1], cfg)
+            else:
+                key, cfg = table_key(*entry["key"]), GemvConfig(**entry["config"])
+                problem = config_problem(cfg, key[0], key[1], key[3], key[4], _scale_block(key[0]))
             if problem:
                 raise ValueError(f"table {name!r}, {key}: {problem}")
             table[key] = cfg
         tables[name] = table
     return tables
+
+
+def _moe_problem(fmt: str, cfg: MoEConfig) -> str | None:
+    """Why ``cfg`` cannot be expert format ``fmt``'s tiles, or None."""
+    if fmt not in CONFIGS:
+        return f"no expert format {fmt!r} (formats: {sorted(CONFIGS)})"
+    for tile in (cfg.gate_up, cfg.down):
+        if any(v < 1 for v in dataclasses.astuple(tile)) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
+            return f"tile {tile}: rows and block_k must be powers of two, every field positive"
+    return None
 
 
 def arm_scope(arm: str, tables: Tables) -> ExitStack:
@@ -102,14 +137,18 @@ def arm_scope(arm: str, tables: Tables) -> ExitStack:
     stack = ExitStack()
     stack.enter_context(using(**parse(spec)))
     if name:
-        stack.enter_context(table_overrides(tables[name]))
+        table = tables[name]
+        stack.enter_context(table_overrides({k: c for k, c in table.items() if k[0] != MOE}))
+        stack.enter_context(config_overrides({k[1]: c for k, c in table.items() if k[0] == MOE}))
     return stack
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    tables = write(p.parse_args().out)
+    p.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
+    args = p.parse_args()
+    tables = write(args.out, args.moe)
     print(f"{len(tables)} tables: {', '.join(tables)}")
 
 

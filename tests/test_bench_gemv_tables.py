@@ -1,12 +1,14 @@
-"""bench/gemv_tables.py: the GEMV tile tables that bench_gpu.py times as arms inside the decode graph."""
+"""bench/gemv_tables.py: the GEMV and fused-MoE tile tables that bench_gpu.py times as arms inside the decode graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the GEMV module needs triton")
 
@@ -47,3 +49,38 @@ def test_bad_tables_and_arms_are_rejected(tmp_path):
         gemv_tables.load(path)
     with pytest.raises(ValueError, match="no table 'missing'"):
         gemv_tables.arm_scope("defaults@missing", {})
+
+
+def test_moe_tables_deepen_one_launch_loop_each(tmp_path):
+    """``--moe`` tables: per expert format, the shipped tiles with one launch's loop at 2 to 4 stages; they load
+    back equal, and an arm holding one uses its tiles in moe_fused's configuration lookup, then restores them."""
+    from ds4serve.kernels import moe
+
+    tables = gemv_tables.write(tmp_path / "moe.json", moe=True)
+    assert gemv_tables.load(tmp_path / "moe.json") == tables
+    assert len(tables) == 3 * 6  # three formats, two launches, three stage counts other than the shipped 1
+    for name, table in tables.items():
+        ((kind, fmt), cfg), = table.items()
+        base = moe.CONFIGS[fmt]
+        part = "gate_up" if "-gate_up-" in name else "down"
+        other = "down" if part == "gate_up" else "gate_up"
+        assert kind == "moe" and name.startswith(f"moe-{fmt}-")
+        assert getattr(cfg, other) == getattr(base, other)
+        assert getattr(cfg, part) == dataclasses.replace(getattr(base, part), stages=int(name[-1]))
+    before = moe.CONFIGS["fp8"]
+    with gemv_tables.arm_scope("defaults@moe-fp8-down-s3", tables):
+        assert moe._config(moe.ExpertStack(torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn),
+                                           torch.ones(1, 1, 1), (128, 128)), None).down.stages == 3
+    assert moe.CONFIGS["fp8"] == before
+
+
+def test_bad_moe_tables_are_rejected(tmp_path):
+    path = tmp_path / "bad.json"
+    tile = {"rows": 64, "block_k": 256, "warps": 4, "stages": 3}
+    path.write_text(json.dumps({"x": [{"key": ["moe", "fp6"], "config": {"gate_up": tile, "down": tile}}]}))
+    with pytest.raises(ValueError, match="table 'x'.*no expert format 'fp6'"):
+        gemv_tables.load(path)
+    path.write_text(json.dumps({"y": [{"key": ["moe", "fp8"], "config": {"gate_up": tile,
+                                                                          "down": {**tile, "rows": 48}}}]}))
+    with pytest.raises(ValueError, match="table 'y'.*powers of two"):
+        gemv_tables.load(path)

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
+from .scoped import overridden
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
 SMS = 132  # streaming multiprocessors of the target GPU (H200)
@@ -296,16 +297,8 @@ def table_overrides(entries: dict[tuple[str, int, int, int, int], GemvConfig]) -
     time other tiles inside the decode graph, where a kernel's neighbours shape its cost
     (``bench/bench_gpu.py`` ``--tables``). Launches read the table when they are issued, so a graph keeps
     the tiles it was captured with."""
-    saved = {key: TABLE.get(key) for key in entries}
-    TABLE.update(entries)
-    try:
+    with overridden(TABLE, entries):
         yield
-    finally:
-        for key, cfg in saved.items():
-            if cfg is None:
-                TABLE.pop(key)
-            else:
-                TABLE[key] = cfg
 
 
 def table_key(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int) -> tuple[str, int, int, int, int]:

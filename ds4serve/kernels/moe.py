@@ -25,14 +25,16 @@ come from :data:`CONFIGS`, one entry per format (``bench/sweep_moe.py`` measures
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
+from .scoped import overridden
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
@@ -69,6 +71,15 @@ CONFIGS: dict[str, MoEConfig] = {
     "fp8": MoEConfig(Tile(32, 512), Tile(64, 256)),
     "fp4": MoEConfig(Tile(8, 1024), Tile(16, 2048)),
 }
+
+
+@contextmanager
+def config_overrides(entries: dict[str, MoEConfig]) -> Iterator[None]:
+    """:data:`CONFIGS` with ``entries`` (by format) replacing some tiles inside the scope: benchmarks time
+    other tiles inside the decode graph (``bench/gemv_tables.py`` ``--moe``). Launches read the
+    configurations when they are issued, so a graph keeps the tiles it was captured with."""
+    with overridden(CONFIGS, entries):
+        yield
 
 
 @triton.jit

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Generic, Iterator, TypeVar
+from typing import Generic, Iterator, MutableMapping, TypeVar
 
+K = TypeVar("K")
 T = TypeVar("T")
 
 
@@ -20,3 +21,20 @@ class Scoped(Generic[T]):
             yield
         finally:
             self.value = previous
+
+
+@contextmanager
+def overridden(mapping: MutableMapping[K, T], entries: dict[K, T]) -> Iterator[None]:
+    """``mapping`` with ``entries`` replacing (or adding) some of its items inside the block, then as before
+    (tile tables timed by benchmarks)."""
+    missing = object()
+    saved = {key: mapping.get(key, missing) for key in entries}
+    mapping.update(entries)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is missing:
+                mapping.pop(key)
+            else:
+                mapping[key] = value
