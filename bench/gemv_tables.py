@@ -6,9 +6,10 @@ eleventh run found the FP8 projections at ~79% of the copy rate there against ~8
 writes candidate tiles, one field changed per candidate, as named tables::
 
     {"wo_b-0": [{"key": ["fp8", 4096, 8192, 1, 1], "config": {"block_r": 32, "block_k": 128, ...}}], ...}
-    {"moe-fp8-down-dot64x128s3": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {...}}}]}
+    {"moe-fp8-down-s3": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 64, ...}}}]}
 
-(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's FP8 tiles on tensor cores) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
+(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format,
+with more loop stages) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
 an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
@@ -68,19 +69,15 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
-    """The fused MoE's tiles for expert format ``fmt`` with one launch on tensor-core tiles (FP8 experts only), by
-    name (``gate_up-dot64x128s3``, ...); none for the other formats."""
-    if fmt != "fp8":
-        return {}
+    """The fused MoE's tiles for expert format ``fmt`` with one launch's loop pipelined deeper (2 to 4 stages),
+    by name (``gate_up-s3``, ``down-s2``, ...)."""
     base = CONFIGS[fmt]
-    tiles = {"gate_up": [Tile(64, 128, 4, 3, True), Tile(64, 256, 4, 2, True), Tile(32, 128, 2, 4, True)],
-             "down": [Tile(64, 128, 4, 3, True), Tile(128, 128, 8, 3, True), Tile(128, 256, 4, 2, True)]}
     out: dict[str, MoEConfig] = {}
-    for part, alternatives in tiles.items():
-        for t in alternatives:
-            out[f"{part}-dot{t.rows}x{t.block_k}s{t.stages}"] = dataclasses.replace(base, **{part: t})
-    both = MoEConfig(tiles["gate_up"][0], tiles["down"][0])
-    out["both-dot64x128s3"] = both
+    for part in ("gate_up", "down"):
+        tile = getattr(base, part)
+        for stages in (2, 3, 4):
+            if stages != tile.stages:
+                out[f"{part}-s{stages}"] = dataclasses.replace(base, **{part: dataclasses.replace(tile, stages=stages)})
     return out
 
 
@@ -127,11 +124,8 @@ def _moe_problem(fmt: str, cfg: MoEConfig) -> str | None:
     if fmt not in CONFIGS:
         return f"no expert format {fmt!r} (formats: {sorted(CONFIGS)})"
     for tile in (cfg.gate_up, cfg.down):
-        sizes = (tile.rows, tile.block_k, tile.warps, tile.stages)
-        if any(v < 1 for v in sizes) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
+        if any(v < 1 for v in dataclasses.astuple(tile)) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
             return f"tile {tile}: rows and block_k must be powers of two, every field positive"
-        if tile.dot and fmt != "fp8":
-            return f"tile {tile}: tensor-core tiles need FP8 experts, not {fmt}"
     return None
 
 

@@ -121,30 +121,6 @@ def test_moe_fused_tiles_and_routed_only(fmt, poisoned):
     assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
-DOT = MoEConfig(Tile(32, 32, warps=2, dot=True), Tile(16, 64, warps=1, stages=2, dot=True))  # down: 2 sub-tiles a step
-
-
-@pytest.mark.parametrize("N", [1, 3])
-def test_fp8_tensor_core_tiles_keep_fp32_activations(N, poisoned):
-    """FP8 experts on tensor-core tiles with fp32 activations: the fp16 hi + lo columns carry the
-    activations and ``h`` to ~22 bits, so the result is the exactly dequantised fp32 reference's up to
-    fp32 rounding (one fp16 column alone would be ~2^-12 off)."""
-    x, idx, weights, w, routed, shared = _case("fp8", N)
-    x = x.float()
-    stacks = [ExpertStack(m.data, m.scale, m.block) for m in (w.w1, w.w3, w.w2)]
-    shared_stacks = tuple(ExpertStack(m.data, m.scale, m.block) for m in (w.shared_w1, w.shared_w3, w.shared_w2))
-    ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
-    out = moe_fused(x, idx, weights, *stacks, LIMIT, shared=shared_stacks, configs={"fp8": DOT})
-    assert _rel(out, ref) <= 2e-6
-
-
-def test_tensor_core_tiles_need_fp8_experts():
-    x, idx, weights, w, _, _ = _case("bf16", 1)
-    stacks = [ExpertStack(m) for m in (w.w1, w.w3, w.w2)]
-    with pytest.raises(ValueError, match="tensor-core tile"):
-        moe_fused(x, idx, weights, *stacks, LIMIT, configs={"bf16": DOT})
-
-
 def test_mxfp4_decode_is_exact(poisoned):
     """Every byte value in every w1 / w3 row and scales from 2^-31 to 2^8, fp32 activations: the
     kernels match the exactly dequantised fp32 reference up to fp32 rounding."""
@@ -190,12 +166,12 @@ sig = dict(h_ptr="*fp32", idx_ptr="*i32", wt_ptr="*fp32", part_ptr="*fp32", w2_p
            sw2_ptr="*fp8e4nv", ss2_ptr="*fp32", w_stride="i64", s_stride="i32", row_len="i32", s_cols="i32",
            srow_len="i32", ss_cols="i32", n_out="i32", n_inter="i32", top_k="i32", n_slots="i32")
 ptx = {}
-for name, stages, dot in (("1", 1, False), ("3", 3, False), ("dot", 3, True)):
+for stages in (1, 3):
     consts = dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16, MIXED=False,
-                  BLOCK_R=64, BLOCK_K=256, STAGES=stages, DOT=dot, SUB_K=128, PDL=0)
+                  BLOCK_R=64, BLOCK_K=256, STAGES=stages, PDL=0)
     source = ASTSource(moe._down_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
-    ptx[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    ptx[stages] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
 json.dump(ptx, sys.stdout)
 """
 
@@ -203,10 +179,7 @@ json.dump(ptx, sys.stdout)
 def test_down_loop_stages_pipeline_the_weight_loads_on_hopper():
     """Compiled for sm_90, the FP8 down kernel's loop with ``stages`` 3 loads its weight steps with
     ``cp.async`` (steps in flight), where with 1 it issues plain loads one step at a time: the tile table's
-    ``stages`` reach Triton's pipeliner, as the GEMV's do. A ``dot`` tile runs on tensor cores."""
+    ``stages`` reach Triton's pipeliner, as the GEMV's do."""
     ptx = sm90_ptx(_COMPILE_DOWN)
     assert "cp.async" not in ptx["1"]
     assert "cp.async.cg" in ptx["3"] or "cp.async.ca" in ptx["3"]
-    # a tensor-core tile multiplies with MMA instructions, e4m3 converted to fp16 two at a time
-    assert "mma" not in ptx["3"] and "mma" in ptx["dot"]
-    assert "cvt.rn.f16x2.e4m3x2" in ptx["dot"]

@@ -19,13 +19,6 @@ Expert weights are read where they lie in the stacked ``[E, out, in]`` tensors, 
 FP8 e4m3 with fp32 block scales ``[E, out/b0, in/b1]``, or MXFP4 (two e2m1 codes a byte, low nibble
 first, uint8 e8m0 exponents ``[E, out, in/32]``), and dequantised in registers. The tile shapes
 come from :data:`CONFIGS`, one entry per format (``bench/sweep_moe.py`` measures them).
-
-FP8 tiles may multiply on tensor cores (``Tile.dot``): on CUDA cores every e4m3 weight costs a
-conversion to fp32 and its share of the products (about 3.5 instructions a byte on sm_90, where a
-bf16 weight costs about one a byte), on tensor cores a packed e4m3 -> fp16 conversion per two weights
-(exact) and the MMA. The program's one activation row becomes two fp16 columns of the ``[K, 16]``
-operand (:func:`_operand16`), the value rounded to fp16 and what that rounding left, so the products
-keep about 22 bits of each fp32 activation and accumulate in fp32.
 :func:`moe_ref` is the torch reference (it gathers dense copies of the selected experts).
 """
 
@@ -45,9 +38,6 @@ from .scoped import overridden
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
-X16 = tl.constexpr(2.0 ** -8)  # tensor-core tiles: the activations' scale on the way to fp16 (see _operand16)
-LO_SCALE = tl.constexpr(2.0 ** 11)  # and the scale of what fp16 rounding left of them
-DOT_COLS = tl.constexpr(16)  # the tensor-core operand's activation columns (tl.dot needs 16; two are used)
 
 
 @dataclass(frozen=True)
@@ -65,7 +55,6 @@ class Tile:
     block_k: int
     warps: int = 4
     stages: int = 1
-    dot: bool = False  # FP8 experts only: tensor-core products (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -193,65 +182,22 @@ def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
 
 
 @triton.jit
-def _operand16(x_ptr, kc, SUB_K: tl.constexpr):
-    """The ``[SUB_K, 16]`` fp16 operand of inputs ``[kc, kc + SUB_K)`` for a tensor-core step: column 0
-    the activations times 2^-8 rounded to fp16 (hi), column 1 what that rounding left times 2^11 (lo),
-    the others zero.
-
-    The 2^-8 keeps activations up to 2^24 in fp16's range; the 2^11 keeps lo a normal number wherever
-    hi is one (activations from 2^-6), so hi + lo hold ~22 bits of each fp32 activation, against 11 for
-    one column; the products are exact in fp32 and :func:`_dot_result` undoes both powers of two."""
-    v = tl.load(x_ptr + kc + tl.arange(0, SUB_K)).to(tl.float32) * X16
-    hi = v.to(tl.float16)
-    lo = ((v - hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
-    col = tl.arange(0, DOT_COLS)[None, :]
-    return tl.where(col == 0, hi[:, None], tl.where(col == 1, lo[:, None], 0.0)).to(tl.float16)
-
-
-@triton.jit
-def _dot_step(acc, w_ptr, s_ptr, rows, kc, xt, row_len, SB_C: tl.constexpr, SUB_K: tl.constexpr):
-    """``acc [R, 16]`` plus the FP8 rows' products with ``xt`` over inputs ``[kc, kc + SUB_K)`` (one scale
-    column: ``s_ptr`` is the program's scale row) on tensor cores, e4m3 -> fp16 exactly."""
-    w = tl.load(w_ptr + rows[:, None] * row_len + (kc + tl.arange(0, SUB_K))[None, :]).to(tl.float16)
-    return acc + tl.dot(w, xt) * tl.load(s_ptr + kc // SB_C)
-
-
-@triton.jit
-def _dot_result(acc):
-    """A tensor-core accumulator's row values: its hi and lo columns summed, the scales undone."""
-    col = tl.arange(0, DOT_COLS)[None, :]
-    return tl.sum(tl.where(col == 0, acc, tl.where(col == 1, acc / LO_SCALE, 0.0)), axis=1) / X16
-
-
-@triton.jit
 def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
                   QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
-                  SUB_K: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     if QUANT == 1:
         s1 += (row0 // SB_R) * s_cols
         s3 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
-    if DOT:
-        acc1 = tl.zeros([BLOCK_R, DOT_COLS], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_R, DOT_COLS], dtype=tl.float32)
-        for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-            for j in tl.static_range(BLOCK_K // SUB_K):
-                xt = _operand16(x, k0 + j * SUB_K, SUB_K)
-                acc1 = _dot_step(acc1, w1, s1, rows, k0 + j * SUB_K, xt, row_len, SB_C, SUB_K)
-                acc3 = _dot_step(acc3, w3, s3, rows, k0 + j * SUB_K, xt, row_len, SB_C, SUB_K)
-        g = _dot_result(acc1)
-        u = _dot_result(acc3)
-    else:
-        acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-        for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-            xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
-            acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-            acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-        g = tl.sum(acc1, axis=1)
-        u = tl.sum(acc3, axis=1)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
+        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+    g = tl.sum(acc1, axis=1)
+    u = tl.sum(acc3, axis=1)
     if limit > 0:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -264,19 +210,11 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 @triton.jit
 def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
                QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
-               SUB_K: tl.constexpr):
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
-    if DOT:
-        acc = tl.zeros([BLOCK_R, DOT_COLS], dtype=tl.float32)
-        for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
-            for j in tl.static_range(BLOCK_K // SUB_K):
-                xt = _operand16(h, k0 + j * SUB_K, SUB_K)
-                acc = _dot_step(acc, w2, s2, rows, k0 + j * SUB_K, xt, row_len, SB_C, SUB_K)
-        return _dot_result(acc)
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
         hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
@@ -300,7 +238,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    DOT: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
     pdl.start(PDL)
@@ -311,17 +249,17 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
                               s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, DOT, SUB_K)
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, DOT, SUB_K)
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
                           tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
                           tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, DOT, SUB_K)
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
@@ -331,7 +269,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 DOT: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
@@ -341,15 +279,15 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     if MIXED:
         if slot < top_k:
             y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
-                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, DOT, SUB_K)
+                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
-                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, DOT, SUB_K)
+                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
                        tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
-                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, DOT, SUB_K)
+                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
@@ -414,11 +352,10 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, int, int]:
-    """(rows, block_k, sub_k) of ``tile`` for a launch reading both stacks: powers of two dividing their
+def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, int]:
+    """(rows, block_k) of ``tile`` for a launch reading both stacks: powers of two dividing their
     matrices; FP8 rows also dividing the scale block's rows, FP8 steps nested with the scale block's
-    columns; whole vectors a step. ``sub_k``: a tensor-core step's inputs (one scale column, at most
-    ``block_k``); 0 for CUDA-core tiles."""
+    columns; whole vectors a step."""
     vec = max(s.vec for s in stacks)
     rows, block_k = tile.rows, max(tile.block_k, vec)
     for s in stacks:
@@ -428,14 +365,7 @@ def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, in
     if block_k < vec:
         raise ValueError(f"moe_fused: the inputs of {[(s.inp, s.block) for s in stacks]} (FP8 blocks) do not "
                          f"split into {vec}-input vectors")
-    if not tile.dot:
-        return rows, block_k, 0
-    a, b = stacks
-    sub_k = _pow2_divisor(a.block[1], block_k) if a.quant == FP8 else 0
-    if a.quant != FP8 or not a.same_format(b) or min(rows, sub_k) < 16:
-        raise ValueError(f"moe_fused: tensor-core tile {tile} needs FP8 experts (routed and shared alike) and "
-                         f"steps of at least 16 rows and 16 inputs of one scale column, not {rows} x {sub_k}")
-    return rows, block_k, sub_k
+    return rows, block_k
 
 
 def _config(stack: ExpertStack, configs: Mapping[str, MoEConfig] | None) -> MoEConfig:
@@ -468,20 +398,18 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     h = torch.empty(N, slots, w1.out, device=x.device, dtype=torch.float32)
     part = torch.empty(N, slots, D, device=x.device, dtype=torch.float32)
     config = _config(w1, configs)
-    rows, block_k, sub_k = _shape(config.gate_up, (w1, sw1))
+    rows, block_k = _shape(config.gate_up, (w1, sw1))
     _gate_up_kernel[(N * slots, w1.out // rows)](
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
-        DOT=config.gate_up.dot, SUB_K=sub_k, num_warps=config.gate_up.warps, num_stages=config.gate_up.stages,
-        **pdl.launch(x))
-    rows, block_k, sub_k = _shape(config.down, (w2, sw2))
+        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
+    rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
         **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
-        DOT=config.down.dot, SUB_K=sub_k, num_warps=config.down.warps, num_stages=config.down.stages,
-        **pdl.launch(x))
+        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
     if not summed:
         return part
     out = torch.empty_like(x)
