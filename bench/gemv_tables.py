@@ -6,10 +6,10 @@ eleventh run found the FP8 projections at ~79% of the copy rate there against ~8
 writes candidate tiles, one field changed per candidate, as named tables::
 
     {"wo_b-0": [{"key": ["fp8", 4096, 8192, 1, 1], "config": {"block_r": 32, "block_k": 128, ...}}], ...}
-    {"moe-fp8-down-8x2048w4s2": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {...}}}]}
+    {"moe-fp8-down-s3": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 64, ...}}}]}
 
-(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's FP8 tiles of
-:data:`MOE_TILES`) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
+(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format,
+with more loop stages) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
 an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
@@ -68,22 +68,16 @@ def candidates(key: Key) -> list[GemvConfig]:
     return out
 
 
-# Tiles of the FP8 experts' launches timed in the graph with ``--moe``: 2 stages keep a step's words in flight
-MOE_TILES = {"gate_up": [Tile(32, 512, 4, 2), Tile(16, 1024, 4, 2)],
-             "down": [Tile(64, 256, 4, 2), Tile(8, 2048), Tile(8, 2048, 4, 2), Tile(16, 1024, 4, 2)]}
-
-
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
-    """The fused MoE's tiles for expert format ``fmt`` with one launch's tile from :data:`MOE_TILES` (FP8 experts
-    only; none for the other formats), and both launches' first, by name (``down-8x2048w4s2``, ...)."""
-    if fmt != "fp8":
-        return {}
+    """The fused MoE's tiles for expert format ``fmt`` with one launch's loop pipelined deeper (2 to 4 stages),
+    by name (``gate_up-s3``, ``down-s2``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
-    for part, tiles in MOE_TILES.items():
-        for t in tiles:
-            out[f"{part}-{t.rows}x{t.block_k}w{t.warps}s{t.stages}"] = dataclasses.replace(base, **{part: t})
-    out["both"] = MoEConfig(MOE_TILES["gate_up"][0], MOE_TILES["down"][0])
+    for part in ("gate_up", "down"):
+        tile = getattr(base, part)
+        for stages in (2, 3, 4):
+            if stages != tile.stages:
+                out[f"{part}-s{stages}"] = dataclasses.replace(base, **{part: dataclasses.replace(tile, stages=stages)})
     return out
 
 

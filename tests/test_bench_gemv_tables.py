@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -50,31 +51,26 @@ def test_bad_tables_and_arms_are_rejected(tmp_path):
         gemv_tables.arm_scope("defaults@missing", {})
 
 
-def test_moe_tables_change_the_fp8_tiles(tmp_path):
-    """``--moe`` tables: the shipped FP8 tiles with one launch's (or both launches') tile from MOE_TILES; they
-    load back equal, and an arm holding one uses its tiles in moe_fused's configuration lookup, then restores
-    them."""
+def test_moe_tables_deepen_one_launch_loop_each(tmp_path):
+    """``--moe`` tables: per expert format, the shipped tiles with one launch's loop at 2 to 4 stages; they load
+    back equal, and an arm holding one uses its tiles in moe_fused's configuration lookup, then restores them."""
     from ds4serve.kernels import moe
 
     tables = gemv_tables.write(tmp_path / "moe.json", moe=True)
     assert gemv_tables.load(tmp_path / "moe.json") == tables
-    tiles = gemv_tables.MOE_TILES
-    assert len(tables) == len(tiles["gate_up"]) + len(tiles["down"]) + 1
-    base = moe.CONFIGS["fp8"]
+    assert len(tables) == 3 * 6  # three formats, two launches, three stage counts other than the shipped 1
     for name, table in tables.items():
         ((kind, fmt), cfg), = table.items()
-        assert (kind, fmt) == ("moe", "fp8") and name.startswith("moe-fp8-")
-        if name == "moe-fp8-both":
-            assert cfg == moe.MoEConfig(tiles["gate_up"][0], tiles["down"][0])
-            continue
+        base = moe.CONFIGS[fmt]
         part = "gate_up" if "-gate_up-" in name else "down"
         other = "down" if part == "gate_up" else "gate_up"
-        assert getattr(cfg, other) == getattr(base, other) and getattr(cfg, part) in tiles[part]
+        assert kind == "moe" and name.startswith(f"moe-{fmt}-")
+        assert getattr(cfg, other) == getattr(base, other)
+        assert getattr(cfg, part) == dataclasses.replace(getattr(base, part), stages=int(name[-1]))
     before = moe.CONFIGS["fp8"]
-    with gemv_tables.arm_scope("defaults@moe-fp8-down-8x2048w4s2", tables):
-        down = moe._config(moe.ExpertStack(torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn),
-                                           torch.ones(1, 1, 1), (128, 128)), None).down
-        assert down == moe.Tile(8, 2048, 4, 2)
+    with gemv_tables.arm_scope("defaults@moe-fp8-down-s3", tables):
+        assert moe._config(moe.ExpertStack(torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn),
+                                           torch.ones(1, 1, 1), (128, 128)), None).down.stages == 3
     assert moe.CONFIGS["fp8"] == before
 
 

@@ -45,11 +45,10 @@ class Tile:
     """One launch's tiling: a program reads ``rows`` weight rows, ``block_k`` inputs a loop step.
 
     Both are lowered to powers of two dividing the matrix (FP8 rows also the scale block), so no
-    load is masked. ``stages`` 2 keeps the next step's loads in flight while a step is multiplied (its
-    tiles held in registers, one step ahead); at 1 a program issues a step's loads, waits for them, then
-    multiplies, and the bytes in flight come from the tile and the programs per SM. (Triton's own
-    ``cp.async`` pipelining of these loops ran 1.3-3x slower on the H200: its shared-memory copies include
-    the activation tile's repeated rows.)
+    load is masked. ``stages`` is the loop's ``tl.range(num_stages=...)``: Triton 3.6 pipelines a
+    loop without ``tl.dot`` (these are CUDA-core products) with ``cp.async`` only when the stage count
+    is given on the loop, as the GEMV's (:mod:`ds4serve.kernels.gemv`) are; at 1 a program issues one
+    step's loads at a time, and the bytes in flight come from the tile and the programs per SM.
     """
 
     rows: int
@@ -109,36 +108,31 @@ def _group_scale(e):
 
 
 @triton.jit
-def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr, STRIDE: tl.constexpr = 1):
+def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr):
     """The block scales of inputs ``[k0, k0 + BLOCK_K)`` in this program's scale row: a scalar, or
-    ``[1, BLOCK_K / STRIDE]`` (column ``c``: input ``k0 + STRIDE c``) picked from one scalar per block (a
-    gather would change the layout)."""
+    ``[1, BLOCK_K]`` picked from one scalar per block (a gather would change the layout)."""
     first = k0 // SB_C
     if BLOCK_K <= SB_C:
         return tl.load(s_ptr + first)
     else:
-        block = ((k0 + STRIDE * tl.arange(0, BLOCK_K // STRIDE)) // SB_C)[None, :]
-        s = tl.zeros([1, BLOCK_K // STRIDE], dtype=tl.float32)
+        block = ((k0 + tl.arange(0, BLOCK_K)) // SB_C)[None, :]
+        s = tl.zeros([1, BLOCK_K], dtype=tl.float32)
         for c in tl.static_range(BLOCK_K // SB_C):
             s = tl.where(block == first + c, tl.load(s_ptr + first + c), s)
         return s
 
 
 @triton.jit
-def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
-                 WORDS: tl.constexpr = False):
+def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr):
     """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape.
 
     The tile repeats one row (row stride 0): Triton gives the loads of one shape in a loop the same
     register layout, so activations and weights meet with no data moved between threads, and the
     repeated rows compile to one load. MXFP4: ``[R, BLOCK_K / 2, 2]``, the (even, odd) inputs of
-    each weight byte read as one word, times ``SCALE``. FP8 ``WORDS``: the four lanes of
-    :func:`_word_lanes`.
+    each weight byte read as one word, times ``SCALE``.
     """
     zero = (rows * 0)[:, None]
-    if WORDS:
-        xv = _word_lanes(x_ptr, rows, k0, BLOCK_K)
-    elif QUANT == 2:
+    if QUANT == 2:
         cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
         ty: tl.constexpr = x_ptr.dtype.element_ty
         if ty == tl.float32:
@@ -156,128 +150,52 @@ def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SC
         if SCALE != 1.0:
             even *= SCALE
             odd *= SCALE
-        xv = tl.join(even, odd)
+        return tl.join(even, odd)
     else:
-        xv = tl.load(x_ptr + zero + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
-    return xv
+        return tl.load(x_ptr + zero + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
 
 
 @triton.jit
-def _e4m3_byte(w, j: tl.constexpr):
-    return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
+                QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight rows ``rows`` and inputs
+    ``[k0, k0 + BLOCK_K)`` with the activations from :func:`_activations`, summed over each thread's
+    16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
+    and a chain of FMAs, in the registers that hold the vector.
 
-
-@triton.jit
-def _e4m3_words(w, ASM: tl.constexpr):
-    """int32 words of four e4m3 codes (lowest byte first) -> four tensors of their fp32 values (bytes 0 to
-    3), exactly: two packed e4m3 -> f16 conversions and four f16 -> f32 a word (inline PTX; the same
-    values from shifts and bitcasts where it cannot run, in Triton's interpreter)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b16 lo, hi, a, b, c, d; .reg .b32 p, q;
-            mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 p, lo; cvt.rn.f16x2.e4m3x2 q, hi;
-            mov.b32 {a, b}, p; mov.b32 {c, d}, q;
-            cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }""",
-            constraints="=f,=f,=f,=f,r", args=[w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True, pack=1)
-    return _e4m3_byte(w, 0), _e4m3_byte(w, 1), _e4m3_byte(w, 2), _e4m3_byte(w, 3)
-
-
-@triton.jit
-def _word_lanes(x_ptr, rows, k0, BLOCK_K: tl.constexpr):
-    """The fp32 activations of byte ``j`` of every word of a step's FP8 word tile, ``j`` = 0..3: tiles of
-    the word tile's shape (repeated rows, one load each), inputs ``k0 + 4 c + j``."""
-    cols = (k0 + 4 * tl.arange(0, BLOCK_K // 4))[None, :] + (rows * 0)[:, None]
-    return (tl.load(x_ptr + cols).to(tl.float32), tl.load(x_ptr + cols + 1).to(tl.float32),
-            tl.load(x_ptr + cols + 2).to(tl.float32), tl.load(x_ptr + cols + 3).to(tl.float32))
-
-
-@triton.jit
-def _load_step(w_ptr, s_ptr, rows, k0, row_len, s_cols, QUANT: tl.constexpr, SB_C: tl.constexpr,
-               VEC: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
-    """One loop step's weight tile as stored (MXFP4: bytes; FP8 with ``WORDS``: int32 words of four codes,
-    which a loop carries in a quarter of the registers bytes take) and its scales: MXFP4 exponents
-    ``[R, BLOCK_K / 32]``, FP8 block scales of the step (:func:`_fp8_scales`; ``s_ptr`` points at the
-    program's scale row), 1 for dense weights."""
-    if WORDS:
-        w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (row_len // 4)
-                    + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :])
-        s = _fp8_scales(s_ptr, k0, SB_C, BLOCK_K, 4)
-    elif QUANT == 2:
-        w = tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-        s = tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
-    else:
-        w = tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :])
-        if QUANT == 1:
-            s = _fp8_scales(s_ptr, k0, SB_C, BLOCK_K)
-        else:
-            s = 1.0
-    return w, s
-
-
-@triton.jit
-def _accumulate(acc, w, s, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
-                WORDS: tl.constexpr, ASM: tl.constexpr):
-    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight tile ``w`` (with its scales ``s``,
-    from :func:`_load_step`) and the activations ``xv`` from :func:`_activations`, summed over each
-    thread's 16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small
-    accumulator and a chain of FMAs, in the registers that hold the vector.
-
-    FP8: a program's rows lie in one scale row (the launcher makes sure), so the block scales multiply
-    the activations, not every weight.
+    FP8: a program's rows lie in one scale row (the launcher makes sure) and ``s_ptr`` points at
+    it, so the block scales multiply the activations, not every weight.
     """
-    R: tl.constexpr = w.shape[0]
+    R: tl.constexpr = rows.shape[0]
     if QUANT == 2:
-        lo, hi = _e2m1(w)
+        b = tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+        lo, hi = _e2m1(b)
         part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
-        acc += part * _group_scale(s)
-    elif WORDS:  # xv: the four lanes of _word_lanes
-        f0, f1, f2, f3 = _e4m3_words(w, ASM)
-        x0, x1, x2, x3 = xv
-        words = (f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3) * s
-        acc += tl.sum(tl.reshape(words, [R, BLOCK_K // VEC, VEC // 4]), axis=2)
+        e = tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
+        acc += part * _group_scale(e)
     else:
+        w = tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
         if QUANT == 1:
-            xv = xv * s
-        acc += tl.sum(tl.reshape(w.to(tl.float32) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
+            xv = xv * _fp8_scales(s_ptr, k0, SB_C, BLOCK_K)
+        acc += tl.sum(tl.reshape(w * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
     return acc
 
 
 @triton.jit
 def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
                   QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     if QUANT == 1:
         s1 += (row0 // SB_R) * s_cols
         s3 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
-    WORDS: tl.constexpr = QUANT == 1 and STAGES > 1
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    if STAGES > 1:  # the next step's tiles are loaded before this step's are multiplied (two steps an iteration)
-        a1, c1 = _load_step(w1, s1, rows, 0, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-        a3, c3 = _load_step(w3, s3, rows, 0, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-        xa = _activations(x, rows, 0, QUANT, BLOCK_K, X_SCALE, WORDS)
-        for k0 in range(0, n_in, 2 * BLOCK_K):
-            b1, d1 = _load_step(w1, s1, rows, k0 + BLOCK_K, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            b3, d3 = _load_step(w3, s3, rows, k0 + BLOCK_K, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            xb = _activations(x, rows, k0 + BLOCK_K, QUANT, BLOCK_K, X_SCALE, WORDS)
-            acc1 = _accumulate(acc1, a1, c1, xa, QUANT, VEC, BLOCK_K, WORDS, ASM)
-            acc3 = _accumulate(acc3, a3, c3, xa, QUANT, VEC, BLOCK_K, WORDS, ASM)
-            nxt = tl.minimum(k0 + 2 * BLOCK_K, n_in - BLOCK_K)  # the last pair re-reads its own step (cached)
-            a1, c1 = _load_step(w1, s1, rows, nxt, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            a3, c3 = _load_step(w3, s3, rows, nxt, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            xa = _activations(x, rows, nxt, QUANT, BLOCK_K, X_SCALE, WORDS)
-            acc1 = _accumulate(acc1, b1, d1, xb, QUANT, VEC, BLOCK_K, WORDS, ASM)
-            acc3 = _accumulate(acc3, b3, d3, xb, QUANT, VEC, BLOCK_K, WORDS, ASM)
-    else:
-        for k0 in range(0, n_in, BLOCK_K):
-            a1, c1 = _load_step(w1, s1, rows, k0, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            a3, c3 = _load_step(w3, s3, rows, k0, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE, WORDS)
-            acc1 = _accumulate(acc1, a1, c1, xv, QUANT, VEC, BLOCK_K, WORDS, ASM)
-            acc3 = _accumulate(acc3, a3, c3, xv, QUANT, VEC, BLOCK_K, WORDS, ASM)
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
+        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     g = tl.sum(acc1, axis=1)
     u = tl.sum(acc3, axis=1)
     if limit > 0:
@@ -292,29 +210,15 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 @triton.jit
 def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
                QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
-    WORDS: tl.constexpr = QUANT == 1 and STAGES > 1
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    if STAGES > 1:  # as in _gate_up_rows
-        a, c = _load_step(w2, s2, rows, 0, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-        ha = _activations(h, rows, 0, QUANT, BLOCK_K, 1.0, WORDS)
-        for k0 in range(0, n_inter, 2 * BLOCK_K):
-            b, d = _load_step(w2, s2, rows, k0 + BLOCK_K, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            hb = _activations(h, rows, k0 + BLOCK_K, QUANT, BLOCK_K, 1.0, WORDS)
-            acc = _accumulate(acc, a, c, ha, QUANT, VEC, BLOCK_K, WORDS, ASM)
-            nxt = tl.minimum(k0 + 2 * BLOCK_K, n_inter - BLOCK_K)
-            a, c = _load_step(w2, s2, rows, nxt, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            ha = _activations(h, rows, nxt, QUANT, BLOCK_K, 1.0, WORDS)
-            acc = _accumulate(acc, b, d, hb, QUANT, VEC, BLOCK_K, WORDS, ASM)
-    else:
-        for k0 in range(0, n_inter, BLOCK_K):
-            a, c = _load_step(w2, s2, rows, k0, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K, WORDS)
-            hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0, WORDS)
-            acc = _accumulate(acc, a, c, hv, QUANT, VEC, BLOCK_K, WORDS, ASM)
+    for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
+        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
+        acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
 
 
@@ -334,7 +238,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    ASM: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
     pdl.start(PDL)
@@ -345,17 +249,17 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
                               s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
                           tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
                           tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
@@ -365,7 +269,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
@@ -375,15 +279,15 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     if MIXED:
         if slot < top_k:
             y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
-                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
-                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
                        tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
-                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
@@ -461,12 +365,6 @@ def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, in
     if block_k < vec:
         raise ValueError(f"moe_fused: the inputs of {[(s.inp, s.block) for s in stacks]} (FP8 blocks) do not "
                          f"split into {vec}-input vectors")
-    if tile.stages > 1:  # FP8 words, two loop steps an iteration
-        while (stacks[0].inp // block_k) % 2 and block_k > vec:
-            block_k //= 2
-        if any(s.quant != FP8 for s in stacks) or (stacks[0].inp // block_k) % 2:
-            raise ValueError(f"moe_fused: tile {tile} keeps steps in flight for FP8 experts only, in an even number "
-                             f"of {vec}-input steps (inputs {stacks[0].inp})")
     return rows, block_k
 
 
@@ -504,14 +402,14 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     _gate_up_kernel[(N * slots, w1.out // rows)](
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
-        **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages, ASM=x.is_cuda,
-        num_warps=config.gate_up.warps, num_stages=1, **pdl.launch(x))
+        **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
+        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
-        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages, ASM=x.is_cuda,
-        num_warps=config.down.warps, num_stages=1, **pdl.launch(x))
+        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
+        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
     if not summed:
         return part
     out = torch.empty_like(x)
