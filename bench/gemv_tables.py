@@ -9,7 +9,7 @@ writes candidate tiles, one field changed per candidate, as named tables::
     {"moe-fp8-down-s3": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 64, ...}}}]}
 
 (GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format,
-asking L2 for steps ahead) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
+with more loop stages) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
 an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
@@ -69,15 +69,15 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
-    """The fused MoE's tiles for expert format ``fmt`` with one launch's loop (or both launches') asking L2 for the
-    weights 1 to 3 steps ahead (stages 2 to 4, see ``moe.Tile``), by name (``gate_up-s3``, ``both-s2``, ...)."""
+    """The fused MoE's tiles for expert format ``fmt`` with one launch's loop pipelined deeper (2 to 4 stages),
+    by name (``gate_up-s3``, ``down-s2``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
-    for name, parts, depths in (("gate_up", ("gate_up",), (2, 3, 4)), ("down", ("down",), (2, 3, 4)),
-                                ("both", ("gate_up", "down"), (2, 3))):
-        for stages in depths:
-            staged = {part: dataclasses.replace(getattr(base, part), stages=stages) for part in parts}
-            out[f"{name}-s{stages}"] = dataclasses.replace(base, **staged)
+    for part in ("gate_up", "down"):
+        tile = getattr(base, part)
+        for stages in (2, 3, 4):
+            if stages != tile.stages:
+                out[f"{part}-s{stages}"] = dataclasses.replace(base, **{part: dataclasses.replace(tile, stages=stages)})
     return out
 
 

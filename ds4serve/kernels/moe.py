@@ -45,12 +45,10 @@ class Tile:
     """One launch's tiling: a program reads ``rows`` weight rows, ``block_k`` inputs a loop step.
 
     Both are lowered to powers of two dividing the matrix (FP8 rows also the scale block), so no
-    load is masked. A program loads a step, waits for it, then multiplies it; with ``stages`` above 1
-    it first asks L2 for the weights ``stages - 1`` steps ahead (one ``prefetch.global.L2`` per 128-byte
-    line), so DRAM streams the next steps while this one is multiplied, which at 1 only the other
-    programs on the SM overlap. (Triton's ``cp.async`` pipelining of these loops, what ``stages`` meant
-    before, ran 1.3-3x slower on the H200: its shared-memory copies include the activation tile's
-    repeated rows.)
+    load is masked. ``stages`` is the loop's ``tl.range(num_stages=...)``: Triton 3.6 pipelines a
+    loop without ``tl.dot`` (these are CUDA-core products) with ``cp.async`` only when the stage count
+    is given on the loop, as the GEMV's (:mod:`ds4serve.kernels.gemv`) are; at 1 a program issues one
+    step's loads at a time, and the bytes in flight come from the tile and the programs per SM.
     """
 
     rows: int
@@ -184,25 +182,9 @@ def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
 
 
 @triton.jit
-def _prefetch_step(w_ptr, rows, k0, row_len, n_in, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """Ask L2 for the weight rows' loop step at inputs ``[k0, k0 + BLOCK_K)``, none past the inputs' end: one
-    ``prefetch.global.L2`` per 128-byte line, nothing waits for it. Only a hint, so none in Triton's
-    interpreter (``ASM`` false)."""
-    if ASM:
-        if k0 < n_in:
-            COLS: tl.constexpr = BLOCK_K // 2 if QUANT == 2 else BLOCK_K  # elements of w_ptr (MXFP4: bytes)
-            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-            SPAN: tl.constexpr = LINE if COLS > LINE else COLS
-            col0 = k0 // 2 if QUANT == 2 else k0
-            lines = w_ptr + rows[:, None].to(tl.int64) * row_len + col0 + SPAN * tl.arange(0, COLS // SPAN)[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
 def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
                   QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     if QUANT == 1:
         s1 += (row0 // SB_R) * s_cols
@@ -210,10 +192,7 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
     rows = row0 + tl.arange(0, BLOCK_R)
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        if STAGES > 1:
-            _prefetch_step(w1, rows, k0 + (STAGES - 1) * BLOCK_K, row_len, n_in, QUANT, BLOCK_K, ASM)
-            _prefetch_step(w3, rows, k0 + (STAGES - 1) * BLOCK_K, row_len, n_in, QUANT, BLOCK_K, ASM)
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
         xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
         acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
         acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
@@ -231,15 +210,13 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 @triton.jit
 def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
                QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in range(0, n_inter, BLOCK_K):
-        if STAGES > 1:
-            _prefetch_step(w2, rows, k0 + (STAGES - 1) * BLOCK_K, row_len, n_inter, QUANT, BLOCK_K, ASM)
+    for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
         hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
         acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
@@ -261,7 +238,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    ASM: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
     pdl.start(PDL)
@@ -272,17 +249,17 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
                               s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
                           tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
                           tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
@@ -292,7 +269,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
@@ -302,15 +279,15 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     if MIXED:
         if slot < top_k:
             y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
-                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
-                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
                        tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
-                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, ASM)
+                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
@@ -425,14 +402,14 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     _gate_up_kernel[(N * slots, w1.out // rows)](
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
-        **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages, ASM=x.is_cuda,
-        num_warps=config.gate_up.warps, num_stages=1, **pdl.launch(x))
+        **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
+        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
-        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages, ASM=x.is_cuda,
-        num_warps=config.down.warps, num_stages=1, **pdl.launch(x))
+        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
+        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
     if not summed:
         return part
     out = torch.empty_like(x)
