@@ -6,10 +6,10 @@ eleventh run found the FP8 projections at ~79% of the copy rate there against ~8
 writes candidate tiles, one field changed per candidate, as named tables::
 
     {"wo_b-0": [{"key": ["fp8", 4096, 8192, 1, 1], "config": {"block_r": 32, "block_k": 128, ...}}], ...}
-    {"moe-fp8-down-s3": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 64, ...}}}]}
+    {"moe-fp8-down-rows128": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 128, ...}}}]}
 
-(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format,
-with more loop stages) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
+(GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format, one
+field changed) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
 an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
@@ -69,15 +69,18 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
-    """The fused MoE's tiles for expert format ``fmt`` with one launch's loop pipelined deeper (2 to 4 stages),
-    by name (``gate_up-s3``, ``down-s2``, ...)."""
+    """The fused MoE's tiles for expert format ``fmt`` with one launch's rows, step or warps doubled or halved (one
+    loop stage, see ``moe.Tile``), by name (``gate_up-rows32``, ``down-block_k512``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
     for part in ("gate_up", "down"):
         tile = getattr(base, part)
-        for stages in (2, 3, 4):
-            if stages != tile.stages:
-                out[f"{part}-s{stages}"] = dataclasses.replace(base, **{part: dataclasses.replace(tile, stages=stages)})
+        for field in ("rows", "block_k", "warps"):
+            value = getattr(tile, field)
+            for other in (value * 2, value // 2):
+                if other >= 1 and (field != "block_k" or other >= 16):
+                    changed = dataclasses.replace(tile, **{field: other})
+                    out[f"{part}-{field}{other}"] = dataclasses.replace(base, **{part: changed})
     return out
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,14 +50,15 @@ def test_bad_tables_and_arms_are_rejected(tmp_path):
         gemv_tables.arm_scope("defaults@missing", {})
 
 
-def test_moe_tables_deepen_one_launch_loop_each(tmp_path):
-    """``--moe`` tables: per expert format, the shipped tiles with one launch's loop at 2 to 4 stages; they load
-    back equal, and an arm holding one uses its tiles in moe_fused's configuration lookup, then restores them."""
+def test_moe_tables_change_one_field_of_one_launch(tmp_path):
+    """``--moe`` tables: per expert format, the shipped tiles with one launch's rows, step or warps doubled or halved;
+    they load back equal, and an arm holding one uses its tiles in moe_fused's configuration lookup, then restores
+    them."""
     from ds4serve.kernels import moe
 
     tables = gemv_tables.write(tmp_path / "moe.json", moe=True)
     assert gemv_tables.load(tmp_path / "moe.json") == tables
-    assert len(tables) == 3 * 6  # three formats, two launches, three stage counts other than the shipped 1
+    assert len(tables) >= 3 * 2 * 5  # three formats, two launches, at least five neighbours each
     for name, table in tables.items():
         ((kind, fmt), cfg), = table.items()
         base = moe.CONFIGS[fmt]
@@ -66,11 +66,13 @@ def test_moe_tables_deepen_one_launch_loop_each(tmp_path):
         other = "down" if part == "gate_up" else "gate_up"
         assert kind == "moe" and name.startswith(f"moe-{fmt}-")
         assert getattr(cfg, other) == getattr(base, other)
-        assert getattr(cfg, part) == dataclasses.replace(getattr(base, part), stages=int(name[-1]))
+        tile, shipped = getattr(cfg, part), getattr(base, part)
+        diff = [f for f in ("rows", "block_k", "warps", "stages") if getattr(tile, f) != getattr(shipped, f)]
+        assert len(diff) == 1 and diff[0] != "stages" and name.endswith(f"{diff[0]}{getattr(tile, diff[0])}")
     before = moe.CONFIGS["fp8"]
-    with gemv_tables.arm_scope("defaults@moe-fp8-down-s3", tables):
+    with gemv_tables.arm_scope("defaults@moe-fp8-down-rows128", tables):
         assert moe._config(moe.ExpertStack(torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn),
-                                           torch.ones(1, 1, 1), (128, 128)), None).down.stages == 3
+                                           torch.ones(1, 1, 1), (128, 128)), None).down.rows == 128
     assert moe.CONFIGS["fp8"] == before
 
 
