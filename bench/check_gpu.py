@@ -85,8 +85,8 @@ def fp4_random(E: int, rows: int, cols: int) -> FP4Weight:
 
 
 def check_gemv() -> None:
-    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K
-    and a CUDA-core one. Each timing repeats one weight (L2-warm below 50 MB): bench/sweep_gemv.py
+    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K,
+    a CUDA-core one and for FP8 an e4m3 x e4m3 one (``pieces``). Each timing repeats one weight (L2-warm below 50 MB): bench/sweep_gemv.py
     measures the DRAM rates."""
     for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
         dense_w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5
@@ -97,8 +97,9 @@ def check_gemv() -> None:
             for kind, w, s, block in (("bf16", dense_w, None, None), ("fp8", q.data, q.scale, q.block)):
                 ref = gemv_ref(x, w, s, block, groups)
                 default = default_config(kind, rows, cols, tokens, groups, block)
+                pieces = (GemvConfig(64, 128, dot=True, pieces=True),) if kind == "fp8" else ()
                 for c in (default, GemvConfig(64, 128, split=4, dot=True),
-                          GemvConfig(16, 512 if tokens == 1 else 128, split=2)):
+                          GemvConfig(16, 512 if tokens == 1 else 128, split=2), *pieces):
                     poison_allocator(tokens * rows * 4 * max(c.split, 1))
                     out = gemv(xin, w, s, block, groups, config=c)
                     ms = timed(lambda: gemv(xin, w, s, block, groups, config=c))

@@ -48,7 +48,8 @@ SHAPES: dict[str, Key] = {
 
 
 def candidates(key: Key) -> list[GemvConfig]:
-    """Tiles near ``key``'s table entry, one field changed at a time, that can run its product."""
+    """Tiles near ``key``'s table entry, one field changed at a time, and FP8 x FP8 tensor-core tiles (``pieces``) of
+    two heights, that can run its product."""
     kind, rows, _, tokens, groups = key
     base = TABLE[key]
     block = _scale_block(kind)
@@ -59,6 +60,8 @@ def candidates(key: Key) -> list[GemvConfig]:
         {"warps": base.warps * 2}, {"warps": max(base.warps // 2, 1)},
         {"stages": base.stages + 2}, {"stages": max(base.stages - 2, 2)},
         {"dot": not base.dot, "block_r": max(base.block_r, 16), "block_k": 128},
+        {"dot": True, "pieces": True, "block_r": 64, "block_k": 128, "warps": 4, "stages": 4},
+        {"dot": True, "pieces": True, "block_r": 128, "block_k": 128, "warps": 4, "stages": 4},
     ]
     out: list[GemvConfig] = []
     for change in changes:
