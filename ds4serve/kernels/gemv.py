@@ -27,8 +27,9 @@ FP8 tensor-core tiles with ``pieces`` multiply e4m3 by e4m3 (Hopper's FP8 MMA): 
 (:func:`activation_pieces`) writes each bf16 activation as ``PIECES`` e4m3 numbers (``x S = q0 + q1/16
 + q2/256``, ``S`` a power of two per 128 inputs that puts the largest in [64, 128)): exact for every bf16
 value down to 2^-16 of that largest, and within 2^-23 of it below. The weight tile goes from memory to
-the MMA unconverted, so a weight byte costs about one instruction (sm_90 code) instead of three. The products are exact; Hopper's FP8 MMA adds
-them with fewer than fp32's bits, so the result is within bf16 tolerance rather than fp32-exact.
+the MMA unconverted: 1.6-2.4 sm_90 instructions a weight byte against 3.4-4.1 with fp16 operands. The
+products are exact; Hopper's FP8 MMA adds them with fewer than fp32's bits, so the result is within bf16
+tolerance rather than fp32-exact.
 
 Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
@@ -491,9 +492,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.pieces:
         pieces, s_inv = activation_pieces(x2)
-        _gemv_pieces_kernel[grid](pieces, s_inv, *args[1:8], pieces.shape[1], s_inv.shape[1], *args[9:],
-                                  N_PAD=DOT_ROWS, PIECES=PIECES, SPAN=PIECE_SPAN, N_TOK=n_tokens,
-                                  **{k: v for k, v in consts.items() if k != "SCALED"})
+        consts.pop("SCALED")  # always FP8
+        _gemv_pieces_kernel[grid](pieces, s_inv, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups,
+                                  pieces.shape[1], s_inv.shape[1], scale.shape[1], n_tokens, N_PAD=DOT_ROWS,
+                                  PIECES=PIECES, SPAN=PIECE_SPAN, N_TOK=n_tokens, **consts)
     elif cfg.dot:
         _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
                                N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
