@@ -50,9 +50,9 @@ def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tu
     ("fp8", 1, 2, GemvConfig(8, 16)),
     ("bf16", 1, 2, GemvConfig(4, 128, split=2)),
     ("fp32", 3, 2, GemvConfig(16, 32, split=3)),
-    ("fp8", 1, 1, GemvConfig(16, 64, dot=True, pieces=True)),  # e4m3 x e4m3: two scale columns a step
+    ("fp8", 1, 1, GemvConfig(16, 64, dot=True, pieces=True)),  # e4m3 x e4m3: two scale columns a step, masked
     ("fp8", 3, 2, GemvConfig(32, 32, split=2, dot=True, pieces=True)),  # groups, split-K, three tokens' nine columns
-    ("fp8", 3, 1, GemvConfig(64, 16, warps=4, dot=True, pieces=True)),  # a tile spans two scale rows
+    ("fp8", 3, 1, GemvConfig(64, 16, warps=4, dot=True, pieces=True)),  # two scale rows a tile; whole tiles
 ])
 def test_gemv_matches_reference(kind, rows, groups, config):
     w, scale, block = _weight(kind, 10 * rows + groups)
@@ -215,9 +215,10 @@ from ds4serve.kernels import gemv
 
 fn = gemv._gemv_pieces_kernel
 sig = dict(p_ptr="*fp8e4nv", ps_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16", n_rows="i32",
-           n_in="i32", k_per_split="i32", rows_per_group="i32", p_len="i32", n_spans="i32", s_cols="i32", n_tokens="i32")
+           n_in="i32", k_per_split="i32", rows_per_group="i32", p_len="i32", n_spans="i32", s_cols="i32",
+           n_tokens="i32")
 consts = dict(SB_R=128, SB_C=128, N_PAD=16, BLOCK_R=64, BLOCK_K=128, SUB_K=128, STAGES=4, PARTIAL=False, PIECES=3,
-              SPAN=128, N_TOK=1, PDL=True)
+              SPAN=128, N_TOK=1, EVEN=True, PDL=True)
 divisible = ["p_ptr", "ps_ptr", "w_ptr", "s_ptr", "out_ptr", "n_rows", "n_in", "k_per_split", "p_len", "n_spans"]
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
 source = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
