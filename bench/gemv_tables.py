@@ -73,7 +73,8 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
     """The fused MoE's tiles for expert format ``fmt`` with one launch's rows, step or warps doubled or halved (one
-    loop stage, see ``moe.Tile``), by name (``gate_up-rows32``, ``down-block_k512``, ...)."""
+    loop stage, see ``moe.Tile``), and for FP8 the down launch on e4m3 x e4m3 tensor cores (``pieces``), by name
+    (``gate_up-rows32``, ``down-block_k512``, ``down-pieces64``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
     for part in ("gate_up", "down"):
@@ -84,6 +85,9 @@ def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
                 if other >= 1 and (field != "block_k" or other >= 16):
                     changed = dataclasses.replace(tile, **{field: other})
                     out[f"{part}-{field}{other}"] = dataclasses.replace(base, **{part: changed})
+    if fmt == "fp8":
+        for tile in (Tile(64, 128, 4, 4, pieces=True), Tile(128, 128, 4, 3, pieces=True)):
+            out[f"down-pieces{tile.rows}"] = dataclasses.replace(base, down=tile)
     return out
 
 
@@ -130,8 +134,11 @@ def _moe_problem(fmt: str, cfg: MoEConfig) -> str | None:
     if fmt not in CONFIGS:
         return f"no expert format {fmt!r} (formats: {sorted(CONFIGS)})"
     for tile in (cfg.gate_up, cfg.down):
-        if any(v < 1 for v in dataclasses.astuple(tile)) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
-            return f"tile {tile}: rows and block_k must be powers of two, every field positive"
+        sizes = (tile.rows, tile.block_k, tile.warps, tile.stages)
+        if any(v < 1 for v in sizes) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
+            return f"tile {tile}: rows and block_k must be powers of two, every size positive"
+    if cfg.gate_up.pieces or (cfg.down.pieces and fmt != "fp8"):
+        return "pieces tiles are for the down launch of FP8 experts"
     return None
 
 

@@ -15,8 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.gemv import (  # noqa: E402
-    PIECE_SPAN, PIECES, SMS, TABLE, GemvConfig, activation_pieces, config_problem, default_config, gemv, gemv_pair,
-    gemv_ref, weight_kind)
+    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_pair, gemv_ref, weight_kind)
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.kernels import gemv as gemv_module  # noqa: E402
 from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
@@ -63,28 +62,6 @@ def test_gemv_matches_reference(kind, rows, groups, config):
     ref = gemv_ref(x, w, scale, block, groups)
     assert got is out
     assert _rel(got, ref) <= (1e-5 if kind == "fp32" else 1e-2)
-
-
-def test_activation_pieces_hold_bf16_activations_exactly():
-    """Each span's bf16 activations are s_inv * sum_j piece_j 16^-j: exactly down to 2^-16 of the span's largest
-    (magnitudes over 2^40 here), within 2^-23 of it below; an all-zero span and a ragged last span included."""
-    gen = torch.Generator().manual_seed(5)
-    n_in = 3 * PIECE_SPAN + 40
-    mags = torch.exp2(torch.randint(-30, 10, (2, n_in), generator=gen).float())
-    x = (torch.randn(2, n_in, generator=gen) * mags).to(torch.bfloat16)
-    x[1, PIECE_SPAN:2 * PIECE_SPAN] = 0
-    with kernels.on_any_device():
-        pieces, s_inv = activation_pieces(x.to(DEVICE))
-    assert pieces.shape == (2 * PIECES, n_in) and s_inv.shape == (2, 4)
-    q = pieces.float().cpu().view(2, PIECES, n_in)
-    back = sum(q[:, j] * 16.0 ** -j for j in range(PIECES)) * s_inv.cpu().repeat_interleave(PIECE_SPAN, 1)[:, :n_in]
-    xf = x.float()
-    big = xf.abs().view(2, -1).new_zeros(2, 4 * PIECE_SPAN)
-    big[:, :n_in] = xf.abs()
-    largest = big.view(2, 4, PIECE_SPAN).amax(-1).repeat_interleave(PIECE_SPAN, 1)[:, :n_in]
-    exact = xf.abs() >= largest * 2.0 ** -16
-    assert torch.equal(back[exact], xf[exact])
-    assert ((back - xf).abs() <= largest * 2.0 ** -23).all()
 
 
 def test_gemv_rejects_configs_that_cannot_run():

@@ -121,6 +121,32 @@ def test_moe_fused_tiles_and_routed_only(fmt, poisoned):
     assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
+@pytest.mark.parametrize("N", [1, 3])
+def test_fp8_down_with_pieces_keeps_fp32_activations(N, poisoned):
+    """A down tile with ``pieces`` (e4m3 x e4m3 MMA on six e4m3 pieces of h): with fp32 activations the result is
+    the exactly dequantised fp32 reference's to ~1e-6 where the MMA adds exactly (the interpreter; Hopper's FP8
+    MMA adds with fewer bits: bf16 tolerance there)."""
+    x, idx, weights, w, routed, shared = _case("fp8", N)
+    x = x.float()
+    stacks = [ExpertStack(m.data, m.scale, m.block) for m in (w.w1, w.w3, w.w2)]
+    shared_stacks = tuple(ExpertStack(m.data, m.scale, m.block) for m in (w.shared_w1, w.shared_w3, w.shared_w2))
+    ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
+    config = {"fp8": MoEConfig(Tile(16, 64), Tile(16, 64, pieces=True))}  # two scale columns a step
+    out = moe_fused(x, idx, weights, *stacks, LIMIT, shared=shared_stacks, configs=config)
+    assert _rel(out, ref) <= (1e-5 if DEVICE == "cpu" else 1e-2)
+
+
+def test_pieces_tiles_are_for_fp8_down_launches():
+    x, idx, weights, w, _, _ = _case("bf16", 1)
+    stacks = [ExpertStack(m) for m in (w.w1, w.w3, w.w2)]
+    with pytest.raises(ValueError, match="with pieces needs FP8 experts"):
+        moe_fused(x, idx, weights, *stacks, LIMIT, configs={"bf16": MoEConfig(Tile(16, 32), Tile(16, 32, pieces=True))})
+    x, idx, weights, w, _, _ = _case("fp8", 1)
+    stacks = [ExpertStack(m.data, m.scale, m.block) for m in (w.w1, w.w3, w.w2)]
+    with pytest.raises(ValueError, match="down launch only"):
+        moe_fused(x, idx, weights, *stacks, LIMIT, configs={"fp8": MoEConfig(Tile(16, 32, pieces=True), Tile(16, 32))})
+
+
 def test_mxfp4_decode_is_exact(poisoned):
     """Every byte value in every w1 / w3 row and scales from 2^-31 to 2^8, fp32 activations: the
     kernels match the exactly dequantised fp32 reference up to fp32 rounding."""

@@ -24,12 +24,12 @@ scale column each (the whole step for dense weights), so a block scale is one nu
   checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
 
 FP8 tensor-core tiles with ``pieces`` multiply e4m3 by e4m3 (Hopper's FP8 MMA): a first launch
-(:func:`activation_pieces`) writes each bf16 activation as ``PIECES`` e4m3 numbers (``x S = q0 + q1/16
-+ q2/256``, ``S`` a power of two per 128 inputs that puts the largest in [64, 128)): exact for every bf16
-value down to 2^-16 of that largest, and within 2^-23 of it below. The weight tile goes from memory to
-the MMA unconverted: 1.3-2.1 sm_90 instructions a weight byte against 3.4-4.1 with fp16 operands. The
-products are exact; Hopper's FP8 MMA adds them with fewer than fp32's bits, so the result is within bf16
-tolerance rather than fp32-exact.
+(:func:`ds4serve.kernels.pieces.activation_pieces`) writes each bf16 activation as ``PIECES`` e4m3 numbers
+(``x S = q0 + q1/16 + q2/256``, ``S`` a power of two per 128 inputs that puts the largest in [64, 128)):
+exact for every bf16 value down to 2^-16 of that largest, and within 2^-23 of it below. The weight tile
+goes from memory to the MMA unconverted: 1.3-2.1 sm_90 instructions a weight byte against 3.4-4.1 with
+fp16 operands. The products are exact; Hopper's FP8 MMA adds them with fewer than fp32's bits, so the
+result is within bf16 tolerance rather than fp32-exact.
 
 Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
+from .pieces import PIECE_SPAN, activation_pieces, pow2
 from .scoped import overridden
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
@@ -282,45 +283,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
 
 
 PIECES = 3  # e4m3 pieces of a bf16 activation: 4 significant bits each, bf16's 8 exact with room to spare
-PIECE_SPAN = 128  # inputs sharing one power-of-two activation scale
-
-
-@triton.jit
-def _pow2(e):
-    """``2^e`` for integer ``e`` in fp32's normal range, exactly (from the exponent bits)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_e4m3(r):
-    """``r`` (|r| < 448) rounded to the nearest e4m3 value, in fp32 arithmetic: 4 significant bits from 2^-6 up
-    (Veltkamp's split at 20 bits), multiples of 2^-9 below. Exact only without FP contraction (the launch
-    passes ``enable_fp_fusion=False``); the e4m3 cast of its result is then exact on any backend (Triton's
-    interpreter rounds some fp32 -> e4m3 casts otherwise)."""
-    c = r * 1048577.0
-    high = c - (c - r)
-    low = (r + 24576.0) - 24576.0
-    return tl.where(tl.abs(r) >= 0.015625, high, low)
-
-
-@triton.jit
-def _pieces_kernel(x_ptr, p_ptr, s_ptr, n_in, x_stride, n_spans, SPAN: tl.constexpr, PIECES: tl.constexpr,
-                   PDL: tl.constexpr):
-    # One program per span of SPAN inputs and token: S = 2^(6 - floor(log2 max |x|)), then e4m3 pieces of x S,
-    # each the rounding left by the ones before times 16; S^-1 per span.
-    pdl.start(PDL)
-    span = tl.program_id(0)
-    token = tl.program_id(1)
-    k = span * SPAN + tl.arange(0, SPAN)
-    v = tl.load(x_ptr + token * x_stride + k, mask=k < n_in, other=0.0).to(tl.float32)
-    m = tl.max(tl.abs(v), axis=0)
-    e = tl.maximum(((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100)  # floor(log2 m); -100 for 0
-    r = v * _pow2(6 - e)
-    for j in tl.static_range(PIECES):
-        q = _round_e4m3(r)
-        tl.store(p_ptr + (token * PIECES + j) * n_in + k, q.to(tl.float8e4nv), mask=k < n_in)
-        r = (r - q) * 16.0
-    tl.store(s_ptr + token * n_spans + span, _pow2(e - 6))
 
 
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
@@ -340,7 +302,7 @@ def _gemv_pieces_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_pe
     col = tl.arange(0, N_PAD)
     cmask = col < n_tokens * PIECES
     token_of = col // PIECES
-    weight_of = _pow2(-4 * (col % PIECES))
+    weight_of = pow2(-4 * (col % PIECES))
     acc = tl.zeros([BLOCK_R, N_PAD], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(BLOCK_K // SUB_K):
@@ -496,7 +458,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                   **pdl.launch(x2))
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.pieces:
-        pieces, s_inv = activation_pieces(x2)
+        pieces, s_inv = activation_pieces(x2, PIECES)
         consts.pop("SCALED")  # always FP8
         _gemv_pieces_kernel[grid](pieces, s_inv, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups,
                                   pieces.shape[1], s_inv.shape[1], scale.shape[1], n_tokens, N_PAD=DOT_ROWS,
@@ -512,18 +474,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
                                                     **pdl.launch(x2))
     return out
-
-
-def activation_pieces(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x2 [N, K]`` as ``(pieces [N * PIECES, K] e4m3, s_inv [N, ceil(K / PIECE_SPAN)] fp32)``: row ``t PIECES + j``
-    holds piece ``j`` of token ``t``, and ``x = s_inv * sum_j pieces_j 16^-j`` per span (one launch)."""
-    n_tokens, n_in = x2.shape
-    n_spans = triton.cdiv(n_in, PIECE_SPAN)
-    pieces = torch.empty(n_tokens * PIECES, n_in, device=x2.device, dtype=torch.float8_e4m3fn)
-    s_inv = torch.empty(n_tokens, n_spans, device=x2.device, dtype=torch.float32)
-    _pieces_kernel[(n_spans, n_tokens)](x2, pieces, s_inv, n_in, x2.stride(0), n_spans, SPAN=PIECE_SPAN,
-                                        PIECES=PIECES, num_warps=4, enable_fp_fusion=False, **pdl.launch(x2))
-    return pieces, s_inv
 
 
 def _plan(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torch.Tensor | None,
