@@ -96,17 +96,24 @@ def _scale_block(kind: str) -> tuple[int, int] | None:
     return TABLED_BLOCK if kind == "fp8" else None
 
 
-def write(path: Path, moe: bool = False) -> Tables:
+def write(path: Path, moe: bool = False, pieces: bool = False) -> Tables:
     """Every GEMV shape's candidates as one-entry tables named ``SHAPE-i`` (with ``moe``: every expert format's
-    MoE candidates, ``moe-FORMAT-NAME``), written to ``path`` as JSON."""
+    MoE candidates, ``moe-FORMAT-NAME``; with ``pieces``: only those on e4m3 x e4m3 tensor cores), written to
+    ``path`` as JSON."""
     if moe:
         tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
                           for name, cfg in moe_candidates(fmt).items()}
     else:
         tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items() for i, cfg in enumerate(candidates(key))}
+    if pieces:
+        tables = {name: t for name, t in tables.items() if any(_uses_pieces(c) for c in t.values())}
     path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
                                 for name, t in tables.items()}, indent=1) + "\n")
     return tables
+
+
+def _uses_pieces(cfg: GemvConfig | MoEConfig) -> bool:
+    return cfg.down.pieces if isinstance(cfg, MoEConfig) else cfg.pieces
 
 
 def load(path: Path) -> Tables:
@@ -160,8 +167,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
+    p.add_argument("--pieces", action="store_true", help="only the tiles on e4m3 x e4m3 tensor cores")
     args = p.parse_args()
-    tables = write(args.out, args.moe)
+    tables = write(args.out, args.moe, args.pieces)
     print(f"{len(tables)} tables: {', '.join(tables)}")
 
 

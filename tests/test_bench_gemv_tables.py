@@ -94,3 +94,12 @@ def test_bad_moe_tables_are_rejected(tmp_path):
                                                                            "down": {**tile, "pieces": True}}}]}))
     with pytest.raises(ValueError, match="table 'z'.*down launch of FP8 experts"):
         gemv_tables.load(path)
+
+
+def test_pieces_tables_are_the_e4m3_tiles_only(tmp_path):
+    """``--pieces``: of the GEMV tables the FP8 projections' tiles on e4m3 x e4m3 tensor cores, of the MoE's the FP8
+    down launch's."""
+    gemv = gemv_tables.write(tmp_path / "g.json", pieces=True)
+    assert gemv and all(cfg.pieces and key[0] == "fp8" for t in gemv.values() for key, cfg in t.items())
+    moe_tables = gemv_tables.write(tmp_path / "m.json", moe=True, pieces=True)
+    assert set(moe_tables) == {"moe-fp8-down-pieces64", "moe-fp8-down-pieces128"}
