@@ -36,7 +36,7 @@ from ds4serve.engine.drafts import OracleProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_pair, gemv_ref
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre
 from ds4serve.kernels.hyper import hc_coefficients
-from ds4serve.kernels.moe import CONFIGS, ExpertStack, MoEConfig, Tile, moe_fused, moe_ref
+from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
 from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import HCSite, hc_merge, hc_split, sum_terms
@@ -85,9 +85,9 @@ def fp4_random(E: int, rows: int, cols: int) -> FP4Weight:
 
 
 def check_gemv() -> None:
-    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K,
-    a CUDA-core one and for FP8 an e4m3 x e4m3 one (``pieces``). Each timing repeats one weight (L2-warm
-    below 50 MB): bench/sweep_gemv.py measures the DRAM rates."""
+    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K
+    and a CUDA-core one. Each timing repeats one weight (L2-warm below 50 MB): bench/sweep_gemv.py
+    measures the DRAM rates."""
     for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
         dense_w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5
         q = quantize_fp8(dense_w)
@@ -97,9 +97,8 @@ def check_gemv() -> None:
             for kind, w, s, block in (("bf16", dense_w, None, None), ("fp8", q.data, q.scale, q.block)):
                 ref = gemv_ref(x, w, s, block, groups)
                 default = default_config(kind, rows, cols, tokens, groups, block)
-                pieces = (GemvConfig(64, 128, dot=True, pieces=True),) if kind == "fp8" else ()
                 for c in (default, GemvConfig(64, 128, split=4, dot=True),
-                          GemvConfig(16, 512 if tokens == 1 else 128, split=2), *pieces):
+                          GemvConfig(16, 512 if tokens == 1 else 128, split=2)):
                     poison_allocator(tokens * rows * 4 * max(c.split, 1))
                     out = gemv(xin, w, s, block, groups, config=c)
                     ms = timed(lambda: gemv(xin, w, s, block, groups, config=c))
@@ -156,20 +155,14 @@ def check_moe() -> None:
             used, local = torch.unique(idx, return_inverse=True)
             dense = [m[used] if quant == "bf16" else m[used].dequantize(torch.float32) for m in routed]
             ref = moe_ref(x, local, wts, *dense, 10.0, shared=tuple(shared_dense))
+            poison_allocator(tokens * (k + 1) * (D + inter) * 4)
+            out = moe_fused(x, idx, wts, *stacks, 10.0, shared=shared)
+            ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0, shared=shared))
+            err = rel(out, ref)
             nbytes = sum(s.data[0].nbytes + (s.scale[0].nbytes if s.quant else 0) for s in stacks) * used.numel()
             nbytes += sum(s.data.nbytes + (s.scale.nbytes if s.quant else 0) for s in shared)
-            # FP8 also with the down launch on e4m3 x e4m3 tensor cores (Tile.pieces)
-            tiles = {"": None}
-            if quant == "fp8":
-                down = Tile(64, 128, 4, 4, pieces=True)
-                tiles[" (down with pieces)"] = {"fp8": MoEConfig(CONFIGS["fp8"].gate_up, down)}
-            for label, configs in tiles.items():
-                poison_allocator(tokens * (k + 1) * (D + inter) * 4)
-                out = moe_fused(x, idx, wts, *stacks, 10.0, shared=shared, configs=configs)
-                ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0, shared=shared, configs=configs))
-                err = rel(out, ref)
-                record(f"kernel moe_fused {quant} routed + shared N={tokens} k=6{label}", err <= 1e-2, rel_err=err,
-                       ms=ms, GBps=nbytes / ms / 1e6)
+            record(f"kernel moe_fused {quant} routed + shared N={tokens} k=6", err <= 1e-2, rel_err=err, ms=ms,
+                   GBps=nbytes / ms / 1e6)
             del dense
 
 

@@ -48,8 +48,7 @@ SHAPES: dict[str, Key] = {
 
 
 def candidates(key: Key) -> list[GemvConfig]:
-    """Tiles near ``key``'s table entry, one field changed at a time, and FP8 x FP8 tensor-core tiles (``pieces``) of
-    two heights, that can run its product."""
+    """Tiles near ``key``'s table entry, one field changed at a time, that can run its product."""
     kind, rows, _, tokens, groups = key
     base = TABLE[key]
     block = _scale_block(kind)
@@ -60,8 +59,6 @@ def candidates(key: Key) -> list[GemvConfig]:
         {"warps": base.warps * 2}, {"warps": max(base.warps // 2, 1)},
         {"stages": base.stages + 2}, {"stages": max(base.stages - 2, 2)},
         {"dot": not base.dot, "block_r": max(base.block_r, 16), "block_k": 128},
-        {"dot": True, "pieces": True, "block_r": 64, "block_k": 128, "warps": 4, "stages": 4},
-        {"dot": True, "pieces": True, "block_r": 128, "block_k": 128, "warps": 4, "stages": 4},
     ]
     out: list[GemvConfig] = []
     for change in changes:
@@ -73,8 +70,7 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
     """The fused MoE's tiles for expert format ``fmt`` with one launch's rows, step or warps doubled or halved (one
-    loop stage, see ``moe.Tile``), and for FP8 the down launch on e4m3 x e4m3 tensor cores (``pieces``), by name
-    (``gate_up-rows32``, ``down-block_k512``, ``down-pieces64``, ...)."""
+    loop stage, see ``moe.Tile``), by name (``gate_up-rows32``, ``down-block_k512``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
     for part in ("gate_up", "down"):
@@ -85,9 +81,6 @@ def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
                 if other >= 1 and (field != "block_k" or other >= 16):
                     changed = dataclasses.replace(tile, **{field: other})
                     out[f"{part}-{field}{other}"] = dataclasses.replace(base, **{part: changed})
-    if fmt == "fp8":
-        for tile in (Tile(64, 128, 4, 4, pieces=True), Tile(128, 128, 4, 3, pieces=True)):
-            out[f"down-pieces{tile.rows}"] = dataclasses.replace(base, down=tile)
     return out
 
 
@@ -96,24 +89,17 @@ def _scale_block(kind: str) -> tuple[int, int] | None:
     return TABLED_BLOCK if kind == "fp8" else None
 
 
-def write(path: Path, moe: bool = False, pieces: bool = False) -> Tables:
+def write(path: Path, moe: bool = False) -> Tables:
     """Every GEMV shape's candidates as one-entry tables named ``SHAPE-i`` (with ``moe``: every expert format's
-    MoE candidates, ``moe-FORMAT-NAME``; with ``pieces``: only those on e4m3 x e4m3 tensor cores), written to
-    ``path`` as JSON."""
+    MoE candidates, ``moe-FORMAT-NAME``), written to ``path`` as JSON."""
     if moe:
         tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
                           for name, cfg in moe_candidates(fmt).items()}
     else:
         tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items() for i, cfg in enumerate(candidates(key))}
-    if pieces:
-        tables = {name: t for name, t in tables.items() if any(_uses_pieces(c) for c in t.values())}
     path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
                                 for name, t in tables.items()}, indent=1) + "\n")
     return tables
-
-
-def _uses_pieces(cfg: GemvConfig | MoEConfig) -> bool:
-    return cfg.down.pieces if isinstance(cfg, MoEConfig) else cfg.pieces
 
 
 def load(path: Path) -> Tables:
@@ -141,11 +127,8 @@ def _moe_problem(fmt: str, cfg: MoEConfig) -> str | None:
     if fmt not in CONFIGS:
         return f"no expert format {fmt!r} (formats: {sorted(CONFIGS)})"
     for tile in (cfg.gate_up, cfg.down):
-        sizes = (tile.rows, tile.block_k, tile.warps, tile.stages)
-        if any(v < 1 for v in sizes) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
-            return f"tile {tile}: rows and block_k must be powers of two, every size positive"
-    if cfg.gate_up.pieces or (cfg.down.pieces and fmt != "fp8"):
-        return "pieces tiles are for the down launch of FP8 experts"
+        if any(v < 1 for v in dataclasses.astuple(tile)) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
+            return f"tile {tile}: rows and block_k must be powers of two, every field positive"
     return None
 
 
@@ -167,9 +150,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
-    p.add_argument("--pieces", action="store_true", help="only the tiles on e4m3 x e4m3 tensor cores")
     args = p.parse_args()
-    tables = write(args.out, args.moe, args.pieces)
+    tables = write(args.out, args.moe)
     print(f"{len(tables)} tables: {', '.join(tables)}")
 
 

@@ -73,10 +73,6 @@ DOT_TILES = ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 128, 8, 3)
              # longer steps for FP8's one-byte weights: the same bytes per step as the bf16 tiles above
              (16, 512, 1, 4), (32, 512, 2, 3), (64, 512, 4, 3), (32, 256, 2, 6))
 QUICK_DOT_TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (32, 256, 2, 4), (16, 256, 1, 4))
-# FP8 x FP8 tensor cores (GemvConfig.pieces): rows in whole 64-row MMA tiles, four warps to each
-PIECE_TILES = ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3),
-               (128, 256, 4, 3), (64, 128, 4, 8))
-QUICK_PIECE_TILES = ((64, 128, 4, 4), (128, 128, 4, 4))
 FMA_TILES = {1: ((16, 512, 4, 4), (16, 512, 2, 4), (8, 512, 2, 4), (16, 1024, 4, 3), (32, 256, 4, 4),
                  (8, 1024, 2, 4), (16, 1024, 2, 4), (4, 1024, 1, 4)),
              4: ((8, 256, 4, 4), (16, 128, 4, 4), (4, 512, 2, 4))}
@@ -118,16 +114,15 @@ def candidates(case: Case, quick: bool) -> list[GemvConfig]:
     dot_tiles = QUICK_DOT_TILES if quick else DOT_TILES
     fma_tiles = (QUICK_FMA_TILES if quick else FMA_TILES)[case.tokens]
     targets = (2 * SMS,) if quick else (SMS, 2 * SMS, 4 * SMS)
-    piece_tiles = (QUICK_PIECE_TILES if quick else PIECE_TILES) if case.kind == "fp8" else ()
     configs = [default_config(case.kind, case.rows, case.cols, case.tokens, case.groups, case.block)]
-    for dot, pieces, tiles in ((True, False, dot_tiles), (False, False, fma_tiles), (True, True, piece_tiles)):
+    for dot, tiles in ((True, dot_tiles), (False, fma_tiles)):
         for block_r, block_k, warps, stages in tiles:
             if block_r > max(16, case.rows):
                 continue
             programs = -(-case.rows // block_r)
             splits = {1} | {split_for(programs, case.cols, block_k, t, min_steps=2) for t in targets}
             for split in sorted(splits):
-                cfg = GemvConfig(block_r, block_k, split, warps, stages, dot, pieces)
+                cfg = GemvConfig(block_r, block_k, split, warps, stages, dot)
                 if cfg not in configs and config_problem(cfg, case.kind, case.rows, case.tokens, case.groups,
                                                          case.block) is None:
                     configs.append(cfg)

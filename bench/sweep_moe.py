@@ -37,8 +37,8 @@ CALLS = 30  # layer calls per timed batch
 MAX_REL_ERR = 1e-2
 DEVICE = "cuda"
 
-# (gate-up tiles, down tiles) per format, the most promising first (--quick takes the first 3). CUDA-core loops
-# at one stage only: 2-4 stages (cp.async) ran 1.3-3x slower on the H200 (2026-11-30, bench/RESULTS.md).
+# (gate-up tiles, down tiles) per format, the most promising first (--quick takes the first 3). One loop stage
+# only: 2-4 stages (cp.async) ran 1.3-3x slower on the H200 (2026-11-30, bench/RESULTS.md).
 CANDIDATES = {
     "bf16": ([Tile(16, 512), Tile(16, 256), Tile(32, 512, 8), Tile(8, 1024), Tile(32, 256), Tile(32, 512),
               Tile(8, 512)],
@@ -47,10 +47,7 @@ CANDIDATES = {
     "fp8": ([Tile(32, 512), Tile(64, 512, 8), Tile(32, 256), Tile(16, 512), Tile(64, 256), Tile(32, 1024, 8),
              Tile(128, 256, 8)],
             [Tile(64, 256), Tile(128, 128), Tile(128, 256), Tile(32, 512), Tile(64, 512, 8), Tile(128, 256, 8),
-             Tile(32, 256), Tile(8, 2048), Tile(16, 2048), Tile(16, 1024),
-             # e4m3 x e4m3 tensor cores on pieces of h (moe.Tile.pieces)
-             Tile(64, 128, 4, 4, True), Tile(64, 128, 4, 6, True), Tile(128, 128, 4, 3, True),
-             Tile(64, 256, 4, 3, True), Tile(128, 256, 4, 3, True)]),
+             Tile(32, 256), Tile(8, 2048), Tile(16, 2048), Tile(16, 1024)]),
     "fp4": ([Tile(8, 1024), Tile(4, 1024), Tile(8, 2048), Tile(4, 2048), Tile(16, 1024), Tile(16, 2048, 8),
              Tile(8, 512)],
             [Tile(16, 2048), Tile(16, 2048, 8), Tile(8, 2048), Tile(32, 1024), Tile(16, 1024), Tile(32, 2048, 8),
@@ -262,7 +259,7 @@ def sweep(name: str, quick: bool, rows: list[dict]) -> MoEConfig:
 
 def literal(best: dict[str, MoEConfig]) -> str:
     def t(x: Tile) -> str:
-        return f"Tile({x.rows}, {x.block_k}, {x.warps}, {x.stages}{', pieces=True' if x.pieces else ''})"
+        return f"Tile({x.rows}, {x.block_k}, {x.warps}, {x.stages})"
 
     table = {**moe.CONFIGS, **{VARIANTS[name][0]: c for name, c in best.items()}}
     lines = [f'    "{fmt}": MoEConfig({t(c.gate_up)}, {t(c.down)}),' for fmt, c in table.items()]

@@ -51,21 +51,17 @@ def test_bad_tables_and_arms_are_rejected(tmp_path):
 
 
 def test_moe_tables_change_one_field_of_one_launch(tmp_path):
-    """``--moe`` tables: per expert format, the shipped tiles with one launch's rows, step or warps doubled or halved
-    (and FP8's down launch with pieces); they load back equal, and an arm holding one uses its tiles in moe_fused's
-    configuration lookup, then restores them."""
+    """``--moe`` tables: per expert format, the shipped tiles with one launch's rows, step or warps doubled or halved;
+    they load back equal, and an arm holding one uses its tiles in moe_fused's configuration lookup, then restores
+    them."""
     from ds4serve.kernels import moe
 
     tables = gemv_tables.write(tmp_path / "moe.json", moe=True)
     assert gemv_tables.load(tmp_path / "moe.json") == tables
     assert len(tables) >= 3 * 2 * 5  # three formats, two launches, at least five neighbours each
-    assert {n for n in tables if "pieces" in n} == {"moe-fp8-down-pieces64", "moe-fp8-down-pieces128"}
     for name, table in tables.items():
         ((kind, fmt), cfg), = table.items()
         base = moe.CONFIGS[fmt]
-        if "pieces" in name:
-            assert cfg.gate_up == base.gate_up and cfg.down.pieces
-            continue
         part = "gate_up" if "-gate_up-" in name else "down"
         other = "down" if part == "gate_up" else "gate_up"
         assert kind == "moe" and name.startswith(f"moe-{fmt}-")
@@ -90,16 +86,3 @@ def test_bad_moe_tables_are_rejected(tmp_path):
                                                                           "down": {**tile, "rows": 48}}}]}))
     with pytest.raises(ValueError, match="table 'y'.*powers of two"):
         gemv_tables.load(path)
-    path.write_text(json.dumps({"z": [{"key": ["moe", "bf16"], "config": {"gate_up": tile,
-                                                                           "down": {**tile, "pieces": True}}}]}))
-    with pytest.raises(ValueError, match="table 'z'.*down launch of FP8 experts"):
-        gemv_tables.load(path)
-
-
-def test_pieces_tables_are_the_e4m3_tiles_only(tmp_path):
-    """``--pieces``: of the GEMV tables the FP8 projections' tiles on e4m3 x e4m3 tensor cores, of the MoE's the FP8
-    down launch's."""
-    gemv = gemv_tables.write(tmp_path / "g.json", pieces=True)
-    assert gemv and all(cfg.pieces and key[0] == "fp8" for t in gemv.values() for key, cfg in t.items())
-    moe_tables = gemv_tables.write(tmp_path / "m.json", moe=True, pieces=True)
-    assert set(moe_tables) == {"moe-fp8-down-pieces64", "moe-fp8-down-pieces128"}

@@ -19,7 +19,7 @@ from ds4serve.kernels.gemv import (  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.kernels import gemv as gemv_module  # noqa: E402
 from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
-from tests.helpers import sm90_ptx, spy_launches  # noqa: E402
+from tests.helpers import spy_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 R, K, BLOCK = 64, 96, (32, 32)  # K is not a multiple of the wider tiles: the tail is masked
@@ -49,9 +49,6 @@ def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tu
     ("fp8", 1, 2, GemvConfig(8, 16)),
     ("bf16", 1, 2, GemvConfig(4, 128, split=2)),
     ("fp32", 3, 2, GemvConfig(16, 32, split=3)),
-    ("fp8", 1, 1, GemvConfig(16, 64, dot=True, pieces=True)),  # e4m3 x e4m3: two scale columns a step, masked
-    ("fp8", 3, 2, GemvConfig(32, 32, split=2, dot=True, pieces=True)),  # groups, split-K, three tokens' nine columns
-    ("fp8", 3, 1, GemvConfig(64, 16, warps=4, dot=True, pieces=True)),  # two scale rows a tile; whole tiles
 ])
 def test_gemv_matches_reference(kind, rows, groups, config):
     w, scale, block = _weight(kind, 10 * rows + groups)
@@ -181,32 +178,3 @@ def test_gemv_pair_rejects_weights_of_different_input_widths():
     x = torch.randn(1, K).to(DEVICE, torch.bfloat16)
     with pytest.raises(ValueError, match=f"must take {K} inputs, not {K} and {K // 2}"):
         gemv_pair(x, a, b)
-
-
-_COMPILE_PIECES = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ds4serve.kernels import gemv
-
-fn = gemv._gemv_pieces_kernel
-sig = dict(p_ptr="*fp8e4nv", ps_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16", n_rows="i32",
-           n_in="i32", k_per_split="i32", rows_per_group="i32", p_len="i32", n_spans="i32", s_cols="i32",
-           n_tokens="i32")
-consts = dict(SB_R=128, SB_C=128, N_PAD=16, BLOCK_R=64, BLOCK_K=128, SUB_K=128, STAGES=4, PARTIAL=False, PIECES=3,
-              SPAN=128, N_TOK=1, EVEN=True, PDL=True)
-divisible = ["p_ptr", "ps_ptr", "w_ptr", "s_ptr", "out_ptr", "n_rows", "n_in", "k_per_split", "p_len", "n_spans"]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-source = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-json.dump({"ptx": ptx}, sys.stdout)
-"""
-
-
-def test_pieces_tiles_multiply_e4m3_by_e4m3_on_hopper():
-    """Compiled for sm_90, a 64-row ``pieces`` tile multiplies with Hopper's FP8 MMA (e4m3 operands on both sides,
-    fp32 accumulators), and no weight is converted to fp16 on the way."""
-    ptx = sm90_ptx(_COMPILE_PIECES)["ptx"]
-    assert "wgmma.mma_async" in ptx and ".f32.e4m3.e4m3" in ptx
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx

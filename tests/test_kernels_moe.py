@@ -121,32 +121,6 @@ def test_moe_fused_tiles_and_routed_only(fmt, poisoned):
     assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
-@pytest.mark.parametrize("N", [1, 3])
-def test_fp8_down_with_pieces_keeps_fp32_activations(N, poisoned):
-    """A down tile with ``pieces`` (e4m3 x e4m3 MMA on six e4m3 pieces of h): with fp32 activations the result is
-    the exactly dequantised fp32 reference's to ~1e-6 where the MMA adds exactly (the interpreter; Hopper's FP8
-    MMA adds with fewer bits: bf16 tolerance there)."""
-    x, idx, weights, w, routed, shared = _case("fp8", N)
-    x = x.float()
-    stacks = [ExpertStack(m.data, m.scale, m.block) for m in (w.w1, w.w3, w.w2)]
-    shared_stacks = tuple(ExpertStack(m.data, m.scale, m.block) for m in (w.shared_w1, w.shared_w3, w.shared_w2))
-    ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
-    config = {"fp8": MoEConfig(Tile(16, 64), Tile(16, 64, pieces=True))}  # two scale columns a step
-    out = moe_fused(x, idx, weights, *stacks, LIMIT, shared=shared_stacks, configs=config)
-    assert _rel(out, ref) <= (1e-5 if DEVICE == "cpu" else 1e-2)
-
-
-def test_pieces_tiles_are_for_fp8_down_launches():
-    x, idx, weights, w, _, _ = _case("bf16", 1)
-    stacks = [ExpertStack(m) for m in (w.w1, w.w3, w.w2)]
-    with pytest.raises(ValueError, match="with pieces needs FP8 experts"):
-        moe_fused(x, idx, weights, *stacks, LIMIT, configs={"bf16": MoEConfig(Tile(16, 32), Tile(16, 32, pieces=True))})
-    x, idx, weights, w, _, _ = _case("fp8", 1)
-    stacks = [ExpertStack(m.data, m.scale, m.block) for m in (w.w1, w.w3, w.w2)]
-    with pytest.raises(ValueError, match="down launch only"):
-        moe_fused(x, idx, weights, *stacks, LIMIT, configs={"fp8": MoEConfig(Tile(16, 32, pieces=True), Tile(16, 32))})
-
-
 def test_mxfp4_decode_is_exact(poisoned):
     """Every byte value in every w1 / w3 row and scales from 2^-31 to 2^8, fp32 activations: the
     kernels match the exactly dequantised fp32 reference up to fp32 rounding."""
@@ -209,32 +183,3 @@ def test_down_loop_stages_pipeline_the_weight_loads_on_hopper():
     ptx = sm90_ptx(_COMPILE_DOWN)
     assert "cp.async" not in ptx["1"]
     assert "cp.async.cg" in ptx["3"] or "cp.async.ca" in ptx["3"]
-
-
-_COMPILE_DOWN_PIECES = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ds4serve.kernels import moe
-
-fn = moe._down_pieces_kernel
-sig = dict(p_ptr="*fp8e4nv", ps_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32", part_ptr="*fp32", w2_ptr="*fp8e4nv",
-           s2_ptr="*fp32", w_stride="i32", s_stride="i32", row_len="i32", s_cols="i32", sw2_ptr="*fp8e4nv",
-           ss2_ptr="*fp32", n_out="i32", n_inter="i32", n_spans="i32", top_k="i32", n_slots="i32")
-consts = dict(SB_R=128, SB_C=128, BLOCK_R=64, BLOCK_K=128, SUB_K=128, STAGES=4, PIECES=6, SPAN=128, PDL=True)
-divisible = ["p_ptr", "ps_ptr", "idx_ptr", "wt_ptr", "part_ptr", "w2_ptr", "s2_ptr", "w_stride", "s_stride", "row_len",
-             "s_cols", "sw2_ptr", "ss2_ptr", "n_out", "n_inter", "n_spans"]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-source = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-json.dump({"ptx": ptx}, sys.stdout)
-"""
-
-
-def test_down_with_pieces_multiplies_e4m3_by_e4m3_on_hopper():
-    """Compiled for sm_90, a 64-row down tile with pieces multiplies on Hopper's FP8 MMA (e4m3 on both sides) and
-    converts no weight."""
-    ptx = sm90_ptx(_COMPILE_DOWN_PIECES)["ptx"]
-    assert "wgmma.mma_async" in ptx and ".f32.e4m3.e4m3" in ptx
-    assert "cvt.rn.f16x2.e4m3x2" not in ptx

@@ -23,14 +23,6 @@ scale column each (the whole step for dense weights), so a block scale is one nu
   tile spans scale rows), exact up to summation order for the power-of-two scales of real
   checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
 
-FP8 tensor-core tiles with ``pieces`` multiply e4m3 by e4m3 (Hopper's FP8 MMA): a first launch
-(:func:`ds4serve.kernels.pieces.activation_pieces`) writes each bf16 activation as ``PIECES`` e4m3 numbers
-(``x S = q0 + q1/16 + q2/256``, ``S`` a power of two per 128 inputs that puts the largest in [64, 128)):
-exact for every bf16 value down to 2^-16 of that largest, and within 2^-23 of it below. The weight tile
-goes from memory to the MMA unconverted: 1.3-2.1 sm_90 instructions a weight byte against 3.4-4.1 with
-fp16 operands. The products are exact; Hopper's FP8 MMA adds them with fewer than fp32's bits, so the
-result is within bf16 tolerance rather than fp32-exact.
-
 Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
 issues one tile at a time and waits for it). Split-K (``split > 1``) gives a projection with few
@@ -58,7 +50,6 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .pieces import PIECE_SPAN, activation_pieces, pow2
 from .scoped import overridden
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
@@ -74,7 +65,6 @@ class GemvConfig:
     warps: int = 4
     stages: int = 4  # loop steps in flight (cp.async pipeline depth)
     dot: bool = False  # tensor cores: tl.dot with the activations padded to 16 rows
-    pieces: bool = False  # FP8 x FP8 tensor cores: the activations as e4m3 pieces (dot only; see the docstring)
 
 
 # (kind, R, K, N bucket (1 or 4), groups) -> config, for DeepSeek-V4-Flash's decode projections; FP8
@@ -282,50 +272,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
            n_rows, PARTIAL)
 
 
-PIECES = 3  # e4m3 pieces of a bf16 activation: 4 significant bits each, bf16's 8 exact with room to spare
-
-
-@triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
-def _gemv_pieces_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, p_len,
-                        n_spans, s_cols, n_tokens, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
-                        PARTIAL: tl.constexpr, PIECES: tl.constexpr, SPAN: tl.constexpr, N_TOK: tl.constexpr,
-                        EVEN: tl.constexpr, PDL: tl.constexpr):
-    # Column c of the [SUB_K, N_PAD] operand is piece c % PIECES of token c // PIECES (zero past the tokens): its
-    # partial times 16^-(c % PIECES) and the span's S^-1 and the block scale; a token's result sums its columns.
-    # EVEN: whole tiles only (the rows and every split's inputs are multiples of the tile), no masks on the loads.
-    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(tl.program_id(0), tl.program_id(1), n_rows,
-                                                                     n_in, k_per_split, n_tokens, BLOCK_R, N_PAD)
-    pdl.start(PDL)
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
-    g0 = (first // rows_per_group) * n_in  # this group's first input in the pieces' rows
-    col = tl.arange(0, N_PAD)
-    cmask = col < n_tokens * PIECES
-    token_of = col // PIECES
-    weight_of = pow2(-4 * (col % PIECES))
-    acc = tl.zeros([BLOCK_R, N_PAD], dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        for j in tl.static_range(BLOCK_K // SUB_K):
-            kc = k0 + j * SUB_K
-            ks = kc + tl.arange(0, SUB_K)
-            b_ptrs = p_ptr + col[None, :].to(tl.int64) * p_len + g0 + ks[:, None]
-            if EVEN:
-                w = tl.load(w_rows + ks[None, :])
-                b = tl.load(b_ptrs, mask=cmask[None, :], other=0.0)
-            else:
-                kmask = ks < k_hi
-                w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=cmask[None, :] & kmask[:, None], other=0.0)
-            s_inv = tl.load(ps_ptr + token_of * n_spans + (g0 + kc) // SPAN, mask=cmask, other=0.0)
-            s = _scale(s_ptr, rows, rmask, first, kc, s_cols, SB_R, SB_C, SB_R % BLOCK_R != 0)
-            acc += tl.dot(w, b) * (s_inv * weight_of)[None, :] * s
-    y = tl.zeros([BLOCK_R, N_PAD], dtype=tl.float32)
-    for t in tl.static_range(N_TOK):
-        y = tl.where(col[None, :] == t, tl.sum(tl.where(token_of[None, :] == t, acc, 0.0), axis=1)[:, None], y)
-    _store(out_ptr, y, tokens[None, :] * n_rows + rows[:, None], rmask[:, None] & tmask[None, :], split, n_tokens,
-           n_rows, PARTIAL)
-
-
 @triton.jit(do_not_specialize=["n_split"])
 def _sum_splits_kernel(part_ptr, out_ptr, n, n_split, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
@@ -370,10 +316,6 @@ def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_tokens: int, group
         return f"{cfg}: {cfg.block_r}-row tiles must divide the rows per group ({n_rows} / {groups})"
     if block is not None and block[1] % cfg.block_k and cfg.block_k % block[1]:
         return f"{cfg}: block_k must divide the scale block's columns or be a multiple of them ({block})"
-    if cfg.pieces and not (cfg.dot and kind == "fp8" and n_tokens * PIECES <= DOT_ROWS
-                           and PIECE_SPAN % min(cfg.block_k, block[1]) == 0):
-        return (f"{cfg}: e4m3 pieces need FP8 weights on tensor cores, at most {DOT_ROWS // PIECES} rows and steps "
-                f"within {PIECE_SPAN}-input spans")
     if cfg.dot:
         if kind == "fp32" or n_tokens > DOT_ROWS:
             return f"{cfg}: tensor cores need bf16 activations and at most {DOT_ROWS} rows"
@@ -457,14 +399,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     consts = dict(**_tile_consts(cfg, block), PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
                   **pdl.launch(x2))
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
-    if cfg.pieces:
-        pieces, s_inv = activation_pieces(x2, PIECES)
-        consts.pop("SCALED")  # always FP8
-        _gemv_pieces_kernel[grid](pieces, s_inv, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups,
-                                  pieces.shape[1], s_inv.shape[1], scale.shape[1], n_tokens, N_PAD=DOT_ROWS,
-                                  PIECES=PIECES, SPAN=PIECE_SPAN, N_TOK=n_tokens, EVEN=n_rows % cfg.block_r == 0
-                                  and k_per_split % cfg.block_k == 0 and n_in % k_per_split == 0, **consts)
-    elif cfg.dot:
+    if cfg.dot:
         _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
                                N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
     else:

@@ -20,12 +20,6 @@ FP8 e4m3 with fp32 block scales ``[E, out/b0, in/b1]``, or MXFP4 (two e2m1 codes
 first, uint8 e8m0 exponents ``[E, out, in/32]``), and dequantised in registers. The tile shapes
 come from :data:`CONFIGS`, one entry per format (``bench/sweep_moe.py`` measures them).
 :func:`moe_ref` is the torch reference (it gathers dense copies of the selected experts).
-
-A down tile with ``pieces`` (FP8 experts, routed and shared alike) multiplies on Hopper's FP8 MMA: a launch
-between the two writes each pair's fp32 ``h`` as six e4m3 pieces (:mod:`ds4serve.kernels.pieces`, exact
-for values down to 2^-12 of their span's largest), and the weight tiles reach the MMA unconverted, where
-the CUDA-core loop spends about three instructions on a weight byte. The MMA adds the products with fewer
-bits than fp32: within bf16 tolerance rather than fp32-exact.
 """
 
 from __future__ import annotations
@@ -40,12 +34,10 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .pieces import PIECE_SPAN, activation_pieces, pow2
 from .scoped import overridden
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
-H_PIECES = 6  # e4m3 pieces of an fp32 h for a down tile with pieces: 24 bits
 
 
 @dataclass(frozen=True)
@@ -65,7 +57,6 @@ class Tile:
     block_k: int
     warps: int = 4
     stages: int = 1
-    pieces: bool = False  # down launch, FP8 experts: e4m3 x e4m3 tensor cores (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -304,37 +295,6 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
 
 
 @triton.jit
-def _down_pieces_kernel(p_ptr, ps_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_stride, row_len, s_cols,
-                        sw2_ptr, ss2_ptr, n_out, n_inter, n_spans, top_k, n_slots, SB_R: tl.constexpr,
-                        SB_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                        STAGES: tl.constexpr, PIECES: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr):
-    """:func:`_down_kernel` for FP8 experts on e4m3 x e4m3 tensor cores: column ``j < PIECES`` of the
-    ``[SUB_K, 16]`` operand is piece ``j`` of the pair's ``h``, its partial scaled by ``16^-j``, the span's
-    ``S^-1`` and the block scale."""
-    pdl.start(PDL)
-    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
-    e = tl.load(idx_ptr + choice).to(tl.int64)
-    weight = tl.load(wt_ptr + choice).to(tl.float32)
-    shared = slot >= top_k
-    w_rows = tl.where(shared, sw2_ptr, w2_ptr + e * w_stride) + (row0 + tl.arange(0, BLOCK_R))[:, None] * row_len
-    s_row = tl.where(shared, ss2_ptr, s2_ptr + e * s_stride) + (row0 // SB_R) * s_cols
-    col = tl.arange(0, 16)
-    cmask = col < PIECES
-    weight_of = pow2(-4 * col)
-    acc = tl.zeros([BLOCK_R, 16], dtype=tl.float32)
-    for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
-        for j in tl.static_range(BLOCK_K // SUB_K):
-            kc = k0 + j * SUB_K
-            ks = kc + tl.arange(0, SUB_K)
-            w = tl.load(w_rows + ks[None, :])
-            b = tl.load(p_ptr + (pair * PIECES + col[None, :]) * n_inter + ks[:, None], mask=cmask[None, :], other=0.0)
-            scale = tl.load(ps_ptr + pair * n_spans + kc // SPAN) * tl.load(s_row + kc // SB_C)
-            acc += tl.dot(w, b) * (weight_of * scale)[None, :]
-    y = tl.sum(tl.where(cmask[None, :], acc, 0.0), axis=1) * tl.where(slot < top_k, weight, 1.0)
-    tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
-
-
-@triton.jit
 def _sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     token = tl.program_id(1)
@@ -410,16 +370,6 @@ def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, in
     return rows, block_k
 
 
-def _pieces_step(tile: Tile, rows: int, block_k: int, w2: ExpertStack, sw2: ExpertStack) -> int:
-    """The inputs of one MMA step of a down tile with ``pieces`` (one scale column, within a pieces span), checking
-    that it can run: FP8 experts of one format, at least 16 rows and inputs a step."""
-    sub_k = min(block_k, w2.block[1])
-    if w2.quant != FP8 or not w2.same_format(sw2) or rows < 16 or sub_k < 16 or PIECE_SPAN % sub_k:
-        raise ValueError(f"moe_fused: down tile {tile} with pieces needs FP8 experts (routed and shared alike) and "
-                         f"steps of at least 16 rows and 16 inputs of one scale column, not {rows} x {sub_k}")
-    return sub_k
-
-
 def _config(stack: ExpertStack, configs: Mapping[str, MoEConfig] | None) -> MoEConfig:
     return (configs or {}).get(stack.format) or CONFIGS[stack.format]
 
@@ -450,8 +400,6 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     h = torch.empty(N, slots, w1.out, device=x.device, dtype=torch.float32)
     part = torch.empty(N, slots, D, device=x.device, dtype=torch.float32)
     config = _config(w1, configs)
-    if config.gate_up.pieces:
-        raise ValueError(f"moe_fused: pieces are for the down launch only, not gate-up tile {config.gate_up}")
     rows, block_k = _shape(config.gate_up, (w1, sw1))
     _gate_up_kernel[(N * slots, w1.out // rows)](
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
@@ -459,20 +407,11 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
         num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
-    if config.down.pieces:
-        sub_k = _pieces_step(config.down, rows, block_k, w2, sw2)
-        pieces, s_inv = activation_pieces(h.view(N * slots, w2.inp), H_PIECES)
-        _down_pieces_kernel[(N * slots, D // rows)](
-            pieces, s_inv, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len,
-            w2.s_cols, sw2.data, sw2.scale, D, w2.inp, s_inv.shape[1], k, slots, SB_R=w2.block[0], SB_C=w2.block[1],
-            BLOCK_R=rows, BLOCK_K=block_k, SUB_K=sub_k, STAGES=config.down.stages, PIECES=H_PIECES,
-            SPAN=PIECE_SPAN, num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
-    else:
-        _down_kernel[(N * slots, D // rows)](
-            h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
-            sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
-            **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
-            num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
+    _down_kernel[(N * slots, D // rows)](
+        h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
+        sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
+        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
+        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
     if not summed:
         return part
     out = torch.empty_like(x)
