@@ -38,7 +38,6 @@ from .scoped import overridden
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
-DEFAULT_CACHE = tl.constexpr("")  # a load's default cache modifier (Triton 3.6 takes no defaulted constexpr)
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
-                 CACHE: tl.constexpr):
+                 CACHE: tl.constexpr = ""):
     """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape
     (``CACHE``: the loads' cache modifier).
 
@@ -223,13 +222,13 @@ def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
     rows = row0 + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
-        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0, DEFAULT_CACHE)
+        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
         acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr, SHARED_FIRST: tl.constexpr):
+def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr, SHARED_FIRST: tl.constexpr = False):
     # This program's (token, slot) pair, the routing entry its slot reads (the shared slot top_k reads
     # the last routed one, unused) and its first row. Grid (pairs, row blocks). SHARED_FIRST: the programs
     # taken in dispatch order (axis 0 fastest), the shared slot's come first, then the routed slots'
@@ -298,7 +297,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
-    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R, False)
+    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     h = h_ptr + pair * n_inter
     e = tl.load(idx_ptr + choice).to(tl.int64)
     weight = tl.load(wt_ptr + choice).to(tl.float32)
