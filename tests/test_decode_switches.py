@@ -156,20 +156,3 @@ def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
                                     capacity=64)
     assert len(calls) == sum(t == CSA for t in model.cfg.layer_types) and min(calls) > model.cfg.index_topk
     assert err <= 1e-5, f"relative error {err:.3g}"
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
-def test_shared_first_static_step_gives_the_same_logits(tiny_factory, monkeypatch):
-    """With ``shared_first`` every layer's fused MoE is told that the fused router's launch comes right before
-    it (the shared expert's gate-up programs first, not waiting for the router under PDL), and the logits are
-    the same bit for bit: only the programs' order and the wait change."""
-    pytest.importorskip("triton", reason="the switch calls the Triton kernels")
-    from ds4serve.kernels import ops
-
-    calls = []
-    real = ops.moe_decode
-    monkeypatch.setattr(ops, "moe_decode", lambda *a: (a[19] and calls.append(a[19])) or real(*a))
-    err, model = _static_step_error(tiny_factory, "shared_first", calls, seed=4, prompt_seed=7, length=15,
-                                    capacity=24)
-    assert len(calls) == model.cfg.num_layers
-    assert err == 0.0

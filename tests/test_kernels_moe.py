@@ -100,21 +100,6 @@ def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
     assert _rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4+fp8"])
-def test_shared_first_gate_up_gives_the_same_terms(fmt, poisoned, monkeypatch):
-    """``after_router`` (the shared slot's gate-up programs first in dispatch order, not waiting for the
-    router under PDL) writes every intermediate row once and gives the same terms bit for bit, for several
-    tokens and row blocks; without a shared expert it changes nothing."""
-    monkeypatch.setitem(moe.CONFIGS, "fp4", MoEConfig(Tile(16, 1024), Tile(16, 1024)))
-    monkeypatch.setitem(moe.CONFIGS, "bf16", MoEConfig(Tile(16, 32), Tile(16, 32)))
-    x, idx, weights, w, _, _ = _case(fmt, 3)
-    with kernels.on_any_device():
-        plain = _moe_fused(w, x, idx, weights, LIMIT, summed=False)
-        first = _moe_fused(w, x, idx, weights, LIMIT, summed=False, after_router=True)
-    assert torch.isfinite(first).all()
-    assert torch.equal(first, plain)
-
-
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64
     "fp32": MoEConfig(Tile(8, 32, warps=2, stages=2), Tile(16, 16, warps=1, stages=1)),
     "fp8": MoEConfig(Tile(64, 64, stages=3), Tile(8, 32, stages=2)),  # 64 rows: lowered to the 32-row scale block
@@ -198,37 +183,3 @@ def test_down_loop_stages_pipeline_the_weight_loads_on_hopper():
     ptx = sm90_ptx(_COMPILE_DOWN)
     assert "cp.async" not in ptx["1"]
     assert "cp.async.cg" in ptx["3"] or "cp.async.ca" in ptx["3"]
-
-
-_COMPILE_GATE_UP = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ds4serve.kernels import moe
-
-sig = dict(x_ptr="*bf16", idx_ptr="*i64", h_ptr="*fp32", w1_ptr="*fp8e4nv", w3_ptr="*fp8e4nv", s1_ptr="*fp32",
-           s3_ptr="*fp32", w_stride="i64", s_stride="i32", row_len="i32", s_cols="i32", sw1_ptr="*fp8e4nv",
-           sw3_ptr="*fp8e4nv", ss1_ptr="*fp32", ss3_ptr="*fp32", srow_len="i32", ss_cols="i32", n_in="i32",
-           n_inter="i32", top_k="i32", n_slots="i32", limit="fp32")
-ptx = {}
-for first in (False, True):
-    consts = dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16, MIXED=False,
-                  BLOCK_R=32, BLOCK_K=512, STAGES=1, SHARED_FIRST=first, X_CACHE=".cg" if first else "", PDL=True)
-    source = ASTSource(moe._gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
-    ptx[str(first)] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                     options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
-json.dump(ptx, sys.stdout)
-"""
-
-
-def test_shared_first_programs_skip_the_wait_on_hopper():
-    """Compiled for sm_90 with PDL, the gate-up kernel waits for the previous grid on a branch of its own
-    with ``SHARED_FIRST`` (the shared slot's programs skip it) and reads the activations at L2; without it
-    every program waits first. Both let the next grid launch."""
-    ptx = sm90_ptx(_COMPILE_GATE_UP)
-    for code in ptx.values():
-        assert code.count("griddepcontrol.wait") == 1 and "griddepcontrol.launch_dependents" in code
-    plain, first = (code.split("griddepcontrol.wait")[0] for code in (ptx["False"], ptx["True"]))
-    assert " bra" not in plain and " bra" in first
-    assert "ld.global.cg" in ptx["True"] and "ld.global.cg" not in ptx["False"]

@@ -125,10 +125,8 @@ def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
-                 CACHE: tl.constexpr = ""):
-    """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape
-    (``CACHE``: the loads' cache modifier).
+def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr):
+    """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape.
 
     The tile repeats one row (row stride 0): Triton gives the loads of one shape in a loop the same
     register layout, so activations and weights meet with no data moved between threads, and the
@@ -140,11 +138,11 @@ def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SC
         cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
         ty: tl.constexpr = x_ptr.dtype.element_ty
         if ty == tl.float32:
-            w = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + zero + cols, cache_modifier=CACHE)
+            w = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + zero + cols)
             even = w.to(tl.int32).to(tl.float32, bitcast=True)
             odd = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         else:
-            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + zero + cols, cache_modifier=CACHE)
+            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + zero + cols)
             if ty == tl.bfloat16:
                 even = (w << 16).to(tl.float32, bitcast=True)
                 odd = (w & -65536).to(tl.float32, bitcast=True)
@@ -156,7 +154,7 @@ def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SC
             odd *= SCALE
         return tl.join(even, odd)
     else:
-        return tl.load(x_ptr + zero + (k0 + tl.arange(0, BLOCK_K))[None, :], cache_modifier=CACHE).to(tl.float32)
+        return tl.load(x_ptr + zero + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -188,9 +186,8 @@ def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
 @triton.jit
 def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
                   QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, X_CACHE: tl.constexpr):
-    """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64); ``X_CACHE``:
-    the activation loads' cache modifier."""
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     if QUANT == 1:
         s1 += (row0 // SB_R) * s_cols
         s3 += (row0 // SB_R) * s_cols
@@ -198,7 +195,7 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE, X_CACHE)
+        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
         acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
         acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     g = tl.sum(acc1, axis=1)
@@ -228,26 +225,13 @@ def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
 
 
 @triton.jit
-def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr, SHARED_FIRST: tl.constexpr = False):
+def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr):
     # This program's (token, slot) pair, the routing entry its slot reads (the shared slot top_k reads
-    # the last routed one, unused) and its first row. Grid (pairs, row blocks). SHARED_FIRST: the programs
-    # taken in dispatch order (axis 0 fastest), the shared slot's come first, then the routed slots'
-    # in the usual order, so that the ones that may start before the router (see _gate_up_kernel) do.
-    if SHARED_FIRST:
-        n_pairs = tl.num_programs(0)
-        tokens = n_pairs // n_slots
-        n = tl.program_id(1) * n_pairs + tl.program_id(0)
-        shared = n < tokens * tl.num_programs(1)
-        rest = tl.maximum(n - tokens * tl.num_programs(1), 0)
-        routed = tokens * top_k
-        token = tl.where(shared, n % tokens, rest % routed // top_k)
-        slot = tl.where(shared, top_k, rest % top_k)
-        block = tl.where(shared, n // tokens, rest // routed)
-    else:
-        token = tl.program_id(0) // n_slots
-        slot = tl.program_id(0) % n_slots
-        block = tl.program_id(1)
-    return token * n_slots + slot, token, slot, token * top_k + tl.minimum(slot, top_k - 1), block * BLOCK_R
+    # the last routed one, unused) and its first row.
+    pair = tl.program_id(0)
+    token = pair // n_slots
+    slot = pair % n_slots
+    return pair, token, slot, token * top_k + tl.minimum(slot, top_k - 1), tl.program_id(1) * BLOCK_R
 
 
 @triton.jit
@@ -256,35 +240,28 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    SHARED_FIRST: tl.constexpr, X_CACHE: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
-    shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``.
-
-    ``SHARED_FIRST`` (the launch right after the fused router, see :func:`moe_fused`): the shared slot's
-    programs come first and do not wait for the router, whose outputs they do not read; the activations
-    are then read at L2 (``X_CACHE`` ".cg")."""
-    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R, SHARED_FIRST)
-    if SHARED_FIRST:
-        pdl.start_unless(PDL, slot == top_k)
-    else:
-        pdl.start(PDL)
+    shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
+    pdl.start(PDL)
+    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     x = x_ptr + token * n_in
-    e = tl.load(idx_ptr + choice, mask=slot < top_k, other=0).to(tl.int64)
+    e = tl.load(idx_ptr + choice).to(tl.int64)
     if MIXED:
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
                               s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, X_CACHE)
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, X_CACHE)
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
                           tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
                           tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, X_CACHE)
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
@@ -405,19 +382,12 @@ def _formats(a: ExpertStack, b: ExpertStack) -> dict:
 
 def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: ExpertStack, w3: ExpertStack,
               w2: ExpertStack, limit: float, shared: Experts | None = None,
-              configs: Mapping[str, MoEConfig] | None = None, summed: bool = True,
-              after_router: bool = False) -> torch.Tensor:
+              configs: Mapping[str, MoEConfig] | None = None, summed: bool = True) -> torch.Tensor:
     """``sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` (plus the ``shared`` expert, weight 1)
     for tokens ``x [N, D]`` routed to ``idx [N, k]``. Tiles: the routed format's entry of ``configs``
     or else :data:`CONFIGS`. ``summed=False`` returns the fp32 terms ``[N, slots, D]`` (the shared
     expert last) instead, for a consumer that sums them itself (:func:`ds4serve.model.hyper.sum_terms` is
-    that sum).
-
-    ``after_router``: the launch before this call's on the stream is the fused router
-    (:mod:`ds4serve.kernels.router`), which waits for the writer of ``x`` before it lets the next grid
-    launch. With programmatic dependent launch the shared expert's gate-up programs then start at once and
-    stream their weights beside the router instead of after it (:func:`ds4serve.kernels.pdl.start_unless`);
-    the results are the same."""
+    that sum)."""
     N, D = x.shape
     k = idx.shape[1]
     sw1, sw3, sw2 = shared or (w1, w3, w2)
@@ -430,13 +400,12 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     h = torch.empty(N, slots, w1.out, device=x.device, dtype=torch.float32)
     part = torch.empty(N, slots, D, device=x.device, dtype=torch.float32)
     config = _config(w1, configs)
-    shared_first = after_router and shared is not None
     rows, block_k = _shape(config.gate_up, (w1, sw1))
     _gate_up_kernel[(N * slots, w1.out // rows)](
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
-        SHARED_FIRST=shared_first, X_CACHE=".cg" if shared_first else "", num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
+        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,

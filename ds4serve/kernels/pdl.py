@@ -46,18 +46,3 @@ def start(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-
-
-@triton.jit
-def start_unless(PDL: tl.constexpr, independent):
-    """:func:`start`, except that a program for which ``independent`` holds (uniform over the program) does
-    not wait: one that reads nothing the previous grid writes, so that it runs beside that grid.
-
-    Correct only when the previous grid waited for the writers of what such a program reads before it let
-    this grid launch (every kernel that calls :func:`start` does), and when those reads bypass the SM's L1
-    (``.cg``): without the wait, a line an earlier kernel left there could be stale.
-    """
-    if PDL:
-        if not independent:
-            tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()

@@ -107,11 +107,6 @@ class Switches:
     # 6.71 with hc_fused; bf16 has one input product, unchanged); the pair kernel's outputs equal the two
     # launches' bit for bit at the real shapes (H200, 2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
     gemv_pair: bool = True
-    # The fused MoE's gate-up launch right after the fused router: the shared expert's programs come first
-    # and, under PDL, do not wait for the router (they read only the MoE's input, which the router waited
-    # for), so the shared expert's weights stream beside the router (kernels/moe.py, kernels/pdl.py
-    # start_unless). Same results; off until the H200 A/B.
-    shared_first: bool = False
 
 
 SWITCHES = Switches()

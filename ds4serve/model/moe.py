@@ -90,22 +90,20 @@ def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, sca
     them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
-        after_router = SWITCHES.shared_first and _router_fused_applies(w, x)
-        return _moe_fused(w, x, idx, weights, limit, not slot_terms, after_router)
+        return _moe_fused(w, x, idx, weights, limit, not slot_terms)
     out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
 
 
 def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float,
-               summed: bool = True, after_router: bool = False) -> torch.Tensor:
+               summed: bool = True) -> torch.Tensor:
     """Decode path: no host synchronisation, experts read in place, the shared expert one more slot
-    of the same launches (``after_router``: the fused router's launch comes right before them, see
-    :func:`ds4serve.kernels.moe.moe_fused`)."""
+    of the same launches when it has the routed experts' format."""
     from ..kernels import ops
 
     return ops.moe_decode(x, idx, weights, *_parts(w.w1), *_parts(w.w3), *_parts(w.w2), _block(w.w1),
                           *_parts(w.shared_w1), *_parts(w.shared_w3), *_parts(w.shared_w2), _block(w.shared_w1),
-                          limit, summed, after_router)
+                          limit, summed)
 
 
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
