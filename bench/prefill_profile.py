@@ -5,7 +5,9 @@ sliding, sliding, CSA, HCA), GPU only. Usage (repository root)::
         [--arms new,old_attn,old_moe,old] [--ops]
 
 For each chunk start (the state prefilled up to it first) and each arm it times the forward of one
-chunk (median of CUDA-event timings after a warm-up) and each layer in it, and reports tokens/s and
+chunk (median of CUDA-event timings after a warm-up; "host": the forward call alone, the GPU not waited
+for, which is the whole when the chunk is bound by the host's launches) and each layer in it, and reports
+tokens/s and
 the weight-FLOP fraction of the bf16 matmul rate measured in the same run (``ceilings()`` of
 bench/bench_gpu.py): ``2 * weights multiplied per token * tokens/s / rate``, top-k of the routed
 experts per token. ``est. 43 layers`` scales the per-layer times to the full proxy (2 sliding, 21 CSA,
@@ -103,24 +105,29 @@ def layer_events(marks: list[torch.cuda.Event]) -> Iterator[None]:
         yield
 
 
-def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, list[float], torch.Tensor]:
-    """Median ms of one chunk's forward and of each layer in it, after one warm-up forward (whose
-    last-row logits are returned)."""
+def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, float, list[float], torch.Tensor]:
+    """Median ms of one chunk's forward, of the host's part of it (the forward call returning, the GPU not
+    waited for: when it is close to the whole, the chunk is bound by the host's launches) and of each layer
+    in it, after one warm-up forward (whose last-row logits are returned)."""
     logits = model.forward(ids, state, logit_rows=slice(-1, None)).logits.float()
-    totals, layers = [], []
+    totals, hosts, layers = [], [], []
     for _ in range(reps):
+        torch.cuda.synchronize()
         begin = torch.cuda.Event(enable_timing=True)
         marks: list[torch.cuda.Event] = []
         with layer_events(marks):
             begin.record()
+            t0 = time.perf_counter()
             model.forward(ids, state)
+            hosts.append((time.perf_counter() - t0) * 1e3)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         end.synchronize()
         totals.append(begin.elapsed_time(end))
         edges = [begin, *marks]
         layers.append([a.elapsed_time(b) for a, b in zip(edges, edges[1:])])
-    return statistics.median(totals), [statistics.median(col) for col in zip(*layers)], logits
+    return (statistics.median(totals), statistics.median(hosts), [statistics.median(col) for col in zip(*layers)],
+            logits)
 
 
 def layer_params(model, i: int) -> float:
@@ -132,8 +139,8 @@ def layer_params(model, i: int) -> float:
     return routed * cfg.top_k / cfg.n_routed_experts + sum(t.numel() for t in _tensors_of(rest))
 
 
-def report(name: str, start: int, chunk: int, ms: float, per_layer: list[float], params: list[float],
-           head_params: float, rate: float) -> None:
+def report(name: str, start: int, chunk: int, ms: float, host_ms: float, per_layer: list[float],
+           params: list[float], head_params: float, rate: float) -> None:
     tps = chunk / ms * 1e3
     frac = 2 * sum(params) * tps / (rate * 1e12)
     layers = " ".join(f"{kind} {t:.2f}" for kind, t in zip(LAYER_KIND, per_layer))
@@ -141,8 +148,8 @@ def report(name: str, start: int, chunk: int, ms: float, per_layer: list[float],
     est_ms = sum(n * by_kind[k][0] for k, n in FULL_PROXY.items())
     est_params = sum(n * by_kind[k][1] for k, n in FULL_PROXY.items()) + head_params
     est_frac = 2 * est_params * chunk / est_ms * 1e3 / (rate * 1e12)
-    log(f"{name:>8} start {start:>5}: {ms:7.1f} ms, {tps:8.0f} tok/s, {100 * frac:5.1f}% of the matmul rate | "
-        f"layer ms: {layers} | est. 43 layers {est_ms:6.0f} ms, {100 * est_frac:4.1f}%")
+    log(f"{name:>8} start {start:>5}: {ms:7.1f} ms (host {host_ms:5.1f}), {tps:8.0f} tok/s, {100 * frac:5.1f}% of "
+        f"the matmul rate | layer ms: {layers} | est. 43 layers {est_ms:6.0f} ms, {100 * est_frac:4.1f}%")
 
 
 def phase_table(model, state, ids: list[int], reps: int) -> str:
@@ -210,8 +217,8 @@ def main() -> None:
             first = None
             for name in arms:
                 with arm(name):
-                    ms, per_layer, logits = time_chunk(model, state, chunk, args.reps)
-                report(name, start, args.chunk, ms, per_layer, params, head_params, rate)
+                    ms, host_ms, per_layer, logits = time_chunk(model, state, chunk, args.reps)
+                report(name, start, args.chunk, ms, host_ms, per_layer, params, head_params, rate)
                 first = logits if first is None else first
                 diff = float((logits - first).abs().max() / first.abs().max())
                 log(f"{name:>8} start {start:>5}: last-row logits vs arm {arms[0]}: max rel {diff:.2e}")
