@@ -34,7 +34,7 @@ from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
+from ds4serve.kernels.switches import parse, using  # noqa: E402
 
 NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
 
@@ -165,9 +165,11 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
         if variant in args.prefill_variants:
             active = params_per_token(model)
             state = model.new_state(max(args.chunks) + 16)
-            arms = [("", {})]  # the defaults, then the defaults with --prefill-switches on
+            arms = [("", {})]  # the defaults, then the defaults with --prefill-switches on (or a whole set)
             if args.prefill_switches:
-                arms.append((args.prefill_switches, dict.fromkeys(args.prefill_switches.split("+"), True)))
+                spec = args.prefill_switches
+                on = parse(spec) if spec.startswith("defaults") else dict.fromkeys(spec.split("+"), True)
+                arms.append((spec, on))
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
                 run = partial(prefill_once, model, state, ids)
@@ -286,7 +288,7 @@ def main() -> None:
     p.add_argument("--prefill-variants", default="bf16")
     p.add_argument("--prefill-switches", default="",
                    help="also time each prefill chunk with these kernels.switches on besides the defaults "
-                        "(NAME or NAME+NAME, e.g. dequant_kernel)")
+                        "(NAME or NAME+NAME, e.g. dequant_kernel), or with a set such as defaults-chunk_regions")
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunks", default="512,2048,8192")
