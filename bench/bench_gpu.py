@@ -173,17 +173,14 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
                 run = partial(prefill_once, model, state, ids)
-                for arm, switches in arms:
+                timings = prefill_rounds(run, chunk, arms, args.rounds if len(arms) > 1 else 1)
+                for arm, _ in arms:
                     key = f"prefill_{chunk}" + (f"_{arm}" if arm else "")
-                    try:
-                        with using(**switches):
-                            ms = cuda_ms(run, 2 if chunk < 8192 else 1, warmup=1)
-                    except torch.OutOfMemoryError as exc:
-                        out[key] = {"error": f"out of memory: {exc}"[:300]}
+                    if timings[arm] is None:
+                        out[key] = {"error": "out of memory"}
                         log(f"prefill {chunk}{' ' + arm if arm else ''}: out of memory")
-                        gc.collect()
-                        torch.cuda.empty_cache()
                         continue
+                    ms = timings[arm]
                     tps = chunk / ms * 1e3
                     frac = 2 * active * tps / (ceil["bf16_matmul_TFLOPs"] * 1e12)
                     out[key] = {"ms": ms, "tokens_per_s": tps, "weight_flops_fraction_of_matmul": frac}
@@ -194,6 +191,24 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def prefill_rounds(run, chunk: int, arms: list[tuple[str, dict]], rounds: int) -> dict[str, float | None]:
+    """Median ms of ``run`` (one prefill chunk) under each arm's switches, the arms timed in turn for ``rounds``
+    rounds (a drift of the machine falls on every arm alike); None for an arm that ran out of memory."""
+    times: dict[str, list[float] | None] = {arm: [] for arm, _ in arms}
+    for _ in range(rounds):
+        for arm, switches in arms:
+            if times[arm] is None:
+                continue
+            try:
+                with using(**switches):
+                    times[arm].append(cuda_ms(run, 2 if chunk < 8192 else 1, warmup=1))
+            except torch.OutOfMemoryError:
+                times[arm] = None
+                gc.collect()
+                torch.cuda.empty_cache()
+    return {arm: None if t is None else statistics.median(t) for arm, t in times.items()}
 
 
 def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: dict) -> dict:
@@ -299,7 +314,8 @@ def main() -> None:
                    "graph decode only; SWITCHES@TABLE also uses a GEMV tile table of --tables")
     p.add_argument("--tables", type=Path, default=None, help="GEMV tile tables (bench/gemv_tables.py)")
     p.add_argument("--table-arms", action="store_true", help="arms: the defaults, then defaults@TABLE for every table")
-    p.add_argument("--rounds", type=int, default=3, help="with --arms: rounds that time every arm in turn")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="with --arms or --prefill-switches: rounds that time every arm in turn")
     p.add_argument("--verify-widths", default="", help="also time a captured verify block of these widths "
                    "(comma-separated) at each context")
     args = p.parse_args()
