@@ -7,8 +7,7 @@ sliding, sliding, CSA, HCA), GPU only. Usage (repository root)::
 For each chunk start (the state prefilled up to it first) and each arm it times the forward of one
 chunk (median of CUDA-event timings after a warm-up; "host": the forward call alone, the GPU not waited
 for, which is the whole when the chunk is bound by the host's launches) and each layer in it, and reports
-tokens/s and
-the weight-FLOP fraction of the bf16 matmul rate measured in the same run (``ceilings()`` of
+tokens/s and the weight-FLOP fraction of the bf16 matmul rate measured in the same run (``ceilings()`` of
 bench/bench_gpu.py): ``2 * weights multiplied per token * tokens/s / rate``, top-k of the routed
 experts per token. ``est. 43 layers`` scales the per-layer times to the full proxy (2 sliding, 21 CSA,
 20 HCA layers) and counts its head as bench_gpu.py does, so its fraction compares with bench_gpu's
