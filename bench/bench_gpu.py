@@ -168,8 +168,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             arms = [("", {})]  # the defaults, then the defaults with --prefill-switches on (or a whole set)
             if args.prefill_switches:
                 spec = args.prefill_switches
-                on = parse(spec) if spec.startswith("defaults") else dict.fromkeys(spec.split("+"), True)
-                arms.append((spec, on))
+                arms.append((spec, parse(spec if spec.startswith("defaults") else f"defaults+{spec}")))
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
                 run = partial(prefill_once, model, state, ids)
