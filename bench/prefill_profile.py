@@ -2,7 +2,7 @@
 sliding, sliding, CSA, HCA), GPU only. Usage (repository root)::
 
     PYTHONPATH=. python3 bench/prefill_profile.py [--chunk 2048] [--starts 0,512,8192] \
-        [--arms new,old_attn,old_moe,old] [--ops]
+        [--arms new,old_attn,old_moe,old,no_regions] [--ops] [--host]
 
 For each chunk start (the state prefilled up to it first) and each arm it times the forward of one
 chunk (median of CUDA-event timings after a warm-up; "host": the forward call alone, the GPU not waited
@@ -14,8 +14,8 @@ experts per token. ``est. 43 layers`` scales the per-layer times to the full pro
 prefill line. Then, for the first arm at the first start, the phase table of ds4serve's profiler
 and torch.profiler's kernel table (top 30 by GPU time).
 
-Arms: ``new`` the current chunk paths; ``regions`` those with ``SWITCHES.chunk_regions`` (norms, RoPE
-and mHC mixes compiled for chunks); ``old_attn`` the previous dense masked chunk attention
+Arms: ``new`` the current chunk paths; ``no_regions`` those without ``SWITCHES.chunk_regions`` (norms,
+RoPE and mHC mixes run as written instead of compiled for chunks); ``old_attn`` the previous dense masked chunk attention
 (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the routed
 experts expert by expert after a host read of the group sizes (the previous loop's launches and
 sync); ``old`` both.
@@ -46,7 +46,7 @@ from ds4serve.model import attention, deepseek4, moe_grouped  # noqa: E402
 from ds4serve.model.deepseek4 import _tensors_of  # noqa: E402
 from ds4serve.profile_cli import format_table, summarize  # noqa: E402
 
-ARMS = ("new", "old_attn", "old_moe", "old", "regions")
+ARMS = ("new", "old_attn", "old_moe", "old", "no_regions")
 FULL_PROXY = {"sliding": 2, "csa": 21, "hca": 20}  # layer counts of the 43-layer proxy
 LAYER_KIND = ("sliding", "sliding", "csa", "hca")  # layers 0-3 of the proxy
 
@@ -74,8 +74,8 @@ def arm(name: str) -> Iterator[None]:
             stack.enter_context(_patched(attention, "chunk_attention", dense_chunk_attention))
         if name in ("old_moe", "old"):
             stack.enter_context(_patched(moe_grouped, "grouped_mm_applies", lambda a: False))
-        if name == "regions":
-            stack.enter_context(using(chunk_regions=True))
+        if name == "no_regions":
+            stack.enter_context(using(chunk_regions=False))
         yield
 
 
@@ -184,6 +184,32 @@ def op_table(model, state, ids: list[int], top: int = 30) -> str:
                                                        max_name_column_width=40, max_src_column_width=110)
 
 
+def host_table(model, state, ids: list[int], top: int = 40) -> str:
+    """Where the host's part of a forward goes: cProfile of one forward (the GPU not waited for), the
+    functions by their own time and by their total, and the CUDA kernels the forward launches."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.forward(ids, state)
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages())
+    torch.cuda.synchronize()
+    prof_c = cProfile.Profile()
+    prof_c.enable()
+    model.forward(ids, state)
+    prof_c.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof_c, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("ds4serve", top)
+    return f"CUDA kernels launched by one forward: {launches}\n{text.getvalue()}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=2048)
@@ -191,6 +217,7 @@ def main() -> None:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="also the ops by GPU time with their call sites")
+    p.add_argument("--host", action="store_true", help="also a cProfile of the host's part of one forward")
     args = p.parse_args()
     starts = [int(s) for s in args.starts.split(",")]
     arms = args.arms.split(",")
@@ -229,6 +256,8 @@ def main() -> None:
                     print(kernel_table(model, state, chunk), flush=True)
                     if args.ops:
                         print(f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}", flush=True)
+                    if args.host:
+                        print(f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True)
             del state
             gc.collect()
             torch.cuda.empty_cache()
