@@ -18,7 +18,8 @@ Arms: ``new`` the current chunk paths; ``no_regions`` those without ``SWITCHES.c
 RoPE and mHC mixes run as written instead of compiled for chunks); ``old_attn`` the previous dense masked chunk attention
 (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the routed
 experts expert by expert after a host read of the group sizes (the previous loop's launches and
-sync); ``old`` both.
+sync); ``old`` both; ``switches:SET`` the switch set ``SET`` (``kernels.switches.parse``, e.g.
+``switches:defaults-rope_in_place``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from bench_gpu import ceilings, log  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve import profiler  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
+from ds4serve.kernels.switches import parse, using  # noqa: E402
 from ds4serve.model import attention, deepseek4, moe_grouped  # noqa: E402
 from ds4serve.model.deepseek4 import _tensors_of  # noqa: E402
 from ds4serve.profile_cli import format_table, summarize  # noqa: E402
@@ -76,6 +77,8 @@ def arm(name: str) -> Iterator[None]:
             stack.enter_context(_patched(moe_grouped, "grouped_mm_applies", lambda a: False))
         if name == "no_regions":
             stack.enter_context(using(chunk_regions=False))
+        if name.startswith("switches:"):
+            stack.enter_context(using(**parse(name.removeprefix("switches:"))))
         yield
 
 
@@ -214,14 +217,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--starts", default="0,512,8192")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated, of {', '.join(ARMS)} and switches:SET")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="also the ops by GPU time with their call sites")
     p.add_argument("--host", action="store_true", help="also a cProfile of the host's part of one forward")
     args = p.parse_args()
     starts = [int(s) for s in args.starts.split(",")]
     arms = args.arms.split(",")
-    unknown = set(arms) - set(ARMS)
+    unknown = {a for a in arms if not a.startswith("switches:")} - set(ARMS)
     if unknown:
         raise SystemExit(f"--arms: unknown {sorted(unknown)}; expected some of {ARMS}")
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -107,6 +107,13 @@ class Switches:
     # 6.71 with hc_fused; bf16 has one input product, unchanged); the pair kernel's outputs equal the two
     # launches' bit for bit at the real shapes (H200, 2026-11-30, bench/results/2026-11-30-h200-round11-fused-*).
     gemv_pair: bool = True
+    # A prefill chunk's RoPE of the query and of the attention output is written into the tensor's rotated
+    # channels (model/rope.py Rope.apply_in_place) instead of a concatenation that rewrites every channel of
+    # the ``[S, 64, 512]`` tensor; the values are the same. Decode and verify steps are unchanged. 4-layer bf16
+    # proxy, one chunk from position 0, arms in one process: 8192 tokens 66.1 -> 61.0 / 61.5 ms; chunks of 512
+    # and 2048 tokens are bound by the host and did not change; the kernels of a 2048-token chunk 16.56 -> 15.65
+    # ms (H200, 2026-11-30, bench/results/2026-11-30-h200-round16-{d,e}-*).
+    rope_in_place: bool = True
 
 
 SWITCHES = Switches()

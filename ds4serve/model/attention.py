@@ -10,6 +10,7 @@ indexer's top-k for CSA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     q_res = rms_norm(xp["wq_a"], w.q_norm, eps)
     qp = (w.q_proj or Projections.separate(w.q_parts()))(q_res)
     q = unweighted_rms_norm(qp["wq_b"].unflatten(-1, (H, hd)), eps)
-    q = Rope.apply(q, cos, sin)
+    q = _rotation(chunk)(q, cos, sin)
     kv = Rope.apply(rms_norm(xp["wkv"], w.kv_norm, eps), cos, sin)
 
     delta = LayerDelta(window_rows=kv)
@@ -130,6 +131,12 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b), delta
+
+
+def _rotation(chunk: ChunkInfo) -> Callable[..., torch.Tensor]:
+    """The RoPE of a chunk's fresh query or attention output: in place for a prefill chunk
+    (``SWITCHES.rope_in_place``), else the concatenation that a static step's compiled regions fuse."""
+    return Rope.apply_in_place if not chunk.static and SWITCHES.rope_in_place else Rope.apply
 
 
 def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
@@ -152,7 +159,7 @@ def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: Lay
         return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin)
     seq = window_sequence(kv, state.window, chunk.start)
     out = chunk_attention(q, seq, chunk.start, entries, visible, sinks, scale)
-    return Rope.apply(out, cos, sin, inverse=True)
+    return _rotation(chunk)(out, cos, sin, inverse=True)
 
 
 @region
