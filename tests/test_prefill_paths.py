@@ -138,6 +138,27 @@ def test_sort_pairs_orders_by_expert_and_counts():
     assert ends.dtype == torch.int32 and ends.tolist() == [2, 3, 5, 6, 6]
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["plain", "traced"])
+def test_slot_sum_equals_putting_the_rows_back_then_summing(traced):
+    """The routed experts' slot sum reads each pair's row through the inverse permutation: bit for bit what
+    weighting the expert-ordered rows, putting them back in (token, slot) order and summing gives."""
+    from ds4serve.kernels import regions
+    from ds4serve.kernels.switches import using
+
+    gen = torch.Generator().manual_seed(5)
+    N, k, D, E = 37, 3, 16, 6
+    order, _ = sort_pairs(_routing(N, E, k, gen, unused=2), E)
+    y = torch.randn(N * k, D, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(N, k, generator=gen)
+    weighted = (y * weights.flatten()[order].unsqueeze(-1)).to(torch.bfloat16)
+    want = torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, k, -1).sum(1)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(N * k))
+    sum_slots = regions.region(moe_grouped.slot_sum.eager, chunks=True) if traced else moe_grouped.slot_sum.eager
+    with regions.forced("aot_eager"), using(chunk_regions=True):
+        got = sum_slots(y, inverse, weights, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "expert_by_expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_experts_equal_the_expert_loop(monkeypatch, grouped, dtype):
@@ -215,10 +236,15 @@ def test_bf16_chunk_paths_never_synchronise_on_cuda():
     ring, sinks = torch.randn(32, 64, device="cuda", generator=gen).bfloat16(), torch.randn(4, device="cuda")
     entries = torch.randn(20, 64, device="cuda", generator=gen).bfloat16()
     visible = torch.rand(N, 20, device="cuda", generator=gen) < 0.5
+
+    def chunk_paths() -> None:
+        routed_experts(x, idx, weights, w1, w3, w2, 1.5)
+        ca.chunk_attention(q, ca.window_sequence(q[:, 0], ring, 40), 40, entries, visible, sinks, 0.125)
+
+    chunk_paths()  # compiles the chunk regions first: Inductor's compile synchronises, their runs must not
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        routed_experts(x, idx, weights, w1, w3, w2, 1.5)
-        ca.chunk_attention(q, ca.window_sequence(q[:, 0], ring, 40), 40, entries, visible, sinks, 0.125)
+        chunk_paths()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -45,7 +45,7 @@ def test_inductor_switches_give_a_region_its_own_compile(monkeypatch):
 
 
 def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factory, monkeypatch):
-    """``chunk_regions``: the norms, RoPE and mHC mixes of prefill chunks run traced (whole graphs,
+    """``chunk_regions``: the norms, RoPE, mHC mixes and routed slot sums of prefill chunks run traced (whole graphs,
     dynamic shapes: chunks of two lengths and a ring that wraps) and give the plain logits."""
     from ds4serve.model import DeepSeekV4
     from ds4serve.weights import Checkpoint
@@ -68,9 +68,9 @@ def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factor
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
             assert err <= 1e-5, f"chunk [{lo}, {hi}): relative error {err:.3g}"
-    # rms_norm, unweighted_rms_norm, RoPE (out of place for kv, in place for q and the output), mixes: each
-    # compiled with dynamic shapes
-    assert compiles == [True] * 5
+    # rms_norm, unweighted_rms_norm, RoPE (out of place for kv, in place for q and the output), mixes, the routed
+    # experts' slot sum: each compiled with dynamic shapes
+    assert compiles == [True] * 6
     assert graphs[1] == graphs[0]  # the second chunk length reused the traced graphs
 
 
