@@ -1,5 +1,4 @@
-"""The mHC stream products of a chunk in one pass each: the mixes and the collapse before a sublayer, the merge
-after it.
+"""The mHC stream products of a chunk in one pass each: collapse before a sublayer, merge after it.
 
 For a prefill chunk the torch code spends most of an mHC site in layout work, not arithmetic: the
 merge is a batch of ``S`` tiny ``[hc, hc] @ [hc, D]`` products (cuBLAS runs it as a batched GEMM of
@@ -7,12 +6,6 @@ merge is a batch of ``S`` tiny ``[hc, hc] @ [hc, D]`` products (cuBLAS runs it a
 summing it. Here one program per (token, block of D) reads the token's ``hc`` stream rows once.
 Rounding follows :func:`ds4serve.model.hyper.hc_merge` / ``_collapse``: the merge rounds ``post * out``
 and the fp32 stream mix to the streams' dtype before adding them; the collapse sums in fp32.
-
-The mixes (:func:`hc_mixes`) are the torch code's ``F.linear(rms_norm(X.flatten().float()), fn)`` with the
-norm's factor applied to each row's 24 sums instead of to its 16,384 inputs, as the decode site's kernel
-does (:mod:`ds4serve.kernels.hc_pre`): equal up to fp32 rounding. The torch code writes the normalised rows
-in fp32 (twice the streams' bytes) for cuBLAS's fp32 GEMM to read back; here the streams are read once, in
-their own dtype, and the products are IEEE fp32 (``tl.dot(..., input_precision="ieee")``, no TF32).
 """
 
 from __future__ import annotations
@@ -70,56 +63,6 @@ def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.const
     for k in tl.static_range(HC):
         acc += tl.load(pre_ptr + s * HC + k) * tl.load(x_ptr + (s * HC + k) * D + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(y_ptr + s * D + d, acc.to(y_ptr.dtype.element_ty), mask=dm)
-
-
-@triton.jit
-def _mixes_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, S, N, span, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Rows ``[BLOCK_S]`` of the flattened streams over inputs ``[split * span, (split + 1) * span)``: the
-    partial products with ``fn`` (``[BLOCK_S, MIX_PAD]``) and sums of squares, for the host to add in split
-    order."""
-    pdl.start(PDL)
-    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    split = tl.program_id(1)
-    rm = rows < S
-    m = tl.arange(0, MIX_PAD)
-    acc = tl.zeros([BLOCK_S, MIX_PAD], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_S], dtype=tl.float32)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * N
-    for n0 in range(split * span, (split + 1) * span, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        x = tl.load(x_rows + n[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-        f = tl.load(fn_ptr + m[None, :] * N + n[:, None], mask=(m < MIX)[None, :], other=0.0)
-        sq += tl.sum(x * x, axis=1)
-        acc = tl.dot(x, f, acc, input_precision="ieee")
-    out = split * S + rows
-    tl.store(part_ptr + out[:, None] * MIX_PAD + m[None, :], acc, mask=rm[:, None])
-    tl.store(sq_ptr + out, sq, mask=rm)
-
-
-MIX_BLOCK_S, MIX_BLOCK_N = 16, 64
-MIX_PROGRAMS = 264  # a launch's programs to aim for (two per SM of the H200), splitting the inputs to get there
-
-
-def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 mixes ``[S, mix]`` of streams ``X [S, hc, D]``: ``rsqrt(mean(x^2) + eps) * (x @ fn.T)`` for each
-    flattened row ``x`` and ``fn [mix, hc * D]`` (used in fp32)."""
-    S = X.shape[0]
-    x = X.reshape(S, -1).contiguous()
-    N, mix = x.shape[1], fn.shape[0]
-    fn = fn.float().contiguous()
-    blocks = triton.cdiv(S, MIX_BLOCK_S)
-    split = 1
-    while blocks * split * 2 <= MIX_PROGRAMS and N % (split * 2 * MIX_BLOCK_N) == 0:
-        split *= 2
-    if N % (split * MIX_BLOCK_N):
-        raise ValueError(f"hc_mixes: the flattened streams' {N} values are not a multiple of {MIX_BLOCK_N}")
-    pad = max(16, triton.next_power_of_2(mix))
-    part = torch.empty(split, S, pad, device=X.device, dtype=torch.float32)
-    sq = torch.empty(split, S, device=X.device, dtype=torch.float32)
-    _mixes_kernel[(blocks, split)](x, fn, part, sq, S, N, N // split, MIX=mix, MIX_PAD=pad, BLOCK_S=MIX_BLOCK_S,
-                                   BLOCK_N=MIX_BLOCK_N, num_warps=4, **pdl.launch(X))
-    return part.sum(0)[:, :mix] * torch.rsqrt(sq.sum(0) / N + eps).unsqueeze(-1)
 
 
 def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

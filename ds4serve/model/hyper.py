@@ -32,12 +32,7 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     The Sinkhorn iterations stay outside the compiled regions: Inductor would give each of their
     40 alternating reductions its own kernel, where the Triton kernel keeps them in registers.
     """
-    if _stream_kernels(X):
-        from ..kernels.hc_streams import hc_mixes
-
-        mixes = hc_mixes(X, site.fn, norm_eps)
-    else:
-        mixes = _hc_mixes(X, site.fn, norm_eps)
+    mixes = _hc_mixes(X, site.fn, norm_eps)
     if kernels.enabled(mixes):
         from ..kernels.ops import hc_coefficients as coefficients
     else:
