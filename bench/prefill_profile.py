@@ -14,12 +14,12 @@ experts per token. ``est. 43 layers`` scales the per-layer times to the full pro
 prefill line. Then, for the first arm at the first start, the phase table of ds4serve's profiler
 and torch.profiler's kernel table (top 30 by GPU time).
 
-Arms: ``new`` the current chunk paths; ``no_regions`` those without ``SWITCHES.chunk_regions`` (norms,
-RoPE and mHC mixes run as written instead of compiled for chunks); ``old_attn`` the previous dense masked chunk attention
-(one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the routed
-experts expert by expert after a host read of the group sizes (the previous loop's launches and
+Arms: ``new`` the current chunk paths; ``no_regions`` those without ``SWITCHES.chunk_regions`` (the
+chunk regions run as written instead of compiled); ``old_attn`` the previous dense masked chunk
+attention (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the
+routed experts expert by expert after a host read of the group sizes (the previous loop's launches and
 sync); ``old`` both; ``switches:SET`` the switch set ``SET`` (``kernels.switches.parse``, e.g.
-``switches:defaults-rope_in_place``).
+``switches:defaults-rope_in_place``). ``--host`` adds a cProfile of one forward's host part.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ def test_inductor_switches_give_a_region_its_own_compile(monkeypatch):
 
 
 def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factory, monkeypatch):
-    """``chunk_regions``: the norms, RoPE, mHC mixes and routed slot sums of prefill chunks run traced (whole graphs,
-    dynamic shapes: chunks of two lengths and a ring that wraps) and give the plain logits."""
+    """``chunk_regions``: the norms, RoPE, mHC mixes and routed slot sums of prefill chunks run traced (whole
+    graphs, dynamic shapes: chunks of two lengths and a ring that wraps) and give the plain logits."""
     from ds4serve.model import DeepSeekV4
     from ds4serve.weights import Checkpoint
     from tests.helpers import random_prompt

@@ -13,8 +13,8 @@ code stays the one reference.
 Prefill and verify chunks issue the same chains over thousands of rows, where each unfused op is a
 full pass over memory (a RoPE's casts, stack and cat; a norm's fp32 copy, square, mean and product).
 Regions marked ``chunks=True`` (the norms, RoPE, the mHC mixes, the routed experts' slot sum: plain
-chains with no hand-written kernel inside) also run compiled in chunk forwards on CUDA when ``SWITCHES.chunk_regions`` is on,
-with dynamic shapes so that one compile serves every chunk length.
+chains with no hand-written kernel inside) also run compiled in chunk forwards on CUDA when
+``SWITCHES.chunk_regions`` is on, with dynamic shapes so that one compile serves every chunk length.
 
 Regions nest: a region called while another is being traced is traced inline. While tracing,
 :func:`ds4serve.kernels.enabled` is False, so a region never calls a hand-written Triton kernel
