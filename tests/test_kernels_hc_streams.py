@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
-from ds4serve.kernels.hc_streams import hc_collapse, hc_merge  # noqa: E402
+from ds4serve.kernels.hc_streams import hc_collapse, hc_merge, hc_mixes  # noqa: E402
+from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,12 +42,35 @@ def test_merge_and_collapse_match_the_torch_code(dtype, D):
         assert err <= (1e-5 if dtype == torch.float32 else 2.0 ** -5) * scale
 
 
+@pytest.mark.parametrize("S", [9, 37])  # one block of rows with a tail; three blocks
+def test_mixes_match_the_torch_code(S):
+    """The chunk mixes of bf16 streams (tensor-core products of fn's three bf16 pieces, the norm's factor after
+    the sums) against the torch code's norm then fp32 product: equal up to fp32 rounding. An fp32 ``fn`` with
+    values that bf16 alone cannot hold checks that the pieces carry all of it."""
+    g = torch.Generator().manual_seed(S)
+    X = torch.randn(S, 4, 64, generator=g).to(DEVICE, torch.bfloat16)
+    fn = (torch.randn(24, 256, generator=g) / 16).to(DEVICE)
+    assert not torch.equal(fn.bfloat16().float(), fn)
+    want = hyper._hc_mixes.eager(X, fn, 1e-6)
+    got = hc_mixes(X, fn, 1e-6)
+    assert got.shape == want.shape == (S, 24) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+    with pytest.raises(ValueError, match="bf16 streams"):
+        hc_mixes(X.float(), fn, 1e-6)
+
+
 def test_model_functions_use_the_kernels_for_long_chunks_only(monkeypatch):
     calls = []
     monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_merge", lambda *a: calls.append("merge") or a[0])
+    monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_mixes",
+                        lambda X, fn, eps: calls.append("mixes") or hyper._hc_mixes.eager(X, fn, eps))
     S_long = hyper.MIX_REDUCE_MAX_ROWS + 1
+    site = hyper.HCSite(torch.randn(24, 128).to(DEVICE), torch.zeros(24).to(DEVICE), torch.ones(3).to(DEVICE))
     with kernels.on_any_device():
         for S in (1, S_long):
-            X, out, post, comb, _ = _inputs(S, 4, 32, torch.float32, seed=S)
+            X, out, post, comb, _ = _inputs(S, 4, 32, torch.bfloat16, seed=S)
             hyper.hc_merge(X, out, post, comb)
-    assert calls == ["merge"]
+            for mix_kernel in (False, True):
+                with using(chunk_mix_kernel=mix_kernel):
+                    hyper.hc_split(X, site, 4, 3, 1e-6, 1e-6)
+    assert calls == ["merge", "mixes"]  # the merge of the long chunk; its mixes with the switch on

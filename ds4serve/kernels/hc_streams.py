@@ -1,4 +1,5 @@
-"""The mHC stream products of a chunk in one pass each: collapse before a sublayer, merge after it.
+"""The mHC stream products of a chunk in one pass each: the mixes and the collapse before a sublayer, the merge
+after it.
 
 For a prefill chunk the torch code spends most of an mHC site in layout work, not arithmetic: the
 merge is a batch of ``S`` tiny ``[hc, hc] @ [hc, D]`` products (cuBLAS runs it as a batched GEMM of
@@ -6,6 +7,15 @@ merge is a batch of ``S`` tiny ``[hc, hc] @ [hc, D]`` products (cuBLAS runs it a
 summing it. Here one program per (token, block of D) reads the token's ``hc`` stream rows once.
 Rounding follows :func:`ds4serve.model.hyper.hc_merge` / ``_collapse``: the merge rounds ``post * out``
 and the fp32 stream mix to the streams' dtype before adding them; the collapse sums in fp32.
+
+The mixes (:func:`hc_mixes`, ``SWITCHES.chunk_mix_kernel``) are the torch code's
+``F.linear(unweighted_rms_norm(X.flatten().float()), fn)`` with the norm's factor applied to each row's 24
+sums instead of to its 16,384 inputs, as the decode site's kernel does (:mod:`ds4serve.kernels.hc_pre`). The
+torch code writes the normalised rows in fp32 (twice the streams' bytes) for cuBLAS's fp32 GEMM to read back;
+here the bf16 streams are read once and multiplied on bf16 tensor cores, ``fn`` split in registers into
+three bf16 pieces (``hi + mid + lo`` carries its 24 bits): each product exact, the sums in fp32. So the mixes
+equal the torch code's up to fp32 rounding. (An IEEE fp32 ``tl.dot`` over the fp32 rows instead ran 8x
+slower than the torch code on the H200: sixteenth run, commit 5dc61a6.)
 """
 
 from __future__ import annotations
@@ -63,6 +73,67 @@ def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.const
     for k in tl.static_range(HC):
         acc += tl.load(pre_ptr + s * HC + k) * tl.load(x_ptr + (s * HC + k) * D + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(y_ptr + s * D + d, acc.to(y_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _mixes_kernel(x_ptr, fn_ptr, y_ptr, S, N, eps, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr):
+    """Rows ``[BLOCK_S]`` of the flattened bf16 streams: their products with ``fn`` and sums of squares over
+    all ``N`` inputs, then the mixes ``rsqrt(sum / N + eps) * products``."""
+    pdl.start(PDL)
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    rm = rows < S
+    m = tl.arange(0, MIX_PAD)
+    mm = m < MIX
+    acc = tl.zeros([BLOCK_S, MIX_PAD], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_S], dtype=tl.float32)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * N
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        x = tl.load(x_rows + n[None, :], mask=rm[:, None], other=0.0)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        f = tl.load(fn_ptr + m[None, :] * N + n[:, None], mask=mm[None, :], other=0.0)
+        hi = f.to(tl.bfloat16)
+        rest = f - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
+            acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, lo, acc)
+    y = acc * tl.rsqrt(sq / N + eps)[:, None]
+    tl.store(y_ptr + rows[:, None] * MIX + m[None, :], y, mask=rm[:, None] & mm[None, :])
+
+
+MIX_BLOCK_S, MIX_BLOCK_N = 16, 128
+
+
+def mixes_apply(X: torch.Tensor) -> bool:
+    """Whether :func:`hc_mixes` takes streams like ``X``: bf16 (the tensor-core operand; the products of
+    other dtypes would not be exact) whose flattened rows split into whole steps of the kernel's loop."""
+    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % MIX_BLOCK_N == 0
+
+
+def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 mixes ``[S, mix]`` of bf16 streams ``X [S, hc, D]`` (:func:`mixes_apply`): for each flattened row
+    ``x``, ``rsqrt(mean(x^2) + eps) * (x @ fn.T)`` with ``fn [mix, hc * D]`` in fp32."""
+    if not mixes_apply(X):
+        raise ValueError(f"hc_mixes: expected bf16 streams of a multiple of {MIX_BLOCK_N} values a row, got "
+                         f"{X.dtype} {tuple(X.shape)}")
+    S = X.shape[0]
+    x = X.reshape(S, -1).contiguous()
+    N, mix = x.shape[1], fn.shape[0]
+    y = torch.empty(S, mix, device=X.device, dtype=torch.float32)
+    _mixes_kernel[(triton.cdiv(S, MIX_BLOCK_S),)](x, fn.float().contiguous(), y, S, N, eps, MIX=mix,
+                                                  MIX_PAD=max(16, triton.next_power_of_2(mix)),
+                                                  BLOCK_S=MIX_BLOCK_S, BLOCK_N=MIX_BLOCK_N, WIDEN=not X.is_cuda,
+                                                  num_warps=4, **pdl.launch(X))
+    return y
 
 
 def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

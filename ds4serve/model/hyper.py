@@ -32,7 +32,12 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     The Sinkhorn iterations stay outside the compiled regions: Inductor would give each of their
     40 alternating reductions its own kernel, where the Triton kernel keeps them in registers.
     """
-    mixes = _hc_mixes(X, site.fn, norm_eps)
+    if _mix_kernel(X):
+        from ..kernels.hc_streams import hc_mixes
+
+        mixes = hc_mixes(X, site.fn, norm_eps)
+    else:
+        mixes = _hc_mixes(X, site.fn, norm_eps)
     if kernels.enabled(mixes):
         from ..kernels.ops import hc_coefficients as coefficients
     else:
@@ -109,6 +114,15 @@ def _hc_mixes(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tenso
     if flat.shape[0] <= MIX_REDUCE_MAX_ROWS:
         return (flat.unsqueeze(-2) * fn.float()).sum(-1)
     return F.linear(flat, fn.float())
+
+
+def _mix_kernel(X: torch.Tensor) -> bool:
+    """A long chunk's mixes through :func:`ds4serve.kernels.hc_streams.hc_mixes` (``SWITCHES.chunk_mix_kernel``)."""
+    if not (SWITCHES.chunk_mix_kernel and _stream_kernels(X)):
+        return False
+    from ..kernels.hc_streams import mixes_apply
+
+    return mixes_apply(X)
 
 
 def _stream_kernels(X: torch.Tensor) -> bool:
