@@ -170,6 +170,17 @@ def _stop(procs) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir, engine) -> dict:
+    """The single device's results, computed with one intra-op thread as the ranks run (``_join``): the CPU's
+    products are then summed in the same order, so the comparisons can be bit for bit on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(engine)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(engine) -> dict:
     out = {"score": engine.score(PROMPT, CHUNKS), "generate": engine.generate(PROMPT, GREEDY).tokens}
     snap = engine.snapshot()
     engine.restore(snap)
