@@ -19,7 +19,8 @@ chunk regions run as written instead of compiled); ``old_attn`` the previous den
 attention (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the
 routed experts expert by expert after a host read of the group sizes (the previous loop's launches and
 sync); ``old`` both; ``switches:SET`` the switch set ``SET`` (``kernels.switches.parse``, e.g.
-``switches:defaults-rope_in_place``). ``--host`` adds a cProfile of one forward's host part.
+``switches:defaults-rope_in_place``). ``--host`` adds a cProfile of one forward's host part;
+``--launches`` the GPU launches (kernels, copies, fills) of one forward by the ds4serve line that made them.
 """
 
 from __future__ import annotations
@@ -213,6 +214,51 @@ def host_table(model, state, ids: list[int], top: int = 40) -> str:
     return f"GPU events (kernels, copies) of one forward: {launches}\n{text.getvalue()}"
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaMemset", "cudaLaunchKernelExC",
+                "cuLaunchKernelEx")
+
+
+def launch_table(model, state, ids: list[int], top: int = 60) -> str:
+    """The GPU launches of one forward by call site: each launch API call in a Kineto trace is attributed
+    to the innermost two ds4serve frames open around it (``with_stack``), with the kernels it launched."""
+    import collections
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        model.forward(ids, state)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernel_of = {e["args"].get("correlation"): e["name"] for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "args" in e}
+    frames = [e for e in events if e.get("cat") == "python_function" and "/ds4serve/" in e.get("name", "")]
+    launches = sorted((e for e in events if e.get("cat") == "cuda_runtime" and e["name"].startswith(LAUNCH_CALLS)),
+                      key=lambda e: e["ts"])
+    frames.sort(key=lambda e: e["ts"])
+    sites, names = collections.Counter(), collections.defaultdict(collections.Counter)
+    open_frames: list[dict] = []
+    i = 0
+    for launch in launches:
+        t = launch["ts"]
+        while i < len(frames) and frames[i]["ts"] <= t:
+            open_frames.append(frames[i])
+            i += 1
+        open_frames = [f for f in open_frames if f["ts"] + f.get("dur", 0) >= t]
+        inner = sorted((f for f in open_frames if f["tid"] == launch["tid"]), key=lambda f: f["ts"])[-2:]
+        site = " < ".join(f["name"].split("/ds4serve/")[-1] for f in reversed(inner)) or "(outside ds4serve)"
+        sites[site] += 1
+        names[site][kernel_of.get(launch["args"].get("correlation"), launch["name"])[:60]] += 1
+    lines = [f"GPU launches of one forward: {len(launches)}", f"{'launches':>8}  site: kernels"]
+    for site, n in sites.most_common(top):
+        kinds = ", ".join(f"{k} x{c}" for k, c in names[site].most_common(4))
+        lines.append(f"{n:8d}  {site}: {kinds}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=2048)
@@ -222,6 +268,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="also the ops by GPU time with their call sites")
     p.add_argument("--host", action="store_true", help="also a cProfile of the host's part of one forward")
+    p.add_argument("--launches", action="store_true", help="also the GPU launches of one forward by call site")
     args = p.parse_args()
     starts = [int(s) for s in args.starts.split(",")]
     arms = args.arms.split(",")
@@ -262,6 +309,8 @@ def main() -> None:
                         print(f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}", flush=True)
                     if args.host:
                         print(f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True)
+                    if args.launches:
+                        print(f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}", flush=True)
             del state
             gc.collect()
             torch.cuda.empty_cache()
