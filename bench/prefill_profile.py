@@ -155,9 +155,10 @@ def report(name: str, start: int, chunk: int, ms: float, host_ms: float, per_lay
         f"the matmul rate | layer ms: {layers} | est. 43 layers {est_ms:6.0f} ms, {100 * est_frac:4.1f}%")
 
 
-def phase_table(model, state, ids: list[int], reps: int) -> str:
-    """ds4serve's per-phase GPU profile of ``reps`` forwards of the chunk."""
-    profiler.configure(enabled=True, file=None, timing=False)
+def phase_table(model, state, ids: list[int], reps: int, clock: str = "auto") -> str:
+    """ds4serve's per-phase profile of ``reps`` forwards of the chunk: GPU time, or with ``clock="host"`` the
+    host's time in each phase (the GPU not waited for)."""
+    profiler.configure(enabled=True, file=None, timing=False, clock=clock)
     try:
         with profiler.collect() as records:
             for _ in range(reps):
@@ -214,13 +215,13 @@ def host_table(model, state, ids: list[int], top: int = 40) -> str:
     return f"GPU events (kernels, copies) of one forward: {launches}\n{text.getvalue()}"
 
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaMemset", "cudaLaunchKernelExC",
-                "cuLaunchKernelEx")
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def launch_table(model, state, ids: list[int], top: int = 60) -> str:
-    """The GPU launches of one forward by call site: each launch API call in a Kineto trace is attributed
-    to the innermost two ds4serve frames open around it (``with_stack``), with the kernels it launched."""
+    """The GPU work of one forward by call site: each kernel, copy or fill of a Kineto trace is matched
+    (by correlation id) to the runtime or driver call that launched it, and that call to the innermost
+    two ds4serve frames open around it (``with_stack``)."""
     import collections
     import json
     import tempfile
@@ -233,29 +234,33 @@ def launch_table(model, state, ids: list[int], top: int = 60) -> str:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    kernel_of = {e["args"].get("correlation"): e["name"] for e in events
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "args" in e}
-    frames = [e for e in events if e.get("cat") == "python_function" and "/ds4serve/" in e.get("name", "")]
-    launches = sorted((e for e in events if e.get("cat") == "cuda_runtime" and e["name"].startswith(LAUNCH_CALLS)),
-                      key=lambda e: e["ts"])
-    frames.sort(key=lambda e: e["ts"])
+    work = [e for e in events if e.get("cat") in GPU_WORK]
+    callers = {e["args"]["correlation"]: e for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    frames = sorted((e for e in events if e.get("cat") == "python_function" and "/ds4serve/" in e.get("name", "")),
+                    key=lambda e: e["ts"])
+    calls = sorted(((callers.get(e.get("args", {}).get("correlation")), e["name"]) for e in work),
+                   key=lambda c: c[0]["ts"] if c[0] else -1)
     sites, names = collections.Counter(), collections.defaultdict(collections.Counter)
     open_frames: list[dict] = []
     i = 0
-    for launch in launches:
-        t = launch["ts"]
-        while i < len(frames) and frames[i]["ts"] <= t:
-            open_frames.append(frames[i])
-            i += 1
-        open_frames = [f for f in open_frames if f["ts"] + f.get("dur", 0) >= t]
-        inner = sorted((f for f in open_frames if f["tid"] == launch["tid"]), key=lambda f: f["ts"])[-2:]
-        site = " < ".join(f["name"].split("/ds4serve/")[-1] for f in reversed(inner)) or "(outside ds4serve)"
+    for caller, name in calls:
+        site = "(launch call not in the trace)"
+        if caller is not None:
+            t = caller["ts"]
+            while i < len(frames) and frames[i]["ts"] <= t:
+                open_frames.append(frames[i])
+                i += 1
+            open_frames = [f for f in open_frames if f["ts"] + f.get("dur", 0) >= t]
+            inner = open_frames[-2:]
+            site = " < ".join(f["name"].split("/ds4serve/")[-1] for f in reversed(inner)) or "(outside ds4serve)"
         sites[site] += 1
-        names[site][kernel_of.get(launch["args"].get("correlation"), launch["name"])[:60]] += 1
-    lines = [f"GPU launches of one forward: {len(launches)}", f"{'launches':>8}  site: kernels"]
+        names[site][name[:50]] += 1
+    lines = [f"GPU work items of one forward: {len(work)} ({sum(c is not None for c, _ in calls)} with their launch call; "
+             f"{len(frames)} ds4serve frames in the trace)", f"{'items':>6}  site: kernels"]
     for site, n in sites.most_common(top):
-        kinds = ", ".join(f"{k} x{c}" for k, c in names[site].most_common(4))
-        lines.append(f"{n:8d}  {site}: {kinds}")
+        kinds = ", ".join(f"{k} x{c}" for k, c in names[site].most_common(4 if frames else top))
+        lines.append(f"{n:6d}  {site}: {kinds}")
     return "\n".join(lines)
 
 
@@ -301,6 +306,8 @@ def main() -> None:
                 log(f"{name:>8} start {start:>5}: last-row logits vs arm {arms[0]}: max rel {diff:.2e}")
             if n == 0:
                 with arm(arms[0]):
+                    if args.launches:  # first: a profiler session run before it can leave the trace without frames
+                        print(f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}", flush=True)
                     print(f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
                     print(phase_table(model, state, chunk, args.reps), flush=True)
                     print(f"## kernels of one {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
@@ -309,8 +316,8 @@ def main() -> None:
                         print(f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}", flush=True)
                     if args.host:
                         print(f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True)
-                    if args.launches:
-                        print(f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}", flush=True)
+                        print(f"## the host's time by phase\n\n{phase_table(model, state, chunk, args.reps, 'host')}",
+                              flush=True)
             del state
             gc.collect()
             torch.cuda.empty_cache()

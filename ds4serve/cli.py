@@ -114,7 +114,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: 2048 on CUDA, 512 "
+    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: 4096 on CUDA, 512 "
                    "elsewhere)")
     p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")

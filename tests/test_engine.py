@@ -114,7 +114,7 @@ def test_state_capacity_grows_in_powers_of_two(tiny_dir):
 
 def test_prefill_chunks_default_by_device(engine, tiny_dir):
     """2048-token prefill chunks on CUDA, 512 elsewhere, unless chosen."""
-    assert (default_chunk_size(True), default_chunk_size(False)) == (2048, 512)
+    assert (default_chunk_size(True), default_chunk_size(False)) == (4096, 512)
     assert engine.chunk_size == 512
     assert Engine.from_pretrained(tiny_dir, chunk_size=100).chunk_size == 100
 

@@ -20,6 +20,8 @@ slower than the torch code on the H200: sixteenth run, commit 5dc61a6.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -110,29 +112,39 @@ def _mixes_kernel(x_ptr, fn_ptr, y_ptr, S, N, eps, MIX: tl.constexpr, MIX_PAD: t
     tl.store(y_ptr + rows[:, None] * MIX + m[None, :], y, mask=rm[:, None] & mm[None, :])
 
 
-MIX_BLOCK_S, MIX_BLOCK_N = 16, 128
+@dataclass(frozen=True)
+class MixTile:
+    """Launch shape of :func:`hc_mixes`: rows and inputs a loop step of one program takes, warps, loop stages."""
+
+    rows: int = 16
+    inputs: int = 128
+    warps: int = 4
+    stages: int = 3
+
+
+MIX_TILE = MixTile()
 
 
 def mixes_apply(X: torch.Tensor) -> bool:
     """Whether :func:`hc_mixes` takes streams like ``X``: bf16 (the tensor-core operand; the products of
     other dtypes would not be exact) whose flattened rows split into whole steps of the kernel's loop."""
-    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % MIX_BLOCK_N == 0
+    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % MIX_TILE.inputs == 0
 
 
-def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile = MIX_TILE) -> torch.Tensor:
     """fp32 mixes ``[S, mix]`` of bf16 streams ``X [S, hc, D]`` (:func:`mixes_apply`): for each flattened row
     ``x``, ``rsqrt(mean(x^2) + eps) * (x @ fn.T)`` with ``fn [mix, hc * D]`` in fp32."""
-    if not mixes_apply(X):
-        raise ValueError(f"hc_mixes: expected bf16 streams of a multiple of {MIX_BLOCK_N} values a row, got "
+    if X.dtype != torch.bfloat16 or (X.shape[1] * X.shape[2]) % tile.inputs:
+        raise ValueError(f"hc_mixes: expected bf16 streams of a multiple of {tile.inputs} values a row, got "
                          f"{X.dtype} {tuple(X.shape)}")
     S = X.shape[0]
     x = X.reshape(S, -1).contiguous()
     N, mix = x.shape[1], fn.shape[0]
     y = torch.empty(S, mix, device=X.device, dtype=torch.float32)
-    _mixes_kernel[(triton.cdiv(S, MIX_BLOCK_S),)](x, fn.float().contiguous(), y, S, N, eps, MIX=mix,
-                                                  MIX_PAD=max(16, triton.next_power_of_2(mix)),
-                                                  BLOCK_S=MIX_BLOCK_S, BLOCK_N=MIX_BLOCK_N, WIDEN=not X.is_cuda,
-                                                  num_warps=4, **pdl.launch(X))
+    _mixes_kernel[(triton.cdiv(S, tile.rows),)](x, fn.float().contiguous(), y, S, N, eps, MIX=mix,
+                                                MIX_PAD=max(16, triton.next_power_of_2(mix)),
+                                                BLOCK_S=tile.rows, BLOCK_N=tile.inputs, WIDEN=not X.is_cuda,
+                                                num_warps=tile.warps, num_stages=tile.stages, **pdl.launch(X))
     return y
 
 
