@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
-from ds4serve.kernels.hc_streams import hc_collapse, hc_merge, hc_mixes  # noqa: E402
+from ds4serve.kernels.hc_streams import MIX_TILE_LONG, hc_collapse, hc_merge, hc_mixes  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 
@@ -42,8 +42,9 @@ def test_merge_and_collapse_match_the_torch_code(dtype, D):
         assert err <= (1e-5 if dtype == torch.float32 else 2.0 ** -5) * scale
 
 
-@pytest.mark.parametrize("S", [9, 37])  # one block of rows with a tail; three blocks
-def test_mixes_match_the_torch_code(S):
+@pytest.mark.parametrize("tile", [None, MIX_TILE_LONG])  # the short chunks' tile; the long chunks' tile
+@pytest.mark.parametrize("S", [9, 37])  # one block of rows with a tail; three blocks (short chunks' tile)
+def test_mixes_match_the_torch_code(S, tile):
     """The chunk mixes of bf16 streams (tensor-core products of fn's three bf16 pieces, the norm's factor after
     the sums) against the torch code's norm then fp32 product: equal up to fp32 rounding. An fp32 ``fn`` with
     values that bf16 alone cannot hold checks that the pieces carry all of it."""
@@ -52,7 +53,7 @@ def test_mixes_match_the_torch_code(S):
     fn = (torch.randn(24, 256, generator=g) / 16).to(DEVICE)
     assert not torch.equal(fn.bfloat16().float(), fn)
     want = hyper._hc_mixes.eager(X, fn, 1e-6)
-    got = hc_mixes(X, fn, 1e-6)
+    got = hc_mixes(X, fn, 1e-6, tile)
     assert got.shape == want.shape == (S, 24) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
     with pytest.raises(ValueError, match="bf16 streams"):
@@ -63,7 +64,7 @@ def test_model_functions_use_the_kernels_for_long_chunks_only(monkeypatch):
     calls = []
     monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_merge", lambda *a: calls.append("merge") or a[0])
     monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_mixes",
-                        lambda X, fn, eps: calls.append("mixes") or hyper._hc_mixes.eager(X, fn, eps))
+                        lambda X, fn, eps, tile=None: calls.append("mixes") or hyper._hc_mixes.eager(X, fn, eps))
     S_long = hyper.MIX_REDUCE_MAX_ROWS + 1
     site = hyper.HCSite(torch.randn(24, 128).to(DEVICE), torch.zeros(24).to(DEVICE), torch.ones(3).to(DEVICE))
     with kernels.on_any_device():

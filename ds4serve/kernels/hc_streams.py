@@ -122,18 +122,25 @@ class MixTile:
     stages: int = 3
 
 
+# The fastest tiles of bench/sweep_mixes.py on the H200 (2026-11-30, seventeenth run; the torch code 350 /
+# 644 us): 16 rows a program at 2048 tokens (206 us; 64 rows 249 us), 64 rows at 8192 (206 us; 16 rows
+# over 355 us). Fewer rows keep short chunks' programs on every SM; more rows read fn fewer times.
 MIX_TILE = MixTile()
+MIX_TILE_LONG = MixTile(rows=64)
+LONG_CHUNK = 4096  # tokens from which a chunk's mixes take MIX_TILE_LONG
 
 
 def mixes_apply(X: torch.Tensor) -> bool:
     """Whether :func:`hc_mixes` takes streams like ``X``: bf16 (the tensor-core operand; the products of
     other dtypes would not be exact) whose flattened rows split into whole steps of the kernel's loop."""
-    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % MIX_TILE.inputs == 0
+    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % max(MIX_TILE.inputs, MIX_TILE_LONG.inputs) == 0
 
 
-def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile = MIX_TILE) -> torch.Tensor:
+def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile | None = None) -> torch.Tensor:
     """fp32 mixes ``[S, mix]`` of bf16 streams ``X [S, hc, D]`` (:func:`mixes_apply`): for each flattened row
-    ``x``, ``rsqrt(mean(x^2) + eps) * (x @ fn.T)`` with ``fn [mix, hc * D]`` in fp32."""
+    ``x``, ``rsqrt(mean(x^2) + eps) * (x @ fn.T)`` with ``fn [mix, hc * D]`` in fp32. ``tile``: the launch
+    shape (default by the chunk's length: :data:`MIX_TILE`, from :data:`LONG_CHUNK` tokens :data:`MIX_TILE_LONG`)."""
+    tile = tile or (MIX_TILE_LONG if X.shape[0] >= LONG_CHUNK else MIX_TILE)
     if X.dtype != torch.bfloat16 or (X.shape[1] * X.shape[2]) % tile.inputs:
         raise ValueError(f"hc_mixes: expected bf16 streams of a multiple of {tile.inputs} values a row, got "
                          f"{X.dtype} {tuple(X.shape)}")

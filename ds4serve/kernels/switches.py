@@ -115,10 +115,10 @@ class Switches:
     # ms (H200, 2026-11-30, bench/results/2026-11-30-h200-round16-{d,e}-*).
     rope_in_place: bool = True
     # A prefill chunk's mHC mixes are one Triton launch over the bf16 streams on tensor cores
-    # (kernels/hc_streams.py hc_mixes) instead of an fp32 copy of the normalised streams and cuBLAS's fp32 GEMM
-    # (~13% of a 2048-token chunk's kernels, sixteenth run). Built after that run's device time was spent: off
-    # until a GPU run has checked and timed it (bench/prefill_profile.py --arms new,switches:defaults+NAME).
-    chunk_mix_kernel: bool = False
+    # (kernels/hc_streams.py hc_mixes) instead of an fp32 copy of the normalised streams and cuBLAS's fp32 GEMM.
+    # One site of the proxy (bench/sweep_mixes.py): 350 -> 206 us at 2048 tokens, 644 -> 206 us at 8192;
+    # check_gpu.py --only tiny 5/5 with it (H200, 2026-11-30, bench/results/2026-11-30-h200-round17-*).
+    chunk_mix_kernel: bool = True
 
 
 SWITCHES = Switches()
