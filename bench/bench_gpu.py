@@ -34,6 +34,7 @@ from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
+from ds4serve.engine.engine import Engine  # noqa: E402
 from ds4serve.kernels.switches import parse, using  # noqa: E402
 
 NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
@@ -58,10 +59,12 @@ def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def prefill_once(model, state, ids: list[int]) -> None:
-    """One prefill of ``ids`` from an empty state."""
+def prefill_once(engine: Engine, state, ids: list[int]) -> None:
+    """One prefill of the prompt ``ids`` from an empty state, as a server runs it: ``Engine.prefill`` (one
+    chunk when the engine's chunk size is ``len(ids)``; its first-chunk CUDA graph where one applies), the
+    chunk's commit and its last row's logits."""
     state.reset()
-    model.forward(ids, state)
+    engine.prefill(state, ids)
 
 
 def ceilings() -> dict:
@@ -171,7 +174,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
                 arms.append((spec, parse(spec if spec.startswith("defaults") else f"defaults+{spec}")))
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
-                run = partial(prefill_once, model, state, ids)
+                run = partial(prefill_once, Engine(model, tokenizer=None, chunk_size=chunk), state, ids)
                 timings = prefill_rounds(run, chunk, arms, args.rounds if len(arms) > 1 else 1)
                 for arm, _ in arms:
                     key = f"prefill_{chunk}" + (f"_{arm}" if arm else "")

@@ -5,11 +5,13 @@ bench_gpu.py times one chunk from position 0; a real prompt is cut into chunks b
 committed. This times that loop end to end on the bf16 proxy (bench/proxy.py), GPU only::
 
     PYTHONPATH=. python3 bench/prompt_prefill.py [--layers 43] [--prompts 2048,8192,32768] \
-        [--chunks 2048,4096,8192] [--reps 2] [--out results.json]
+        [--chunks 2048,4096,8192] [--arms defaults,defaults-prefill_graphs] [--reps 2] [--out results.json]
 
-For each prompt length and chunk size: median ms of the whole prefill (the last position's logits on
-the host's side of a synchronisation, as a server's first token needs them) after one warm-up, tokens/s,
-and the peak GPU memory of the loop.
+For each prompt length, chunk size and switch set (``--arms``, ``kernels.switches.parse``): median ms of
+the whole prefill (the last position's logits on the host's side of a synchronisation, as a server's
+first token needs them) after one warm-up, tokens/s, the peak GPU memory of the loop, and how far the
+last position's logits are from the first arm's (max abs difference over max abs value) and whether
+their greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from bench_gpu import log  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve.engine.engine import Engine  # noqa: E402
+from ds4serve.kernels.switches import parse, using  # noqa: E402
 
 
-def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float]:
-    """Median ms of ``engine.prefill`` over ``ids`` from an empty state, and the loop's peak GiB."""
+def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float, torch.Tensor]:
+    """Median ms of ``engine.prefill`` over ``ids`` from an empty state, the loop's peak GiB and the last
+    position's logits."""
     state = engine.model.new_state(len(ids))
     times = []
     torch.cuda.reset_peak_memory_stats()
@@ -40,9 +44,9 @@ def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float
         state.reset()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.prefill(state, ids).float().cpu()
+        logits = engine.prefill(state, ids).float().cpu()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[1:]), torch.cuda.max_memory_allocated() / 2 ** 30
+    return statistics.median(times[1:]), torch.cuda.max_memory_allocated() / 2 ** 30, logits
 
 
 def main() -> None:
@@ -50,6 +54,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--prompts", default="2048,8192,32768")
     p.add_argument("--chunks", default="2048,4096,8192")
+    p.add_argument("--arms", default="defaults")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -64,10 +69,18 @@ def main() -> None:
         for n in prompts:
             ids = torch.randint(3, 128000, (n,), generator=gen).tolist()
             for c in sorted({min(c, n) for c in chunks}):  # chunks past the prompt: one chunk, timed once
-                engine = Engine(model, tokenizer=None, chunk_size=c)
-                ms, peak = time_prompt(engine, ids, args.reps)
-                rows.append({"prompt": n, "chunk": c, "ms": ms, "tok_s": n / ms * 1e3, "peak_GiB": peak})
-                log(f"prompt {n:>6} in chunks of {c:>5}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak {peak:5.1f} GiB")
+                first = None
+                for arm in args.arms.split(","):
+                    with using(**parse(arm)):
+                        ms, peak, logits = time_prompt(Engine(model, tokenizer=None, chunk_size=c), ids, args.reps)
+                    first = logits if first is None else first
+                    diff = float((logits - first).abs().max() / first.abs().max())
+                    same = int(logits.argmax()) == int(first.argmax())
+                    rows.append({"prompt": n, "chunk": c, "arm": arm, "ms": ms, "tok_s": n / ms * 1e3, "peak_GiB": peak,
+                                 "logits_max_rel_vs_first_arm": diff, "same_greedy_token": same})
+                    log(f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
+                        f"{peak:5.1f} GiB; last logits vs {args.arms.split(',')[0]}: max rel {diff:.1e}, "
+                        f"greedy token {'same' if same else 'differs'}")
     if args.out:
         args.out.write_text(json.dumps({"layers": args.layers, "gpu": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": rows}, indent=1))

@@ -35,12 +35,13 @@ class Captured:
     """``run`` (which reads its inputs from tensors the caller fills) as a CUDA graph: ``warm`` (default
     ``run``) is called ``warmup`` times on a side stream, so that kernels compile and library handles
     exist before the capture, then ``setup`` once there, then ``run`` is captured. :meth:`replay`
-    returns ``run``'s outputs: buffers that the next replay overwrites. With ``graph=False`` each
-    replay calls ``run`` instead: the same code without a capture (CPU tests)."""
+    returns ``run``'s outputs: buffers that the next replay overwrites. ``pool``: a memory pool
+    (``torch.cuda.graph_pool_handle()``) shared with graphs that never run at the same time as this one.
+    With ``graph=False`` each replay calls ``run`` instead: the same code without a capture (CPU tests)."""
 
     def __init__(self, run: Callable[[], T], device: torch.device, *, graph: bool = True,
                  warm: Callable[[], object] | None = None, setup: Callable[[], object] | None = None,
-                 warmup: int = 2):
+                 warmup: int = 2, pool: object | None = None):
         self._run = run
         self.graph: torch.cuda.CUDAGraph | None = None
         self.kept = None  # what ``setup`` returned: read by every replay, so kept with the graph
@@ -60,7 +61,7 @@ class Captured:
         # captured on the side stream: torch.cuda.graph's default capture stream is one stream for the
         # whole process, made on whichever device captured first, so a second GPU's capture would run
         # on the first GPU's stream
-        with torch.cuda.graph(self.graph, stream=side):
+        with torch.cuda.graph(self.graph, stream=side, pool=pool):
             self._out = run()
 
     def replay(self) -> T:

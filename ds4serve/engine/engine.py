@@ -29,6 +29,8 @@ from ..parallel.pipeline import PipelineDecodeGraph, PipelineModel, PipelineVeri
 from ..parallel.split_model import SplitModel
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
+from .prefill_graphs import MAX_GRAPH_TOKENS, FirstChunkGraphs
+from .prefill_graphs import graphs_apply as prefill_graphs_apply
 from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
 
@@ -96,6 +98,7 @@ class Engine:
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
+        self._first_chunks: FirstChunkGraphs | None = None  # captured first prefill chunks, by length bucket
         # (width, capture) -> the verify graph over self._state
         self._verify_graphs: dict[tuple[int, tuple[int, ...]],
                                   VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph] = {}
@@ -151,6 +154,7 @@ class Engine:
         """
         capture = () if on_chunk is None else on_chunk.capture_layers
         sizes = chunk_sizes or _even_chunks(len(ids), self.chunk_size)
+        graphs = None if all_logits or on_chunk is not None else self._prefill_graphs()
         outs: list[torch.Tensor] = []
         offset = 0
         for n, size in enumerate(sizes):
@@ -158,8 +162,14 @@ class Engine:
             last = n == len(sizes) - 1
             rows = slice(None) if all_logits else (slice(size - 1, size) if last else None)
             start = state.pos
-            with profiler.step("prefill", size, state.pos, self._require_model().layers):
-                result = self._forward(chunk, state, rows, capture)
+            if graphs is not None and graphs.applies(state, size):
+                self.forward_calls += 1
+                with profiler.step("prefill", size, state.pos, graphs.model.layers, graph=True):
+                    result = graphs.forward(chunk, state)
+                result.logits = result.logits.clone() if last else None  # the graph's buffer is reused
+            else:
+                with profiler.step("prefill", size, state.pos, self._require_model().layers):
+                    result = self._forward(chunk, state, rows, capture)
             state.commit(result.delta, size)
             if on_chunk is not None:
                 on_chunk(start, chunk, result)
@@ -365,6 +375,15 @@ class Engine:
             return PipelineModel.decode_graph, PipelineModel.verify_graph if verify else None
         return None
 
+    def _prefill_graphs(self) -> FirstChunkGraphs | None:
+        """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
+        model = self._require_model()
+        if not (SWITCHES.prefill_graphs and self._graphs_apply(model) and prefill_graphs_apply(model)):
+            return None
+        if self._first_chunks is None or self._first_chunks.model is not model:
+            self._first_chunks = FirstChunkGraphs(model, min(MAX_GRAPH_TOKENS, self.chunk_size))
+        return self._first_chunks
+
     def _graphs_apply(self, model: object) -> bool:
         """CUDA graphs are used for a whole model on CUDA unless the engine is eager (the draft models'
         graphs need the whole model in one place)."""
@@ -413,6 +432,7 @@ class Engine:
                 if part == "target" and self.model is not None:
                     self.model = None
                     self._graph = None
+                    self._first_chunks = None
                     self._verify_graphs.clear()
                     self._state = None
                     self._pending_restore = None

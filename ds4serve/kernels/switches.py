@@ -119,6 +119,10 @@ class Switches:
     # One site of the proxy (bench/sweep_mixes.py): 350 -> 206 us at 2048 tokens, 644 -> 206 us at 8192;
     # check_gpu.py --only tiny 5/5 with it (H200, 2026-11-30, bench/results/2026-11-30-h200-round17-*).
     chunk_mix_kernel: bool = True
+    # A prompt's first prefill chunk (position 0, up to 2048 tokens, bf16 experts) is replayed as a CUDA graph
+    # per length bucket, padded to it (engine/prefill_graphs.py), instead of launched kernel by kernel from the
+    # host, which bounds such chunks. Measured in the seventeenth run (bench/RESULTS.md).
+    prefill_graphs: bool = True
 
 
 SWITCHES = Switches()

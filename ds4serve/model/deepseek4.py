@@ -117,7 +117,8 @@ class DeepSeekV4:
         ``positions`` (a device tensor holding ``state.pos ..``, one per token) makes the step
         static: no shape or value taken from the host position, nothing synchronising with the host,
         so it can be captured as a CUDA graph (:mod:`ds4serve.engine.cuda_graphs`). The delta's
-        ``tokens`` are then left empty when ``token_ids`` is a tensor; the caller knows them. A static
+        ``tokens`` are then left empty when ``token_ids`` is a tensor, as they are while a CUDA graph is
+        captured; the caller knows them. A static
         block of several tokens (a verify step) is committed by :meth:`SequenceState.commit_static`.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(-1)
@@ -149,8 +150,9 @@ class DeepSeekV4:
             logits = None
             if logit_rows is not None and self.head is not None:
                 logits = self.logits(X[logit_rows])
-        if isinstance(token_ids, torch.Tensor):
-            tokens = [] if positions is not None else ids.tolist()
+        if isinstance(token_ids, torch.Tensor):  # not read back during a capture (it would synchronise)
+            capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
+            tokens = [] if positions is not None or capturing else ids.tolist()
         else:
             tokens = [int(t) for t in token_ids]
         delta = ChunkDelta(start=state.pos, tokens=tokens, layers=deltas)

@@ -1,0 +1,105 @@
+"""A prompt's first chunk padded to its bucket (the CUDA-graph path of engine/prefill_graphs.py, run
+uncaptured on CPU) commits the same state and gives the same logits as the chunk's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4serve.engine import engine as engine_module
+from ds4serve.engine.engine import Engine
+from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of
+from ds4serve.model import DeepSeekV4
+from ds4serve.weights import Checkpoint
+from tests.helpers import random_prompt
+
+
+def test_buckets():
+    assert [bucket_of(n) for n in (1, 64, 65, 96, 97, 128, 129, 1500, 1537, 2048)] == [
+        64, 64, 96, 96, 128, 128, 192, 1536, 2048, 2048]
+    assert bucket_of(0) is None and bucket_of(2049) is None
+    assert bucket_of(100, limit=100) == 100  # the engine's chunk below a bucket caps it
+
+
+@pytest.fixture(scope="module")
+def model(tiny_factory):
+    # window 8, HCA ratio 8: a 70-token chunk closes CSA and HCA windows and is longer than the window
+    return DeepSeekV4.load(Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5)))
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    return [t for ls in state.layers.values() for t in [ls.window, *(x for c in ls.compressors() for x in c.tensors())]]
+
+
+@pytest.mark.parametrize("n", [5, 70, 96])  # within a window; closing windows, padded to 96; a whole bucket
+def test_padded_first_chunk_commits_what_the_chunk_does(model, n):
+    ids = random_prompt(n, seed=n)
+    want_state, got_state = model.new_state(256), model.new_state(256)
+    want = model.forward(ids, want_state, logit_rows=slice(n - 1, n))
+    want_state.commit(want.delta, n)
+    got = FirstChunkGraphs(model, graph=False).forward(ids, got_state)
+    got_state.commit(got.delta, n)
+    assert got.delta.tokens == ids and got_state.tokens == want_state.tokens and got_state.pos == n
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_state_tensors(got_state), _state_tensors(want_state), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the next chunk and a decode step over the two states agree as well
+    more = random_prompt(9, seed=n + 1)
+    outs = [model.forward(more, s, logit_rows=slice(8, 9)) for s in (got_state, want_state)]
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+
+
+def test_first_chunk_graphs_take_fresh_states_only(model):
+    graphs = FirstChunkGraphs(model, limit=128, graph=False)
+    state = model.new_state(256)
+    assert graphs.applies(state, 128) and not graphs.applies(state, 129)
+    state.commit(model.forward([5, 6], state).delta, 2)
+    assert not graphs.applies(state, 10)
+    with pytest.raises(ValueError, match="position 0"):
+        graphs.forward([7], state)
+
+
+def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
+    """Engine.prefill through the (uncaptured) first-chunk graphs: the first chunk of a fresh state goes
+    through them, the later chunks and a state that has tokens do not, and the logits are the eager ones."""
+    calls = []
+
+    class Spy(FirstChunkGraphs):
+        def forward(self, ids, state):
+            calls.append(len(ids))
+            return super().forward(ids, state)
+
+    graphs = Spy(model, limit=64, graph=False)
+    engine = Engine(model, tokenizer=None, chunk_size=40)
+    eager = Engine(model, tokenizer=None, chunk_size=40)
+    monkeypatch.setattr(engine_module.SWITCHES, "prefill_graphs", True)
+    monkeypatch.setattr(Engine, "_prefill_graphs", lambda self: graphs if self is engine else None)
+    ids = random_prompt(100, seed=7)
+    states = model.new_state(256), model.new_state(256)
+    got = engine.prefill(states[0], ids)
+    want = eager.prefill(states[1], ids)
+    assert calls == [40]  # chunks of 40, 40, 20: only the first at position 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    engine.prefill(states[0], ids[:5])  # a state that has tokens: eager
+    assert calls == [40]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_captured_first_chunks_match_the_eager_forward(tiny_factory):
+    """On the GPU: two prompts of one bucket through its captured graph (the second replay must not keep
+    the first prompt's rows) and one of another bucket, against the eager chunk forward in bf16."""
+    model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5)),
+                            dtype=torch.bfloat16, device="cuda")
+    graphs = FirstChunkGraphs(model)
+    for n, seed in ((70, 1), (80, 2), (20, 3)):
+        ids = random_prompt(n, seed=seed)
+        states = model.new_state(256), model.new_state(256)
+        want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
+        states[1].commit(want.delta, n)
+        got = graphs.forward(ids, states[0])
+        states[0].commit(got.delta, n)
+        scale = want.logits.abs().max()
+        assert (got.logits - want.logits).abs().max() <= 0.05 * scale
+        for a, b in zip(_state_tensors(states[0]), _state_tensors(states[1]), strict=True):
+            assert (a.float() - b.float()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)
+    assert sorted(graphs._graphs) == [64, 96]
