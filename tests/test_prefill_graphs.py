@@ -8,7 +8,7 @@ import torch
 
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.engine import Engine
-from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of
+from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of, buckets
 from ds4serve.model import DeepSeekV4
 from ds4serve.weights import Checkpoint
 from tests.helpers import random_prompt
@@ -19,6 +19,7 @@ def test_buckets():
         64, 64, 96, 96, 128, 128, 192, 1536, 2048, 2048]
     assert bucket_of(0) is None and bucket_of(2049) is None
     assert bucket_of(100, limit=100) == 100  # the engine's chunk below a bucket caps it
+    assert buckets(256) == [64, 96, 128, 192, 256] and buckets(100) == [64, 96, 100]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +104,4 @@ def test_captured_first_chunks_match_the_eager_forward(tiny_factory):
         for a, b in zip(_state_tensors(states[0]), _state_tensors(states[1]), strict=True):
             assert (a.float() - b.float()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)
     assert sorted(graphs._graphs) == [64, 96]
+    assert graphs.capture_all() == len(buckets()) - 2

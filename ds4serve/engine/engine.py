@@ -211,15 +211,20 @@ class Engine:
     def warm_up(self, speculative: object | None = None) -> float:
         """Serve one short request and drop it, so that the first client does not wait for what the first
         request of a process pays once: on CUDA the compiles of the decode and prefill regions and the
-        decode graph's capture, and with ``speculative`` the draft's load and its graphs. Leaves the engine
-        as any finished request does (the next request starts from a reset state); returns the seconds it
-        took. Raises RuntimeError when the request fails (a server should not start then)."""
+        decode graph's capture, every first-chunk prefill graph's (:mod:`.prefill_graphs`), and with
+        ``speculative`` the draft's load and its graphs. Leaves the engine as any finished request does (the
+        next request starts from a reset state); returns the seconds it took. Raises RuntimeError when the
+        request fails (a server should not start then)."""
         vocab = self.cfg.vocab_size
         prompt = [(i * 7919) % vocab for i in range(1, WARM_UP_PROMPT + 1)]
         start = time.perf_counter()
         res = self.generate(prompt, SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True), speculative=speculative)
         if res.error is not None:
             raise RuntimeError(f"warm-up request failed: {res.error}: {res.error_message}")
+        with self._lock, torch.inference_mode():
+            graphs = self._prefill_graphs()
+            if graphs is not None:
+                graphs.capture_all()
         return time.perf_counter() - start
 
     def _run(self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None) -> Iterator[int]:

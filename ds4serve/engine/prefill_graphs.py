@@ -48,6 +48,15 @@ def bucket_of(n: int, limit: int = MAX_GRAPH_TOKENS) -> int | None:
         size *= 2
 
 
+def buckets(limit: int = MAX_GRAPH_TOKENS) -> list[int]:
+    """Every bucket up to ``limit`` (the last one ``limit`` itself)."""
+    out, n = [], 1
+    while (b := bucket_of(n, limit)) is not None:
+        out.append(b)
+        n = b + 1
+    return out
+
+
 def graphs_apply(model: DeepSeekV4) -> bool:
     """Whether ``model``'s first chunks can be captured: one CUDA device, embedding and head, and every
     layer's routed experts dense bf16."""
@@ -86,6 +95,14 @@ class FirstChunkGraphs:
         self.model, self.limit, self.graph = model, limit, graph
         self._pool = torch.cuda.graph_pool_handle() if graph else None
         self._graphs: dict[int, _BucketGraph] = {}
+
+    def capture_all(self) -> int:
+        """Capture every bucket's graph not captured yet (a server's warm-up, so that no request pays a
+        capture); returns how many were captured."""
+        missing = [b for b in buckets(self.limit) if b not in self._graphs]
+        for width in missing:
+            self._graphs[width] = _BucketGraph(self.model, width, self._pool, self.graph)
+        return len(missing)
 
     def applies(self, state: SequenceState, n: int) -> bool:
         """Whether a chunk of ``n`` tokens at ``state.pos`` runs through a graph."""
