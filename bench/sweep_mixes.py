@@ -13,31 +13,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from ds4serve.kernels.hc_streams import MixTile, hc_mixes
-from ds4serve.model import hyper
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import cuda_ms  # noqa: E402
+
+from ds4serve.kernels.hc_streams import MixTile, hc_mixes  # noqa: E402
+from ds4serve.model import hyper  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
 TILES = [MixTile(r, n, w, s) for r, n, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))
          if not (r == 64 and w == 2)]
 
 
-def cuda_us(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+def cuda_us(fn) -> float:
+    return cuda_ms(fn, 20, warmup=1) * 1e3
 
 
 def main() -> None:
