@@ -15,6 +15,8 @@ column, probabilities cast to the keys' dtype before the product with the values
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import kernels
@@ -101,7 +103,23 @@ def _blocks(q: torch.Tensor, seq: torch.Tensor, start: int, first: int, block: i
 
 def _window_mask(n: int, block: int, window: int, first_key: int, device: torch.device) -> torch.Tensor:
     """``[n or 1, block, block+W-1]``: query r of block i sees key c iff ``r <= c <= r+W-1`` and the
-    key's position ``first_key + i*block + c`` is not negative."""
+    key's position ``first_key + i*block + c`` is not negative.
+
+    Every layer of a chunk asks for the same mask, and later chunks for few others: the masks are kept
+    (read only) by their arguments, those that matter (``n`` and ``first_key`` only while keys before
+    position 0 are in reach), except while a CUDA graph is captured (the graph makes its own)."""
+    key = (n, first_key) if first_key < 0 else (1, 0)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_window_mask(*key, block, window, device)
+    return _kept_window_mask(*key, block, window, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_window_mask(n: int, first_key: int, block: int, window: int, device: torch.device) -> torch.Tensor:
+    return _build_window_mask(n, first_key, block, window, device)
+
+
+def _build_window_mask(n: int, first_key: int, block: int, window: int, device: torch.device) -> torch.Tensor:
     r = torch.arange(block, device=device).unsqueeze(-1)
     c = torch.arange(block + window - 1, device=device)
     band = (c >= r) & (c <= r + window - 1)

@@ -38,10 +38,12 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
         mixes = hc_mixes(X, site.fn, norm_eps)
     else:
         mixes = _hc_mixes(X, site.fn, norm_eps)
-    if kernels.enabled(mixes):
-        from ..kernels.ops import hc_coefficients as coefficients
-    else:
+    if not kernels.enabled(mixes):
         coefficients = hc_coefficients
+    elif torch.compiler.is_compiling():  # traced as an op of the compiled region
+        from ..kernels.ops import hc_coefficients as coefficients
+    else:  # the kernel itself: the custom op's dispatch costs an eager chunk's host more than the launch
+        from ..kernels.hyper import hc_coefficients as coefficients
     pre, post, comb = coefficients(mixes, site.base.float(), site.scale.float(), hc, iters, eps)
     return post, comb, _collapse(pre, X)
 

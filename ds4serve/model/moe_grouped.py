@@ -36,9 +36,12 @@ def sort_pairs(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.T
 
     ``order [N*k]``: the flat pair indices ``token*k + slot`` sorted by expert (stable, so each
     expert's pairs stay in row-major order); ``ends [E]`` int32: expert ``e``'s sorted rows are
-    ``ends[e-1] .. ends[e]``.
+    ``ends[e-1] .. ends[e]``. The ids are sorted as int16 (a radix sort on the GPU makes one pass per key
+    byte: 2 instead of the 8 of int64 ids, fewer launches for a host-bound chunk); the order is the same.
     """
     flat = idx.flatten()
+    if n_experts <= torch.iinfo(torch.int16).max:
+        flat = flat.to(torch.int16)
     order = torch.argsort(flat, stable=True)
     experts = torch.arange(n_experts, device=idx.device, dtype=flat.dtype)
     return order, torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
