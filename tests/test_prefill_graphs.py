@@ -41,6 +41,7 @@ def test_padded_first_chunk_commits_what_the_chunk_does(model, n):
     got = FirstChunkGraphs(model, graph=False).forward(ids, got_state)
     got_state.commit(got.delta, n)
     assert got.delta.tokens == ids and got_state.tokens == want_state.tokens and got_state.pos == n
+    torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)  # the prompt's rows only
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
     for a, b in zip(_state_tensors(got_state), _state_tensors(want_state), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -82,7 +82,7 @@ class _BucketGraph:
     def run(self, ids: list[int]) -> ForwardResult:
         n = len(ids)
         padded = ids + [PAD_TOKEN] * (self.width - n)
-        self.tokens.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=False)
+        self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
         self.row.fill_(n - 1)
         return self.step.replay()
 
@@ -110,8 +110,8 @@ class FirstChunkGraphs:
 
     def forward(self, ids: list[int], state: SequenceState) -> ForwardResult:
         """The forward of ``ids`` at position 0 (:meth:`applies`), uncommitted: logits of its last row
-        ``[1, V]`` and the delta of its ``len(ids)`` tokens, in buffers the next call of the same bucket
-        overwrites (commit them before)."""
+        ``[1, V]``, the delta of its ``len(ids)`` tokens and their streams, in buffers the next call of the
+        same bucket overwrites (commit them before)."""
         if not self.applies(state, len(ids)):
             raise ValueError(f"a first-chunk graph takes 1..{self.limit} tokens at position 0, "
                              f"got {len(ids)} at {state.pos}")
@@ -121,4 +121,4 @@ class FirstChunkGraphs:
             g = self._graphs[width] = _BucketGraph(self.model, width, self._pool, self.graph)
         out = g.run(ids)
         delta = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
-        return ForwardResult(hidden=out.hidden, delta=delta, logits=out.logits)
+        return ForwardResult(hidden=out.hidden[:len(ids)], delta=delta, logits=out.logits)
