@@ -385,8 +385,9 @@ class Engine:
         model = self._require_model()
         if not (SWITCHES.prefill_graphs and self._graphs_apply(model) and prefill_graphs_apply(model)):
             return None
-        if self._first_chunks is None or self._first_chunks.model is not model:
-            self._first_chunks = FirstChunkGraphs(model, min(MAX_GRAPH_TOKENS, self.chunk_size))
+        limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
+        if self._first_chunks is None or self._first_chunks.model is not model or self._first_chunks.limit != limit:
+            self._first_chunks = FirstChunkGraphs(model, limit)
         return self._first_chunks
 
     def _graphs_apply(self, model: object) -> bool:
