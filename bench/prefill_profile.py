@@ -20,7 +20,8 @@ attention (one ``[H, S, window + S + entries]`` matrix through ``attention._core
 routed experts expert by expert after a host read of the group sizes (the previous loop's launches and
 sync); ``old`` both; ``switches:SET`` the switch set ``SET`` (``kernels.switches.parse``, e.g.
 ``switches:defaults-rope_in_place``). ``--host`` adds a cProfile of one forward's host part;
-``--launches`` the GPU launches (kernels, copies, fills) of one forward by the ds4serve line that made them.
+``--launches`` the GPU launches (kernels, copies, fills) of one forward by the ds4serve function that made
+them, where the trace has Python frames (the H200 machine's had none: then by kernel name only).
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def main() -> None:
                 log(f"{name:>8} start {start:>5}: last-row logits vs arm {arms[0]}: max rel {diff:.2e}")
             if n == 0:
                 with arm(arms[0]):
-                    if args.launches:  # first: a profiler session run before it can leave the trace without frames
+                    if args.launches:
                         print(f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}", flush=True)
                     print(f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
                     print(phase_table(model, state, chunk, args.reps), flush=True)

@@ -60,6 +60,7 @@ def main() -> None:
     args = p.parse_args()
     prompts = [int(n) for n in args.prompts.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
+    arms = args.arms.split(",")
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     model = build_proxy("bf16", layers=args.layers)
     log(f"{args.layers}-layer bf16 proxy built")
@@ -70,7 +71,7 @@ def main() -> None:
             ids = torch.randint(3, 128000, (n,), generator=gen).tolist()
             for c in sorted({min(c, n) for c in chunks}):  # chunks past the prompt: one chunk, timed once
                 first = None
-                for arm in args.arms.split(","):
+                for arm in arms:
                     with using(**parse(arm)):
                         ms, peak, logits = time_prompt(Engine(model, tokenizer=None, chunk_size=c), ids, args.reps)
                     first = logits if first is None else first
@@ -79,7 +80,7 @@ def main() -> None:
                     rows.append({"prompt": n, "chunk": c, "arm": arm, "ms": ms, "tok_s": n / ms * 1e3, "peak_GiB": peak,
                                  "logits_max_rel_vs_first_arm": diff, "same_greedy_token": same})
                     log(f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
-                        f"{peak:5.1f} GiB; last logits vs {args.arms.split(',')[0]}: max rel {diff:.1e}, "
+                        f"{peak:5.1f} GiB; last logits vs {arms[0]}: max rel {diff:.1e}, "
                         f"greedy token {'same' if same else 'differs'}")
     if args.out:
         args.out.write_text(json.dumps({"layers": args.layers, "gpu": torch.cuda.get_device_name(),
