@@ -70,8 +70,7 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
     """The fused MoE's tiles for expert format ``fmt`` with one launch's rows, step or warps doubled or halved (one
-    loop stage, see ``moe.Tile``), and the down projection in 2, 4 or 8 input slices (split-K; also with half the
-    step or twice the rows), by name (``gate_up-rows32``, ``down-block_k512``, ``down-split4-rows128``, ...)."""
+    loop stage, see ``moe.Tile``), by name (``gate_up-rows32``, ``down-block_k512``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
     for part in ("gate_up", "down"):
@@ -82,13 +81,6 @@ def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
                 if other >= 1 and (field != "block_k" or other >= 16):
                     changed = dataclasses.replace(tile, **{field: other})
                     out[f"{part}-{field}{other}"] = dataclasses.replace(base, **{part: changed})
-    down = base.down
-    for split in (2, 4, 8):
-        for name, tile in ((f"down-split{split}", down),
-                           (f"down-split{split}-block_k{down.block_k // 2}",
-                            dataclasses.replace(down, block_k=max(16, down.block_k // 2))),
-                           (f"down-split{split}-rows{down.rows * 2}", dataclasses.replace(down, rows=down.rows * 2))):
-            out[name] = dataclasses.replace(base, down=dataclasses.replace(tile, split=split))
     return out
 
 

@@ -38,22 +38,20 @@ MAX_REL_ERR = 1e-2
 DEVICE = "cuda"
 
 # (gate-up tiles, down tiles) per format, the most promising first (--quick takes the first 3). One loop stage
-# only: 2-4 stages (cp.async) ran 1.3-3x slower on the H200 (2026-11-30, bench/RESULTS.md). Down tiles with
-# `split` read their inputs in slices (split-K), one program each.
+# only: 2-4 stages (cp.async) ran 1.3-3x slower on the H200 (2026-11-30, bench/RESULTS.md).
 CANDIDATES = {
     "bf16": ([Tile(16, 512), Tile(16, 256), Tile(32, 512, 8), Tile(8, 1024), Tile(32, 256), Tile(32, 512),
               Tile(8, 512)],
-             [Tile(16, 512), Tile(16, 512, split=2), Tile(16, 256, split=4), Tile(16, 256), Tile(4, 2048),
-              Tile(32, 512, 8), Tile(32, 256), Tile(8, 2048), Tile(16, 1024, 8)]),
+             [Tile(16, 512), Tile(16, 256), Tile(4, 2048), Tile(32, 512, 8), Tile(32, 256), Tile(8, 2048),
+              Tile(16, 1024, 8)]),
     "fp8": ([Tile(32, 512), Tile(64, 512, 8), Tile(32, 256), Tile(16, 512), Tile(64, 256), Tile(32, 1024, 8),
              Tile(128, 256, 8)],
-            [Tile(64, 256), Tile(64, 256, split=2), Tile(64, 256, split=4), Tile(64, 128, split=4),
-             Tile(128, 256, split=2), Tile(128, 128), Tile(128, 256), Tile(32, 512), Tile(64, 512, 8),
-             Tile(128, 256, 8), Tile(32, 256), Tile(8, 2048), Tile(16, 2048), Tile(16, 1024)]),
+            [Tile(64, 256), Tile(128, 128), Tile(128, 256), Tile(32, 512), Tile(64, 512, 8), Tile(128, 256, 8),
+             Tile(32, 256), Tile(8, 2048), Tile(16, 2048), Tile(16, 1024)]),
     "fp4": ([Tile(8, 1024), Tile(4, 1024), Tile(8, 2048), Tile(4, 2048), Tile(16, 1024), Tile(16, 2048, 8),
              Tile(8, 512)],
-            [Tile(16, 2048), Tile(16, 1024, split=2), Tile(32, 1024, split=2), Tile(16, 2048, 8), Tile(8, 2048),
-             Tile(32, 1024), Tile(16, 1024), Tile(32, 2048, 8), Tile(4, 2048)]),
+            [Tile(16, 2048), Tile(16, 2048, 8), Tile(8, 2048), Tile(32, 1024), Tile(16, 1024), Tile(32, 2048, 8),
+             Tile(4, 2048)]),
 }
 VARIANTS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp4": ("fp4", "fp8")}  # routed, shared format
 GOALS_TBPS = {"bf16": 3.6, "fp8": 3.0, "fp4": 1.5}
@@ -261,7 +259,7 @@ def sweep(name: str, quick: bool, rows: list[dict]) -> MoEConfig:
 
 def literal(best: dict[str, MoEConfig]) -> str:
     def t(x: Tile) -> str:
-        return f"Tile({x.rows}, {x.block_k}, {x.warps}, {x.stages}" + (f", split={x.split})" if x.split > 1 else ")")
+        return f"Tile({x.rows}, {x.block_k}, {x.warps}, {x.stages})"
 
     table = {**moe.CONFIGS, **{VARIANTS[name][0]: c for name, c in best.items()}}
     lines = [f'    "{fmt}": MoEConfig({t(c.gate_up)}, {t(c.down)}),' for fmt, c in table.items()]

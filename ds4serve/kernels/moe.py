@@ -7,10 +7,9 @@ static shapes (CUDA-graph safe):
 1. gate-up: one program per (token, slot) pair and block of intermediate rows reads the w1 and w3
    rows together and writes ``h = silu(clamp(w1 x, max=L)) * clamp(w3 x, -L, L)`` in fp32
    (times 2^64 for MXFP4 experts, see :func:`_e2m1`);
-2. down: one program per pair, block of output rows and slice of the intermediate rows (``Tile.split``
-   slices, split-K) writes the fp32 partial ``weight * w2 h`` of its slice (the shared slot's weight is
-   1) to ``[N, S * split, D]``;
-3. a sum over those terms in a fixed order (deterministic), cast to ``x.dtype``.
+2. down: one program per pair and block of output rows writes the fp32 partial
+   ``weight * w2 h`` (the shared slot's weight is 1) to ``[N, S, D]``;
+3. a sum over the slots in a fixed order (deterministic), cast to ``x.dtype``.
 
 A program picks its expert's base pointers from its slot, so the shared expert rides in the same
 launches. When its format differs from the routed experts' (MXFP4 routed, FP8 shared), the kernels
@@ -43,8 +42,7 @@ X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (
 
 @dataclass(frozen=True)
 class Tile:
-    """One launch's tiling: a program reads ``rows`` weight rows, ``block_k`` inputs a loop step
-    (of ``split`` slices of the inputs: the down projection's split-K).
+    """One launch's tiling: a program reads ``rows`` weight rows, ``block_k`` inputs a loop step.
 
     Both are lowered to powers of two dividing the matrix (FP8 rows also the scale block), so no
     load is masked. ``stages`` is the loop's ``tl.range(num_stages=...)``: Triton 3.6 pipelines a
@@ -59,10 +57,6 @@ class Tile:
     block_k: int
     warps: int = 4
     stages: int = 1
-    # down projection only: slices of the intermediate rows, one program each (split-K). A program's loop
-    # is a chain of dependent steps (load, then multiply), so a shorter chain over more programs keeps more
-    # bytes in flight; the slices' fp32 partials are summed with the slots' (deterministic order).
-    split: int = 1
 
 
 @dataclass(frozen=True)
@@ -216,16 +210,15 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 
 
 @triton.jit
-def _down_rows(h, w2, s2, row0, k_lo, k_len, row_len, s_cols,
+def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
                QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)`` over intermediate rows
-    ``[k_lo, k_lo + k_len)``."""
+    """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_lo + k_len, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
         hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
         acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
@@ -279,31 +272,26 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                  PDL: tl.constexpr):
-    """One program per pair, block of output rows and input slice: the fp32 partial ``weight * w2 h``
-    of the slice, term ``pair * n_split + slice`` of the output."""
+    """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     h = h_ptr + pair * n_inter
-    # the slice in whole steps: a start that is a multiple of BLOCK_K keeps the loads vectorised
-    k_len = n_inter // (tl.num_programs(2) * BLOCK_K) * BLOCK_K
-    k_lo = tl.program_id(2) * k_len
     e = tl.load(idx_ptr + choice).to(tl.int64)
     weight = tl.load(wt_ptr + choice).to(tl.float32)
     if MIXED:
         if slot < top_k:
-            y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, k_lo, k_len, row_len, s_cols,
+            y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
                            QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
-            y = _down_rows(h, sw2_ptr, ss2_ptr, row0, k_lo, k_len, srow_len, ss_cols,
+            y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
                            SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
-                       tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, k_lo, k_len, row_len, s_cols,
+                       tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
                        QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
-    term = pair * tl.num_programs(2) + tl.program_id(2)
-    tl.store(part_ptr + term * n_out + row0 + tl.arange(0, BLOCK_R), y)
+    tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
 
 @triton.jit
@@ -366,14 +354,14 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack], split: int = 1) -> tuple[int, int]:
-    """(rows, block_k) of ``tile`` for a launch reading both stacks in ``split`` slices of their inputs:
-    powers of two dividing their matrices (a slice's inputs); FP8 rows also dividing the scale block's
-    rows, FP8 steps nested with the scale block's columns; whole vectors a step."""
+def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, int]:
+    """(rows, block_k) of ``tile`` for a launch reading both stacks: powers of two dividing their
+    matrices; FP8 rows also dividing the scale block's rows, FP8 steps nested with the scale block's
+    columns; whole vectors a step."""
     vec = max(s.vec for s in stacks)
     rows, block_k = tile.rows, max(tile.block_k, vec)
     for s in stacks:
-        (sb_r, sb_c), inp = s.block, s.inp // split
+        (sb_r, sb_c), inp = s.block, s.inp
         rows = _pow2_divisor(math.gcd(s.out, sb_r) if s.quant == FP8 else s.out, rows)
         block_k = _pow2_divisor(math.gcd(inp, sb_c) if s.quant == FP8 and sb_c & (sb_c - 1) else inp, block_k)
     if block_k < vec:
@@ -394,14 +382,12 @@ def _formats(a: ExpertStack, b: ExpertStack) -> dict:
 
 def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: ExpertStack, w3: ExpertStack,
               w2: ExpertStack, limit: float, shared: Experts | None = None,
-              configs: Mapping[str, MoEConfig] | None = None, summed: bool = True, split: int | None = None
-              ) -> torch.Tensor:
+              configs: Mapping[str, MoEConfig] | None = None, summed: bool = True) -> torch.Tensor:
     """``sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` (plus the ``shared`` expert, weight 1)
     for tokens ``x [N, D]`` routed to ``idx [N, k]``. Tiles: the routed format's entry of ``configs``
-    or else :data:`CONFIGS`. ``summed=False`` returns the fp32 terms ``[N, slots * split, D]`` (slot by
-    slot, each slot's input slices in order, the shared expert last) instead, for a consumer that sums them
-    itself (:func:`ds4serve.model.hyper.sum_terms` is that sum). ``split``: the down projection's input
-    slices, :func:`down_split` unless the caller fixed them."""
+    or else :data:`CONFIGS`. ``summed=False`` returns the fp32 terms ``[N, slots, D]`` (the shared
+    expert last) instead, for a consumer that sums them itself (:func:`ds4serve.model.hyper.sum_terms` is
+    that sum)."""
     N, D = x.shape
     k = idx.shape[1]
     sw1, sw3, sw2 = shared or (w1, w3, w2)
@@ -412,17 +398,16 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     idx = idx.contiguous()
     weights = weights.contiguous()
     h = torch.empty(N, slots, w1.out, device=x.device, dtype=torch.float32)
+    part = torch.empty(N, slots, D, device=x.device, dtype=torch.float32)
     config = _config(w1, configs)
-    split = down_split(w2, configs) if split is None else split
-    part = torch.empty(N, slots * split, D, device=x.device, dtype=torch.float32)
     rows, block_k = _shape(config.gate_up, (w1, sw1))
     _gate_up_kernel[(N * slots, w1.out // rows)](
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
         num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
-    rows, block_k = _shape(config.down, (w2, sw2), split)
-    _down_kernel[(N * slots, D // rows, split)](
+    rows, block_k = _shape(config.down, (w2, sw2))
+    _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
         **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
@@ -430,20 +415,8 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     if not summed:
         return part
     out = torch.empty_like(x)
-    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots * split, BLOCK=1024, num_warps=4,
-                                                 **pdl.launch(x))
+    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
     return out
-
-
-def down_split(w2: ExpertStack, configs: Mapping[str, MoEConfig] | None = None) -> int:
-    """The input slices of :func:`moe_fused`'s down projection over ``w2`` (its unsummed terms are
-    ``slots * split``): the down tile's ``split``, lowered to a power of two whose slices hold whole
-    vectors (MXFP4: scale groups) of ``w2``'s inputs."""
-    wanted = _config(w2, configs).down.split
-    split = 1
-    while 2 * split <= wanted and w2.inp % (2 * split * w2.vec) == 0:
-        split *= 2
-    return split
 
 
 def moe_ref(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

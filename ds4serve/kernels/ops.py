@@ -110,25 +110,23 @@ def moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                w2: torch.Tensor, s2: torch.Tensor | None, routed_block: list[int],
                sw1: torch.Tensor, ss1: torch.Tensor | None, sw3: torch.Tensor, ss3: torch.Tensor | None,
                sw2: torch.Tensor, ss2: torch.Tensor | None, shared_block: list[int], limit: float,
-               summed: bool = True, split: int = 1) -> torch.Tensor:
+               summed: bool = True) -> torch.Tensor:
     """Routed experts ``[E, out, in]`` (scales None when dense) plus the shared expert ``[out, in]``,
     for tokens ``x [N, D]`` routed to ``idx [N, k]`` with ``weights [N, k]``: three kernel launches,
     the shared expert one more slot in them; ``summed=False``: two, and the fp32 slot terms
-    ``[N, (k + 1) * split, D]`` instead of their sum. ``split``: the down projection's input slices,
-    :func:`ds4serve.kernels.moe.down_split` read by the caller (so that a compiled caller's output shapes
-    follow the tiles)."""
+    ``[N, k + 1, D]`` instead of their sum."""
     rb, sb = (routed_block[0], routed_block[1]), (shared_block[0], shared_block[1])
     routed = [moe.ExpertStack(w, s, rb) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     shared = tuple(moe.ExpertStack(w, s, sb) for w, s in ((sw1, ss1), (sw3, ss3), (sw2, ss2)))
-    return moe.moe_fused(x, idx, weights, *routed, limit, shared=shared, summed=summed, split=split)
+    return moe.moe_fused(x, idx, weights, *routed, limit, shared=shared, summed=summed)
 
 
 @moe_decode.register_fake
 def _(x, idx, weights, w1, s1, w3, s3, w2, s2, routed_block, sw1, ss1, sw3, ss3, sw2, ss2, shared_block, limit,
-      summed=True, split=1):
+      summed=True):
     if summed:
         return torch.empty_like(x)
-    return x.new_empty(x.shape[0], (idx.shape[1] + 1) * split, x.shape[1], dtype=torch.float32)
+    return x.new_empty(x.shape[0], idx.shape[1] + 1, x.shape[1], dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::route_decode", mutates_args=())

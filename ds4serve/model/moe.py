@@ -86,9 +86,8 @@ def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) ->
 def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float,
         limit: float, slot_terms: bool = False) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert. ``slot_terms``: where the
-    fused decode kernels run, their fp32 terms ``[S, terms, D]`` unsummed (the ``top_k + 1`` slots, each as
-    its down projection's input slices) for a consumer that sums them in its own launch
-    (:func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
+    fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
+    them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
         return _moe_fused(w, x, idx, weights, limit, not slot_terms)
@@ -100,13 +99,11 @@ def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch
                summed: bool = True) -> torch.Tensor:
     """Decode path: no host synchronisation, experts read in place, the shared expert one more slot
     of the same launches when it has the routed experts' format."""
-    from ..kernels import moe as moe_kernels
     from ..kernels import ops
 
-    split = moe_kernels.down_split(moe_kernels.ExpertStack(*_parts(w.w2), _block(w.w2)))
     return ops.moe_decode(x, idx, weights, *_parts(w.w1), *_parts(w.w3), *_parts(w.w2), _block(w.w1),
                           *_parts(w.shared_w1), *_parts(w.shared_w3), *_parts(w.shared_w2), _block(w.shared_w1),
-                          limit, summed, split)
+                          limit, summed)
 
 
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
