@@ -70,8 +70,7 @@ def candidates(key: Key) -> list[GemvConfig]:
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
     """The fused MoE's tiles for expert format ``fmt`` with one launch's rows, step or warps doubled or halved (one
-    loop stage, see ``moe.Tile``), and each launch's loop unrolled (also with half the step or half the rows), by
-    name (``gate_up-rows32``, ``down-block_k512``, ``down-unroll-rows32``, ...)."""
+    loop stage, see ``moe.Tile``), by name (``gate_up-rows32``, ``down-block_k512``, ...)."""
     base = CONFIGS[fmt]
     out: dict[str, MoEConfig] = {}
     for part in ("gate_up", "down"):
@@ -82,13 +81,6 @@ def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
                 if other >= 1 and (field != "block_k" or other >= 16):
                     changed = dataclasses.replace(tile, **{field: other})
                     out[f"{part}-{field}{other}"] = dataclasses.replace(base, **{part: changed})
-    for part in ("gate_up", "down"):
-        tile = dataclasses.replace(getattr(base, part), unroll=True)
-        for name, changed in ((f"{part}-unroll", tile),
-                              (f"{part}-unroll-block_k{tile.block_k // 2}",
-                               dataclasses.replace(tile, block_k=max(16, tile.block_k // 2))),
-                              (f"{part}-unroll-rows{tile.rows // 2}", dataclasses.replace(tile, rows=max(1, tile.rows // 2)))):
-            out[name] = dataclasses.replace(base, **{part: changed})
     return out
 
 
@@ -135,8 +127,7 @@ def _moe_problem(fmt: str, cfg: MoEConfig) -> str | None:
     if fmt not in CONFIGS:
         return f"no expert format {fmt!r} (formats: {sorted(CONFIGS)})"
     for tile in (cfg.gate_up, cfg.down):
-        sizes = (tile.rows, tile.block_k, tile.warps, tile.stages)
-        if any(v < 1 for v in sizes) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
+        if any(v < 1 for v in dataclasses.astuple(tile)) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
             return f"tile {tile}: rows and block_k must be powers of two, every field positive"
     return None
 

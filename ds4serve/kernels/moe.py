@@ -57,7 +57,6 @@ class Tile:
     block_k: int
     warps: int = 4
     stages: int = 1
-    unroll: bool = False  # the loop unrolled: the compiler may then issue a later step's loads early
 
 
 @dataclass(frozen=True)
@@ -187,25 +186,18 @@ def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
 @triton.jit
 def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
                   QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr):
-    """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64); ``STEPS > 0``:
-    the loop unrolled (``n_in == STEPS * BLOCK_K``), so that the compiler may issue later steps' loads early."""
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     if QUANT == 1:
         s1 += (row0 // SB_R) * s_cols
         s3 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    if STEPS > 0:
-        for i in tl.static_range(STEPS):
-            xv = _activations(x, rows, i * BLOCK_K, QUANT, BLOCK_K, X_SCALE)
-            acc1 = _accumulate(acc1, w1, s1, rows, i * BLOCK_K, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-            acc3 = _accumulate(acc3, w3, s3, rows, i * BLOCK_K, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-    else:
-        for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-            xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
-            acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-            acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
+        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     g = tl.sum(acc1, axis=1)
     u = tl.sum(acc3, axis=1)
     if limit > 0:
@@ -220,21 +212,15 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 @triton.jit
 def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
                QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr):
-    """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``; ``STEPS > 0``: the loop unrolled
-    (``n_inter == STEPS * BLOCK_K``), so that the compiler may issue later steps' loads early."""
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    if STEPS > 0:
-        for i in tl.static_range(STEPS):
-            hv = _activations(h, rows, i * BLOCK_K, QUANT, BLOCK_K, 1.0)
-            acc = _accumulate(acc, w2, s2, rows, i * BLOCK_K, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-    else:
-        for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
-            hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
-            acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+    for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
+        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
+        acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
 
 
@@ -254,7 +240,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    STEPS: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
     pdl.start(PDL)
@@ -265,17 +251,17 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
                               s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, STEPS)
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, STEPS)
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
                           tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
                           tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, STEPS)
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
@@ -285,7 +271,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                  SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 STEPS: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
@@ -295,15 +281,15 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     if MIXED:
         if slot < top_k:
             y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
-                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, STEPS)
+                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
-                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES, STEPS)
+                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
                        tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
-                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, STEPS)
+                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
@@ -419,14 +405,12 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
-        STEPS=w1.inp // block_k if config.gate_up.unroll else 0,
         num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
         h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
         sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
         **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
-        STEPS=w2.inp // block_k if config.down.unroll else 0,
         num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
     if not summed:
         return part
