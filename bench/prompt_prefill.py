@@ -2,10 +2,12 @@
 
 bench_gpu.py times one chunk from position 0; a real prompt is cut into chunks by
 ``Engine.prefill`` (``_even_chunks``), each later chunk attending over the state the earlier ones
-committed. This times that loop end to end on the bf16 proxy (bench/proxy.py), GPU only::
+committed. This times that loop end to end on the proxy (bench/proxy.py; bf16 unless ``--variant``, 32
+routed experts unless ``--experts``), GPU only::
 
-    PYTHONPATH=. python3 bench/prompt_prefill.py [--layers 43] [--prompts 2048,8192,32768] \
-        [--chunks 2048,4096,8192] [--arms defaults,defaults-prefill_graphs] [--reps 2] [--out results.json]
+    PYTHONPATH=. python3 bench/prompt_prefill.py [--variant fp8+fp4] [--experts 256] [--layers 43] \
+        [--prompts 2048,8192,32768] [--chunks 2048,4096,8192] [--arms defaults,defaults-prefill_graphs] \
+        [--reps 2] [--out results.json]
 
 For each prompt length, chunk size and switch set (``--arms``, ``kernels.switches.parse``): median ms of
 the whole prefill (the last position's logits on the host's side of a synchronisation, as a server's
@@ -51,6 +53,8 @@ def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--variant", default="bf16", help="the proxy's weights (bench/proxy.py VARIANTS)")
+    p.add_argument("--experts", type=int, default=32, help="routed experts a layer (Flash: 256)")
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--prompts", default="2048,8192,32768")
     p.add_argument("--chunks", default="2048,4096,8192")
@@ -62,8 +66,8 @@ def main() -> None:
     chunks = [int(c) for c in args.chunks.split(",")]
     arms = args.arms.split(",")
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    model = build_proxy("bf16", layers=args.layers)
-    log(f"{args.layers}-layer bf16 proxy built")
+    model = build_proxy(args.variant, layers=args.layers, experts=args.experts)
+    log(f"{args.layers}-layer {args.variant} proxy with {args.experts} experts built")
     gen = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():
@@ -83,7 +87,8 @@ def main() -> None:
                         f"{peak:5.1f} GiB; last logits vs {arms[0]}: max rel {diff:.1e}, "
                         f"greedy token {'same' if same else 'differs'}")
     if args.out:
-        args.out.write_text(json.dumps({"layers": args.layers, "gpu": torch.cuda.get_device_name(),
+        args.out.write_text(json.dumps({"variant": args.variant, "experts": args.experts, "layers": args.layers,
+                                        "gpu": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": rows}, indent=1))
 
 

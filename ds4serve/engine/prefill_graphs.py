@@ -17,9 +17,12 @@ layer is causal (attention, the compressors' windows, the indexer), so no real r
 launches. Row results can differ from the unpadded forward's in the last bits (the products' kernels
 depend on their row count), as chunkings differ.
 
-Graphs need the routed experts as dense bf16 tensors (the grouped kernel runs without a host
-synchronisation; quantized experts are dequantised by groups whose sizes the host reads) and a whole
-model on one CUDA device. Every bucket's graph shares one memory pool: they never run at the same time.
+Graphs need routed experts whose grouped products run without a host synchronisation: dense bf16 tensors
+(``torch._grouped_mm``), or with ``SWITCHES.quant_grouped_mm`` FP8 / MXFP4 experts that the grouped kernels
+read in place (:mod:`ds4serve.kernels.grouped_experts`; without the switch quantized experts are dequantised
+by groups whose sizes the host reads). The rest of a quantized model's chunk (the shared expert, the FP8
+projections) dequantises whole weights on the device, which needs no host read either. Graphs also need a
+whole model on one CUDA device. Every bucket's graph shares one memory pool: they never run at the same time.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import torch
 
 from ..model import DeepSeekV4, ForwardResult
+from ..model.linear import Weight
+from ..model.moe_grouped import quant_grouped_applies
 from ..state import ChunkDelta, SequenceState
 from .cuda_graphs import Captured
 
@@ -59,11 +64,17 @@ def buckets(limit: int = MAX_GRAPH_TOKENS) -> list[int]:
 
 def graphs_apply(model: DeepSeekV4) -> bool:
     """Whether ``model``'s first chunks can be captured: one CUDA device, embedding and head, and every
-    layer's routed experts dense bf16."""
+    layer's routed experts dense bf16 or, with ``SWITCHES.quant_grouped_mm``, quantized experts that the
+    grouped kernels take for activations like the embedding's."""
     if model.device.type != "cuda" or model.embed is None or model.head is None:
         return False
-    return all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16
-               for b in model.blocks.values() for w in (b.moe.w1, b.moe.w3, b.moe.w2))
+    return all(_routed_capturable(model.embed, b.moe.w1, b.moe.w3, b.moe.w2) for b in model.blocks.values())
+
+
+def _routed_capturable(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> bool:
+    if all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in (w1, w3, w2)):
+        return True
+    return quant_grouped_applies(like, w1, w3, w2)
 
 
 class _BucketGraph:

@@ -125,6 +125,15 @@ class Switches:
     # 367.3 -> 99.7 ms, 2048 tokens 360.3 -> 190.5 ms, the same logits (H200, 2026-11-30,
     # bench/results/2026-11-30-h200-round17-e-*).
     prefill_graphs: bool = True
+    # A chunk's quantized (FP8 / MXFP4) routed experts run as grouped GEMMs that read the experts in place and
+    # dequantise tiles in registers (kernels/grouped_experts.py: a gate-up launch with the SwiGLU fused and a down
+    # launch, no host read of the group ends) instead of dequantising groups of experts to dense copies
+    # (dequant_kernel), in captured chunks and where the groups are short (model/moe_grouped.py); the
+    # first-chunk graphs (prefill_graphs) then take quantized models too. FP8+MXFP4 proxy (43 layers), whole
+    # prompts: 512 tokens 412.3 -> 151.8 ms, 2048 tokens 502.3 -> 324.7 ms; 6 layers of the Flash shape (256
+    # experts): 2048 tokens 336.2 -> 67.4 ms, 8192 tokens 701.3 -> 230.4 ms; the same last logits (H200,
+    # 2026-11-30, bench/results/2026-11-30-h200-round18-d-prefill-*).
+    quant_grouped_mm: bool = True
 
 
 SWITCHES = Switches()
