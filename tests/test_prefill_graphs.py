@@ -10,6 +10,7 @@ from ds4serve.engine import engine as engine_module
 from ds4serve.engine.engine import Engine
 from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of, buckets
 from ds4serve.model import DeepSeekV4
+from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
 from tests.helpers import random_prompt
 
@@ -49,6 +50,30 @@ def test_padded_first_chunk_commits_what_the_chunk_does(model, n):
     more = random_prompt(9, seed=n + 1)
     outs = [model.forward(more, s, logit_rows=slice(8, 9)) for s in (got_state, want_state)]
     torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+
+
+def test_split_first_chunk_goes_shard_by_shard(model, tiny_factory):
+    """A layer split's first chunk (one uncaptured graph per shard, the streams handed over between them)
+    commits what the whole model's first-chunk graph does, and gives its logits."""
+    ckpt = Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5))
+    split = SplitModel.load(ckpt, [range(0, 2), range(2, 4), range(4, model.cfg.num_layers)], ["cpu"] * 3)
+    ids = random_prompt(70, seed=11)
+    want_state, got_state = model.new_state(256), split.new_state(256)
+    want = FirstChunkGraphs(model, graph=False).forward(ids, want_state)
+    want_state.commit(want.delta, len(ids))
+    graphs = FirstChunkGraphs(split, graph=False)
+    got = graphs.forward(ids, got_state)
+    got_state.commit(got.delta, len(ids))
+    assert sorted(got.delta.layers) == list(range(model.cfg.num_layers)) and got_state.pos == len(ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_state_tensors(got_state), _state_tensors(want_state), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # a shorter prompt of the same bucket must not keep the first prompt's rows in the later shards' inputs
+    short = random_prompt(65, seed=12)
+    states = model.new_state(256), split.new_state(256)
+    want = model.forward(short, states[0], logit_rows=slice(64, 65))
+    got = graphs.forward(short, states[1])
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_first_chunk_graphs_take_fresh_states_only(model):
@@ -106,3 +131,25 @@ def test_captured_first_chunks_match_the_eager_forward(tiny_factory):
             assert (a.float() - b.float()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)
     assert sorted(graphs._graphs) == [64, 96]
     assert graphs.capture_all() == len(buckets()) - 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_captured_split_first_chunks_match_the_eager_forward(tiny_factory):
+    """On the GPU (two shards on one device, or on two where there are): the split's captured first chunks
+    against the whole model's eager chunk forward in bf16, over two prompts of one bucket."""
+    ckpt = Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5))
+    model = DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    devices = ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
+    half = model.cfg.num_layers // 2
+    split = SplitModel.load(ckpt, [range(0, half), range(half, model.cfg.num_layers)], devices, dtype=torch.bfloat16)
+    graphs = FirstChunkGraphs(split)
+    for n, seed in ((70, 1), (80, 2)):
+        ids = random_prompt(n, seed=seed)
+        states = split.new_state(256), model.new_state(256)
+        want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
+        states[1].commit(want.delta, n)
+        got = graphs.forward(ids, states[0])
+        states[0].commit(got.delta, n)
+        assert (got.logits.to(want.logits.device) - want.logits).abs().max() <= 0.05 * want.logits.abs().max()
+        for a, b in zip(_state_tensors(states[0]), _state_tensors(states[1]), strict=True):
+            assert (a.float().cpu() - b.float().cpu()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)

@@ -383,7 +383,8 @@ class Engine:
     def _prefill_graphs(self) -> FirstChunkGraphs | None:
         """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
         model = self._require_model()
-        if not (SWITCHES.prefill_graphs and self._graphs_apply(model) and prefill_graphs_apply(model)):
+        split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
+        if not (SWITCHES.prefill_graphs and (split or self._graphs_apply(model)) and prefill_graphs_apply(model)):
             return None
         limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
         if self._first_chunks is None or self._first_chunks.model is not model or self._first_chunks.limit != limit:

@@ -21,17 +21,25 @@ Graphs need routed experts whose grouped products run without a host synchronisa
 (``torch._grouped_mm``), or with ``SWITCHES.quant_grouped_mm`` FP8 / MXFP4 experts that the grouped kernels
 read in place (:mod:`ds4serve.kernels.grouped_experts`; without the switch quantized experts are dequantised
 by groups whose sizes the host reads). The rest of a quantized model's chunk (the shared expert, the FP8
-projections) dequantises whole weights on the device, which needs no host read either. Graphs also need a
-whole model on one CUDA device. Every bucket's graph shares one memory pool: they never run at the same time.
+projections) dequantises whole weights on the device, which needs no host read either. Every bucket's graph
+shares one memory pool a device: they never run at the same time.
+
+A layer split in one process (:class:`~ds4serve.parallel.SplitModel`, ``SWITCHES.split_prefill_graphs``) gets
+one graph per shard and bucket, replayed in layer order: the first shard embeds the padded tokens, each later
+one reads the streams the shard before it left (copied into its input buffer between the replays, a copy
+across devices that a graph of one device does not hold), and the last one computes the indexed row's logits,
+as the split decode graphs do (:class:`~ds4serve.engine.cuda_graphs.SplitDecodeGraph`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..devices import on_device
 from ..model import DeepSeekV4, ForwardResult
 from ..model.linear import Weight
 from ..model.moe_grouped import quant_grouped_applies
+from ..parallel.split_model import SplitModel
 from ..state import ChunkDelta, SequenceState
 from .cuda_graphs import Captured
 
@@ -62,13 +70,20 @@ def buckets(limit: int = MAX_GRAPH_TOKENS) -> list[int]:
     return out
 
 
-def graphs_apply(model: DeepSeekV4) -> bool:
-    """Whether ``model``'s first chunks can be captured: one CUDA device, embedding and head, and every
-    layer's routed experts dense bf16 or, with ``SWITCHES.quant_grouped_mm``, quantized experts that the
-    grouped kernels take for activations like the embedding's."""
-    if model.device.type != "cuda" or model.embed is None or model.head is None:
+def shards_of(model: DeepSeekV4 | SplitModel) -> list[DeepSeekV4]:
+    """The models that run a forward in turn: a split's shards in layer order, or the model itself."""
+    return model.shards if isinstance(model, SplitModel) else [model]
+
+
+def graphs_apply(model: DeepSeekV4 | SplitModel) -> bool:
+    """Whether ``model``'s first chunks can be captured: every shard on a CUDA device, the embedding and the
+    head, and every layer's routed experts dense bf16 or, with ``SWITCHES.quant_grouped_mm``, quantized
+    experts that the grouped kernels take for the shard's activations."""
+    shards = shards_of(model)
+    if any(s.device.type != "cuda" for s in shards) or shards[0].embed is None or shards[-1].head is None:
         return False
-    return all(_routed_capturable(model.embed, b.moe.w1, b.moe.w3, b.moe.w2) for b in model.blocks.values())
+    return all(_routed_capturable(torch.empty(0, dtype=s.dtype, device=s.device), b.moe.w1, b.moe.w3, b.moe.w2)
+               for s in shards for b in s.blocks.values())
 
 
 def _routed_capturable(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> bool:
@@ -77,18 +92,22 @@ def _routed_capturable(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -
     return quant_grouped_applies(like, w1, w3, w2)
 
 
-class _BucketGraph:
-    """The forward of ``width`` tokens at position 0 over a scratch state, logits of one indexed row."""
+class _ShardGraph:
+    """One shard's forward of ``width`` tokens at position 0 over a scratch state of its layers: from the
+    tokens (the first shard) or the streams in ``hidden``, to the logits of one indexed row where the shard
+    has the head."""
 
-    def __init__(self, model: DeepSeekV4, width: int, pool: object | None, graph: bool):
-        self.model, self.width = model, width
+    def __init__(self, model: DeepSeekV4, width: int, pool: object | None, graph: bool,
+                 hidden: torch.Tensor | None):
+        self.model, self.width, self.hidden = model, width, hidden
         self.tokens = torch.full((width,), PAD_TOKEN, dtype=torch.long, device=model.device)
         self.row = torch.zeros(1, dtype=torch.long, device=model.device)
         self.scratch = model.new_state(width)  # never committed: the forward at 0 reads none of it
         self.step = Captured(self._forward, model.device, graph=graph, warmup=1, pool=pool)
 
     def _forward(self) -> ForwardResult:
-        return self.model.forward(self.tokens, self.scratch, logit_rows=self.row)
+        rows = self.row if self.model.head is not None else None
+        return self.model.forward(self.tokens, self.scratch, hidden=self.hidden, logit_rows=rows)
 
     def run(self, ids: list[int]) -> ForwardResult:
         n = len(ids)
@@ -98,13 +117,38 @@ class _BucketGraph:
         return self.step.replay()
 
 
-class FirstChunkGraphs:
-    """The captured first chunks of ``model`` by bucket, captured on first use. ``graph=False`` runs the
-    same padded forwards uncaptured (CPU tests)."""
+class _BucketGraph:
+    """A bucket's forward through every shard in layer order, the streams leaving one shard copied into the
+    next one's input buffer between the replays."""
 
-    def __init__(self, model: DeepSeekV4, limit: int = MAX_GRAPH_TOKENS, graph: bool = True):
+    def __init__(self, model: DeepSeekV4 | SplitModel, width: int, pools: dict[torch.device, object],
+                 graph: bool):
+        self.parts = []
+        for k, shard in enumerate(shards_of(model)):
+            hidden = None if k == 0 else torch.zeros(width, shard.cfg.hc_mult, shard.cfg.hidden_size,
+                                                     dtype=shard.dtype, device=shard.device)
+            with on_device(shard.device):
+                self.parts.append(_ShardGraph(shard, width, pools.get(shard.device), graph, hidden))
+
+    def run(self, ids: list[int]) -> ForwardResult:
+        layers = {}
+        for k, part in enumerate(self.parts):
+            with on_device(part.model.device):
+                out = part.run(ids)
+            layers.update(out.delta.layers)
+            if k + 1 < len(self.parts):
+                self.parts[k + 1].hidden.copy_(out.hidden)
+        return ForwardResult(hidden=out.hidden, delta=ChunkDelta(start=0, tokens=list(ids), layers=layers),
+                             logits=out.logits)
+
+
+class FirstChunkGraphs:
+    """The captured first chunks of ``model`` (a whole model or a layer split) by bucket, captured on first
+    use. ``graph=False`` runs the same padded forwards uncaptured (CPU tests)."""
+
+    def __init__(self, model: DeepSeekV4 | SplitModel, limit: int = MAX_GRAPH_TOKENS, graph: bool = True):
         self.model, self.limit, self.graph = model, limit, graph
-        self._pool = torch.cuda.graph_pool_handle() if graph else None
+        self._pools = {s.device: torch.cuda.graph_pool_handle() for s in shards_of(model)} if graph else {}
         self._graphs: dict[int, _BucketGraph] = {}
 
     def capture_all(self) -> int:
@@ -112,7 +156,7 @@ class FirstChunkGraphs:
         capture); returns how many were captured."""
         missing = [b for b in buckets(self.limit) if b not in self._graphs]
         for width in missing:
-            self._graphs[width] = _BucketGraph(self.model, width, self._pool, self.graph)
+            self._graphs[width] = _BucketGraph(self.model, width, self._pools, self.graph)
         return len(missing)
 
     def applies(self, state: SequenceState, n: int) -> bool:
@@ -129,7 +173,6 @@ class FirstChunkGraphs:
         width = bucket_of(len(ids), self.limit)
         g = self._graphs.get(width)
         if g is None:
-            g = self._graphs[width] = _BucketGraph(self.model, width, self._pool, self.graph)
+            g = self._graphs[width] = _BucketGraph(self.model, width, self._pools, self.graph)
         out = g.run(ids)
-        delta = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
-        return ForwardResult(hidden=out.hidden[:len(ids)], delta=delta, logits=out.logits)
+        return ForwardResult(hidden=out.hidden[:len(ids)], delta=out.delta, logits=out.logits)

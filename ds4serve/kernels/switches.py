@@ -134,6 +134,10 @@ class Switches:
     # experts): 2048 tokens 336.2 -> 67.4 ms, 8192 tokens 701.3 -> 230.4 ms; the same last logits (H200,
     # 2026-11-30, bench/results/2026-11-30-h200-round18-d-prefill-*).
     quant_grouped_mm: bool = True
+    # A layer split in one process gets the first-chunk graphs too: one graph per shard and bucket, replayed in
+    # layer order with the streams copied between them (engine/prefill_graphs.py). Checked on CPU uncaptured
+    # only; off until two GPUs have checked and timed it.
+    split_prefill_graphs: bool = False
 
 
 SWITCHES = Switches()
