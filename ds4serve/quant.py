@@ -11,6 +11,8 @@ mantissa bits fits both.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP4_BLOCK = 32
@@ -64,10 +66,17 @@ def quant_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
     return q, float_to_e8m0(scale)
 
 
+@functools.cache
+def _fp4_table(device: torch.device) -> torch.Tensor:
+    """The e2m1 code values on ``device``, made once: a copy from the host on every call would be a
+    synchronisation a CUDA graph cannot capture."""
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+
+
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MXFP4 ``[..., out, in/2]`` int8 with scales ``[..., out, in/32]`` to ``[..., out, in]``."""
     raw = packed.view(torch.uint8)
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
+    lut = _fp4_table(packed.device)
     low, high = lut[(raw & 0x0F).long()], lut[(raw >> 4).long()]
     values = torch.stack([low, high], dim=-1).flatten(-2)
     expected = (*values.shape[:-1], values.shape[-1] // FP4_BLOCK)
