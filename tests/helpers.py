@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pytest
 import torch
@@ -76,3 +77,18 @@ def spy_launches(monkeypatch, module, name: str) -> list[int]:
 
     monkeypatch.setattr(module, name, Spy())
     return launches
+
+
+T = TypeVar("T")
+
+
+def without_host_sync(run: Callable[[], T]) -> T:
+    """``run()`` once (its compiles synchronise), then again under CUDA's sync debug mode "error", where any
+    synchronisation with the host raises; returns the second run's result."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -23,6 +23,7 @@ from ds4serve.model import moe_grouped  # noqa: E402
 from ds4serve.model.linear import FP4Weight, FP8Weight, quantize_fp8  # noqa: E402
 from ds4serve.model.moe_grouped import routed_experts  # noqa: E402
 from ds4serve.quant import quant_fp4  # noqa: E402
+from tests.helpers import random_prompt, without_host_sync  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # rows 16: groups over several row tiles at small M; 32 columns: a partial column block at N=48
@@ -202,13 +203,7 @@ def test_captured_kernels_replay_over_other_group_ends(fmt):
         h = ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT)
         return h, ge.grouped_quant_mm(h, w2, ends)
 
-    step()  # compiles the kernels first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    without_host_sync(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         h, y = step()
@@ -236,13 +231,7 @@ def test_chunk_routed_experts_never_synchronise_on_cuda(fmt):
     with using(quant_grouped_mm=False):
         want = routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
     with using(quant_grouped_mm=True):
-        routed_experts(x, idx, weights, w1, w3, w2, LIMIT)  # compiles the kernels and the chunk regions
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        got = without_host_sync(lambda: routed_experts(x, idx, weights, w1, w3, w2, LIMIT))
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
@@ -253,7 +242,6 @@ def test_captured_first_chunks_of_a_quantized_model(tiny_factory):
     from ds4serve.engine.prefill_graphs import FirstChunkGraphs
     from ds4serve.model import DeepSeekV4
     from ds4serve.weights import Checkpoint
-    from tests.helpers import random_prompt
 
     path = tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5, quantize="fp8+fp4")
     model = DeepSeekV4.load(Checkpoint(path), dtype=torch.bfloat16, device="cuda")

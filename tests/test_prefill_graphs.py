@@ -111,6 +111,21 @@ def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
     assert calls == [40]
 
 
+def _assert_first_chunks_match_eager(graphs: FirstChunkGraphs, model: DeepSeekV4, prompts) -> None:
+    """Each ``(length, seed)`` prompt through ``graphs`` (a fresh state of its model) against ``model``'s eager
+    chunk forward in bf16: the last row's logits and every committed state tensor."""
+    for n, seed in prompts:
+        ids = random_prompt(n, seed=seed)
+        states = graphs.model.new_state(256), model.new_state(256)
+        want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
+        states[1].commit(want.delta, n)
+        got = graphs.forward(ids, states[0])
+        states[0].commit(got.delta, n)
+        assert (got.logits.to(want.logits.device) - want.logits).abs().max() <= 0.05 * want.logits.abs().max()
+        for a, b in zip(_state_tensors(states[0]), _state_tensors(states[1]), strict=True):
+            assert (a.float().cpu() - b.float().cpu()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 def test_captured_first_chunks_match_the_eager_forward(tiny_factory):
     """On the GPU: two prompts of one bucket through its captured graph (the second replay must not keep
@@ -118,17 +133,7 @@ def test_captured_first_chunks_match_the_eager_forward(tiny_factory):
     model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5)),
                             dtype=torch.bfloat16, device="cuda")
     graphs = FirstChunkGraphs(model)
-    for n, seed in ((70, 1), (80, 2), (20, 3)):
-        ids = random_prompt(n, seed=seed)
-        states = model.new_state(256), model.new_state(256)
-        want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
-        states[1].commit(want.delta, n)
-        got = graphs.forward(ids, states[0])
-        states[0].commit(got.delta, n)
-        scale = want.logits.abs().max()
-        assert (got.logits - want.logits).abs().max() <= 0.05 * scale
-        for a, b in zip(_state_tensors(states[0]), _state_tensors(states[1]), strict=True):
-            assert (a.float() - b.float()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)
+    _assert_first_chunks_match_eager(graphs, model, ((70, 1), (80, 2), (20, 3)))
     assert sorted(graphs._graphs) == [64, 96]
     assert graphs.capture_all() == len(buckets()) - 2
 
@@ -142,14 +147,4 @@ def test_captured_split_first_chunks_match_the_eager_forward(tiny_factory):
     devices = ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
     half = model.cfg.num_layers // 2
     split = SplitModel.load(ckpt, [range(0, half), range(half, model.cfg.num_layers)], devices, dtype=torch.bfloat16)
-    graphs = FirstChunkGraphs(split)
-    for n, seed in ((70, 1), (80, 2)):
-        ids = random_prompt(n, seed=seed)
-        states = split.new_state(256), model.new_state(256)
-        want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
-        states[1].commit(want.delta, n)
-        got = graphs.forward(ids, states[0])
-        states[0].commit(got.delta, n)
-        assert (got.logits.to(want.logits.device) - want.logits).abs().max() <= 0.05 * want.logits.abs().max()
-        for a, b in zip(_state_tensors(states[0]), _state_tensors(states[1]), strict=True):
-            assert (a.float().cpu() - b.float().cpu()).abs().max() <= 0.05 * max(b.float().abs().max(), 1e-3)
+    _assert_first_chunks_match_eager(FirstChunkGraphs(split), model, ((70, 1), (80, 2)))

@@ -18,6 +18,7 @@ from ds4serve.model import moe_grouped
 from ds4serve.model.linear import FP4Weight, linear, quantize_fp8
 from ds4serve.model.moe_grouped import routed_experts, sort_pairs
 from ds4serve.quant import quant_fp4
+from tests.helpers import without_host_sync
 
 
 def _dense_attention(q, kv, ring, start, entries, visible, sinks, scale):
@@ -241,10 +242,4 @@ def test_bf16_chunk_paths_never_synchronise_on_cuda():
         routed_experts(x, idx, weights, w1, w3, w2, 1.5)
         ca.chunk_attention(q, ca.window_sequence(q[:, 0], ring, 40), 40, entries, visible, sinks, 0.125)
 
-    chunk_paths()  # compiles the chunk regions first: Inductor's compile synchronises, their runs must not
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        chunk_paths()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    without_host_sync(chunk_paths)  # Inductor's compile of the chunk regions synchronises, their runs must not
