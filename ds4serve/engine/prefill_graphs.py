@@ -78,12 +78,12 @@ def shards_of(model: DeepSeekV4 | SplitModel) -> list[DeepSeekV4]:
 def graphs_apply(model: DeepSeekV4 | SplitModel) -> bool:
     """Whether ``model``'s first chunks can be captured: every shard on a CUDA device, the embedding and the
     head, and every layer's routed experts dense bf16 or, with ``SWITCHES.quant_grouped_mm``, quantized
-    experts that the grouped kernels take for the shard's activations."""
+    experts that the grouped kernels take for activations like the embedding's (the shards share its dtype)."""
     shards = shards_of(model)
-    if any(s.device.type != "cuda" for s in shards) or shards[0].embed is None or shards[-1].head is None:
+    embed = shards[0].embed
+    if any(s.device.type != "cuda" for s in shards) or embed is None or shards[-1].head is None:
         return False
-    return all(_routed_capturable(torch.empty(0, dtype=s.dtype, device=s.device), b.moe.w1, b.moe.w3, b.moe.w2)
-               for s in shards for b in s.blocks.values())
+    return all(_routed_capturable(embed, b.moe.w1, b.moe.w3, b.moe.w2) for s in shards for b in s.blocks.values())
 
 
 def _routed_capturable(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> bool:
