@@ -35,6 +35,8 @@ reports what it did):
   perfect-oracle runs, which also compile the width's shapes): tokens/s, tokens per verify step,
   acceptance, and whether the tokens equal plain decoding's (the baseline, also timed; in bf16 on
   random weights they need not, near-tied greedy choices flip with the rounding);
+* the split on GPUs: whole prompts of ``--prompts`` tokens through ``Engine.prefill``, eagerly and through one
+  first-chunk graph per shard (``split_prefill_graphs``), and how far apart their last logits are;
 * with ``--mtp K`` (the split only: model drafts need the embedding and head in this process), an
   MTP draft block with random weights on the last GPU drafting ``K`` tokens per step (fixed width
   ``K + 1``), its passes eager and as CUDA graphs: random drafts are rejected, so the two tokens/s
@@ -73,7 +75,7 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
 from ds4serve.engine.drafts import MTPProposer, OracleProposer, target_parts
-from ds4serve.kernels.switches import NAMES, SWITCHES, parse as parse_switches
+from ds4serve.kernels.switches import NAMES, SWITCHES, parse as parse_switches, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
 from ds4serve.parallel.split_model import SplitModel, handoff
@@ -331,8 +333,40 @@ def run_split(args: argparse.Namespace, cfg: ModelConfig, results: dict, save: S
         f"{section['boundary']['prefill_chunk_ms']:.3f} ms per {args.chunk}-token chunk")
     save()
     measure(model, args, devices, section, save)
+    if all(d.type == "cuda" for d in devices) and args.prompts:
+        section["first_chunks"] = first_chunks(model, args, devices)
+        save()
     section["memory_end"] = [memory(d) for d in devices]
     save()
+
+
+def first_chunks(model: SplitModel, args: argparse.Namespace, devices: list[torch.device]) -> list[dict]:
+    """Whole prompts of ``--prompts`` tokens (one chunk each) through ``Engine.prefill``, eagerly and through
+    one first-chunk graph per shard (``split_prefill_graphs``): median wall ms of 3 after a warm-up (which
+    captures), and how far the graphs' last logits are from the eager ones."""
+    rows = []
+    for n in args.prompts:
+        ids = random_ids(n, seed=n)
+        arms = {}
+        for name, on in (("eager", False), ("graphs", True)):
+            engine = Engine(model, Tokenizer(), max_context=n, chunk_size=max(args.prompts))
+            state = model.new_state(n)
+            times = []
+            with torch.inference_mode(), using(split_prefill_graphs=on):
+                for _ in range(4):
+                    state.reset()
+                    sync(devices)
+                    t0 = time.perf_counter()
+                    logits = engine.prefill(state, ids).float().cpu()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            arms[name] = (statistics.median(times[1:]), logits)
+        (eager_ms, eager), (graph_ms, graph) = arms["eager"], arms["graphs"]
+        rows.append({"prompt": n, "eager_ms": eager_ms, "graphs_ms": graph_ms,
+                     "logits_max_rel": float((graph - eager).abs().max() / eager.abs().max()),
+                     "same_greedy_token": int(graph.argmax()) == int(eager.argmax())})
+        log(f"split: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
+            f"(logits max rel {rows[-1]['logits_max_rel']:.1e})")
+    return rows
 
 
 def split_handoff_ms(model: SplitModel, tokens: int, reps: int) -> float:
@@ -455,6 +489,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", type=int, default=None, help="first layer of shard 1 (default: half, rounded up)")
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
+    p.add_argument("--prompts", default="512,2048", help="split on GPUs: whole prompts through Engine.prefill, "
+                   "eagerly and through the first-chunk graphs (switch split_prefill_graphs)")
     p.add_argument("--steps", type=int, default=8, help="decode steps per context")
     p.add_argument("--reps", type=int, default=20, help="repetitions of each boundary timing")
     p.add_argument("--greedy-tokens", type=int, default=16)
@@ -478,6 +514,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit(f"--switches: {exc}") from exc
     args.split = args.split or -(-args.layers // 2)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    args.prompts = [int(n) for n in args.prompts.split(",") if n]
     args.spec_widths = [int(w) for w in args.spec_widths.split(",") if w]
     args.accept = [float(a) for a in args.accept.split(",") if a]
     if args.copy_gbps is not None:
