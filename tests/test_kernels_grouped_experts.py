@@ -186,6 +186,30 @@ def test_first_chunk_graphs_take_quantized_experts_with_the_switch():
             assert not graphs_apply(model(fp8, torch.float16))
 
 
+def test_long_groups_keep_the_dequantised_path_unless_captured(monkeypatch):
+    """Eagerly, groups longer than ``IN_PLACE_MAX_ROWS_PER_EXPERT`` (here: any) go through the experts
+    dequantised by groups, where that is faster; while a graph is captured they run in place all the same."""
+    gen = torch.Generator().manual_seed(21)
+    N, D, inter, E, k = 12, 64, 32, 4, 2
+    x = torch.randn(N, D, generator=gen)
+    w1, w3, w2 = _experts("fp8", E, inter, D, seed=22), _experts("fp8", E, inter, D, seed=23), \
+        _experts("fp8", E, D, inter, seed=24)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=gen)
+    calls = []
+    monkeypatch.setattr(ge, "grouped_quant_mm", lambda *a, **kw: calls.append("in place") or torch.zeros(N * k, D))
+    monkeypatch.setattr(moe_grouped, "IN_PLACE_MAX_ROWS_PER_EXPERT", {"fp8": 0, "fp4": 0})
+    for path in ("_expert_groups", "_expert_by_expert"):
+        monkeypatch.setattr(moe_grouped, path, lambda *a: calls.append("dequantised") or torch.zeros(N * k, D))
+    with kernels.on_any_device(), using(quant_grouped_mm=True):
+        routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
+        assert calls == ["dequantised"]
+        monkeypatch.setattr(moe_grouped, "_in_place_pays", lambda rows, w: True)  # as under a capture
+        monkeypatch.setattr(ge, "grouped_quant_gate_up", lambda *a, **kw: torch.zeros(N * k, inter))
+        routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
+        assert calls == ["dequantised", "in place"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 @pytest.mark.parametrize("fmt", ["fp8-128", "fp4"])
 def test_captured_kernels_replay_over_other_group_ends(fmt):
