@@ -6,11 +6,12 @@ GEMM per projection (``torch._grouped_mm``: ``[M, K] @ [E, K, N]`` with the grou
 no host sync on SM90+); each expert output is weighted, put back in (token, slot) order and the
 ``k`` slots of a token are summed. Quantized (FP8 / MXFP4) experts, with ``SWITCHES.quant_grouped_mm``,
 run as grouped GEMMs that read them in place (:mod:`ds4serve.kernels.grouped_experts`: gate-up with the
-SwiGLU in one launch, then down), also without a host sync, so that such chunks can be captured in CUDA
-graphs; eagerly, only where the experts' groups are short enough for that to be faster. Otherwise quantized experts of a long chunk, with ``SWITCHES.dequant_kernel``, run as
-``torch._grouped_mm`` over groups of experts dequantised together (one pass each,
-:mod:`ds4serve.kernels.dequant`), and the rest (and dtypes the grouped products do not take) expert by
-expert; both read the group ends on the host once, and dequantise only the experts in use.
+SwiGLU in one launch, then down), also without a host sync: always while a CUDA graph is captured, and
+eagerly where the experts' groups are short enough for that to be faster. Otherwise quantized experts of
+a long chunk, with ``SWITCHES.dequant_kernel``, run as ``torch._grouped_mm`` over groups of experts
+dequantised together (one pass each, :mod:`ds4serve.kernels.dequant`), and the rest (and dtypes the
+grouped products do not take) expert by expert; both read the group ends on the host once, and
+dequantise only the experts in use.
 """
 
 from __future__ import annotations
