@@ -20,7 +20,7 @@ from ds4serve.engine.prefill_graphs import graphs_apply  # noqa: E402
 from ds4serve.kernels import grouped_experts as ge  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import moe_grouped  # noqa: E402
-from ds4serve.model.linear import FP4Weight, FP8Weight, quantize_fp8  # noqa: E402
+from ds4serve.model.linear import FP4Weight, FP8Weight, dense, quantize_fp8  # noqa: E402
 from ds4serve.model.moe_grouped import routed_experts  # noqa: E402
 from ds4serve.quant import quant_fp4  # noqa: E402
 from tests.helpers import random_prompt, without_host_sync  # noqa: E402
@@ -93,6 +93,24 @@ def test_grouped_quant_gate_up_equals_reference(poisoned, fmt, limit, dtype):
     if limit > 0:
         assert (ge.grouped_quant_mm_ref(a, w1, ends).abs() > limit).any()
     _check(got, want, int(ends[-1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [False, True])
+def test_mxfp4_tiles_decode_every_code_exactly(poisoned, bits, dtype):
+    """Every byte value (two e2m1 codes) under group exponents from 0 to 192 (bf16: from 64, where no value is
+    subnormal), through both decodes of the MXFP4 tiles (``grouped_fp4_bits``): the identity's rows times the
+    experts give the dequantised weights exactly."""
+    N, K = 16, 64
+    codes = torch.arange(N * K // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(torch.int8)
+    exponents = torch.tensor([0, 1, 64, 100, 120, 127, 128, 150, 170, 192][2 if dtype == torch.bfloat16 else 0:],
+                             dtype=torch.uint8)
+    scale = exponents[torch.arange(N * K // 32) % len(exponents)]
+    w = FP4Weight(codes.reshape(1, N, K // 2).to(DEVICE), scale.reshape(1, N, K // 32).to(DEVICE))
+    a, ends = torch.eye(K, dtype=dtype, device=DEVICE), torch.tensor([K], dtype=torch.int32, device=DEVICE)
+    with using(grouped_fp4_bits=bits):
+        got = ge.grouped_quant_mm(a, w, ends, SMALL)
+    assert torch.equal(got.cpu(), dense(w, dtype)[0].T.cpu())
 
 
 def test_default_tiles_and_no_rows(poisoned):

@@ -138,6 +138,13 @@ class Switches:
     # layer order with the streams copied between them (engine/prefill_graphs.py). Checked on CPU uncaptured
     # only; off until two GPUs have checked and timed it.
     split_prefill_graphs: bool = False
+    # The grouped experts' MXFP4 tiles decoded by the fused MoE's integer multiply (kernels/moe.py _e2m1) instead
+    # of kernels/dequant.py's helpers: the same values in about a third of the operations, where the helper that
+    # built the kernel found MXFP4 bound by the decode (80-150 against FP8's 200-270 TFLOP/s). Compiled for sm_90
+    # by Triton 3.6 (a 64x64x128 gate-up tile): 9,675 instructions against 15,054, 176 registers against 187, no
+    # spills. Exact for group exponents up to 192 (tests: every code). Built without device time; off until an
+    # A/B: bench/prompt_prefill.py --variant fp8+fp4 --arms defaults,defaults+grouped_fp4_bits.
+    grouped_fp4_bits: bool = False
 
 
 SWITCHES = Switches()
