@@ -9,6 +9,7 @@ import torch
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.engine import Engine
 from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of, buckets
+from ds4serve.kernels.switches import SWITCHES, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
@@ -109,6 +110,22 @@ def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     engine.prefill(states[0], ids[:5])  # a state that has tokens: eager
     assert calls == [40]
+
+
+def test_engine_judges_a_model_once_per_switch_set(model, monkeypatch):
+    """Whether a model's first chunks are captured is judged once (its experts' checks are not free) and again
+    when a switch, the eager flag or the model changes."""
+    judged = []
+    monkeypatch.setattr(Engine, "_graphs_apply", lambda self, m: True)
+    monkeypatch.setattr(engine_module, "prefill_graphs_apply", lambda m: judged.append(m) or False)
+    engine = Engine(model, tokenizer=None)
+    assert engine._prefill_graphs() is None and engine._prefill_graphs() is None
+    assert len(judged) == 1
+    with using(quant_grouped_mm=not SWITCHES.quant_grouped_mm):
+        engine._prefill_graphs()
+    engine.eager = True
+    engine._prefill_graphs()
+    assert len(judged) == 3
 
 
 def _assert_first_chunks_match_eager(graphs: FirstChunkGraphs, model: DeepSeekV4, prompts) -> None:

@@ -9,6 +9,7 @@ Failures never escape :meth:`Engine.generate`: they come back as a :class:`Gener
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
@@ -99,6 +100,8 @@ class Engine:
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
         self._first_chunks: FirstChunkGraphs | None = None  # captured first prefill chunks, by length bucket
+        # (model, eager, switch values, whether its first chunks are captured): judged once, not per prompt
+        self._first_chunks_apply: tuple[object, bool, tuple, bool] | None = None
         # (width, capture) -> the verify graph over self._state
         self._verify_graphs: dict[tuple[int, tuple[int, ...]],
                                   VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph] = {}
@@ -383,8 +386,13 @@ class Engine:
     def _prefill_graphs(self) -> FirstChunkGraphs | None:
         """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
         model = self._require_model()
-        split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
-        if not (SWITCHES.prefill_graphs and (split or self._graphs_apply(model)) and prefill_graphs_apply(model)):
+        switches = dataclasses.astuple(SWITCHES)
+        judged = self._first_chunks_apply
+        if judged is None or judged[0] is not model or judged[1:3] != (self.eager, switches):
+            split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
+            apply = SWITCHES.prefill_graphs and (split or self._graphs_apply(model)) and prefill_graphs_apply(model)
+            judged = self._first_chunks_apply = (model, self.eager, switches, apply)
+        if not judged[3]:
             return None
         limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
         if self._first_chunks is None or self._first_chunks.model is not model or self._first_chunks.limit != limit:
@@ -439,7 +447,7 @@ class Engine:
                 if part == "target" and self.model is not None:
                     self.model = None
                     self._graph = None
-                    self._first_chunks = None
+                    self._first_chunks = self._first_chunks_apply = None
                     self._verify_graphs.clear()
                     self._state = None
                     self._pending_restore = None
