@@ -34,11 +34,9 @@ from .switches import SWITCHES, prefetching
 
 PIECE_BYTES = 1 << 20
 BUDGET_BYTES = 40 << 20  # per window: below the H200's 50 MB L2, as the probe's best budgets (32-40 MB)
-SMALL_BUDGET_BYTES = 16 << 20  # SWITCHES.prefetch_small_budget: the plans' first pieces only
 PROGRAMS = 16
 _LINE = tl.constexpr(128)  # bytes of an L2 line request
-_CHUNK = tl.constexpr(4096)  # bytes of one bulk request (SWITCHES.prefetch_bulk)
-_LANES = tl.constexpr(256)  # requests of one loop step: one per thread of an 8-warp program
+_LANES = tl.constexpr(256)  # lines one loop step requests: one per thread of an 8-warp program
 
 
 def plan(weights: Iterable[torch.Tensor], budget: int = BUDGET_BYTES, piece: int = PIECE_BYTES) -> torch.Tensor:
@@ -128,11 +126,7 @@ def launch_branch(pieces: torch.Tensor) -> None:
 
 
 def _launch(pieces: torch.Tensor) -> None:
-    n = pieces.shape[0]
-    if SWITCHES.prefetch_small_budget:
-        n = min(n, SMALL_BUDGET_BYTES // PIECE_BYTES)
-    _prefetch_kernel[(PROGRAMS,)](pieces, n, EVICT_LAST=SWITCHES.prefetch_evict_last,
-                                  BULK=SWITCHES.prefetch_bulk, num_warps=8)
+    _prefetch_kernel[(PROGRAMS,)](pieces, pieces.shape[0], EVICT_LAST=SWITCHES.prefetch_evict_last, num_warps=8)
 
 
 def _index(device: torch.device) -> int:
@@ -175,27 +169,19 @@ def discard(device: torch.device) -> None:
 
 
 @triton.jit(do_not_specialize=["n_pieces"])
-def _prefetch_kernel(pieces_ptr, n_pieces, EVICT_LAST: tl.constexpr, BULK: tl.constexpr):
-    """Program ``p`` of the grid requests pieces ``p, p + grid, ...`` into L2: every 128-byte line, or with
-    ``BULK`` one ``cp.async.bulk.prefetch.L2`` of up to 4 KB per thread (fetched after the program ends)."""
+def _prefetch_kernel(pieces_ptr, n_pieces, EVICT_LAST: tl.constexpr):
+    """Program ``p`` of the grid requests every 128-byte L2 line of pieces ``p, p + grid, ...``."""
     prog = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    step: tl.constexpr = _LANES * (_CHUNK if BULK else _LINE)
+    lanes = tl.arange(0, _LANES) * _LINE
     for i in range(prog, n_pieces, n_programs):
         addr = tl.load(pieces_ptr + 2 * i)
         n = tl.load(pieces_ptr + 2 * i + 1)
-        for off in range(0, n, step):
-            if BULK:
-                at = tl.minimum(off + tl.arange(0, _LANES) * _CHUNK, n - 16)  # lanes past the end repeat the tail
-                size = tl.maximum(tl.minimum(n - at, _CHUNK) // 16 * 16, 16)
-                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                          [(addr + at).to(tl.pointer_type(tl.int8)), size.to(tl.int32)],
+        for off in range(0, n, _LANES * _LINE):
+            lines = (addr + tl.minimum(off + lanes, n - 1)).to(tl.pointer_type(tl.int8))
+            if EVICT_LAST:
+                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [lines],
                                           dtype=tl.int32, is_pure=False, pack=1)
             else:
-                lines = (addr + tl.minimum(off + tl.arange(0, _LANES) * _LINE, n - 1)).to(tl.pointer_type(tl.int8))
-                if EVICT_LAST:
-                    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                              [lines], dtype=tl.int32, is_pure=False, pack=1)
-                else:
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines],
-                                              dtype=tl.int32, is_pure=False, pack=1)
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines],
+                                          dtype=tl.int32, is_pure=False, pack=1)

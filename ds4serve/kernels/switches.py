@@ -154,10 +154,6 @@ class Switches:
     prefetch_shared: bool = False
     # The prefetched lines are requested with L2's evict-last priority (``prefetch.global.L2::evict_last``).
     prefetch_evict_last: bool = False
-    # The requests are bulk L2 prefetches of 4 KB (cp.async.bulk.prefetch.L2), fetched after the program ends.
-    prefetch_bulk: bool = False
-    # Each window requests only the first 16 MB of its plan (kernels/prefetch.py SMALL_BUDGET_BYTES).
-    prefetch_small_budget: bool = False
 
 
 SWITCHES = Switches()
