@@ -50,26 +50,19 @@ class Captured:
             return
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-        from ..kernels import prefetch
-
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 (warm or run)()
             self.kept = setup() if setup is not None else None
-            prefetch.warm(device)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # captured on the side stream: torch.cuda.graph's default capture stream is one stream for the
         # whole process, made on whichever device captured first, so a second GPU's capture would run
-        # on the first GPU's stream. L2 prefetch branches forked by the step join it before the end.
-        try:
-            with torch.cuda.graph(self.graph, stream=side, pool=pool):
-                self._out = run()
-                prefetch.join(device)
-        finally:
-            prefetch.discard(device)
+        # on the first GPU's stream
+        with torch.cuda.graph(self.graph, stream=side, pool=pool):
+            self._out = run()
 
     def replay(self) -> T:
         if self.graph is None:

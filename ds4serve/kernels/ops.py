@@ -4,15 +4,14 @@
 from its fake implementation. With the kernels behind these ops, a compiled region can hold a whole
 decoder block (``SWITCHES.block_regions``): the GEMVs, the fused MoE and the mHC Sinkhorn stay
 hand-written launches, and Inductor fuses every elementwise chain between them. Outside compiled
-code an op call is the launcher plus one dispatcher hop. The mHC sites and the GEMVs also fork the L2
-prefetch branches registered on the tensors they read (:mod:`ds4serve.kernels.prefetch`).
+code an op call is the launcher plus one dispatcher hop.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import hyper, indexer, moe, prefetch, router
+from . import hyper, indexer, moe, router
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .gemv import gemv_pair as _gemv_pair
@@ -32,9 +31,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bloc
          groups: int) -> torch.Tensor:
     """:func:`ds4serve.kernels.gemv.gemv` (``[N, R]`` for ``x [N, K]`` or ``[N, G, K]``): ``weight`` FP8
     with its block scales, or dense with ``scale`` None (the block sizes are then ignored)."""
-    y = _gemv(x, weight, scale, _block(scale, block_rows, block_cols), groups)
-    prefetch.after(weight)
-    return y
+    return _gemv(x, weight, scale, _block(scale, block_rows, block_cols), groups)
 
 
 @gemv.register_fake
@@ -48,10 +45,8 @@ def gemv_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | N
               block_b_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.gemv.gemv_pair`: two products of ``x [N, K]``, each weight FP8 with its
     block scales or dense (scale None)."""
-    ys = _gemv_pair(x, (weight_a, scale_a, _block(scale_a, block_a_rows, block_a_cols)),
-                    (weight_b, scale_b, _block(scale_b, block_b_rows, block_b_cols)))
-    prefetch.after(weight_b)
-    return ys
+    return _gemv_pair(x, (weight_a, scale_a, _block(scale_a, block_a_rows, block_a_cols)),
+                      (weight_b, scale_b, _block(scale_b, block_b_rows, block_b_cols)))
 
 
 @gemv_pair.register_fake
@@ -79,7 +74,6 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
            hc: int, iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ds4serve.kernels.hc_pre.hc_pre`: a whole mHC pre site, ``(post, comb)`` in fp32 and the
     sublayer's normed input ``[S, D]`` in X's dtype (the arrival counters it uses are left zero)."""
-    prefetch.before(fn)
     return _hc_pre(X, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
 
 
@@ -95,7 +89,6 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     """:func:`ds4serve.kernels.hc_pre.hc_merge_pre`: a sublayer output's mHC merge and the next pre site in
     one launch, the merged streams ``[S, hc, D]`` then the outputs of :func:`hc_pre` on them. ``out`` is the
     output ``[S, D]`` or the fused MoE's fp32 slot terms ``[S, slots, D]``."""
-    prefetch.before(fn)
     return _hc_merge_pre(X, out, post, comb, fn, base, scale, norm_w, hc, iters, eps, norm_eps)
 
 

@@ -145,25 +145,10 @@ class Switches:
     # spills. Exact for group exponents up to 192 (tests: every code). Built without device time; off until an
     # A/B: bench/prompt_prefill.py --variant fp8+fp4 --arms defaults,defaults+grouped_fp4_bits.
     grouped_fp4_bits: bool = False
-    # L2 prefetch of the next projections' weights from a side branch of a captured decode (or verify) step
-    # (kernels/prefetch.py, model/prefetch_plans.py): one switch per window of a block, forked before its
-    # first mHC site (inputs and q_res projections), after q_res's product (wo_a, wo_b) and before the MoE's
-    # site (router gate, shared expert). The results are unchanged. Built without device time; off until an A/B.
-    prefetch_inputs: bool = False
-    prefetch_output: bool = False
-    prefetch_shared: bool = False
-    # The prefetched lines are requested with L2's evict-last priority (``prefetch.global.L2::evict_last``).
-    prefetch_evict_last: bool = False
 
 
 SWITCHES = Switches()
 NAMES = tuple(f.name for f in dataclasses.fields(Switches))
-PREFETCH_WINDOWS = ("inputs", "output", "shared")  # the switches prefetch_<window>
-
-
-def prefetching() -> bool:
-    """Whether any L2 prefetch window (``prefetch_<window>``) is switched on."""
-    return any(getattr(SWITCHES, f"prefetch_{w}") for w in PREFETCH_WINDOWS)
 
 
 def parse(spec: str) -> dict[str, bool]:

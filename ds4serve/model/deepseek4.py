@@ -22,7 +22,6 @@ from ..kernels.regions import region
 from ..kernels.switches import SWITCHES
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
-from . import prefetch_plans
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
 from .hyper import HCSite, fused_sites, hc_head, hc_merge, hc_merge_pre, hc_pre
@@ -136,8 +135,6 @@ class DeepSeekV4:
             X = hidden.to(device=self.device, dtype=self.dtype)
         if positions is not None and positions.shape != (S,):
             raise ValueError(f"a static step needs one position per token, got {tuple(positions.shape)} for {S}")
-        if positions is not None:
-            prefetch_plans.install(self, X)  # the L2 prefetch branches a captured step forks, when switched on
         deltas: dict[int, LayerDelta] = {}
         captured: dict[int, torch.Tensor] = {}
         with regions.static_step() if positions is not None else nullcontext():
