@@ -139,12 +139,13 @@ class Switches:
     # only; off until two GPUs have checked and timed it.
     split_prefill_graphs: bool = False
     # The grouped experts' MXFP4 tiles decoded by the fused MoE's integer multiply (kernels/moe.py _e2m1) instead
-    # of kernels/dequant.py's helpers: the same values in about a third of the operations, where the helper that
-    # built the kernel found MXFP4 bound by the decode (80-150 against FP8's 200-270 TFLOP/s). Compiled for sm_90
-    # by Triton 3.6 (a 64x64x128 gate-up tile): 9,675 instructions against 15,054, 176 registers against 187, no
-    # spills. Exact for group exponents up to 192 (tests: every code). Built without device time; off until an
-    # A/B: bench/prompt_prefill.py --variant fp8+fp4 --arms defaults,defaults+grouped_fp4_bits.
-    grouped_fp4_bits: bool = False
+    # of kernels/dequant.py's helpers: the same values in about a third of the operations (sm_90, Triton 3.6, a
+    # 64x64x128 gate-up tile: 9,675 SASS instructions against 15,054, no spills). Exact for group exponents up
+    # to 192, as the decode MoE (tests: every code). Whole prompts (bench/prompt_prefill.py --variant fp8+fp4):
+    # 43-layer proxy 512 tokens 151.2 -> 132.1 ms, 2048 tokens 319.1 -> 282.5; 6 layers of the Flash shape (256
+    # experts) 2048 tokens 66.0 -> 54.1, 8192 tokens 230.1 -> 184.2; the same last logits (H200, 2026-11-30,
+    # bench/results/2026-11-30-h200-round19-b-fp4bits.log).
+    grouped_fp4_bits: bool = True
 
 
 SWITCHES = Switches()
