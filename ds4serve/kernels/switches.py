@@ -135,9 +135,11 @@ class Switches:
     # 2026-11-30, bench/results/2026-11-30-h200-round18-d-prefill-*).
     quant_grouped_mm: bool = True
     # A layer split in one process gets the first-chunk graphs too: one graph per shard and bucket, replayed in
-    # layer order with the streams copied between them (engine/prefill_graphs.py). Checked on CPU uncaptured
-    # only; off until two GPUs have checked and timed it.
-    split_prefill_graphs: bool = False
+    # layer order with the streams copied between them (engine/prefill_graphs.py). Full Flash shape (43 layers,
+    # 256 experts, FP8+MXFP4) split over two H200s, whole prompts through Engine.prefill: 512 tokens 417.5 ->
+    # 218.4 ms, 2048 tokens 440.7 -> 415.1 ms, the same last logits; its CUDA test passed on the two GPUs
+    # (2026-11-30, bench/results/2026-11-30-h200x2-round19-c-*).
+    split_prefill_graphs: bool = True
     # The grouped experts' MXFP4 tiles decoded by the fused MoE's integer multiply (kernels/moe.py _e2m1) instead
     # of kernels/dequant.py's helpers: the same values in about a third of the operations (sm_90, Triton 3.6, a
     # 64x64x128 gate-up tile: 9,675 SASS instructions against 15,054, no spills). Exact for group exponents up
