@@ -72,23 +72,27 @@ def _check(got: torch.Tensor, want: torch.Tensor, end: int) -> None:
     torch.testing.assert_close(got[:end].cpu(), want[:end].cpu(), **tol)
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,K", [("fp8", 64), ("fp8-16", 64), ("fp8-128", 256), ("fp4", 64), ("fp4", 128)])
-def test_grouped_quant_mm_equals_reference(poisoned, fmt, K, dtype):
+def test_grouped_quant_mm_equals_reference(poisoned, fmt, K, dtype, swap):
     w = _experts(fmt, len(COUNTS), 48, K, seed=K)
     a, ends = _rows(COUNTS, 6, K, dtype, seed=1)
-    got = ge.grouped_quant_mm(a, w, ends, SMALL)
+    with using(grouped_swap=swap):
+        got = ge.grouped_quant_mm(a, w, ends, SMALL)
     _check(got, ge.grouped_quant_mm_ref(a, w, ends), int(ends[-1]))
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,limit", [("fp8", LIMIT), ("fp4", LIMIT), ("fp8", 0.0)])
-def test_grouped_quant_gate_up_equals_reference(poisoned, fmt, limit, dtype):
+def test_grouped_quant_gate_up_equals_reference(poisoned, fmt, limit, dtype, swap):
     E, N, K = len(COUNTS), 48, 64
     w1, w3 = _experts(fmt, E, N, K, seed=2), _experts(fmt, E, N, K, seed=3)
     a, ends = _rows(COUNTS, 6, K, dtype, seed=4)
     a = a * 3  # products beyond the clamp limit
-    got = ge.grouped_quant_gate_up(a, w1, w3, ends, limit, SMALL)
+    with using(grouped_swap=swap):
+        got = ge.grouped_quant_gate_up(a, w1, w3, ends, limit, SMALL)
     want = ge.grouped_quant_gate_up_ref(a, w1, w3, ends, limit)
     if limit > 0:
         assert (ge.grouped_quant_mm_ref(a, w1, ends).abs() > limit).any()
@@ -229,8 +233,9 @@ def test_long_groups_keep_the_dequantised_path_unless_captured(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swap"])
 @pytest.mark.parametrize("fmt", ["fp8-128", "fp4"])
-def test_captured_kernels_replay_over_other_group_ends(fmt):
+def test_captured_kernels_replay_over_other_group_ends(fmt, swap):
     """Both kernels captured once in a CUDA graph, replayed after new group ends are written into the
     captured tensor (other row counts, empty experts, fewer rows in all): each replay matches the reference
     over those ends. The eager calls run with torch's sync debug mode set to raise."""
@@ -242,8 +247,9 @@ def test_captured_kernels_replay_over_other_group_ends(fmt):
     ends = torch.tensor(cases[0], dtype=torch.int32, device="cuda").cumsum(0).to(torch.int32)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        h = ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT)
-        return h, ge.grouped_quant_mm(h, w2, ends)
+        with using(grouped_swap=swap):
+            h = ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT)
+            return h, ge.grouped_quant_mm(h, w2, ends)
 
     without_host_sync(step)
     graph = torch.cuda.CUDAGraph()

@@ -101,7 +101,7 @@ def _tile(ends_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constexpr, B1: tl.constexpr,
                  FP4: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DTYPE: tl.constexpr):
-    """``[BLOCK_K, BLOCK_N]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``),
+    """``[BLOCK_N, BLOCK_K]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``),
     dequantised to ``DTYPE``. FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
     so that each group of 32 inputs meets its exponent by broadcasting, and the low / high nibbles are
@@ -128,7 +128,7 @@ def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constex
         s = tl.load(s_ptr + s_rows * S_COLS + k0 // B1, mask=n_ok, other=1.0)
         # the GPU's cast rounds to nearest even, as torch's; the interpreter's truncates (exact products alike)
         w = x * s[:, None]
-    return tl.trans(w.to(DTYPE))
+    return w.to(DTYPE)
 
 
 @triton.jit
@@ -156,7 +156,8 @@ def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
 def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K, E, S_ROWS, S_COLS, limit,
                     B0: tl.constexpr, B1: tl.constexpr, FP4: tl.constexpr, BITS: tl.constexpr, GATE_UP: tl.constexpr,
                     CLAMP: tl.constexpr, BF16: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, SWAP: tl.constexpr,
+                    PDL: tl.constexpr):
     """One (expert row tile, column block): ``a @ w[e].T``, or with ``GATE_UP`` the gated
     ``swiglu(a @ w[e].T, a @ v[e].T)``, stored in ``a``'s dtype. bf16 is rounded to nearest even on the
     bits, as by the GPU's cast, so that Triton's interpreter (whose casts truncate) rounds as torch does."""
@@ -171,6 +172,27 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K
     n_ok = n < N
     rows = expert.to(tl.int64) * N + n
     s_rows = expert * S_ROWS + n // B0
+    if SWAP:
+        # weights as the MMA's first operand (their tile [BLOCK_N, BLOCK_K] stays in registers), the rows'
+        # activations transposed as the second: the products come out transposed, [BLOCK_N, BLOCK_M]
+        a_cols = a_ptr + r.to(tl.int64)[None, :] * K + tl.arange(0, BLOCK_K)[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if GATE_UP:
+            acc_v = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_cols + k0, mask=r_ok[None, :], other=0.0)
+            w = _weight_tile(w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
+                             DTYPE)
+            acc = _dot(w, a, acc, WIDEN)
+            if GATE_UP:
+                v = _weight_tile(v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N,
+                                 BLOCK_K, DTYPE)
+                acc_v = _dot(v, a, acc_v, WIDEN)
+        if GATE_UP:
+            acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
+        out = out_ptr + r.to(tl.int64)[None, :] * N + n[:, None]
+        tl.store(out, _round(acc, BF16).to(DTYPE), mask=r_ok[None, :] & n_ok[:, None])
+        return
     a_rows = a_ptr + r.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATE_UP:
@@ -179,11 +201,11 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K
         a = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
         w = _weight_tile(w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
                          DTYPE)
-        acc = _dot(a, w, acc, WIDEN)
+        acc = _dot(a, tl.trans(w), acc, WIDEN)
         if GATE_UP:
             v = _weight_tile(v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
                              DTYPE)
-            acc_v = _dot(a, v, acc_v, WIDEN)
+            acc_v = _dot(a, tl.trans(v), acc_v, WIDEN)
     if GATE_UP:
         acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
     out = out_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
@@ -281,6 +303,7 @@ def _launch(a: torch.Tensor, w: FP8Weight | FP4Weight, w3: FP8Weight | FP4Weight
                           GATE_UP=w3 is not None, CLAMP=limit > 0,
                           BF16=a.dtype == torch.bfloat16, WIDEN=not a.is_cuda or a.dtype == torch.float32,
                           BLOCK_M=tile.rows, BLOCK_N=cols, BLOCK_K=step, E_PAD=max(16, triton.next_power_of_2(E)),
+                          SWAP=SWITCHES.grouped_swap,
                           num_warps=tile.warps, num_stages=tile.stages, **pdl.launch(a))
     return out
 
