@@ -1,7 +1,7 @@
 """Launch shapes of the grouped quantized experts (kernels/grouped_experts.py) at DeepSeek-V4-Flash's expert
 shapes: a chunk's routed rows (top-6) sorted by expert, the gate-up launch (SwiGLU fused) and the down launch
 timed apart, each replayed in a CUDA graph (median of event-timed replays), for every candidate tile with the
-operands in the shipped order and swapped (``SWITCHES.grouped_swap``). Weights are random bytes (timing only:
+operands in the first order and swapped (``GroupedTile.swap``). Weights are random bytes (timing only:
 the kernels' work does not depend on the values).
 
 On the GPU machine, from the repository root::
@@ -23,12 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4serve.kernels import grouped_experts as ge  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model.linear import FP4Weight, FP8Weight  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 4096, 2048, 6
-CANDIDATES = [ge.GroupedTile(64, 64, 128, 4, 3), ge.GroupedTile(64, 128, 128, 8, 3), ge.GroupedTile(128, 64, 128, 8, 3),
-              ge.GroupedTile(64, 128, 64, 4, 4), ge.GroupedTile(128, 128, 64, 8, 3), ge.GroupedTile(32, 64, 128, 4, 3)]
+SHAPES = [(64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3),
+          (32, 64, 128, 4, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)]
 
 
 def experts(fmt: str, E: int, N: int, K: int, g: torch.Generator) -> FP8Weight | FP4Weight:
@@ -76,14 +75,14 @@ def main() -> None:
             h = torch.randn(tokens * TOP_K, INTER, device="cuda", generator=g).bfloat16()
             flops = 2 * tokens * TOP_K * HIDDEN * INTER
             for swap in (False, True):
-                for tile in CANDIDATES:
-                    with using(grouped_swap=swap):
-                        try:
-                            up = graph_us(lambda: ge.grouped_quant_gate_up(a, w1, w3, ends, 10.0, tile))
-                            down = graph_us(lambda: ge.grouped_quant_mm(h, w2, ends, tile))
-                        except Exception as exc:  # a tile the compiler refuses (shared memory, shapes)
-                            print(f"{fmt} {shape} swap={swap} {tile}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                            continue
+                for shape_args in SHAPES:
+                    tile = ge.GroupedTile(*shape_args, swap=swap)
+                    try:
+                        up = graph_us(lambda: ge.grouped_quant_gate_up(a, w1, w3, ends, 10.0, tile))
+                        down = graph_us(lambda: ge.grouped_quant_mm(h, w2, ends, tile))
+                    except Exception as exc:  # a tile the compiler refuses (shared memory, shapes)
+                        print(f"{fmt} {shape} swap={swap} {tile}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                        continue
                     row = {"fmt": fmt, "experts": E, "tokens": tokens, "swap": swap, "tile": dataclasses.asdict(tile),
                            "gate_up_us": up, "down_us": down, "gate_up_tflops": 2 * flops / up / 1e6,
                            "down_tflops": flops / down / 1e6}

@@ -8,6 +8,7 @@ unwritten. The CUDA tests capture the kernels in a CUDA graph and replay it over
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -78,8 +79,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, end: int) -> None:
 def test_grouped_quant_mm_equals_reference(poisoned, fmt, K, dtype, swap):
     w = _experts(fmt, len(COUNTS), 48, K, seed=K)
     a, ends = _rows(COUNTS, 6, K, dtype, seed=1)
-    with using(grouped_swap=swap):
-        got = ge.grouped_quant_mm(a, w, ends, SMALL)
+    got = ge.grouped_quant_mm(a, w, ends, dataclasses.replace(SMALL, swap=swap))
     _check(got, ge.grouped_quant_mm_ref(a, w, ends), int(ends[-1]))
 
 
@@ -91,8 +91,7 @@ def test_grouped_quant_gate_up_equals_reference(poisoned, fmt, limit, dtype, swa
     w1, w3 = _experts(fmt, E, N, K, seed=2), _experts(fmt, E, N, K, seed=3)
     a, ends = _rows(COUNTS, 6, K, dtype, seed=4)
     a = a * 3  # products beyond the clamp limit
-    with using(grouped_swap=swap):
-        got = ge.grouped_quant_gate_up(a, w1, w3, ends, limit, SMALL)
+    got = ge.grouped_quant_gate_up(a, w1, w3, ends, limit, dataclasses.replace(SMALL, swap=swap))
     want = ge.grouped_quant_gate_up_ref(a, w1, w3, ends, limit)
     if limit > 0:
         assert (ge.grouped_quant_mm_ref(a, w1, ends).abs() > limit).any()

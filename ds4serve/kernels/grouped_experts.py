@@ -42,13 +42,15 @@ from .router import _round
 @dataclass(frozen=True)
 class GroupedTile:
     """Launch shape: ``rows`` of one expert, ``cols`` output columns (weight rows) and ``inputs`` a loop
-    step per program (``inputs`` is lowered to a power of two dividing ``K`` and the FP8 scale block)."""
+    step per program (``inputs`` is lowered to a power of two dividing ``K`` and the FP8 scale block);
+    ``swap``: the operands swapped (:func:`_grouped_kernel`'s ``SWAP``)."""
 
     rows: int
     cols: int
     inputs: int
     warps: int
     stages: int
+    swap: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,20 @@ class Tiles:
     down: GroupedTile
 
 
-# By format and by whether the groups are long (at least LONG_GROUP rows per expert on average): the best of a
-# few tiles on the H200 (2026-11-30, DeepSeek-V4-Flash expert shapes, top-6 routing). 256 experts at 2048
-# tokens (48 rows an expert): 64-row tiles, FP8 gate-up 2.39 ms / down 1.23 ms, MXFP4 4.87 / 2.40 ms; 32
-# experts at 8192 tokens (1536 rows an expert): 128-row tiles, FP8 5.80 / 2.56 ms, MXFP4 10.5 / 5.18 ms (the
-# 64-row tiles: FP8 6.85 / 3.91, MXFP4 13.9 / 8.85).
+# By format and by whether the groups are long (at least LONG_GROUP rows per expert on average): the best of
+# six tiles, in either operand order, on the H200 (bench/sweep_grouped.py, 2026-11-30, DeepSeek-V4-Flash
+# expert shapes, top-6 routing; bench/results/2026-11-30-h200-round19-d-sweep-grouped.log). 256 experts at
+# 2048 tokens (48 rows an expert): FP8 gate-up 2.08 ms (2.25 unswapped) / down 1.10, MXFP4 3.32 (3.48) / 1.28
+# (1.63); 32 experts at 8192 tokens (1536 rows an expert): FP8 gate-up 5.25 (5.44), MXFP4 6.76 (8.16) / 2.79.
 LONG_GROUP = 256
 TILES: dict[tuple[str, bool], Tiles] = {
+    ("fp8", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 128, 8, 3)),
+    ("fp4", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 64, 4, 4, swap=True)),
+    ("fp8", True): Tiles(GroupedTile(128, 128, 64, 8, 3, swap=True), GroupedTile(128, 256, 64, 8, 3)),
+    ("fp4", True): Tiles(GroupedTile(128, 128, 64, 8, 3, swap=True), GroupedTile(128, 128, 64, 8, 3, swap=True)),
+}
+# the eighteenth run's tiles, none swapped: SWITCHES.grouped_swap off (until the end-to-end A/B)
+_PREVIOUS_TILES: dict[tuple[str, bool], Tiles] = {
     ("fp8", False): Tiles(GroupedTile(64, 64, 128, 4, 3), GroupedTile(64, 128, 128, 8, 3)),
     ("fp4", False): Tiles(GroupedTile(64, 64, 128, 4, 3), GroupedTile(64, 64, 128, 4, 3)),
     ("fp8", True): Tiles(GroupedTile(128, 64, 128, 8, 3), GroupedTile(128, 256, 64, 8, 3)),
@@ -75,7 +84,7 @@ def tiles_for(w: FP8Weight | FP4Weight, rows: int) -> Tiles:
     """The launch shapes for ``rows`` activation rows over the experts ``w`` (from the shapes alone, so a
     captured graph keeps them)."""
     fmt = "fp4" if isinstance(w, FP4Weight) else "fp8"
-    return TILES[fmt, rows >= LONG_GROUP * w.shape[0]]
+    return (TILES if SWITCHES.grouped_swap else _PREVIOUS_TILES)[fmt, rows >= LONG_GROUP * w.shape[0]]
 
 
 @triton.jit
@@ -303,7 +312,7 @@ def _launch(a: torch.Tensor, w: FP8Weight | FP4Weight, w3: FP8Weight | FP4Weight
                           GATE_UP=w3 is not None, CLAMP=limit > 0,
                           BF16=a.dtype == torch.bfloat16, WIDEN=not a.is_cuda or a.dtype == torch.float32,
                           BLOCK_M=tile.rows, BLOCK_N=cols, BLOCK_K=step, E_PAD=max(16, triton.next_power_of_2(E)),
-                          SWAP=SWITCHES.grouped_swap,
+                          SWAP=tile.swap,
                           num_warps=tile.warps, num_stages=tile.stages, **pdl.launch(a))
     return out
 
