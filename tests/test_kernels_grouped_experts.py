@@ -245,10 +245,12 @@ def test_captured_kernels_replay_over_other_group_ends(fmt, swap):
     cases = [[50, 0, 130, 20, 0, 100, 60, 40], [0, 0, 0, 390, 0, 0, 0, 10], [1, 2, 3, 4, 5, 6, 7, 100]]
     ends = torch.tensor(cases[0], dtype=torch.int32, device="cuda").cumsum(0).to(torch.int32)
 
+    tiles = ge.tiles_for(w1, M)
+    gate_up, down = (dataclasses.replace(t, swap=swap) for t in (tiles.gate_up, tiles.down))
+
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        with using(grouped_swap=swap):
-            h = ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT)
-            return h, ge.grouped_quant_mm(h, w2, ends)
+        h = ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT, gate_up)
+        return h, ge.grouped_quant_mm(h, w2, ends, down)
 
     without_host_sync(step)
     graph = torch.cuda.CUDAGraph()

@@ -148,10 +148,6 @@ class Switches:
     # experts) 2048 tokens 66.0 -> 54.1, 8192 tokens 230.1 -> 184.2; the same last logits (H200, 2026-11-30,
     # bench/results/2026-11-30-h200-round19-b-fp4bits.log).
     grouped_fp4_bits: bool = True
-    # The grouped experts' tiles of the nineteenth run (kernels/grouped_experts.py TILES), some with the operands
-    # swapped: the dequantised weight tile as the MMA's first operand, which Hopper's wgmma reads from registers,
-    # instead of the second, read from shared memory; off: the eighteenth run's tiles, none swapped.
-    grouped_swap: bool = True
 
 
 SWITCHES = Switches()
