@@ -35,8 +35,9 @@ reports what it did):
   perfect-oracle runs, which also compile the width's shapes): tokens/s, tokens per verify step,
   acceptance, and whether the tokens equal plain decoding's (the baseline, also timed; in bf16 on
   random weights they need not, near-tied greedy choices flip with the rounding);
-* the split on GPUs: whole prompts of ``--prompts`` tokens through ``Engine.prefill``, eagerly and through one
-  first-chunk graph per shard (``split_prefill_graphs``), and how far apart their last logits are;
+* on GPUs: whole prompts of ``--prompts`` tokens through ``Engine.prefill``, eagerly and through one
+  first-chunk graph per shard (``split_prefill_graphs``) or per rank (``pipeline_prefill_graphs``), and how far
+  apart their last logits are;
 * with ``--mtp K`` (the split only: model drafts need the embedding and head in this process), an
   MTP draft block with random weights on the last GPU drafting ``K`` tokens per step (fixed width
   ``K + 1``), its passes eager and as CUDA graphs: random drafts are rejected, so the two tokens/s
@@ -334,16 +335,18 @@ def run_split(args: argparse.Namespace, cfg: ModelConfig, results: dict, save: S
     save()
     measure(model, args, devices, section, save)
     if all(d.type == "cuda" for d in devices) and args.prompts:
-        section["first_chunks"] = first_chunks(model, args, devices)
+        section["first_chunks"] = first_chunks(model, args, devices, "split_prefill_graphs")
         save()
     section["memory_end"] = [memory(d) for d in devices]
     save()
 
 
-def first_chunks(model: SplitModel, args: argparse.Namespace, devices: list[torch.device]) -> list[dict]:
+def first_chunks(model: SplitModel | PipelineModel, args: argparse.Namespace, devices: list[torch.device],
+                 switch: str) -> list[dict]:
     """Whole prompts of ``--prompts`` tokens (one chunk each) through ``Engine.prefill``, eagerly and through
-    one first-chunk graph per shard (``split_prefill_graphs``): median wall ms of 3 after a warm-up (which
-    captures), and how far the graphs' last logits are from the eager ones."""
+    one first-chunk graph per shard or rank (``switch``: ``split_prefill_graphs`` or
+    ``pipeline_prefill_graphs``): median wall ms of 3 after a warm-up (which captures), and how far the
+    graphs' last logits are from the eager ones."""
     rows = []
     for n in args.prompts:
         ids = random_ids(n, seed=n)
@@ -352,7 +355,7 @@ def first_chunks(model: SplitModel, args: argparse.Namespace, devices: list[torc
             engine = Engine(model, Tokenizer(), max_context=n, chunk_size=max(args.prompts))
             state = model.new_state(n)
             times = []
-            with torch.inference_mode(), using(split_prefill_graphs=on):
+            with torch.inference_mode(), using(**{switch: on}):
                 for _ in range(4):
                     state.reset()
                     sync(devices)
@@ -364,7 +367,7 @@ def first_chunks(model: SplitModel, args: argparse.Namespace, devices: list[torc
         rows.append({"prompt": n, "eager_ms": eager_ms, "graphs_ms": graph_ms,
                      "logits_max_rel": float((graph - eager).abs().max() / eager.abs().max()),
                      "same_greedy_token": int(graph.argmax()) == int(eager.argmax())})
-        log(f"split: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
+        log(f"{switch}: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
             f"(logits max rel {rows[-1]['logits_max_rel']:.1e})")
     return rows
 
@@ -447,6 +450,9 @@ def measure_pipeline(args: argparse.Namespace, shard: DeepSeekV4, groups: Groups
     model = PipelineModel(shard, groups, table)
     try:
         measure(model, args, [shard.device], section, save)
+        if shard.device.type == "cuda" and args.prompts:
+            section["first_chunks"] = first_chunks(model, args, [shard.device], "pipeline_prefill_graphs")
+            save()
     finally:
         model.close()
         section["memory_end"] = gather(groups, memory(shard.device))
@@ -489,8 +495,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", type=int, default=None, help="first layer of shard 1 (default: half, rounded up)")
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
-    p.add_argument("--prompts", default="512,2048", help="split on GPUs: whole prompts through Engine.prefill, "
-                   "eagerly and through the first-chunk graphs (switch split_prefill_graphs)")
+    p.add_argument("--prompts", default="512,2048", help="on GPUs: whole prompts through Engine.prefill, eagerly "
+                   "and through the first-chunk graphs (switch split_prefill_graphs or pipeline_prefill_graphs)")
     p.add_argument("--steps", type=int, default=8, help="decode steps per context")
     p.add_argument("--reps", type=int, default=20, help="repetitions of each boundary timing")
     p.add_argument("--greedy-tokens", type=int, default=16)

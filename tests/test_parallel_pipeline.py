@@ -20,6 +20,7 @@ import torch
 
 from ds4serve import SamplingParams
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph
+from ds4serve.engine.prefill_graphs import FirstChunkGraphs
 from tests.helpers import random_prompt
 
 SPLIT = [2, 4]
@@ -98,6 +99,7 @@ def _exact(engine) -> dict:
     state = model.new_state(64)
     out["verify_graph_steps"] = _verify_graph_steps(engine, state, model.verify_graph(state, 4, graph=False))
     out["speculative_graphs"] = _speculative_through_graphs(engine, out["generate"])
+    out["first_chunks"] = _first_chunk_steps(engine, model.first_chunks(96, graph=False))
     return out
 
 
@@ -136,6 +138,23 @@ def _verify_graph_steps(engine, state, graph) -> torch.Tensor:
     assert state.pos == 35 and state.tokens[-5:] == PROMPT[30:35]
     after = engine.model.forward([PROMPT[35]], state, logit_rows=slice(None)).logits
     return torch.cat([first, second, after])
+
+
+def _first_chunk_steps(engine, graphs) -> torch.Tensor:
+    """Logits of two prompts (30 and 20 tokens: one bucket of 64, its buffers reused) through the engine with
+    ``graphs`` as its first-chunk graphs (uncaptured on CPU), each followed by an eager 3-token chunk over the
+    state the padded chunk committed."""
+    engine._prefill_graphs = lambda: graphs
+    rows = []
+    try:
+        for n in (30, 20):
+            state = engine.model.new_state(64)
+            rows.append(engine.prefill(state, PROMPT[:n])[None].clone())
+            assert state.pos == n and state.tokens == PROMPT[:n]
+            rows.append(engine.model.forward(PROMPT[n:n + 3], state, logit_rows=slice(None)).logits)
+    finally:
+        del engine._prefill_graphs
+    return torch.cat(rows)
 
 
 def _after_peer_loss(engine) -> dict:
@@ -197,6 +216,7 @@ def _reference(engine) -> dict:
     out["graph_steps"] = _graph_steps(engine, state, DecodeGraph(engine.model, state, graph=False))
     state = engine.new_sequence(64)
     out["verify_graph_steps"] = _verify_graph_steps(engine, state, VerifyGraph(engine.model, state, 4, graph=False))
+    out["first_chunks"] = _first_chunk_steps(engine, FirstChunkGraphs(engine.model, 96, graph=False))
     return out
 
 
@@ -206,7 +226,8 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     go.set()
     assert _stop(procs) == [0, 0]  # rank 0 closed the pipeline and the worker returned cleanly
     got = torch.load(out)
-    for key in ("score", "verify", "tail", "tail_hidden", "graph_steps", "verify_graph_steps"):  # graphs: one per rank
+    for key in ("score", "verify", "tail", "tail_hidden", "graph_steps", "verify_graph_steps",  # graphs: one per rank
+                "first_chunks"):
         assert torch.equal(got[key], reference[key]), key
     assert got["generate"] == reference["generate"]
     assert got["restored"] == reference["restored"] and got["restored_cached"] == reference["restored_cached"]

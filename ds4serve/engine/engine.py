@@ -26,7 +26,7 @@ from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
-from ..parallel.pipeline import PipelineDecodeGraph, PipelineModel, PipelineVerifyGraph
+from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
@@ -99,7 +99,7 @@ class Engine:
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
-        self._first_chunks: FirstChunkGraphs | None = None  # captured first prefill chunks, by length bucket
+        self._first_chunks: FirstChunkGraphs | PipelineFirstChunks | None = None  # first prefill chunks, by bucket
         # (model, eager, switch values, whether its first chunks are captured): judged once, not per prompt
         self._first_chunks_apply: tuple[object, bool, tuple, bool] | None = None
         # (width, capture) -> the verify graph over self._state
@@ -383,20 +383,25 @@ class Engine:
             return PipelineModel.decode_graph, PipelineModel.verify_graph if verify else None
         return None
 
-    def _prefill_graphs(self) -> FirstChunkGraphs | None:
+    def _prefill_graphs(self) -> FirstChunkGraphs | PipelineFirstChunks | None:
         """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
         model = self._require_model()
         switches = dataclasses.astuple(SWITCHES)
         judged = self._first_chunks_apply
         if judged is None or judged[0] is not model or judged[1:3] != (self.eager, switches):
-            split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
-            apply = SWITCHES.prefill_graphs and (split or self._graphs_apply(model)) and prefill_graphs_apply(model)
+            if isinstance(model, PipelineModel):  # each rank judges its own experts (PipelineFirstChunks)
+                apply = (SWITCHES.prefill_graphs and SWITCHES.pipeline_prefill_graphs and not self.eager
+                         and model.device.type == "cuda")
+            else:
+                split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
+                apply = SWITCHES.prefill_graphs and (split or self._graphs_apply(model)) and prefill_graphs_apply(model)
             judged = self._first_chunks_apply = (model, self.eager, switches, apply)
         if not judged[3]:
             return None
         limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
         if self._first_chunks is None or self._first_chunks.model is not model or self._first_chunks.limit != limit:
-            self._first_chunks = FirstChunkGraphs(model, limit)
+            self._first_chunks = (model.first_chunks(limit) if isinstance(model, PipelineModel)
+                                  else FirstChunkGraphs(model, limit))
         return self._first_chunks
 
     def _graphs_apply(self, model: object) -> bool:

@@ -80,10 +80,18 @@ def graphs_apply(model: DeepSeekV4 | SplitModel) -> bool:
     head, and every layer's routed experts dense bf16 or, with ``SWITCHES.quant_grouped_mm``, quantized
     experts that the grouped kernels take for activations like the embedding's (the shards share its dtype)."""
     shards = shards_of(model)
-    embed = shards[0].embed
-    if any(s.device.type != "cuda" for s in shards) or embed is None or shards[-1].head is None:
+    if shards[0].embed is None or shards[-1].head is None:
         return False
-    return all(_routed_capturable(embed, b.moe.w1, b.moe.w3, b.moe.w2) for s in shards for b in s.blocks.values())
+    return all(shard_capturable(s) for s in shards)
+
+
+def shard_capturable(shard: DeepSeekV4) -> bool:
+    """Whether a first chunk of ``shard``'s layers can be captured: on a CUDA device, every layer's routed
+    experts dense bf16 or taken by the grouped kernels (see :func:`graphs_apply`)."""
+    if shard.device.type != "cuda":
+        return False
+    like = torch.empty(0, dtype=shard.dtype, device=shard.device)  # the chunk's activations
+    return all(_routed_capturable(like, b.moe.w1, b.moe.w3, b.moe.w2) for b in shard.blocks.values())
 
 
 def _routed_capturable(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> bool:
@@ -92,10 +100,16 @@ def _routed_capturable(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -
     return quant_grouped_applies(like, w1, w3, w2)
 
 
-class _ShardGraph:
+def first_chunk_applies(state: SequenceState, n: int, limit: int) -> bool:
+    """Whether a chunk of ``n`` tokens at ``state.pos`` runs as a first-chunk graph of at most ``limit``."""
+    return state.pos == 0 and bucket_of(n, limit) is not None and n <= state.max_context
+
+
+class ShardFirstChunk:
     """One shard's forward of ``width`` tokens at position 0 over a scratch state of its layers: from the
     tokens (the first shard) or the streams in ``hidden``, to the logits of one indexed row where the shard
-    has the head."""
+    has the head. Captured (``graph``) or run uncaptured; a pipeline rank holds one per bucket
+    (:mod:`ds4serve.parallel.pipeline`)."""
 
     def __init__(self, model: DeepSeekV4, width: int, pool: object | None, graph: bool,
                  hidden: torch.Tensor | None):
@@ -128,7 +142,7 @@ class _BucketGraph:
             hidden = None if k == 0 else torch.zeros(width, shard.cfg.hc_mult, shard.cfg.hidden_size,
                                                      dtype=shard.dtype, device=shard.device)
             with on_device(shard.device):
-                self.parts.append(_ShardGraph(shard, width, pools.get(shard.device), graph, hidden))
+                self.parts.append(ShardFirstChunk(shard, width, pools.get(shard.device), graph, hidden))
 
     def run(self, ids: list[int]) -> ForwardResult:
         layers = {}
@@ -161,7 +175,7 @@ class FirstChunkGraphs:
 
     def applies(self, state: SequenceState, n: int) -> bool:
         """Whether a chunk of ``n`` tokens at ``state.pos`` runs through a graph."""
-        return state.pos == 0 and bucket_of(n, self.limit) is not None and n <= state.max_context
+        return first_chunk_applies(state, n, self.limit)
 
     def forward(self, ids: list[int], state: SequenceState) -> ForwardResult:
         """The forward of ``ids`` at position 0 (:meth:`applies`), uncommitted: logits of its last row

@@ -140,6 +140,10 @@ class Switches:
     # 218.4 ms, 2048 tokens 440.7 -> 415.1 ms, the same last logits; its CUDA test passed on the two GPUs
     # (2026-11-30, bench/results/2026-11-30-h200x2-round19-c-*).
     split_prefill_graphs: bool = True
+    # A multi-process pipeline's first prefill chunks as one graph per rank and bucket (parallel/pipeline.py
+    # PipelineFirstChunks): the padded chunk's streams go rank to rank as in a forward. Checked on CPU (gloo,
+    # uncaptured) only; off until two GPUs have checked and timed it (bench/two_gpu.py --placement pipeline).
+    pipeline_prefill_graphs: bool = False
     # The grouped experts' MXFP4 tiles decoded by the fused MoE's integer multiply (kernels/moe.py _e2m1) instead
     # of kernels/dequant.py's helpers: the same values in about a third of the operations (sm_90, Triton 3.6, a
     # 64x64x128 gate-up tile: 9,675 SASS instructions against 15,054, no spills). Exact for group exponents up

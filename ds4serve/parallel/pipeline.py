@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import profiler
 from ..config import ModelConfig
 from ..engine.cuda_graphs import DecodeGraph, VerifyGraph
+from ..engine.prefill_graphs import ShardFirstChunk, bucket_of, first_chunk_applies, shard_capturable
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
@@ -218,6 +219,11 @@ class PipelineModel:
         runs the same static steps uncaptured, for CPU tests)."""
         return PipelineDecodeGraph(self, state, self.device.type == "cuda" if graph is None else graph)
 
+    def first_chunks(self, limit: int, graph: bool | None = None) -> "PipelineFirstChunks":
+        """A prompt's first prefill chunk as one graph per rank and length bucket (default: captured on CUDA;
+        ``graph=False`` runs the same padded forwards uncaptured, for CPU tests)."""
+        return PipelineFirstChunks(self, limit, self.device.type == "cuda" if graph is None else graph)
+
     def verify_graph(self, state: "PipelineState", width: int, capture: tuple[int, ...] = (),
                      graph: bool | None = None) -> "PipelineVerifyGraph":
         """Speculative verify blocks of ``width`` over ``state`` as one CUDA graph per rank (default: on
@@ -337,6 +343,67 @@ class PipelineDecodeGraph:
         return link.recv(buf, last, "logits")
 
 
+class PipelineFirstChunks:
+    """A prompt's first prefill chunk over the pipeline (``SWITCHES.pipeline_prefill_graphs``): every rank
+    holds one :class:`~ds4serve.engine.prefill_graphs.ShardFirstChunk` of its layers per length bucket,
+    captured when the bucket is first used. A chunk is one ``first`` operation: the streams of the padded
+    chunk go rank to rank as in a forward, the last rank returns the final streams and the logits of the last
+    real row, and each rank keeps its delta until rank 0 commits it. A rank whose experts a capture cannot
+    take runs its padded forward uncaptured: the same rows. Same interface as
+    :class:`~ds4serve.engine.prefill_graphs.FirstChunkGraphs`."""
+
+    def __init__(self, model: PipelineModel, limit: int, graph: bool):
+        self.model, self.limit, self.graph = model, limit, graph
+        self._parts: dict[int, ShardFirstChunk] = {}
+        self._pool = first_chunk_pool(model.shard, graph)
+
+    def applies(self, state: SequenceState, n: int) -> bool:
+        """Whether a chunk of ``n`` tokens at ``state.pos`` runs through a graph."""
+        return first_chunk_applies(state, n, self.limit)
+
+    def capture_all(self) -> int:
+        """Nothing ahead of use: a bucket's graphs are captured by its first chunk on every rank at once
+        (capturing them here would need an operation per bucket); returns 0."""
+        return 0
+
+    def forward(self, ids: list[int], state: "PipelineState") -> ForwardResult:
+        """The forward of ``ids`` at position 0 (:meth:`applies`), uncommitted: logits of its last row
+        ``[1, V]`` and the final streams of its ``len(ids)`` rows, in buffers the next chunk of the same
+        bucket overwrites; the delta holds rank 0's layers (commit it before the next chunk)."""
+        if not self.applies(state, len(ids)):
+            raise ValueError(f"a first-chunk graph takes 1..{self.limit} tokens at position 0, "
+                             f"got {len(ids)} at {state.pos}")
+        model = self.model
+        width = bucket_of(len(ids), self.limit)
+        seq = next(model._seqs)
+        model._op("first", state.sid, seq, list(ids), width, self.graph)
+        return model._guarded(self._forward, list(ids), seq, width)
+
+    def _forward(self, ids: list[int], seq: int, width: int) -> ForwardResult:
+        model = self.model
+        link, last = model.link, model.groups.world - 1
+        part = self._parts.get(width)
+        if part is None:
+            part = self._parts[width] = first_chunk_part(model.shard, width, self._pool, self.graph, None)
+        out = part.run(ids)
+        link.send(out.hidden, 1, "hidden streams")
+        final = link.recv(link.streams(len(ids)), last, "final streams")
+        buf = torch.empty(1, model.cfg.vocab_size, dtype=torch.float32, device=model.device)
+        delta = PipelineDelta(start=0, tokens=list(ids), layers=out.delta.layers, seq=seq)
+        return ForwardResult(hidden=final, delta=delta, logits=link.recv(buf, last, "logits"))
+
+
+def first_chunk_pool(shard: DeepSeekV4, graph: bool) -> object | None:
+    """The memory pool a rank's first-chunk graphs share (they never run at the same time)."""
+    return torch.cuda.graph_pool_handle() if graph and shard.device.type == "cuda" else None
+
+
+def first_chunk_part(shard: DeepSeekV4, width: int, pool: object | None, graph: bool,
+                     hidden: torch.Tensor | None) -> ShardFirstChunk:
+    """A rank's first-chunk forward of ``width`` tokens, captured where ``graph`` asks and its experts allow."""
+    return ShardFirstChunk(shard, width, pool, graph and shard_capturable(shard), hidden)
+
+
 class PipelineVerifyGraph:
     """Speculative verify blocks of ``width`` over the pipeline: every rank captures the static block of its
     layers (:class:`~ds4serve.engine.cuda_graphs.VerifyGraph`) once. A run is one ``verify`` operation (the
@@ -386,6 +453,8 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
     pending: dict[int, dict[int, ChunkDelta]] = {}
     graphs: dict[int, DecodeGraph] = {}  # sid -> the decode step of this rank's layers
     verify_graphs: dict[tuple[int, int], VerifyGraph] = {}  # (sid, width) -> the verify block of its layers
+    first_chunks: dict[int, ShardFirstChunk] = {}  # bucket width -> the first-chunk forward of its layers
+    first_pool = None  # their graphs' memory pool
 
     def pass_on(graph: DecodeGraph | VerifyGraph, *at: Any) -> None:
         """Receive the streams into ``graph``'s input, replay it ``at`` (tokens, position) and send its
@@ -440,6 +509,22 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                 pass_on(graphs[sid], token, pos)
                 states[sid].advance(token)
                 pending[sid] = {}
+            elif kind == "first":
+                sid, seq, ids, width, graph = args
+                part = first_chunks.get(width)
+                if part is None:
+                    if first_pool is None:
+                        first_pool = first_chunk_pool(shard, graph)
+                    part = first_chunks[width] = first_chunk_part(shard, width, first_pool, graph,
+                                                                  torch.zeros_like(link.streams(width)))
+                link.recv(part.hidden, rank - 1, "hidden streams")
+                out = part.run(ids)
+                pending[sid][seq] = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
+                if rank == last:
+                    link.send(out.hidden[:len(ids)], 0, "final streams")
+                    link.send(out.logits, 0, "logits")
+                else:
+                    link.send(out.hidden, rank + 1, "hidden streams")
             elif kind == "vgraph":
                 sid, width, graph = args
                 verify_graphs[sid, width] = VerifyGraph(shard, states[sid], width, graph=graph,
