@@ -1,6 +1,6 @@
 """Launch shapes of the grouped quantized experts (kernels/grouped_experts.py) at DeepSeek-V4-Flash's expert
 shapes: a chunk's routed rows (top-6) sorted by expert, the gate-up launch (SwiGLU fused) and the down launch
-timed apart, each replayed in a CUDA graph (median of event-timed replays), for every candidate tile with the
+timed apart, each replayed in a CUDA graph (``sweep_gemv.graph_seconds``: median of event-timed replays), for every candidate tile with the
 operands in the first order and swapped (``GroupedTile.swap``). Weights are random bytes (timing only:
 the kernels' work does not depend on the values).
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4serve.kernels import grouped_experts as ge  # noqa: E402
 from ds4serve.model.linear import FP4Weight, FP8Weight  # noqa: E402
+from sweep_gemv import graph_seconds  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 4096, 2048, 6
 SHAPES = [(64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3),
@@ -37,24 +37,6 @@ def experts(fmt: str, E: int, N: int, K: int, g: torch.Generator) -> FP8Weight |
         return FP4Weight(data, torch.randint(118, 124, (E, N, K // 32), dtype=torch.uint8, device="cuda", generator=g))
     data = torch.randint(0, 0x7E, (E, N, K), dtype=torch.uint8, device="cuda", generator=g).view(torch.float8_e4m3fn)
     return FP8Weight(data, torch.rand(E, N // 128, K // 128, device="cuda", generator=g) * 1e-2, (128, 128))
-
-
-def graph_us(run, reps: int = 20) -> float:
-    """Median µs of ``run`` replayed as a CUDA graph."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -78,8 +60,8 @@ def main() -> None:
                 for shape_args in SHAPES:
                     tile = ge.GroupedTile(*shape_args, swap=swap)
                     try:
-                        up = graph_us(lambda: ge.grouped_quant_gate_up(a, w1, w3, ends, 10.0, tile))
-                        down = graph_us(lambda: ge.grouped_quant_mm(h, w2, ends, tile))
+                        up = graph_seconds([lambda: ge.grouped_quant_gate_up(a, w1, w3, ends, 10.0, tile)]) * 1e6
+                        down = graph_seconds([lambda: ge.grouped_quant_mm(h, w2, ends, tile)]) * 1e6
                     except Exception as exc:  # a tile the compiler refuses (shared memory, shapes)
                         print(f"{fmt} {shape} swap={swap} {tile}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                         continue
