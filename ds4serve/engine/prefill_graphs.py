@@ -90,7 +90,8 @@ def shard_capturable(shard: DeepSeekV4) -> bool:
     experts dense bf16 or taken by the grouped kernels (see :func:`graphs_apply`)."""
     if shard.device.type != "cuda":
         return False
-    like = torch.empty(0, dtype=shard.dtype, device=shard.device)  # the chunk's activations
+    # a tensor like the chunk's activations: the embedding where the shard has it, else an empty one
+    like = shard.embed if shard.embed is not None else torch.empty(0, dtype=shard.dtype, device=shard.device)
     return all(_routed_capturable(like, b.moe.w1, b.moe.w3, b.moe.w2) for b in shard.blocks.values())
 
 

@@ -75,6 +75,7 @@ TILES: dict[tuple[str, bool], Tiles] = {
     ("fp4", True): Tiles(GroupedTile(128, 128, 64, 8, 3, swap=True), GroupedTile(128, 128, 64, 8, 3, swap=True)),
 }
 
+
 def tiles_for(w: FP8Weight | FP4Weight, rows: int) -> Tiles:
     """The launch shapes for ``rows`` activation rows over the experts ``w`` (from the shapes alone, so a
     captured graph keeps them)."""
@@ -145,6 +146,17 @@ def _dot(a, w, acc, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _product(a, w, acc, SWAP: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc + a @ w.T`` for activations ``a`` and a weight tile ``w [BLOCK_N, BLOCK_K]``, or with ``SWAP``
+    (``a`` loaded transposed) the transposed products ``acc + w @ a``."""
+    if SWAP:
+        acc = _dot(w, a, acc, WIDEN)
+    else:
+        acc = _dot(a, tl.trans(w), acc, WIDEN)
+    return acc
+
+
+@triton.jit
 def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
     """:func:`ds4serve.model.moe_grouped.swiglu_gate` of the fp32 products, rounded where the torch code
     rounds (each product, then silu); the caller rounds the result. Clamping before rounding gives the
@@ -179,41 +191,33 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K
     if SWAP:
         # weights as the MMA's first operand (their tile [BLOCK_N, BLOCK_K] stays in registers), the rows'
         # activations transposed as the second: the products come out transposed, [BLOCK_N, BLOCK_M]
-        a_cols = a_ptr + r.to(tl.int64)[None, :] * K + tl.arange(0, BLOCK_K)[:, None]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if GATE_UP:
-            acc_v = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_cols + k0, mask=r_ok[None, :], other=0.0)
-            w = _weight_tile(w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
-                             DTYPE)
-            acc = _dot(w, a, acc, WIDEN)
-            if GATE_UP:
-                v = _weight_tile(v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N,
-                                 BLOCK_K, DTYPE)
-                acc_v = _dot(v, a, acc_v, WIDEN)
-        if GATE_UP:
-            acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
-        out = out_ptr + r.to(tl.int64)[None, :] * N + n[:, None]
-        tl.store(out, _round(acc, BF16).to(DTYPE), mask=r_ok[None, :] & n_ok[:, None])
-        return
-    a_rows = a_ptr + r.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        a_tile = a_ptr + r.to(tl.int64)[None, :] * K + tl.arange(0, BLOCK_K)[:, None]
+        a_ok = r_ok[None, :]
+    else:
+        a_tile = a_ptr + r.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+        a_ok = r_ok[:, None]
+    ACC_SHAPE: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+    acc = tl.zeros(ACC_SHAPE, dtype=tl.float32)
     if GATE_UP:
-        acc_v = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_v = tl.zeros(ACC_SHAPE, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
+        a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
         w = _weight_tile(w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
                          DTYPE)
-        acc = _dot(a, tl.trans(w), acc, WIDEN)
+        acc = _product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
             v = _weight_tile(v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
                              DTYPE)
-            acc_v = _dot(a, tl.trans(v), acc_v, WIDEN)
+            acc_v = _product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:
         acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
-    out = out_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
-    tl.store(out, _round(acc, BF16).to(DTYPE), mask=r_ok[:, None] & n_ok[None, :])
+    if SWAP:
+        out = out_ptr + r.to(tl.int64)[None, :] * N + n[:, None]
+        out_ok = r_ok[None, :] & n_ok[:, None]
+    else:
+        out = out_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
+        out_ok = r_ok[:, None] & n_ok[None, :]
+    tl.store(out, _round(acc, BF16).to(DTYPE), mask=out_ok)
 
 
 def _block_k(dtype: torch.dtype, w: Weight, tile: GroupedTile) -> int:
