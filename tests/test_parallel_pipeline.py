@@ -142,9 +142,10 @@ def _verify_graph_steps(engine, state, graph) -> torch.Tensor:
 
 def _first_chunk_steps(engine, graphs) -> torch.Tensor:
     """Logits of two prompts (30 and 20 tokens: one bucket of 64, its buffers reused) through the engine with
-    ``graphs`` as its first-chunk graphs (uncaptured on CPU), each followed by an eager 3-token chunk over the
-    state the padded chunk committed."""
+    ``graphs`` as its first-chunk graphs (uncaptured on CPU; every bucket run once first, as a warm-up does),
+    each followed by an eager 3-token chunk over the state the padded chunk committed."""
     engine._prefill_graphs = lambda: graphs
+    assert graphs.capture_all() == 2 and graphs.capture_all() == 0  # buckets 64 and 96, each once
     rows = []
     try:
         for n in (30, 20):

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from .. import profiler
 from ..config import ModelConfig
 from ..engine.cuda_graphs import DecodeGraph, VerifyGraph
-from ..engine.prefill_graphs import ShardFirstChunk, bucket_of, first_chunk_applies, shard_capturable
+from ..engine.prefill_graphs import (PAD_TOKEN, ShardFirstChunk, bucket_of, buckets, first_chunk_applies,
+                                     shard_capturable)
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
@@ -346,7 +347,7 @@ class PipelineDecodeGraph:
 class PipelineFirstChunks:
     """A prompt's first prefill chunk over the pipeline (``SWITCHES.pipeline_prefill_graphs``): every rank
     holds one :class:`~ds4serve.engine.prefill_graphs.ShardFirstChunk` of its layers per length bucket,
-    captured when the bucket is first used. A chunk is one ``first`` operation: the streams of the padded
+    captured when the bucket is first used (or by :meth:`capture_all`). A chunk is one ``first`` operation: the streams of the padded
     chunk go rank to rank as in a forward, the last rank returns the final streams and the logits of the last
     real row, and each rank keeps its delta until rank 0 commits it. A rank whose experts a capture cannot
     take runs its padded forward uncaptured: the same rows. Same interface as
@@ -362,9 +363,12 @@ class PipelineFirstChunks:
         return first_chunk_applies(state, n, self.limit)
 
     def capture_all(self) -> int:
-        """Nothing ahead of use: a bucket's graphs are captured by its first chunk on every rank at once
-        (capturing them here would need an operation per bucket); returns 0."""
-        return 0
+        """Capture every bucket's graphs not captured yet, on every rank (a server's warm-up: one padding chunk
+        per bucket over a scratch state, never committed); returns how many buckets were captured."""
+        missing = [width for width in buckets(self.limit) if width not in self._parts]
+        for width in missing:
+            self.forward([PAD_TOKEN] * width, self.model.new_state(width))
+        return len(missing)
 
     def forward(self, ids: list[int], state: "PipelineState") -> ForwardResult:
         """The forward of ``ids`` at position 0 (:meth:`applies`), uncommitted: logits of its last row
