@@ -24,7 +24,7 @@ import logging
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -220,6 +220,15 @@ class PipelineModel:
         runs the same static steps uncaptured, for CPU tests)."""
         return PipelineDecodeGraph(self, state, self.device.type == "cuda" if graph is None else graph)
 
+    def _hand_off(self, hidden: torch.Tensor, rows: int, logit_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send rank 0's output streams on (rank 1 receives them into a replayed step's input); returns the final
+        streams of ``rows`` tokens and the logits ``[logit_rows, V]`` from the last rank."""
+        link, last = self.link, self.groups.world - 1
+        link.send(hidden, 1, "hidden streams")
+        final = link.recv(link.streams(rows), last, "final streams")
+        buf = torch.empty(logit_rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        return final, link.recv(buf, last, "logits")
+
     def first_chunks(self, limit: int, graph: bool | None = None) -> "PipelineFirstChunks":
         """A prompt's first prefill chunk as one graph per rank and length bucket (default: captured on CUDA;
         ``graph=False`` runs the same padded forwards uncaptured, for CPU tests)."""
@@ -337,11 +346,7 @@ class PipelineDecodeGraph:
         return logits
 
     def _step(self, token: int, pos: int) -> torch.Tensor:
-        link, last = self.model.link, self.model.groups.world - 1
-        link.send(self.local.replay(token, pos).hidden, 1, "hidden streams")
-        link.recv(link.streams(1), last, "final streams")
-        buf = torch.empty(1, self.model.cfg.vocab_size, dtype=torch.float32, device=self.model.device)
-        return link.recv(buf, last, "logits")
+        return self.model._hand_off(self.local.replay(token, pos).hidden, 1, 1)[1]
 
 
 class PipelineFirstChunks:
@@ -384,17 +389,13 @@ class PipelineFirstChunks:
         return model._guarded(self._forward, list(ids), seq, width)
 
     def _forward(self, ids: list[int], seq: int, width: int) -> ForwardResult:
-        model = self.model
-        link, last = model.link, model.groups.world - 1
         part = self._parts.get(width)
         if part is None:
-            part = self._parts[width] = first_chunk_part(model.shard, width, self._pool, self.graph, None)
+            part = self._parts[width] = first_chunk_part(self.model.shard, width, self._pool, self.graph, None)
         out = part.run(ids)
-        link.send(out.hidden, 1, "hidden streams")
-        final = link.recv(link.streams(len(ids)), last, "final streams")
-        buf = torch.empty(1, model.cfg.vocab_size, dtype=torch.float32, device=model.device)
+        final, logits = self.model._hand_off(out.hidden, len(ids), 1)
         delta = PipelineDelta(start=0, tokens=list(ids), layers=out.delta.layers, seq=seq)
-        return ForwardResult(hidden=final, delta=delta, logits=link.recv(buf, last, "logits"))
+        return ForwardResult(hidden=final, delta=delta, logits=logits)
 
 
 def first_chunk_pool(shard: DeepSeekV4, graph: bool) -> object | None:
@@ -432,12 +433,9 @@ class PipelineVerifyGraph:
         return model._guarded(self._run, block, state.pos)
 
     def _run(self, block: list[int], pos: int) -> ForwardResult:
-        link, last = self.model.link, self.model.groups.world - 1
         out = self.local.replay(block, pos)
-        link.send(out.hidden, 1, "hidden streams")
-        final = link.recv(link.streams(self.width), last, "final streams")
-        buf = torch.empty(self.width, self.model.cfg.vocab_size, dtype=torch.float32, device=self.model.device)
-        return ForwardResult(hidden=final, delta=out.delta, logits=link.recv(buf, last, "logits"), captured={})
+        final, logits = self.model._hand_off(out.hidden, self.width, self.width)
+        return ForwardResult(hidden=final, delta=out.delta, logits=logits, captured={})
 
     def commit(self, tokens: list[int]) -> None:
         """The last block's first ``len(tokens)`` rows committed on every rank."""
@@ -460,16 +458,17 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
     first_chunks: dict[int, ShardFirstChunk] = {}  # bucket width -> the first-chunk forward of its layers
     first_pool = None  # their graphs' memory pool
 
-    def pass_on(graph: DecodeGraph | VerifyGraph, *at: Any) -> None:
-        """Receive the streams into ``graph``'s input, replay it ``at`` (tokens, position) and send its
-        output on: to the next rank, or from the last rank the final streams and logits to rank 0."""
-        link.recv(graph.hidden, rank - 1, "hidden streams")
-        out = graph.replay(*at)
+    def pass_on(hidden: torch.Tensor, run: Callable[[], ForwardResult], rows: int) -> ForwardResult:
+        """Receive the streams into ``hidden`` (a step's input buffer), ``run`` the step and send its output
+        on: to the next rank, or from the last rank the first ``rows`` final streams and the logits to rank 0."""
+        link.recv(hidden, rank - 1, "hidden streams")
+        out = run()
         if rank == last:
-            link.send(out.hidden, 0, "final streams")
+            link.send(out.hidden[:rows], 0, "final streams")
             link.send(out.logits, 0, "logits")
         else:
             link.send(out.hidden, rank + 1, "hidden streams")
+        return out
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -510,7 +509,8 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                 graphs[sid] = DecodeGraph(shard, states[sid], hidden=torch.zeros_like(link.streams(1)), graph=graph)
             elif kind == "step":
                 sid, token, pos = args
-                pass_on(graphs[sid], token, pos)
+                step = graphs[sid]
+                pass_on(step.hidden, lambda: step.replay(token, pos), 1)
                 states[sid].advance(token)
                 pending[sid] = {}
             elif kind == "first":
@@ -521,21 +521,16 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                         first_pool = first_chunk_pool(shard, graph)
                     part = first_chunks[width] = first_chunk_part(shard, width, first_pool, graph,
                                                                   torch.zeros_like(link.streams(width)))
-                link.recv(part.hidden, rank - 1, "hidden streams")
-                out = part.run(ids)
+                out = pass_on(part.hidden, lambda: part.run(ids), len(ids))
                 pending[sid][seq] = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
-                if rank == last:
-                    link.send(out.hidden[:len(ids)], 0, "final streams")
-                    link.send(out.logits, 0, "logits")
-                else:
-                    link.send(out.hidden, rank + 1, "hidden streams")
             elif kind == "vgraph":
                 sid, width, graph = args
                 verify_graphs[sid, width] = VerifyGraph(shard, states[sid], width, graph=graph,
                                                         hidden=torch.zeros_like(link.streams(width)))
             elif kind == "verify":
                 sid, width, block, pos = args
-                pass_on(verify_graphs[sid, width], block, pos)
+                block_graph = verify_graphs[sid, width]
+                pass_on(block_graph.hidden, lambda: block_graph.replay(block, pos), width)
                 pending[sid] = {}
             elif kind == "vcommit":
                 sid, width, tokens = args
