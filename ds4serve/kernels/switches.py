@@ -141,9 +141,11 @@ class Switches:
     # (2026-11-30, bench/results/2026-11-30-h200x2-round19-c-*).
     split_prefill_graphs: bool = True
     # A multi-process pipeline's first prefill chunks as one graph per rank and bucket (parallel/pipeline.py
-    # PipelineFirstChunks): the padded chunk's streams go rank to rank as in a forward. Checked on CPU (gloo,
-    # uncaptured) only; off until two GPUs have checked and timed it (bench/two_gpu.py --placement pipeline).
-    pipeline_prefill_graphs: bool = False
+    # PipelineFirstChunks): the padded chunk's streams go rank to rank as in a forward. Full Flash shape (43 layers,
+    # 256 experts, FP8+MXFP4) over two H200s, one process each, whole prompts through Engine.prefill: 512 tokens
+    # 319.6 -> 206.9 ms, 2048 tokens 403.2 -> 393.1 ms, the same last logits (2026-11-30,
+    # bench/results/2026-11-30-h200x2-round20-a-*); CPU test (gloo, uncaptured) exact against one device.
+    pipeline_prefill_graphs: bool = True
     # The grouped experts' MXFP4 tiles decoded by the fused MoE's integer multiply (kernels/moe.py _e2m1) instead
     # of kernels/dequant.py's helpers: the same values in about a third of the operations (sm_90, Triton 3.6, a
     # 64x64x128 gate-up tile: 9,675 SASS instructions against 15,054, no spills). Exact for group exponents up
