@@ -16,7 +16,6 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import moe  # noqa: E402
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model.hyper import sum_terms  # noqa: E402
 from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
 from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
@@ -26,9 +25,6 @@ from tests.helpers import sm90_ptx  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, K, D, INTER, LIMIT = 5, 2, 96, 64, 1.5
 SEEDS = {"bf16": 0, "fp32": 1, "fp8": 2, "fp4": 3, "fp4+fp8": 4}
-# MXFP4 codes a byte at a time (every device), or a word at a time (switch moe_fp4_words: inline PTX, CUDA only)
-FP4_DECODES = [pytest.param(False, id="bytes"),
-               pytest.param(True, id="words", marks=pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX: CUDA only"))]
 
 
 @pytest.fixture
@@ -84,17 +80,15 @@ def _case(fmt: str, N: int):
 
 
 @pytest.mark.parametrize("N", [1, 3])
-@pytest.mark.parametrize("fmt,words", [("bf16", False), ("fp32", False), ("fp8", False),
-                                       *[pytest.param(f, *w.values, id=f"{f}-{w.id}", marks=w.marks)
-                                         for f in ("fp4", "fp4+fp8") for w in FP4_DECODES]])
-def test_moe_decode_op_matches_reference(fmt, words, N, poisoned, monkeypatch):
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "fp8", "fp4", "fp4+fp8"])
+def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
     """Routed + shared expert through ``ops.moe_decode`` as the model calls it: the shared expert is
     one more slot, in the routed format or (MXFP4 routed + FP8 shared) on a branch of its own.
     MXFP4 runs 16-row tiles here: fewer programs for the interpreter."""
     monkeypatch.setitem(moe.CONFIGS, "fp4", MoEConfig(Tile(16, 1024), Tile(16, 1024)))
     x, idx, weights, w, routed, shared = _case(fmt, N)
     ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
-    with kernels.on_any_device(), using(moe_fp4_words=words):
+    with kernels.on_any_device():
         out = _moe_fused(w, x, idx, weights, LIMIT)
         terms = _moe_fused(w, x, idx, weights, LIMIT, summed=False)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -127,10 +121,9 @@ def test_moe_fused_tiles_and_routed_only(fmt, poisoned):
     assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
-@pytest.mark.parametrize("words", FP4_DECODES)
-def test_mxfp4_decode_is_exact(words, poisoned):
+def test_mxfp4_decode_is_exact(poisoned):
     """Every byte value in every w1 / w3 row and scales from 2^-31 to 2^8, fp32 activations: the
-    kernels match the exactly dequantised fp32 reference up to fp32 rounding, with either decode."""
+    kernels match the exactly dequantised fp32 reference up to fp32 rounding."""
     gen = torch.Generator().manual_seed(11)
     d, inter = 512, 32
 
@@ -146,8 +139,7 @@ def test_mxfp4_decode_is_exact(words, poisoned):
     x = (torch.randn(1, d, generator=gen) / 2 ** 16).to(DEVICE)
     idx, weights = torch.tensor([[1]], device=DEVICE), torch.tensor([[0.75]], device=DEVICE)
     ref = moe_ref(x, idx, weights, *(dequant_fp4(q, e) for q, e in mats), 0.0)
-    with using(moe_fp4_words=words):
-        out = moe_fused(x, idx, weights, *(ExpertStack(q, e) for q, e in mats), 0.0)
+    out = moe_fused(x, idx, weights, *(ExpertStack(q, e) for q, e in mats), 0.0)
     assert _rel(out, ref) <= 1e-5
 
 
@@ -177,46 +169,13 @@ sig = dict(h_ptr="*fp32", idx_ptr="*i32", wt_ptr="*fp32", part_ptr="*fp32", w2_p
 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name not in ("top_k", "n_slots")}
 ptx = {}
 for stages in (1, 3):
-    consts = dict(QUANT=1, WORDS=False, SB_R=128, SB_C=128, VEC=16, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16, MIXED=False,
+    consts = dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16, MIXED=False,
                   BLOCK_R=64, BLOCK_K=256, STAGES=stages, PDL=0)
     source = ASTSource(moe._down_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs=attrs)
     ptx[stages] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                  options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
 json.dump(ptx, sys.stdout)
 """
-
-_COMPILE_FP4_WORDS = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ds4serve.kernels import moe
-
-sig = dict(x_ptr="*bf16", idx_ptr="*i32", h_ptr="*fp32", w1_ptr="*u8", w3_ptr="*u8", s1_ptr="*u8", s3_ptr="*u8",
-           w_stride="i64", s_stride="i64", row_len="i32", s_cols="i32", sw1_ptr="*fp8e4nv", sw3_ptr="*fp8e4nv",
-           ss1_ptr="*fp32", ss3_ptr="*fp32", srow_len="i32", ss_cols="i32", n_in="i32", n_inter="i32", top_k="i32",
-           n_slots="i32", limit="fp32")
-attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name not in ("top_k", "n_slots", "limit")}
-ptx = {}
-for words in (False, True):
-    consts = dict(QUANT=2, WORDS=words, SB_R=1, SB_C=32, VEC=32, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16,
-                  MIXED=True, BLOCK_R=8, BLOCK_K=1024, STAGES=1, PDL=0)
-    source = ASTSource(moe._gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs=attrs)
-    ptx[str(words)] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                     options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
-json.dump(ptx, sys.stdout)
-"""
-
-
-def test_mxfp4_words_compile_for_hopper():
-    """Compiled for sm_90 (ptxas included), the MXFP4 gate-up with ``moe_fp4_words`` reads its codes as
-    16-byte vectors of words and converts them with the packed e4m3 -> f16 instruction instead of the byte
-    decode's integer multiplies: the switch reaches the kernel, and the inline PTX assembles."""
-    ptx = sm90_ptx(_COMPILE_FP4_WORDS)
-    # (the FP8 shared expert's branch converts e4m3 in both)
-    assert ptx["True"].count("cvt.rn.f16x2.e4m3x2") > ptx["False"].count("cvt.rn.f16x2.e4m3x2")
-    assert "ld.global.v4.b32" in ptx["True"] and "ld.global.b8" not in ptx["True"]
-    assert ptx["True"].count("mul.lo.s32") < ptx["False"].count("mul.lo.s32")
 
 
 def test_down_loop_stages_pipeline_the_weight_loads_on_hopper():

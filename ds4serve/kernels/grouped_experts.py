@@ -122,7 +122,7 @@ def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constex
                             other=127).to(tl.int32)
         if BITS:
             lo, hi = _e2m1_times_2_pow_m126(codes)  # the value times 2^-126; _group_scale: 2^(e - 127 + 62)
-            factor = _group_scale(exponents, False)[:, :, None]
+            factor = _group_scale(exponents)[:, :, None]
             w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
         else:
             factor = _pow2(exponents)[:, :, None]

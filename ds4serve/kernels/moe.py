@@ -35,7 +35,6 @@ import triton.language as tl
 
 from . import pdl
 from .scoped import overridden
-from .switches import SWITCHES
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
@@ -101,61 +100,13 @@ def _e2m1(b):
 
 
 @triton.jit
-def _e2m1_words(W):
-    """int32 words of eight e2m1 codes (four bytes, low nibble first) -> the eight fp32 values times
-    2^-6, in input order, on the GPU only (inline PTX).
+def _group_scale(e):
+    """uint8 e8m0 exponents -> fp32 ``2^(e - 127) * 2^62`` from its bits (exponents up to 192).
 
-    Each code becomes an e4m3 byte with its bits moved into place (``s<<7 | (code & 7)<<2``: the same
-    value times 2^-6, the 0.5 code as an e4m3 subnormal) by five word-wide operations for the four low
-    nibbles and four for the four high ones, then Hopper's packed ``cvt.rn.f16x2.e4m3x2`` and
-    ``cvt.f32.f16``, all exact: about 2.4 instructions a weight against :func:`_e2m1`'s 3.5.
+    With the activations' 2^64 (magnitudes below 2^64) every factor is a power of two applied
+    exactly, so the MXFP4 dot products are the exact dequantised ones up to fp32 rounding.
     """
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi, t, p0, p1, q0, q1;
-        .reg .b16 a0, a1, b0, b1, h0, h1, h2, h3, h4, h5, h6, h7;
-        shl.b32 t, $8, 4;
-        and.b32 t, t, 0x80808080;
-        shl.b32 lo, $8, 2;
-        and.b32 lo, lo, 0x1C1C1C1C;
-        or.b32 lo, lo, t;
-        shr.u32 hi, $8, 2;
-        and.b32 hi, hi, 0x1C1C1C1C;
-        and.b32 t, $8, 0x80808080;
-        or.b32 hi, hi, t;
-        mov.b32 {a0, a1}, lo;
-        mov.b32 {b0, b1}, hi;
-        cvt.rn.f16x2.e4m3x2 p0, a0;
-        cvt.rn.f16x2.e4m3x2 p1, a1;
-        cvt.rn.f16x2.e4m3x2 q0, b0;
-        cvt.rn.f16x2.e4m3x2 q1, b1;
-        mov.b32 {h0, h2}, p0;
-        mov.b32 {h4, h6}, p1;
-        mov.b32 {h1, h3}, q0;
-        mov.b32 {h5, h7}, q1;
-        cvt.f32.f16 $0, h0;
-        cvt.f32.f16 $1, h1;
-        cvt.f32.f16 $2, h2;
-        cvt.f32.f16 $3, h3;
-        cvt.f32.f16 $4, h4;
-        cvt.f32.f16 $5, h5;
-        cvt.f32.f16 $6, h6;
-        cvt.f32.f16 $7, h7;
-        }""",
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[W], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-
-
-@triton.jit
-def _group_scale(e, WORDS: tl.constexpr):
-    """uint8 e8m0 exponents -> fp32 ``2^(e - 127)`` times the codes' inverse offset, from its bits:
-    ``2^62`` for :func:`_e2m1` (exponents up to 192; with the activations' 2^64, magnitudes below
-    2^64, every factor is a power of two applied exactly, so the MXFP4 dot products are the exact
-    dequantised ones up to fp32 rounding), ``2^6`` for :func:`_e2m1_words` (exponents up to 248)."""
-    if WORDS:
-        bits = (e.to(tl.int32) + 6) << 23
-    else:
-        bits = (e.to(tl.int32) + 62) << 23
-    return bits.to(tl.float32, bitcast=True)
+    return ((e.to(tl.int32) + 62) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -174,18 +125,16 @@ def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SCALE: tl.constexpr):
+def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr):
     """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape.
 
     The tile repeats one row (row stride 0): Triton gives the loads of one shape in a loop the same
     register layout, so activations and weights meet with no data moved between threads, and the
-    repeated rows compile to one load. MXFP4 decoded by :func:`_e2m1`: ``[R, BLOCK_K / 2, 2]``, the
-    (even, odd) inputs of each weight byte read as one word, times ``SCALE``; by :func:`_e2m1_words`
-    (``WORDS``): as the other formats, unscaled.
+    repeated rows compile to one load. MXFP4: ``[R, BLOCK_K / 2, 2]``, the (even, odd) inputs of
+    each weight byte read as one word, times ``SCALE``.
     """
     zero = (rows * 0)[:, None]
-    if QUANT == 2 and not WORDS:
+    if QUANT == 2:
         cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
         ty: tl.constexpr = x_ptr.dtype.element_ty
         if ty == tl.float32:
@@ -210,8 +159,7 @@ def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, WORDS: tl.constexpr, BLOC
 
 @triton.jit
 def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
-                QUANT: tl.constexpr, WORDS: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight rows ``rows`` and inputs
     ``[k0, k0 + BLOCK_K)`` with the activations from :func:`_activations`, summed over each thread's
     16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
@@ -222,20 +170,11 @@ def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
     """
     R: tl.constexpr = rows.shape[0]
     if QUANT == 2:
-        if WORDS:
-            words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (row_len // 4)
-                            + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
-            v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_words(words)
-            # joined so that a word's eight values lie in input order: (j, j + 4), then (j, j + 2), then (j, j + 1)
-            w = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-            w = tl.reshape(w, [R, BLOCK_K])
-        else:
-            b = tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-            lo, hi = _e2m1(b)
-            w = tl.join(lo, hi)
-        part = tl.sum(tl.reshape(w * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
+        b = tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+        lo, hi = _e2m1(b)
+        part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
         e = tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
-        acc += part * _group_scale(e, WORDS)
+        acc += part * _group_scale(e)
     else:
         w = tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
         if QUANT == 1:
@@ -246,8 +185,8 @@ def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
 
 @triton.jit
 def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
-                  QUANT: tl.constexpr, WORDS: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                  VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     if QUANT == 1:
         s1 += (row0 // SB_R) * s_cols
@@ -256,32 +195,32 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-        xv = _activations(x, rows, k0, QUANT, WORDS, BLOCK_K, X_SCALE)
-        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, WORDS, SB_C, VEC, BLOCK_K)
-        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, WORDS, SB_C, VEC, BLOCK_K)
+        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
+        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     g = tl.sum(acc1, axis=1)
     u = tl.sum(acc3, axis=1)
     if limit > 0:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
-    if QUANT == 2 and not WORDS:
-        h *= X_SCALE  # the MXFP4 down projection decoded by _e2m1 reads h scaled
+    if QUANT == 2:
+        h *= X_SCALE  # the MXFP4 down projection reads h scaled
     return h
 
 
 @triton.jit
 def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
-               QUANT: tl.constexpr, WORDS: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-               VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+               QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
-        hv = _activations(h, rows, k0, QUANT, WORDS, BLOCK_K, 1.0)
-        acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, WORDS, SB_C, VEC, BLOCK_K)
+        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
+        acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
 
 
@@ -298,8 +237,8 @@ def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_stride, s_stride, row_len, s_cols,
                     sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, srow_len, ss_cols, n_in, n_inter, top_k, n_slots, limit,
-                    QUANT: tl.constexpr, WORDS: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                    VEC: tl.constexpr, SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
+                    QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                    SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                     PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
@@ -312,25 +251,25 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
         if slot < top_k:
             h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
                               s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, WORDS, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, WORDS, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
+                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
                           tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
                           tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, WORDS, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_stride, row_len, s_cols,
                  sw2_ptr, ss2_ptr, srow_len, ss_cols, n_out, n_inter, top_k, n_slots,
-                 QUANT: tl.constexpr, WORDS: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                 VEC: tl.constexpr, SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
+                 QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                 SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                  MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                  PDL: tl.constexpr):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
@@ -342,15 +281,15 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     if MIXED:
         if slot < top_k:
             y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
-                           QUANT, WORDS, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
             y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
-                           SQUANT, WORDS, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
+                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
                        tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
-                       QUANT, WORDS, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
@@ -435,16 +374,9 @@ def _config(stack: ExpertStack, configs: Mapping[str, MoEConfig] | None) -> MoEC
     return (configs or {}).get(stack.format) or CONFIGS[stack.format]
 
 
-def _words(a: ExpertStack, b: ExpertStack) -> bool:
-    """Whether MXFP4 codes are decoded a word at a time (:func:`_e2m1_words`, inline PTX: CUDA only,
-    ``SWITCHES.moe_fp4_words``)."""
-    return (SWITCHES.moe_fp4_words and a.data.is_cuda
-            and all(s.row_len % 4 == 0 for s in (a, b) if s.quant == FP4))
-
-
 def _formats(a: ExpertStack, b: ExpertStack) -> dict:
     """The kernels' compile-time parameters for routed stack ``a`` and shared stack ``b``."""
-    return dict(QUANT=a.quant, WORDS=_words(a, b), SB_R=a.block[0], SB_C=a.block[1], VEC=a.vec,
+    return dict(QUANT=a.quant, SB_R=a.block[0], SB_C=a.block[1], VEC=a.vec,
                 SQUANT=b.quant, SSB_R=b.block[0], SSB_C=b.block[1], SVEC=b.vec, MIXED=not a.same_format(b))
 
 

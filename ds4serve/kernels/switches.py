@@ -154,11 +154,6 @@ class Switches:
     # experts) 2048 tokens 66.0 -> 54.1, 8192 tokens 230.1 -> 184.2; the same last logits (H200, 2026-11-30,
     # bench/results/2026-11-30-h200-round19-b-fp4bits.log).
     grouped_fp4_bits: bool = True
-    # The decode MoE's MXFP4 codes decoded a 32-bit word (eight codes) at a time: moved into e4m3 bytes by
-    # word-wide bit operations, then Hopper's packed e4m3 -> f16 conversion (kernels/moe.py _e2m1_words,
-    # inline PTX, CUDA only), instead of a byte at a time with an integer multiply per code (_e2m1). The same
-    # values; sm_90 code of the shipped gate-up tile: <measured below> SASS instructions a weight byte.
-    moe_fp4_words: bool = False
 
 
 SWITCHES = Switches()
