@@ -7,13 +7,15 @@ routed experts unless ``--experts``), GPU only::
 
     PYTHONPATH=. python3 bench/prompt_prefill.py [--variant fp8+fp4] [--experts 256] [--layers 43] \
         [--prompts 2048,8192,32768] [--chunks 2048,4096,8192] [--arms defaults,defaults-prefill_graphs] \
-        [--reps 2] [--out results.json]
+        [--reps 2] [--kernels 25] [--out results.json]
 
 For each prompt length, chunk size and switch set (``--arms``, ``kernels.switches.parse``): median ms of
 the whole prefill (the last position's logits on the host's side of a synchronisation, as a server's
 first token needs them) after one warm-up, tokens/s, the peak GPU memory of the loop, and how far the
 last position's logits are from the first arm's (max abs difference over max abs value) and whether
-their greedy tokens agree.
+their greedy tokens agree. ``--kernels N``: for each prompt and chunk, one more prefill of the first arm
+under torch.profiler, and its N kernels with the most GPU time (with the first-chunk graphs on, the kernels
+of a graph replay where the profiler sees them; list ``defaults-prefill_graphs`` first to profile eagerly).
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float
     return statistics.median(times[1:]), torch.cuda.max_memory_allocated() / 2 ** 30, logits
 
 
+def kernel_table(engine: Engine, ids: list[int], top: int) -> list[dict]:
+    """The ``top`` kernels of one prefill of ``ids`` by GPU time: name, launches, ms, share of all kernels."""
+    state = engine.model.new_state(len(ids))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.prefill(state, ids)
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(ms for _, _, ms in kernels)
+    kernels.sort(key=lambda k: -k[2])
+    return [{"kernel": name, "launches": count, "ms": ms, "share": ms / total} for name, count, ms in kernels[:top]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", default="bf16", help="the proxy's weights (bench/proxy.py VARIANTS)")
@@ -60,6 +74,7 @@ def main() -> None:
     p.add_argument("--chunks", default="2048,4096,8192")
     p.add_argument("--arms", default="defaults")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--kernels", type=int, default=0, help="the top N kernels of one prefill of the first arm")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     prompts = [int(n) for n in args.prompts.split(",")]
@@ -86,6 +101,13 @@ def main() -> None:
                     log(f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
                         f"{peak:5.1f} GiB; last logits vs {arms[0]}: max rel {diff:.1e}, "
                         f"greedy token {'same' if same else 'differs'}")
+                if args.kernels:
+                    with using(**parse(arms[0])):
+                        top = kernel_table(Engine(model, tokenizer=None, chunk_size=c), ids, args.kernels)
+                    rows.append({"prompt": n, "chunk": c, "arm": arms[0], "kernels": top})
+                    log(f"prompt {n} in chunks of {c}, {arms[0]}: top kernels by GPU time")
+                    for k in top:
+                        print(f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f}% {k['launches']:5d}x  {k['kernel'][:110]}")
     if args.out:
         args.out.write_text(json.dumps({"variant": args.variant, "experts": args.experts, "layers": args.layers,
                                         "gpu": torch.cuda.get_device_name(),
