@@ -105,16 +105,14 @@ def _tile(ends_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constexpr, B1: tl.constexpr,
                  FP4: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+                 DTYPE: tl.constexpr):
     """``[BLOCK_N, BLOCK_K]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``),
     dequantised to ``DTYPE``. FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
     so that each group of 32 inputs meets its exponent by broadcasting, and the low / high nibbles are
     interleaved back into input order by a join. With ``BITS`` a code is decoded by the fused MoE's integer
     multiply (:func:`ds4serve.kernels.moe._e2m1`: three operations instead of about fifteen, exact for group
-    exponents up to 192) and scaled by two exact powers of two; for bf16 tiles on the GPU after the rounding to
-    bf16 (exact: three significant bits, bf16's exponent range), on packed pairs (one instruction a pair instead
-    of one a value). Not in Triton's interpreter (``WIDEN``), whose bf16 arithmetic differs from the GPU's."""
+    exponents up to 192) and scaled by two exact powers of two."""
     if FP4:
         g = tl.arange(0, BLOCK_K // 32)
         j = tl.arange(0, 16)
@@ -125,12 +123,7 @@ def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constex
         if BITS:
             lo, hi = _e2m1_times_2_pow_m126(codes)  # the value times 2^-126; _group_scale: 2^(e - 127 + 62)
             factor = _group_scale(exponents)[:, :, None]
-            if DTYPE == tl.bfloat16 and not WIDEN:  # the two powers of two on packed bf16 pairs: half the multiplies
-                factor = factor.to(DTYPE)
-                lo, hi = lo.to(DTYPE) * X_SCALE * factor, hi.to(DTYPE) * X_SCALE * factor
-            else:
-                lo, hi = lo * X_SCALE * factor, hi * X_SCALE * factor
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+            w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
         else:
             factor = _pow2(exponents)[:, :, None]
             w = tl.reshape(tl.join(_e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor), (BLOCK_N, BLOCK_K))
@@ -210,11 +203,11 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
         w = _weight_tile(w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
-                         DTYPE, WIDEN)
+                         DTYPE)
         acc = _product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
             v = _weight_tile(v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
-                             DTYPE, WIDEN)
+                             DTYPE)
             acc_v = _product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:
         acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
