@@ -14,8 +14,10 @@ the whole prefill (the last position's logits on the host's side of a synchronis
 first token needs them) after one warm-up, tokens/s, the peak GPU memory of the loop, and how far the
 last position's logits are from the first arm's (max abs difference over max abs value) and whether
 their greedy tokens agree. ``--kernels N``: for each prompt and chunk, one more prefill of the first arm
-under torch.profiler, and its N kernels with the most GPU time (with the first-chunk graphs on, the kernels
-of a graph replay where the profiler sees them; list ``defaults-prefill_graphs`` first to profile eagerly).
+under torch.profiler, and its N kernels with the most GPU time (list ``defaults-prefill_graphs`` first to
+profile the chunk eagerly). Under PDL (``SWITCHES.pdl``) a kernel starts before the one it follows has ended
+and its duration includes that wait, so the small kernels after long ones read long; a first arm with
+``-pdl`` gives exclusive times.
 """
 
 from __future__ import annotations
