@@ -136,14 +136,25 @@ class Completion:
             raise context_overflow(self.server.engine.max_context, len(self.spec.prompt), self.spec.params.max_tokens)
         raise APIError.from_code(res.error, res.error_message or res.error.value)
 
-    async def first_then_rest(self) -> tuple[list[Piece], AsyncIterator[Piece]]:
-        """Wait for the first output (so that failures before it get a real HTTP status)."""
+    async def opened(self) -> AsyncIterator[Piece]:
+        """Every piece of a stream, after waiting for the first one: a failure before any output raises here,
+        so it gets a real HTTP status (the completion closed), not an error event in a 200 stream."""
         it = self.pieces().__aiter__()
         try:
             first = [await it.__anext__()]
         except StopAsyncIteration:
             first = []
-        return first, it
+        except APIError:
+            self.close()
+            raise
+
+        async def chained() -> AsyncIterator[Piece]:
+            for piece in first:
+                yield piece
+            async for piece in it:
+                yield piece
+
+        return chained()
 
     # ---- summary -------------------------------------------------------------------------------
     @property

@@ -182,11 +182,7 @@ class _Blocks:
 
 
 async def _stream(completion: Completion, mid: str, model: str) -> StreamingResponse:
-    try:
-        first, rest = await completion.first_then_rest()
-    except APIError:
-        completion.close()
-        raise
+    pieces = await completion.opened()
 
     async def events() -> AsyncIterator[str]:
         blocks = _Blocks()
@@ -195,10 +191,7 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
                 "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(completion.spec.prompt), "output_tokens": 0}}})
-            for piece in first:
-                for e in blocks.piece(piece):
-                    yield e
-            async for piece in rest:
+            async for piece in pieces:
                 for e in blocks.piece(piece):
                     yield e
             if blocks.index < 0:

@@ -163,11 +163,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 
 async def _stream_chat(completion: Completion, rid: str, created: int, model: str, tok,
                        body: ChatRequest) -> StreamingResponse:
-    try:
-        first, rest = await completion.first_then_rest()
-    except APIError:
-        completion.close()
-        raise
+    pieces = await completion.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
@@ -181,7 +177,7 @@ async def _stream_chat(completion: Completion, rid: str, created: int, model: st
     async def events() -> AsyncIterator[str]:
         n_calls = 0
         yield chunk({"role": "assistant", "content": ""})
-        async for piece in _chain(first, rest):
+        async for piece in pieces:
             d = piece.delta
             lps = _token_logprobs(tok, piece) if body.logprobs else None
             if d.reasoning:
@@ -218,13 +214,6 @@ def _sse_response(completion: Completion, events: AsyncIterator[str], usage_head
             completion.close()
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _chain(first: list[Piece], rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
-    for piece in first:
-        yield piece
-    async for piece in rest:
-        yield piece
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
@@ -285,11 +274,7 @@ async def completions(body: CompletionRequest, request: Request):
                          "finish_reason": completion.finish_reason}],
             "usage": completion.usage(),
         })
-    try:
-        first, rest = await completion.first_then_rest()
-    except APIError:
-        completion.close()
-        raise
+    pieces = await completion.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(text: str, finish: str | None, logprobs: dict | None) -> str:
@@ -298,7 +283,7 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         offset = 0
-        async for piece in _chain(first, rest):
+        async for piece in pieces:
             lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
             offset += len(piece.delta.content)
             yield chunk(piece.delta.content, None, lps)
