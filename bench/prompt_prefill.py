@@ -14,8 +14,8 @@ the whole prefill (the last position's logits on the host's side of a synchronis
 first token needs them) after one warm-up, tokens/s, the peak GPU memory of the loop, and how far the
 last position's logits are from the first arm's (max abs difference over max abs value) and whether
 their greedy tokens agree. ``--kernels N``: for each prompt and chunk, one more prefill of the first arm
-under torch.profiler, and its N kernels with the most GPU time (list ``defaults-prefill_graphs`` first to
-profile the chunk eagerly). Under PDL (``SWITCHES.pdl``) a kernel starts before the one it follows has ended
+under torch.profiler (through the engine just timed), and its N kernels with the most GPU time (list
+``defaults-prefill_graphs`` first to profile the chunks eagerly). Under PDL (``SWITCHES.pdl``) a kernel starts before the one it follows has ended
 and its duration includes that wait, so the small kernels after long ones read long; a first arm with
 ``-pdl`` gives exclusive times.
 """
@@ -91,10 +91,13 @@ def main() -> None:
         for n in prompts:
             ids = torch.randint(3, 128000, (n,), generator=gen).tolist()
             for c in sorted({min(c, n) for c in chunks}):  # chunks past the prompt: one chunk, timed once
-                first = None
+                first, top = None, []
                 for arm in arms:
                     with using(**parse(arm)):
-                        ms, peak, logits = time_prompt(Engine(model, tokenizer=None, chunk_size=c), ids, args.reps)
+                        engine = Engine(model, tokenizer=None, chunk_size=c)
+                        ms, peak, logits = time_prompt(engine, ids, args.reps)
+                        if args.kernels and first is None:  # the first arm's engine, its graphs captured by now
+                            top = kernel_table(engine, ids, args.kernels)
                     first = logits if first is None else first
                     diff = float((logits - first).abs().max() / first.abs().max())
                     same = int(logits.argmax()) == int(first.argmax())
@@ -103,9 +106,7 @@ def main() -> None:
                     log(f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
                         f"{peak:5.1f} GiB; last logits vs {arms[0]}: max rel {diff:.1e}, "
                         f"greedy token {'same' if same else 'differs'}")
-                if args.kernels:
-                    with using(**parse(arms[0])):
-                        top = kernel_table(Engine(model, tokenizer=None, chunk_size=c), ids, args.kernels)
+                if top:
                     rows.append({"prompt": n, "chunk": c, "arm": arms[0], "kernels": top})
                     log(f"prompt {n} in chunks of {c}, {arms[0]}: top kernels by GPU time")
                     for k in top:
