@@ -72,6 +72,14 @@ CASES = [
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": []}, 400, None),
+    # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+    (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', 400, "messages.0.content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+           b'{"name": "f", "parameters": {"type": "object", "description": "\\udfff"}}}]}', 400,
+     "tools.0.function.parameters"),
+    (COMP, b'{"prompt": "x\\ud83d", "max_tokens": 2}', 400, "prompt"),
+    (MSGS, b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+           b'"system": "\\ud800"}', 400, None),
     ("/v1/nope", OK_CHAT, 404, None),
     ("/admin/park", {"what": "everything"}, 400, "what"),
 ]

@@ -7,16 +7,39 @@ range so a bad value is a 400 naming it. Fields the server cannot honour are ref
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first UTF-16 surrogate in the strings of ``value`` (JSON's ``\\ud800`` escapes decode to them, and
+    no tokenizer takes them), not looking into nested request models, which check their own fields."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return found.group() if found else None
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        return next((bad for bad in map(_lone_surrogate, value) if bad is not None), None)
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @field_validator("*")
+    @classmethod
+    def _unicode_text(cls, value: Any) -> Any:
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            raise ValueError(f"expected Unicode text, got a lone surrogate U+{ord(bad):04X}")
+        return value
 
 
 def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
