@@ -97,7 +97,8 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
 
 
 @pytest.mark.parametrize("field,value", [("top_k", -1), ("min_p", 1.5), ("repetition_penalty", 0.0),
-                                         ("frequency_penalty", 3.0), ("logprobs", 50), ("temperature", float("nan"))])
+                                         ("frequency_penalty", 3.0), ("logprobs", 50), ("temperature", float("nan")),
+                                         ("seed", 2 ** 64), ("seed", -2 ** 63 - 1)])
 def test_invalid_fields_are_named(field, value):
     from ds4serve.engine.request import GenerateError
 

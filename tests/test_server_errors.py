@@ -46,6 +46,7 @@ CASES = [
     (CHAT, chat(n=2), 400, "n"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    (CHAT, chat(seed=2 ** 70), 400, "seed"),
     (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias"),
     (CHAT, chat(stop=["x"] * 20), 400, "stop"),

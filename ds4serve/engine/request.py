@@ -70,7 +70,8 @@ class SamplingParams:
             (self.reasoning_budget is None or (isinstance(self.reasoning_budget, int)
                                                and self.reasoning_budget >= 0), "reasoning_budget",
              "null or an integer >= 0"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "null or an integer"),
+            (self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
+             "null or an integer in [-2^63, 2^64)"),  # what a torch.Generator takes
         ]
         for ok, name, expected in checks:
             if not ok:
