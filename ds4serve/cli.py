@@ -30,6 +30,42 @@ def command(name: str, help_text: str) -> Callable[[ArgsFn], ArgsFn]:
     return wrap
 
 
+def at_least(low: float, kind: type = int) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` (int or float) no smaller than ``low``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
+                from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected at least {low}, got {text}")
+        return value
+
+    return parse
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one)."""
+    value = at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text}")
+    return value
+
+
+def speculative(text: str) -> str:
+    """An argparse type: a speculative decoding draft, checked as the engine checks it (before the model loads)."""
+    from .engine.drafts import parse_speculative
+    from .engine.request import GenerateError
+
+    try:
+        parse_speculative(text)
+    except GenerateError as exc:
+        raise argparse.ArgumentTypeError(exc.message.removeprefix("speculative: ")) from None
+    return text
+
+
 def default_model_dir() -> Path:
     """The built-in default model: a tiny random checkpoint created once in the cache directory."""
     from .tiny import TinySpec, make_tiny
@@ -113,8 +149,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None, help="split the layers over these devices, e.g. cuda:0,cuda:1")
     p.add_argument("--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    p.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: 4096 on CUDA, 512 "
+    p.add_argument("--max-context", type=at_least(1), default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--chunk-size", type=at_least(1), default=None, help="longest prefill chunk (default: 4096 on CUDA, 512 "
                    "elsewhere)")
     p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
@@ -130,6 +166,8 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
     profiler.configure(enabled=True if a.gpu_profile else None)
     model = Path(a.model) if a.model else default_model_dir()
     devices = a.devices.split(",") if a.devices else None
+    for device in devices or [a.device]:
+        _check_device(device)
     first = devices[0] if devices else a.device
     dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
     engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, max_context=a.max_context,
@@ -139,18 +177,34 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
     return engine, model, dtype
 
 
+def _check_device(name: str) -> None:
+    """ValueError naming ``name`` when this machine has no such device (before anything loads)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"device {name!r}: {exc}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r}: CUDA is not available here (torch {torch.__version__})")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s)")
+
+
 @command("generate", "generate text from a prompt, streaming it to the terminal")
 def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("prompt")
     engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=at_least(1), default=64)
+    p.add_argument("--temperature", type=at_least(0, float), default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
-    p.add_argument("--speculative", default=None, help="speculative decoding draft: mtp, dspark or ngram "
-                   "(NAME:K for at most K drafts per step)")
+    p.add_argument("--speculative", type=speculative, default=None, help="speculative decoding draft: mtp, dspark "
+                   "or ngram (NAME:K for at most K drafts per step)")
 
     def run(a: argparse.Namespace) -> int:
         from .engine import SamplingParams
@@ -213,13 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A ValueError (a bad option, model directory, checkpoint or environment variable: the
+    message names it) is one line on stderr and exit status 2; with the log level at DEBUG, its traceback."""
     try:
         logging.basicConfig(level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _load_optional_commands()
         args = build_parser().parse_args(argv)
         return args._handler(args)
-    except envs.EnvError as exc:  # a malformed environment variable: say which, without a traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"ds4serve: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,8 +1,10 @@
-"""The command line: make-tiny, inspect and generate on a fresh checkpoint."""
+"""The command line: make-tiny, inspect and generate on a fresh checkpoint; bad options and inputs refused in one line."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from ds4serve.cli import main
 
@@ -28,3 +30,32 @@ def test_generate_uses_the_cached_default_model(tmp_path, capsys, monkeypatch):
     assert main(["generate", "--max-tokens", "2", "Hi"]) == 0
     assert (tmp_path / "tiny-default-v1" / "config.json").is_file()
     assert "2 generated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["serve", "--port", "99999"], "--port: expected a port in 0..65535"),
+    (["serve", "--max-context", "0"], "--max-context: expected at least 1"),
+    (["serve", "--max-queue", "many"], "--max-queue: expected an integer"),
+    (["serve", "--speculative", "bogus"], "--speculative: expected one of"),
+    (["generate", "--speculative", "ngram:99", "hi"], "--speculative: K in 'ngram:99' must be in"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature: expected at least 0"),
+])
+def test_bad_options_are_refused_before_anything_loads(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["generate", "--model", "{missing}", "hi"], "config.json: not found at"),
+    (["generate", "--device", "cuda:99", "hi"], "device 'cuda:99'"),
+    (["generate", "--dtype", "float64", "hi"], "dtype: expected one of"),
+    (["make-tiny", "{missing}", "--layers", "0"], "--layers: expected at least 1"),
+])
+def test_bad_inputs_are_one_line_and_status_2(argv, says, tmp_path, capsys, monkeypatch):
+    """A bad model directory, device or option value: one line naming it on stderr, exit status 2, no traceback
+    (the log level below DEBUG)."""
+    monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
+    assert main([a.replace("{missing}", str(tmp_path / "missing")) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds4serve: error: ") and says in err and "Traceback" not in err

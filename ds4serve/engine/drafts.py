@@ -391,19 +391,25 @@ def _engine_drafts(engine: "Engine") -> DraftModels:
     return engine.draft
 
 
-def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
-    """The proposer for ``speculative``: a DraftProposer as is, or ``'mtp' | 'dspark' | 'ngram'[:K]``."""
-    if isinstance(speculative, DraftProposer):
-        return speculative
+def parse_speculative(speculative: object) -> tuple[str, int | None]:
+    """``(NAME, K)`` of ``'mtp' | 'dspark' | 'ngram'[:K]`` (K None: the method's default); GenerateError naming
+    ``speculative`` otherwise."""
     m = _SPEC_RE.match(speculative) if isinstance(speculative, str) else None
     if m is None or m["name"] not in METHODS:
         raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: expected one of {list(METHODS)} (optionally "
-                            f"'NAME:K' for at most K drafts per step) or a DraftProposer, got {speculative!r}")
-    name = m["name"]
+                            f"'NAME:K' for at most K drafts per step), got {speculative!r}")
     k = None if m["k"] is None else int(m["k"])
     if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
         raise GenerateError(ErrorCode.INVALID_REQUEST,
                             f"speculative: K in '{speculative}' must be in [1, {MAX_DRAFT_TOKENS}]")
+    return m["name"], k
+
+
+def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
+    """The proposer for ``speculative``: a DraftProposer as is, or ``'mtp' | 'dspark' | 'ngram'[:K]``."""
+    if isinstance(speculative, DraftProposer):
+        return speculative
+    name, k = parse_speculative(speculative)
     if name == "ngram":
         return NgramProposer() if k is None else NgramProposer(k)
     check_config(engine.cfg, "the checkpoint's config.json" if engine.path is None else engine.path / "config.json",
