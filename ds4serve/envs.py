@@ -92,7 +92,8 @@ GPU_PROFILE_FILE = _declare(
     "Also write profiler records as JSON lines to this file.")
 LOG_LEVEL = _declare(
     "DS4SERVE_LOG_LEVEL", "str", "INFO",
-    "Python logging level for ds4serve's loggers (DEBUG, INFO, WARNING, ...).")
+    "Python logging level for ds4serve's loggers (DEBUG, INFO, WARNING, ...). At DEBUG the command line also "
+    "prints the traceback of a bad option or input, which it otherwise reports in one line.")
 TIMING = _declare(
     "DS4SERVE_TIMING", "bool", False,
     "Log one line of host wall times and tokens/s per request (prefill, decode, verify, draft) and put the "
