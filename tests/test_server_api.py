@@ -51,6 +51,14 @@ def test_health_is_open_and_models_need_the_key(base, oai):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
+def test_a_model_is_retrieved_by_its_id(oai):
+    model = oai.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.models.retrieve("gpt-4o")
+    assert exc.value.body["code"] == "model_not_found" and exc.value.body["param"] == "model"
+
+
 def test_chat_non_streaming_with_logprobs_and_usage(oai):
     r = chat(oai, "Hello there", max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     choice = r.choices[0]

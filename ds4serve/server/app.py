@@ -30,6 +30,7 @@ log = logging.getLogger("ds4serve.server")
 
 ROUTES = ("/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions", "/v1/messages",
           "/v1/messages/count_tokens", "/admin/park", "/admin/unpark")
+MODEL_ROUTE = "/v1/models/{model}"  # the metrics' label of every model's route
 UNAUTHENTICATED = ("/health",)
 
 
@@ -91,7 +92,7 @@ class _Gate:
                 return
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
-            route = path if path in ROUTES else "other"
+            route = path if path in ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
             self.server.metrics.requests.labels(route, str(status["code"])).inc()
 
     def _check_auth(self, scope) -> APIError | None:
@@ -202,10 +203,20 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     async def health():
         return {"status": "ok", "model_parked": engine.parked, "queue_depth": server.scheduler.queue_depth}
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": server.started, "owned_by": "ds4serve",
+                "context_length": engine.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": server.started,
-                                            "owned_by": "ds4serve", "context_length": engine.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != config.model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist (this server serves '{config.model_name}')",
+                           "model_not_found", "model")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
