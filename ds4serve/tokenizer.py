@@ -73,3 +73,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar libraries build their vocabulary from)."""
+        return self._tok.to_str()

@@ -3,6 +3,7 @@ streaming, reasoning, logprobs, usage, stop strings, the prefix cache and discon
 
 from __future__ import annotations
 
+import json
 import threading
 
 import anthropic
@@ -49,6 +50,20 @@ def test_health_is_open_and_models_need_the_key(base, oai):
     assert [m.id for m in oai.models.list().data] == ["tiny"]
     r = httpx.get(f"{base}/v1/models")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_response_format_json_schema_is_enforced(oai):
+    """The tiny random model's free output is gibberish: a parsed document of the schema is the mask's doing."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"enum": ["yes", "no"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    r = chat(oai, "Is it?", max_tokens=40, response_format=fmt)
+    assert json.loads(r.choices[0].message.content)["answer"] in ("yes", "no")
+    assert r.choices[0].finish_reason == "stop"
+    stream = chat(oai, "Is it?", max_tokens=40, temperature=1.0, seed=3, response_format={"type": "json_object"},
+                  stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
 
 
 def test_a_model_is_retrieved_by_its_id(oai):

@@ -47,6 +47,8 @@ CASES = [
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     (CHAT, chat(seed=2 ** 70), 400, "seed"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}), 400, None),
     (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias"),
     (CHAT, chat(stop=["x"] * 20), 400, "stop"),

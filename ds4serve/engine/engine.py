@@ -239,7 +239,8 @@ class Engine:
                 with profiler.request(res):
                     self._require_model()
                     prompt = self._validate(handle.prompt, params)
-                    proposer = self._proposer(speculative)
+                    # a schema's mask follows the accepted tokens one at a time: constrained requests do not speculate
+                    proposer = None if params.json_schema is not None else self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
                     state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
                                                 feed)

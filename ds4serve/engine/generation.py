@@ -13,6 +13,7 @@ import torch
 
 from ..config import ModelConfig
 from ..tokenizer import Tokenizer
+from .constraint import JsonConstraint
 from .request import ErrorCode, GenerateResult, SamplingParams
 from .sampler import Sampler
 
@@ -33,6 +34,8 @@ class Generation:
         self.reasoning = thinking if thinking is not None else prompt[-1] == tokenizer.think_start_id
         if params.logprobs is not None:
             result.logprobs = []
+        self.constraint = (None if params.json_schema is None
+                           else JsonConstraint(tokenizer, params.json_schema, cfg.vocab_size))
 
     @property
     def output(self) -> list[int]:
@@ -49,18 +52,24 @@ class Generation:
         forced = self.forced()
         if forced is not None:
             return forced
-        return self.sampler.sample(logits, self.prompt, self.output)
+        return self.sampler.sample(self._constrained(logits), self.prompt, self.output)
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The exact distribution of the next token (one-hot when forced or greedy)."""
         forced = self.forced()
         if forced is not None:
             return torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1]).float().to(logits.device)
-        return self.sampler.distribution(logits, self.prompt, self.output)
+        return self.sampler.distribution(self._constrained(logits), self.prompt, self.output)
+
+    def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with what cannot continue the answer's schema masked (answer tokens of a request with one)."""
+        return logits if self.constraint is None or self.reasoning else self.constraint.mask(logits)
 
     def accept(self, token: int, logits: torch.Tensor) -> bool:
         """Record ``token`` (sampled from ``logits``); True when generation must stop after it."""
         res = self.result
+        if self.constraint is not None and not self.reasoning and token not in self.stops:
+            self.constraint.consume(token)
         if self.reasoning:
             if token == self.think_end:
                 res.stats.budget_forced_close = self.forced() is not None

@@ -48,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus the top N
     reasoning_budget: int | None = None  # max reasoning tokens before </think> is forced
     thinking: bool | None = None  # None: thinking iff the prompt ends with <think>
+    json_schema: dict | None = None  # the answer held to this JSON schema (engine/constraint.py); no speculation
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`GenerateError` (invalid_request) naming the first bad field."""
@@ -70,6 +71,8 @@ class SamplingParams:
             (self.reasoning_budget is None or (isinstance(self.reasoning_budget, int)
                                                and self.reasoning_budget >= 0), "reasoning_budget",
              "null or an integer >= 0"),
+            (self.json_schema is None or isinstance(self.json_schema, dict), "json_schema",
+             "null or a JSON schema object"),
             (self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
              "null or an integer in [-2^63, 2^64)"),  # what a torch.Generator takes
         ]

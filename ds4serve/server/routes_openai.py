@@ -92,8 +92,9 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     tools = _tools(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
+    response_format = _response_format(body)
     encoded = encode_messages(_messages(body), thinking=thinking, reasoning_effort=effort, tools=tools,
-                              response_format=_response_format(body))
+                              response_format=response_format)
     tok = server.engine.tokenizer
     prompt = tok.encode(encoded.text)
     check_prompt(server, prompt, "messages")
@@ -105,7 +106,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         reasoning_budget=body.thinking.budget_tokens if body.thinking else None, thinking=thinking,
-        ignore_eos=body.ignore_eos, vocab=server.engine.cfg.vocab_size)
+        ignore_eos=body.ignore_eos, json_schema=response_format, vocab=server.engine.cfg.vocab_size)
     return CompletionSpec(
         prompt=prompt, params=params, stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         thinking=thinking, tools={t["function"]["name"] for t in tools} if tools else None,

@@ -1,0 +1,79 @@
+"""Structured output: a request's answer held to a JSON schema, token by token (llguidance).
+
+Before each answer token the tokens that cannot continue a document of the schema get ``-inf`` logits
+(llguidance's matcher computes the allowed set from the tokenizer's vocabulary, in well under a
+millisecond a step), so greedy and sampled decoding alike only ever produce a valid document, followed
+by the end-of-sequence token once it is complete. Reasoning (before ``</think>``) is not constrained:
+:class:`~ds4serve.engine.generation.Generation` applies the mask only to answer tokens.
+
+The JSON is compact apart from one space after ``:`` and ``,`` (no free whitespace, which a weak model
+would otherwise fill the answer with). llguidance is imported only when a request asks for a schema:
+the engine runs without it (the GPU benchmark machine has none), and such a request is then an
+``invalid_request`` naming the missing package.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..tokenizer import Tokenizer
+from .request import ErrorCode, GenerateError
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.torch
+    except ImportError:
+        raise GenerateError(ErrorCode.INVALID_REQUEST, "json_schema: structured output needs the llguidance "
+                            "package (pip install 'ds4serve[server]')") from None
+    return llguidance
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(tokenizer: Tokenizer, vocab_size: int):
+    """llguidance's view of a tokenizer (about a second to build for DeepSeek-V4's 129k tokens: cached)."""
+    return _llguidance().LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
+
+
+class JsonConstraint:
+    """The matcher of one request: :meth:`mask` the logits of the next answer token, :meth:`consume` the
+    token chosen."""
+
+    def __init__(self, tokenizer: Tokenizer, schema: dict[str, Any], vocab_size: int):
+        llg = _llguidance()
+        vocabulary = _vocabulary(tokenizer, vocab_size)
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            self.matcher = llg.LLMatcher(vocabulary, grammar)
+        except (ValueError, TypeError) as exc:
+            raise GenerateError(ErrorCode.INVALID_REQUEST, f"json_schema: {exc}") from None
+        if self.matcher.is_error():
+            raise GenerateError(ErrorCode.INVALID_REQUEST, f"json_schema: {self.matcher.get_error()}")
+        self._fill = llg.torch.fill_next_token_bitmask
+        self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self.vocab_size, self.eos_id = vocab_size, tokenizer.eos_id
+
+    def allowed(self) -> torch.Tensor:
+        """bool ``[V]``: the tokens that can come next (after a complete document that the end-of-sequence
+        token did not end, because the request ignores it: that token again)."""
+        if self.matcher.is_stopped():
+            return torch.arange(self.vocab_size) == self.eos_id
+        self._fill(self.matcher, self._bits, 0)
+        bits = (self._bits[0].unsqueeze(1) >> self._shifts) & 1
+        return bits.flatten()[:self.vocab_size].bool()
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor)."""
+        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise GenerateError(ErrorCode.INTERNAL, f"json_schema: token {token} does not continue the document "
+                                f"({self.matcher.get_error()})")

@@ -1,0 +1,68 @@
+"""Structured output: answers held to a JSON schema by llguidance's masks, on the tiny random model, whose
+unconstrained output is gibberish (so a valid document is the mask's doing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("llguidance", reason="structured output needs llguidance (the server extra installs it)")
+
+from ds4serve import SamplingParams  # noqa: E402
+from ds4serve.engine.request import ErrorCode  # noqa: E402
+
+from .helpers import random_prompt  # noqa: E402
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "tag"],
+          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                         "tag": {"type": "string", "maxLength": 6}}}
+
+
+def _answer(engine, result) -> str:
+    tok = engine.tokenizer
+    return tok.decode([t for t in result.tokens if t not in (tok.eos_id, tok.think_end_id)])
+
+
+def _check(document: dict) -> None:
+    assert set(document) == {"ok", "color", "tag"}
+    assert isinstance(document["ok"], bool) and document["color"] in ("red", "green", "blue")
+    assert isinstance(document["tag"], str) and len(document["tag"]) <= 6
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 7), (1.0, 8)])
+def test_the_answer_is_a_document_of_the_schema(engine, temperature, seed):
+    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=120, temperature=temperature,
+                                                                     seed=seed, json_schema=SCHEMA))
+    assert res.ok and res.finish_reason == "stop", res.error_message
+    assert res.tokens[-1] == engine.tokenizer.eos_id
+    _check(json.loads(_answer(engine, res)))
+
+
+def test_without_the_schema_the_same_request_is_not_json(engine):
+    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=40))
+    with pytest.raises(ValueError):
+        json.loads(_answer(engine, res))
+
+
+def test_reasoning_is_free_and_the_answer_after_it_is_held(engine):
+    """Thinking on, a budget of 3 reasoning tokens: the reasoning is unconstrained, then ``</think>`` is forced and
+    the answer is a document."""
+    prompt = random_prompt(12, seed=41) + [engine.tokenizer.think_start_id]
+    res = engine.generate(prompt, SamplingParams(max_tokens=120, reasoning_budget=3, json_schema=SCHEMA))
+    assert res.ok and res.stats.reasoning_tokens == 3 and res.tokens[3] == engine.tokenizer.think_end_id
+    _check(json.loads(engine.tokenizer.decode(res.tokens[4:-1])))
+
+
+def test_a_constrained_request_does_not_speculate(engine):
+    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=120, json_schema=SCHEMA),
+                          speculative="ngram")
+    assert res.ok and not res.stats.speculative
+    _check(json.loads(_answer(engine, res)))
+
+
+@pytest.mark.parametrize("schema,says", [({"type": "object", "properties": {"a": {"type": "nonsense"}}}, "json_schema"),
+                                         ("not a schema", "json_schema")])
+def test_a_bad_schema_is_an_invalid_request(engine, schema, says):
+    res = engine.generate(random_prompt(8, seed=42), SamplingParams(max_tokens=4, json_schema=schema))
+    assert res.error is ErrorCode.INVALID_REQUEST and says in res.error_message and not res.tokens
