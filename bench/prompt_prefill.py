@@ -15,9 +15,9 @@ first token needs them) after one warm-up, tokens/s, the peak GPU memory of the 
 last position's logits are from the first arm's (max abs difference over max abs value) and whether
 their greedy tokens agree. ``--kernels N``: for each prompt and chunk, one more prefill of the first arm
 under torch.profiler (through the engine just timed), and its N kernels with the most GPU time (list
-``defaults-prefill_graphs`` first to profile the chunks eagerly). Under PDL (``SWITCHES.pdl``) a kernel starts before the one it follows has ended
-and its duration includes that wait, so the small kernels after long ones read long; a first arm with
-``-pdl`` gives exclusive times.
+``defaults-prefill_graphs`` first to profile the chunks eagerly). Under PDL (``SWITCHES.pdl``) a kernel
+starts before the one it follows has ended and its duration includes that wait, so the small kernels after
+long ones read long; a first arm with ``-pdl`` gives exclusive times.
 """
 
 from __future__ import annotations

@@ -150,8 +150,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--max-context", type=at_least(1), default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--chunk-size", type=at_least(1), default=None, help="longest prefill chunk (default: 4096 on CUDA, 512 "
-                   "elsewhere)")
+    p.add_argument("--chunk-size", type=at_least(1), default=None, help="longest prefill chunk (default: 4096 on "
+                   "CUDA, 512 elsewhere)")
     p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
     p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "

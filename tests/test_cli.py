@@ -1,4 +1,5 @@
-"""The command line: make-tiny, inspect and generate on a fresh checkpoint; bad options and inputs refused in one line."""
+"""The command line: make-tiny, inspect and generate on a fresh checkpoint; bad options and inputs refused in
+one line."""
 
 from __future__ import annotations
 

@@ -15,16 +15,21 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--speculative", type=speculative, default=None, help="draft for speculative decoding: mtp | dspark | ngram[:K]")
+    p.add_argument("--speculative", type=speculative, default=None,
+                   help="draft for speculative decoding: mtp | dspark | ngram[:K]")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key) on every "
                                                    "route but /health")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses")
     p.add_argument("--max-queue", type=at_least(0), default=64, help="requests allowed to wait; more get 429")
-    p.add_argument("--max-body-mb", type=at_least(0, float), default=8.0, help="largest request body; larger ones get 413")
-    p.add_argument("--max-tokens-limit", type=at_least(1), default=32768, help="largest max_tokens a request may ask for")
-    p.add_argument("--prefix-cache-mb", type=at_least(0, float), default=1024.0, help="memory for prefix snapshots (0: off)")
+    p.add_argument("--max-body-mb", type=at_least(0, float), default=8.0,
+                   help="largest request body; larger ones get 413")
+    p.add_argument("--max-tokens-limit", type=at_least(1), default=32768,
+                   help="largest max_tokens a request may ask for")
+    p.add_argument("--prefix-cache-mb", type=at_least(0, float), default=1024.0,
+                   help="memory for prefix snapshots (0: off)")
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
-    p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None, help="disk budget of --prefix-cache-dir")
+    p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None,
+                   help="disk budget of --prefix-cache-dir")
     p.add_argument("--no-warm-up", action="store_true", help="start serving without first running one short "
                    "request (then the first client's request pays the compiles and graph captures)")
 
