@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("llguidance", reason="structured output needs llguidance (the server extra installs it)")
 
 from ds4serve import SamplingParams  # noqa: E402
+from ds4serve.engine import constraint  # noqa: E402
 from ds4serve.engine.request import ErrorCode  # noqa: E402
 
 from .helpers import random_prompt  # noqa: E402
@@ -66,3 +67,12 @@ def test_a_constrained_request_does_not_speculate(engine):
 def test_a_bad_schema_is_an_invalid_request(engine, schema, says):
     res = engine.generate(random_prompt(8, seed=42), SamplingParams(max_tokens=4, json_schema=schema))
     assert res.error is ErrorCode.INVALID_REQUEST and says in res.error_message and not res.tokens
+
+
+def test_warm_up_builds_the_vocabulary_for_the_first_schema(engine):
+    """A server's warm-up builds llguidance's view of the tokenizer (~1 s), not its first request with a schema."""
+    constraint._vocabulary.cache_clear()
+    engine.warm_up()
+    assert constraint._vocabulary.cache_info().currsize == 1
+    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=120, json_schema=SCHEMA))
+    assert res.ok and constraint._vocabulary.cache_info().hits >= 1

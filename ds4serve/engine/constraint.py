@@ -41,6 +41,16 @@ def _vocabulary(tokenizer: Tokenizer, vocab_size: int):
     return _llguidance().LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
 
 
+def prepare(tokenizer: Tokenizer, vocab_size: int) -> bool:
+    """Build llguidance's view of ``tokenizer`` now (a server's warm-up), so that the first request with a schema
+    does not pay it; False when llguidance is not installed."""
+    try:
+        _vocabulary(tokenizer, vocab_size)
+    except GenerateError:
+        return False
+    return True
+
+
 class JsonConstraint:
     """The matcher of one request: :meth:`mask` the logits of the next answer token, :meth:`consume` the
     token chosen."""

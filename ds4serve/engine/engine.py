@@ -28,6 +28,7 @@ from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
+from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
 from .prefill_graphs import MAX_GRAPH_TOKENS, FirstChunkGraphs
@@ -214,8 +215,9 @@ class Engine:
     def warm_up(self, speculative: object | None = None) -> float:
         """Serve one short request and drop it, so that the first client does not wait for what the first
         request of a process pays once: on CUDA the compiles of the decode and prefill regions and the
-        decode graph's capture, every first-chunk prefill graph's (:mod:`.prefill_graphs`), and with
-        ``speculative`` the draft's load and its graphs. Leaves the engine as any finished request does (the
+        decode graph's capture, every first-chunk prefill graph's (:mod:`.prefill_graphs`), with
+        ``speculative`` the draft's load and its graphs, and structured output's view of the vocabulary
+        (:func:`.constraint.prepare`, when llguidance is installed). Leaves the engine as any finished request does (the
         next request starts from a reset state); returns the seconds it took. Raises RuntimeError when the
         request fails (a server should not start then)."""
         vocab = self.cfg.vocab_size
@@ -228,6 +230,7 @@ class Engine:
             graphs = self._prefill_graphs()
             if graphs is not None:
                 graphs.capture_all()
+        prepare_constraints(self.tokenizer, vocab)
         return time.perf_counter() - start
 
     def _run(self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None) -> Iterator[int]:
