@@ -67,6 +67,7 @@ def test_a_constrained_request_does_not_speculate(engine):
 def test_a_bad_schema_is_an_invalid_request(engine, schema, says):
     res = engine.generate(random_prompt(8, seed=42), SamplingParams(max_tokens=4, json_schema=schema))
     assert res.error is ErrorCode.INVALID_REQUEST and says in res.error_message and not res.tokens
+    assert res.stats.prefilled_tokens == 0  # refused before the prompt's forward
 
 
 def test_warm_up_builds_the_vocabulary_for_the_first_schema(engine):

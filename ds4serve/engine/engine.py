@@ -28,6 +28,7 @@ from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
+from .constraint import JsonConstraint
 from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
@@ -217,9 +218,9 @@ class Engine:
         request of a process pays once: on CUDA the compiles of the decode and prefill regions and the
         decode graph's capture, every first-chunk prefill graph's (:mod:`.prefill_graphs`), with
         ``speculative`` the draft's load and its graphs, and structured output's view of the vocabulary
-        (:func:`.constraint.prepare`, when llguidance is installed). Leaves the engine as any finished request does (the
-        next request starts from a reset state); returns the seconds it took. Raises RuntimeError when the
-        request fails (a server should not start then)."""
+        (:func:`.constraint.prepare`, when llguidance is installed). Leaves the engine as any finished request
+        does (the next request starts from a reset state); returns the seconds it took. Raises RuntimeError
+        when the request fails (a server should not start then)."""
         vocab = self.cfg.vocab_size
         prompt = [(i * 7919) % vocab for i in range(1, WARM_UP_PROMPT + 1)]
         start = time.perf_counter()
@@ -242,15 +243,18 @@ class Engine:
                 with profiler.request(res):
                     self._require_model()
                     prompt = self._validate(handle.prompt, params)
-                    # a schema's mask follows the accepted tokens one at a time: constrained requests do not speculate
-                    proposer = None if params.json_schema is not None else self._proposer(speculative)
+                    # compiled before the prompt is prefilled (a bad schema costs no forward); its mask follows the
+                    # accepted tokens one at a time, so a constrained request does not speculate
+                    constraint = (None if params.json_schema is None
+                                  else JsonConstraint(self.tokenizer, params.json_schema, self.cfg.vocab_size))
+                    proposer = None if constraint is not None else self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
                     state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
                                                 feed)
                     self._pending_restore = None
                     res.timings.prefill_s = time.perf_counter() - start
                     if feed is None:
-                        yield from self._decode_loop(handle, state, logits, start)
+                        yield from self._decode_loop(handle, state, logits, start, constraint)
                     else:
                         yield from speculative_decode(self, handle, state, logits, start, feed)
             except GenerateError as exc:
@@ -315,8 +319,9 @@ class Engine:
         return self._state
 
     def _decode_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor,
-                     start: float) -> Iterator[int]:
-        gen = Generation(handle.prompt, handle.params, handle.result, self.cfg, self.tokenizer, logits.device, start)
+                     start: float, constraint: JsonConstraint | None) -> Iterator[int]:
+        gen = Generation(handle.prompt, handle.params, handle.result, self.cfg, self.tokenizer, logits.device, start,
+                         constraint)
         decode_start = time.perf_counter()
         while True:
             if handle.cancelled:

@@ -20,7 +20,8 @@ from .sampler import Sampler
 
 class Generation:
     def __init__(self, prompt: list[int], params: SamplingParams, result: GenerateResult, cfg: ModelConfig,
-                 tokenizer: Tokenizer, device: torch.device, start: float):
+                 tokenizer: Tokenizer, device: torch.device, start: float, constraint: JsonConstraint | None = None):
+        """``constraint``: the matcher of the request's ``json_schema`` (the engine compiles it before prefill)."""
         self.prompt = prompt
         self.params = params
         self.result = result
@@ -34,8 +35,7 @@ class Generation:
         self.reasoning = thinking if thinking is not None else prompt[-1] == tokenizer.think_start_id
         if params.logprobs is not None:
             result.logprobs = []
-        self.constraint = (None if params.json_schema is None
-                           else JsonConstraint(tokenizer, params.json_schema, cfg.vocab_size))
+        self.constraint = constraint
 
     @property
     def output(self) -> list[int]:
