@@ -1,13 +1,15 @@
-"""Structured output: a request's answer held to a JSON schema, token by token (llguidance).
+"""Structured output: a request's answer held to a JSON schema or a grammar, token by token (llguidance).
 
 Before each answer token the tokens that cannot continue a document of the schema get ``-inf`` logits
 (llguidance's matcher computes the allowed set from the tokenizer's vocabulary, in well under a
 millisecond a step), so greedy and sampled decoding alike only ever produce a valid document, followed
-by the end-of-sequence token once it is complete. Reasoning (before ``</think>``) is not constrained:
-:class:`~ds4serve.engine.generation.Generation` applies the mask only to answer tokens.
+by the end-of-sequence token once it is complete. A request gives either ``json_schema`` or ``grammar`` (in
+llguidance's Lark dialect, e.g. the server's forced DSML tool call: server/tool_grammar.py). Reasoning
+(before ``</think>``) is not constrained: :class:`~ds4serve.engine.generation.Generation` applies the mask
+only to answer tokens.
 
 The JSON is compact apart from one space after ``:`` and ``,`` (no free whitespace, which a weak model
-would otherwise fill the answer with). llguidance is imported only when a request asks for a schema:
+would otherwise fill the answer with). llguidance is imported only when a request asks for either:
 the engine runs without it (the GPU benchmark machine has none), and such a request is then an
 ``invalid_request`` naming the missing package.
 """
@@ -20,17 +22,17 @@ from typing import Any
 import torch
 
 from ..tokenizer import Tokenizer
-from .request import ErrorCode, GenerateError
+from .request import ErrorCode, GenerateError, SamplingParams
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _llguidance():
+def _llguidance(field: str = "json_schema"):
     try:
         import llguidance
         import llguidance.torch
     except ImportError:
-        raise GenerateError(ErrorCode.INVALID_REQUEST, "json_schema: structured output needs the llguidance "
+        raise GenerateError(ErrorCode.INVALID_REQUEST, f"{field}: structured output needs the llguidance "
                             "package (pip install 'ds4serve[server]')") from None
     return llguidance
 
@@ -51,20 +53,23 @@ def prepare(tokenizer: Tokenizer, vocab_size: int) -> bool:
     return True
 
 
-class JsonConstraint:
+class Constraint:
     """The matcher of one request: :meth:`mask` the logits of the next answer token, :meth:`consume` the
-    token chosen."""
+    token chosen. ``field`` names the request field the rule came from (errors say it)."""
 
-    def __init__(self, tokenizer: Tokenizer, schema: dict[str, Any], vocab_size: int):
-        llg = _llguidance()
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, json_schema: dict[str, Any] | None = None,
+                 grammar: str | None = None):
+        self.field = "json_schema" if grammar is None else "grammar"
+        llg = _llguidance(self.field)
         vocabulary = _vocabulary(tokenizer, vocab_size)
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-            self.matcher = llg.LLMatcher(vocabulary, grammar)
+            source = (llg.LLMatcher.grammar_from_lark(grammar) if grammar is not None
+                      else llg.LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_LAYOUT))
+            self.matcher = llg.LLMatcher(vocabulary, source)
         except (ValueError, TypeError) as exc:
-            raise GenerateError(ErrorCode.INVALID_REQUEST, f"json_schema: {exc}") from None
+            raise GenerateError(ErrorCode.INVALID_REQUEST, f"{self.field}: {exc}") from None
         if self.matcher.is_error():
-            raise GenerateError(ErrorCode.INVALID_REQUEST, f"json_schema: {self.matcher.get_error()}")
+            raise GenerateError(ErrorCode.INVALID_REQUEST, f"{self.field}: {self.matcher.get_error()}")
         self._fill = llg.torch.fill_next_token_bitmask
         self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
@@ -85,5 +90,12 @@ class JsonConstraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise GenerateError(ErrorCode.INTERNAL, f"json_schema: token {token} does not continue the document "
+            raise GenerateError(ErrorCode.INTERNAL, f"{self.field}: token {token} does not continue the document "
                                 f"({self.matcher.get_error()})")
+
+
+def for_request(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> Constraint | None:
+    """The compiled rule of a request's ``json_schema`` or ``grammar``; None when it has neither."""
+    if params.json_schema is None and params.grammar is None:
+        return None
+    return Constraint(tokenizer, vocab_size, json_schema=params.json_schema, grammar=params.grammar)

@@ -28,7 +28,8 @@ from ..weights import Checkpoint
 from ..kernels.switches import SWITCHES
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
-from .constraint import JsonConstraint
+from .constraint import Constraint
+from .constraint import for_request as constraint_for
 from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .generation import Generation
@@ -245,8 +246,7 @@ class Engine:
                     prompt = self._validate(handle.prompt, params)
                     # compiled before the prompt is prefilled (a bad schema costs no forward); its mask follows the
                     # accepted tokens one at a time, so a constrained request does not speculate
-                    constraint = (None if params.json_schema is None
-                                  else JsonConstraint(self.tokenizer, params.json_schema, self.cfg.vocab_size))
+                    constraint = constraint_for(params, self.tokenizer, self.cfg.vocab_size)
                     proposer = None if constraint is not None else self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
                     state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
@@ -319,7 +319,7 @@ class Engine:
         return self._state
 
     def _decode_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor,
-                     start: float, constraint: JsonConstraint | None) -> Iterator[int]:
+                     start: float, constraint: Constraint | None) -> Iterator[int]:
         gen = Generation(handle.prompt, handle.params, handle.result, self.cfg, self.tokenizer, logits.device, start,
                          constraint)
         decode_start = time.perf_counter()

@@ -13,15 +13,16 @@ import torch
 
 from ..config import ModelConfig
 from ..tokenizer import Tokenizer
-from .constraint import JsonConstraint
+from .constraint import Constraint
 from .request import ErrorCode, GenerateResult, SamplingParams
 from .sampler import Sampler
 
 
 class Generation:
     def __init__(self, prompt: list[int], params: SamplingParams, result: GenerateResult, cfg: ModelConfig,
-                 tokenizer: Tokenizer, device: torch.device, start: float, constraint: JsonConstraint | None = None):
-        """``constraint``: the matcher of the request's ``json_schema`` (the engine compiles it before prefill)."""
+                 tokenizer: Tokenizer, device: torch.device, start: float, constraint: Constraint | None = None):
+        """``constraint``: the matcher of the request's ``json_schema`` or ``grammar`` (the engine compiles it before
+        prefill)."""
         self.prompt = prompt
         self.params = params
         self.result = result
@@ -62,7 +63,8 @@ class Generation:
         return self.sampler.distribution(self._constrained(logits), self.prompt, self.output)
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` with what cannot continue the answer's schema masked (answer tokens of a request with one)."""
+        """``logits`` with what cannot continue the answer's schema or grammar masked (answer tokens of a request
+        with one)."""
         return logits if self.constraint is None or self.reasoning else self.constraint.mask(logits)
 
     def accept(self, token: int, logits: torch.Tensor) -> bool:

@@ -49,6 +49,7 @@ class SamplingParams:
     reasoning_budget: int | None = None  # max reasoning tokens before </think> is forced
     thinking: bool | None = None  # None: thinking iff the prompt ends with <think>
     json_schema: dict | None = None  # the answer held to this JSON schema (engine/constraint.py); no speculation
+    grammar: str | None = None  # or to this llguidance Lark grammar (e.g. a forced tool call); no speculation
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`GenerateError` (invalid_request) naming the first bad field."""
@@ -73,6 +74,8 @@ class SamplingParams:
              "null or an integer >= 0"),
             (self.json_schema is None or isinstance(self.json_schema, dict), "json_schema",
              "null or a JSON schema object"),
+            (self.grammar is None or (isinstance(self.grammar, str) and self.json_schema is None), "grammar",
+             "null or a Lark grammar string, and not both grammar and json_schema"),
             (self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
              "null or an integer in [-2^63, 2^64)"),  # what a torch.Generator takes
         ]

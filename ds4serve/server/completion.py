@@ -203,7 +203,7 @@ def build_params(*, max_tokens: int, temperature: float | None, top_p: float | N
                  frequency_penalty: float | None = None, presence_penalty: float | None = None,
                  seed: int | None = None, logit_bias: dict[str, float] | None = None, logprobs: int | None = None,
                  reasoning_budget: int | None = None, thinking: bool | None = None, ignore_eos: bool = False,
-                 json_schema: dict | None = None, vocab: int) -> SamplingParams:
+                 json_schema: dict | None = None, grammar: str | None = None, vocab: int) -> SamplingParams:
     """SamplingParams from request fields (provider defaults: temperature 1), validated."""
     bias: dict[int, float] = {}
     for key, value in (logit_bias or {}).items():
@@ -217,7 +217,7 @@ def build_params(*, max_tokens: int, temperature: float | None, top_p: float | N
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         frequency_penalty=frequency_penalty or 0.0, presence_penalty=presence_penalty or 0.0, seed=seed,
         logit_bias=bias, logprobs=logprobs, reasoning_budget=reasoning_budget, thinking=thinking,
-        ignore_eos=ignore_eos, json_schema=json_schema)
+        ignore_eos=ignore_eos, json_schema=json_schema, grammar=grammar)
     try:
         params.validate(vocab)
     except GenerateError as exc:

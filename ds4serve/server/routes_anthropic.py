@@ -13,6 +13,7 @@ from .chat_format import encode_messages, shared_prefix_length
 from .completion import Completion, CompletionSpec, build_params, check_prompt, resolve_max_tokens, run_to_end
 from .errors import APIError, anthropic_body, invalid
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
+from .tool_grammar import forced_tool_call
 
 router = APIRouter()
 
@@ -63,6 +64,8 @@ def _messages(body: CountTokensRequest) -> list[dict]:
 
 def _tools(body: CountTokensRequest) -> list[dict] | None:
     choice = body.tool_choice
+    if not body.tools and choice is not None and choice.type in ("any", "tool"):
+        raise invalid(f"tool_choice: type {choice.type!r} needs tools", "tool_choice")
     if not body.tools or (choice is not None and choice.type == "none"):
         return None
     names = [t.name for t in body.tools]
@@ -82,6 +85,15 @@ def _encode(server, body: CountTokensRequest):
     return encoded, server.engine.tokenizer.encode(encoded.text), tools
 
 
+def _forced_call(server, body: MessagesRequest, tools: list[dict] | None) -> str | None:
+    """The grammar of the tool call that ``tool_choice`` "any" or "tool" forces (tool_grammar.py)."""
+    choice = body.tool_choice
+    if not tools or choice is None or choice.type not in ("any", "tool"):
+        return None
+    name = choice.name if choice.type == "tool" else None
+    return forced_tool_call(tools, server.engine.tokenizer, name, not choice.disable_parallel_tool_use)
+
+
 def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     encoded, prompt, tools = _encode(server, body)
     check_prompt(server, prompt, "messages")
@@ -89,7 +101,7 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     params = build_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         reasoning_budget=body.thinking.budget_tokens if body.thinking and encoded.thinking else None,
-        thinking=encoded.thinking, vocab=server.engine.cfg.vocab_size)
+        thinking=encoded.thinking, grammar=_forced_call(server, body, tools), vocab=server.engine.cfg.vocab_size)
     tok = server.engine.tokenizer
     return CompletionSpec(prompt=prompt, params=params, stops=list(body.stop_sequences or []),
                           thinking=encoded.thinking, tools={t["function"]["name"] for t in tools} if tools else None,

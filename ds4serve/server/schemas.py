@@ -249,6 +249,7 @@ class AnthropicTool(_Body):
 class AnthropicToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class CountTokensRequest(_Body):

@@ -1,0 +1,163 @@
+"""Forced tool calls: ``tool_choice`` "required" / a named tool (OpenAI) and "any" / "tool" (Anthropic) hold the
+answer to a DSML tool-call block of the given tools' schemas (server/tool_grammar.py through llguidance).
+
+The tiny random model never writes DSML on its own, so every parsed call below is the grammar's doing."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+pytest.importorskip("llguidance", reason="forced tool calls need llguidance (the server extra installs it)")
+
+from ds4serve import Engine, SamplingParams  # noqa: E402
+from ds4serve.engine.constraint import Constraint  # noqa: E402
+from ds4serve.server.app import ServerConfig, create_app  # noqa: E402
+from ds4serve.server.chat_format import OutputParser, render_tool_calls  # noqa: E402
+from ds4serve.server.tool_grammar import forced_tool_call  # noqa: E402
+
+from .helpers import random_prompt  # noqa: E402
+from .server_harness import running  # noqa: E402
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 9}, "opts": {"$ref": "#/$defs/Opts"}},
+    "$defs": {"Opts": {"type": "object", "additionalProperties": False, "required": ["hourly"],
+                       "properties": {"hourly": {"type": "boolean"}}}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+FREE = {"type": "function", "function": {"name": "note"}}
+TOOLS = [WEATHER, NOW, FREE]
+
+
+def _accepts(tokenizer, grammar: str, calls: list[dict]) -> bool:
+    """Whether the rendered ``calls`` (chat_format's layout, what the model was trained on) match ``grammar``."""
+    matcher = Constraint(tokenizer, tokenizer.vocab_size, grammar=grammar).matcher
+    return all(matcher.consume_token(t) for t in tokenizer.encode(render_tool_calls(calls))) and matcher.is_accepting()
+
+
+def _call(name: str, **arguments) -> dict:
+    return {"function": {"name": name, "arguments": arguments}}
+
+
+@pytest.fixture(scope="module")
+def tok(engine):
+    return engine.tokenizer
+
+
+@pytest.mark.parametrize("calls", [
+    [_call("get_weather", city="Paris", unit="c")],
+    [_call("get_weather", city="a<b\nc", unit="f", days=3, opts={"hourly": True})],
+    [_call("now"), _call("note", text="hi", n=[1, 2]), _call("get_weather", city="x", unit="c", days=9)],
+    [_call("note")],
+])
+def test_rendered_calls_of_the_tools_match(tok, calls):
+    assert _accepts(tok, forced_tool_call(TOOLS, tok), calls)
+
+
+@pytest.mark.parametrize("calls", [
+    [_call("get_weather", unit="c")],  # a required parameter missing
+    [_call("get_weather", city="Paris", unit="k")],  # outside the enum
+    [_call("get_weather", city="Paris", unit="c", days=10)],  # over the maximum
+    [_call("get_weather", city="Montevideo", unit="c")],  # over maxLength
+    [_call("get_weather", unit="c", city="Paris")],  # the schema's order
+    [_call("get_weather", city="Paris", unit="c", opts={"hourly": 1})],  # the $ref'd schema
+    [_call("search", q="x")],  # no such tool
+])
+def test_calls_outside_the_schemas_do_not(tok, calls):
+    assert not _accepts(tok, forced_tool_call(TOOLS, tok), calls)
+
+
+def test_a_named_tool_or_no_parallel_calls_allow_one_invoke(tok):
+    named = forced_tool_call(TOOLS, tok, name="now")
+    assert _accepts(tok, named, [_call("now")])
+    assert not _accepts(tok, named, [_call("note")])
+    assert not _accepts(tok, named, [_call("now"), _call("now")])
+    single = forced_tool_call(TOOLS, tok, parallel=False)
+    assert _accepts(tok, single, [_call("note")]) and not _accepts(tok, single, [_call("now"), _call("note")])
+
+
+def _check_weather(arguments: dict) -> None:
+    assert {"city", "unit"} <= set(arguments) <= {"city", "unit", "days", "opts"}
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8 and arguments["unit"] in ("c", "f")
+    assert 1 <= arguments.get("days", 1) <= 9 and arguments.get("opts", {"hourly": True}).keys() == {"hourly"}
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 3), (1.0, 4)])
+def test_the_model_is_held_to_a_call_the_parser_reads(engine, tok, temperature, seed):
+    grammar = forced_tool_call([WEATHER], tok, name="get_weather")
+    res = engine.generate(random_prompt(12, seed=50), SamplingParams(max_tokens=200, temperature=temperature,
+                                                                     seed=seed, grammar=grammar))
+    assert res.ok and res.finish_reason == "stop" and res.tokens[-1] == tok.eos_id, res.error_message
+    parser = OutputParser(thinking=False, tools={"get_weather"})
+    delta = parser.feed(tok.decode(res.tokens[:-1]))
+    delta.extend(parser.finish())
+    assert not delta.content and [c.name for c in delta.tool_calls] == ["get_weather"]
+    _check_weather(json.loads(delta.tool_calls[0].arguments))
+
+
+def test_grammar_and_json_schema_are_exclusive(engine, tok):
+    res = engine.generate(random_prompt(8, seed=51), SamplingParams(
+        max_tokens=4, grammar=forced_tool_call([NOW], tok), json_schema={"type": "object"}))
+    assert not res.ok and res.error_message.startswith("grammar:") and not res.tokens
+
+
+@pytest.fixture(scope="module")
+def base(tiny_dir):
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024)
+    with running(create_app(engine, ServerConfig(model_name="tiny"))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+def _ask(oai, **kw):
+    return oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       max_tokens=200, tools=TOOLS, **kw)
+
+
+def test_openai_required_and_named_tool_choice(oai):
+    r = _ask(oai, tool_choice="required", seed=5, temperature=1.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content and choice.message.tool_calls
+    assert {c.function.name for c in choice.message.tool_calls} <= {"get_weather", "now", "note"}
+    r = _ask(oai, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    _check_weather(json.loads(call.function.arguments))
+
+
+def test_openai_streamed_forced_call_without_parallel_calls(oai):
+    chunks = list(_ask(oai, tool_choice="required", parallel_tool_calls=False, stream=True, seed=6,
+                       temperature=1.0))
+    calls = [c for chunk in chunks for d in chunk.choices for c in (d.delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert len({c.index for c in calls}) == 1 and calls[0].function.name in ("get_weather", "now", "note")
+
+
+def test_openai_a_forced_call_and_a_response_format_are_refused(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        _ask(oai, tool_choice="required", response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format"
+
+
+def test_anthropic_any_and_named_tool(base):
+    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
+             for t in TOOLS]
+    msg = claude.messages.create(model="tiny", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "?"}],
+                                 tool_choice={"type": "tool", "name": "get_weather"})
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content if b.type != "text"] == ["tool_use"]
+    _check_weather(next(b for b in msg.content if b.type == "tool_use").input)
+    msg = claude.messages.create(model="tiny", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "?"}],
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert msg.stop_reason == "tool_use" and len([b for b in msg.content if b.type == "tool_use"]) == 1
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "?"}],
+                               tool_choice={"type": "any"})
