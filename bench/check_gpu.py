@@ -12,7 +12,9 @@
    DSpark draft passes) equal to plain decoding; in bf16, a captured block no further from the float32
    CPU forward than the bf16 chunk forward;
 5. a layer split (cuda:0 and the last GPU; both on cuda:0 on a one-GPU machine) decoding through one
-   graph per shard and verifying through one per shard: greedy tokens equal to the whole model's.
+   graph per shard and verifying through one per shard: greedy tokens equal to the whole model's;
+6. structured output through the decode graph (when llguidance is installed): a JSON schema's and a forced
+   tool call's answers, greedy and sampled, parse and follow the schema, and what the mask costs a token.
 
 Prints one line per check and exits non-zero when one fails. Usage::
 
@@ -495,9 +497,62 @@ def _differing_rows(a, b) -> list[str]:
     return [f"{i}.{k}" for i in sa.layers for k in sa.layers[i] if not torch.equal(sa.layers[i][k], sb.layers[i][k])]
 
 
+def check_constrained(root: Path) -> None:
+    """Answers held by llguidance's masks on the GPU (the mask is computed on the host each answer token and
+    applied to the graph's logits): a JSON schema and a forced tool call, greedy and sampled, on a tiny random
+    model whose free output is neither; the time a token costs with the mask against without."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        record("constrained: llguidance installed", False, error="llguidance is not installed")
+        return
+    from ds4serve.server.chat_format import OutputParser
+    from ds4serve.server.tool_grammar import forced_tool_call
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
+              "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 9}}}}}
+    path = make_tiny(root / "constrained", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5))
+    prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
+    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_context=512)
+    tok = engine.tokenizer
+    engine.warm_up()
+    for temperature, seed in ((0.0, None), (1.0, 3)):
+        res = engine.generate(prompt, SamplingParams(max_tokens=120, temperature=temperature, seed=seed,
+                                                     json_schema=schema))
+        try:
+            doc = json.loads(tok.decode(res.tokens[:-1]))
+            ok = res.ok and set(doc) == {"ok", "color"} and doc["color"] in ("red", "green", "blue")
+        except ValueError:
+            doc, ok = None, False
+        record(f"json_schema answer through the graph (bf16, temperature {temperature})", ok, document=doc,
+               error=res.error_message)
+        grammar = forced_tool_call([tool], tok, name="get_weather")
+        res = engine.generate(prompt, SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
+                                                     grammar=grammar))
+        parser = OutputParser(thinking=False, tools={"get_weather"})
+        delta = parser.feed(tok.decode(res.tokens[:-1]))
+        delta.extend(parser.finish())
+        calls = [json.loads(c.arguments) for c in delta.tool_calls]
+        ok = res.ok and len(calls) == 1 and not delta.content and 1 <= calls[0].get("days", 0) <= 9
+        record(f"forced tool call through the graph (bf16, temperature {temperature})", ok, calls=calls,
+               error=res.error_message)
+    free = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    held = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, grammar='start: /(?s:.*)/')
+    per_token = {}
+    for name, params in (("free", free), ("masked", held)):
+        engine.generate(prompt, params)
+        res = engine.generate(prompt, params)
+        per_token[name] = 1e3 * res.timings.decode_s / max(len(res.tokens) - 1, 1)
+    record("mask cost a token (free text both ways, 64 tokens)", True, ms_per_token=per_token)
+
+
 CHECKS = {"kernels": lambda tmp: check_kernels(), "tiny": check_tiny, "graphs": check_graphs,
           "verify_graphs": check_verify_graphs, "bf16_verify_block": check_bf16_verify_block,
-          "split_graphs": check_split_graphs}
+          "split_graphs": check_split_graphs, "constrained": check_constrained}
 
 
 def main() -> None:
