@@ -60,6 +60,19 @@ CASES = [
     (CHAT, chat(tools=[{"type": "retrieval"}]), 400, "tools.0.type"),
     (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    # a forced call compiles the tools' schemas into its grammar: what it cannot hold is named
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], tool_choice="required"), 400,
+     "tools.0.function.parameters.properties.a"),
+    (CHAT, chat(tools=[TOOL, {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"a<b": {"type": "string"}}}}}], tool_choice="required"), 400,
+     "tools.1.function.parameters.properties.a<b"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}}}],
+                tool_choice={"type": "function", "function": {"name": "f"}}), 400,
+     "tools.0.function.parameters.properties.a"),
+    (CHAT, chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), 400,
+     "response_format"),
     (CHAT, chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),
     (CHAT, chat(max_tokens=250, messages=[{"role": "user", "content": "word " * 20}]), 400, "messages"),
     (CHAT, chat(messages=[{"role": "user", "content": "x" * 40000}]), 413, None),
@@ -71,6 +84,8 @@ CASES = [
     (MSGS, msgs(messages=[{"role": "system", "content": "hi"}]), 400, None),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None),
     (MSGS, msgs(tools=[{"name": "f"}]), 400, None),
+    (MSGS, msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}), 400, None),
+    (MSGS, msgs(tool_choice={"type": "any"}), 400, None),
     (MSGS, msgs(thinking={"type": "sometimes"}), 400, None),
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),

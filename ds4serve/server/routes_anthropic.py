@@ -71,6 +71,8 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
     names = [t.name for t in body.tools]
     if len(set(names)) != len(names):
         raise invalid("tools: tool names must be unique", "tools")
+    if choice is not None and choice.type == "tool" and choice.name is None:
+        raise invalid("tool_choice.name: required when tool_choice.type is 'tool'", "tool_choice.name")
     if choice is not None and choice.type == "tool" and choice.name not in names:
         raise invalid(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
     return [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
@@ -91,7 +93,8 @@ def _forced_call(server, body: MessagesRequest, tools: list[dict] | None) -> str
     if not tools or choice is None or choice.type not in ("any", "tool"):
         return None
     name = choice.name if choice.type == "tool" else None
-    return forced_tool_call(tools, server.engine.tokenizer, name, not choice.disable_parallel_tool_use)
+    return forced_tool_call(tools, server.engine.tokenizer, name, not choice.disable_parallel_tool_use,
+                            "tools.{}.input_schema")
 
 
 def messages_spec(server, body: MessagesRequest) -> CompletionSpec:

@@ -21,6 +21,7 @@ import json
 from ..engine.constraint import JSON_LAYOUT
 from ..tokenizer import Tokenizer
 from .chat_format import DSML
+from .errors import invalid
 
 
 def _literal(text: str) -> str:
@@ -35,37 +36,59 @@ def _is_text(schema: dict) -> bool:
     return isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
 
 
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise invalid("tool_choice: forcing a tool call needs the llguidance package (pip install "
+                      "'ds4serve[server]')", "tool_choice") from None
+    return llguidance
+
+
 class _Grammar:
+    """Rules for the invokes; a property it cannot hold is a 400 naming the property (``where``: its field)."""
+
     def __init__(self, dsml_id: int):
         self.token = f"<[{dsml_id}]>"
         self.rules: list[str] = []
+        self.llg = _llguidance()
 
     def rule(self, name: str, body: str, options: str = "") -> str:
         self.rules.append(f"{name}{options}: {body}")
         return name
 
-    def value(self, name: str, schema: dict, defs: dict) -> str:
+    def value(self, name: str, schema: dict, defs: dict, where: str) -> str:
         """A parameter's ``string="…">`` and value, up to and including the ``</`` of its closing tag."""
         if not _is_text(schema):
-            return f'"string=\\"false\\">" {self.json(f"{name}_json", {**defs, **schema})} "</"'
+            return f'"string=\\"false\\">" {self.json(f"{name}_json", {**defs, **schema}, where)} "</"'
         choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
         if choices:
+            if any("</" in c for c in choices):
+                raise invalid(f"{where}: a DSML parameter value cannot contain '</'", where)
             text = "(" + " | ".join(_literal(c + "</") for c in choices) + ")"
         elif "minLength" in schema or "maxLength" in schema:
-            bounds = f'{schema.get("minLength", 0)},{schema.get("maxLength", "")}'
-            text = self.rule(f"{name}_text", f"/(?s:.){{{bounds}}}<\\//", "[lazy]")
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            if not all(type(n) is int and n >= 0 for n in (low, 0 if high is None else high)):
+                raise invalid(f"{where}: minLength and maxLength must be integers >= 0", where)
+            text = self.rule(f"{name}_text", f"/(?s:.){{{low},{'' if high is None else high}}}<\\//", "[lazy]")
         else:
             text = "text_value"
         return f'"string=\\"true\\">" {text}'
 
-    def json(self, name: str, schema: dict) -> str:
-        return self.rule(name, "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False))
+    def json(self, name: str, schema: dict, where: str) -> str:
+        source = {**schema, "x-guidance": JSON_LAYOUT}
+        problem = self.llg.LLMatcher.validate_grammar(self.llg.LLMatcher.grammar_from_json_schema(source))
+        if problem:
+            raise invalid(f"{where}: {problem}", where)
+        return self.rule(name, "%json " + json.dumps(source, ensure_ascii=False))
 
-    def parameter(self, name: str, key: str, schema: dict, defs: dict) -> str:
-        head, value = _literal(f'parameter name="{key}" '), self.value(name, schema, defs)
+    def parameter(self, name: str, key: str, schema: dict, defs: dict, where: str) -> str:
+        if any(c in key for c in '"<>\n'):
+            raise invalid(f"{where}: a DSML parameter name cannot contain '\"', '<', '>' or a newline", where)
+        head, value = _literal(f'parameter name="{key}" '), self.value(name, schema, defs, where)
         return self.rule(name, f'{self.token} {head} {value} {self.token} "parameter>\\n<"')
 
-    def invoke(self, index: int, function: dict) -> str:
+    def invoke(self, index: int, function: dict, where: str) -> str:
         """``invoke name="f">\\n`` (after ``<｜DSML｜``), the parameters, then ``</｜DSML｜invoke>``. Without
         parameters the layout is render_tool_calls' ``>\\n\\n</``; with them each is ``<…parameter>\\n``."""
         params = function.get("parameters") or {}
@@ -73,28 +96,31 @@ class _Grammar:
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         if props:
             required = set(params.get("required") or [])
-            parts = [self.parameter(f"p{index}_{i}", key, schema if isinstance(schema, dict) else {}, defs)
-                     + ("" if key in required else "?") for i, (key, schema) in enumerate(props.items())]
+            parts = [self.parameter(f"p{index}_{i}", key, schema if isinstance(schema, dict) else {}, defs,
+                                    f"{where}.properties.{key}") + ("" if key in required else "?")
+                     for i, (key, schema) in enumerate(props.items())]
             body = f'"<" {" ".join(parts)}' + ("" if required & set(props) else ' | "\\n<"')
         else:
             body = '"<" any_parameter* | "\\n<"'
         head = _literal(f'invoke name="{function["name"]}">\n')
         return self.rule(f"invoke{index}", f'{head} ({body}) "/" {self.token} "invoke>"')
 
-    def build(self, functions: list[dict], many: bool) -> str:
-        invoke = self.rule("invoke", " | ".join(self.invoke(i, f) for i, f in enumerate(functions)))
+    def build(self, functions: dict[int, dict], many: bool, where: str) -> str:
+        invoke = self.rule("invoke", " | ".join(self.invoke(i, f, where.format(i)) for i, f in functions.items()))
         end = f'"/" {self.token} "tool_calls>"'
         tail = self.rule("more", f'"\\n<" ({self.token} {invoke} more | {end})') if many else f'"\\n<" {end}'
         start = f'"\\n\\n<" {self.token} "tool_calls>\\n<" {self.token} {invoke} {tail}'
         self.rule("text_value", r"/(?s:.*)<\//", "[lazy]")
         self.rule("any_parameter", f'{self.token} "parameter name=\\"" /[^"<>\\n]+/ "\\" " '
                                    f'("string=\\"true\\">" text_value | "string=\\"false\\">" '
-                                   f'{self.json("any_json", {})} "</") {self.token} "parameter>\\n<"')
+                                   f'{self.json("any_json", {}, "tools")} "</") {self.token} "parameter>\\n<"')
         return "\n".join([f"start: {start}", *self.rules])
 
 
-def forced_tool_call(tools: list[dict], tokenizer: Tokenizer, name: str | None = None, parallel: bool = True) -> str:
+def forced_tool_call(tools: list[dict], tokenizer: Tokenizer, name: str | None = None, parallel: bool = True,
+                     where: str = "tools.{}.function.parameters") -> str:
     """The Lark grammar of an answer that calls ``name`` once, or (``name`` None) one or more of ``tools``
-    (exactly one when not ``parallel``). ``tools`` in OpenAI form."""
-    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    return _Grammar(tokenizer.token_id(DSML)).build(functions, many=name is None and parallel)
+    (exactly one when not ``parallel``). ``tools`` in OpenAI form; ``where``: the request field of tool ``i``'s
+    parameter schema (``where.format(i)``), which a 400 about a property names."""
+    functions = {i: t["function"] for i, t in enumerate(tools) if name is None or t["function"]["name"] == name}
+    return _Grammar(tokenizer.token_id(DSML)).build(functions, name is None and parallel, where)
