@@ -77,3 +77,13 @@ def test_warm_up_builds_the_vocabulary_for_the_first_schema(engine):
     assert constraint._vocabulary.cache_info().currsize == 1
     res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=120, json_schema=SCHEMA))
     assert res.ok and constraint._vocabulary.cache_info().hits >= 1
+
+
+def test_ignoring_eos_after_a_complete_document_repeats_eos(engine):
+    """With ``ignore_eos`` the document's end does not stop generation; the mask then leaves only that token."""
+    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=60, json_schema=SCHEMA,
+                                                                     ignore_eos=True))
+    eos = engine.tokenizer.eos_id
+    first = res.tokens.index(eos)
+    assert res.ok and res.finish_reason == "length" and set(res.tokens[first:]) == {eos}
+    _check(json.loads(engine.tokenizer.decode(res.tokens[:first])))

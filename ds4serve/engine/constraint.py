@@ -75,18 +75,19 @@ class Constraint:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.vocab_size, self.eos_id = vocab_size, tokenizer.eos_id
 
-    def allowed(self) -> torch.Tensor:
-        """bool ``[V]``: the tokens that can come next (after a complete document that the end-of-sequence
-        token did not end, because the request ignores it: that token again)."""
-        if self.matcher.is_stopped():
-            return torch.arange(self.vocab_size) == self.eos_id
-        self._fill(self.matcher, self._bits, 0)
-        bits = (self._bits[0].unsqueeze(1) >> self._shifts) & 1
-        return bits.flatten()[:self.vocab_size].bool()
-
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor)."""
-        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor). After a complete
+        document that the end-of-sequence token did not end (the request ignores it) only that token is left.
+        llguidance's bitmask (one bit a token, 16 KB for DeepSeek-V4's vocabulary) is unpacked where the logits
+        are, so a GPU step copies 16 KB, not a byte a token."""
+        if self.matcher.is_stopped():
+            return logits.masked_fill(torch.arange(self.vocab_size, device=logits.device) != self.eos_id,
+                                      float("-inf"))
+        self._fill(self.matcher, self._bits, 0)
+        if self._shifts.device != logits.device:
+            self._shifts = self._shifts.to(logits.device)
+        bits = (self._bits[0].to(logits.device).unsqueeze(1) >> self._shifts) & 1
+        return logits.masked_fill(bits.flatten()[:self.vocab_size] == 0, float("-inf"))
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
