@@ -71,7 +71,7 @@ def test_a_bad_schema_is_an_invalid_request(engine, schema, says):
 
 
 def test_warm_up_builds_the_vocabulary_for_the_first_schema(engine):
-    """A server's warm-up builds llguidance's view of the tokenizer (~1 s), not its first request with a schema."""
+    """A server's warm-up builds llguidance's view of the tokenizer (seconds), not its first request with a schema."""
     constraint._vocabulary.cache_clear()
     engine.warm_up()
     assert constraint._vocabulary.cache_info().currsize == 1

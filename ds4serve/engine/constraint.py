@@ -39,7 +39,7 @@ def _llguidance(field: str = "json_schema"):
 
 @functools.lru_cache(maxsize=4)
 def _vocabulary(tokenizer: Tokenizer, vocab_size: int):
-    """llguidance's view of a tokenizer (about a second to build for DeepSeek-V4's 129k tokens: cached)."""
+    """llguidance's view of a tokenizer (1-5 s to build for DeepSeek-V4's 129k tokens on a CPU: cached)."""
     return _llguidance().LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
 
 

@@ -51,6 +51,7 @@ class _Grammar:
     def __init__(self, dsml_id: int):
         self.token = f"<[{dsml_id}]>"
         self.rules: list[str] = []
+        self.schemas: dict[str, str] = {}  # a JSON schema's text -> its rule
         self.llg = _llguidance()
 
     def rule(self, name: str, body: str, options: str = "") -> str:
@@ -60,7 +61,7 @@ class _Grammar:
     def value(self, name: str, schema: dict, defs: dict, where: str) -> str:
         """A parameter's ``string="…">`` and value, up to and including the ``</`` of its closing tag."""
         if not _is_text(schema):
-            return f'"string=\\"false\\">" {self.json(f"{name}_json", {**defs, **schema}, where)} "</"'
+            return f'"string=\\"false\\">" {self.json({**defs, **schema}, where)} "</"'
         choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
         if choices:
             if any("</" in c for c in choices):
@@ -75,12 +76,16 @@ class _Grammar:
             text = "text_value"
         return f'"string=\\"true\\">" {text}'
 
-    def json(self, name: str, schema: dict, where: str) -> str:
-        source = {**schema, "x-guidance": JSON_LAYOUT}
-        problem = self.llg.LLMatcher.validate_grammar(self.llg.LLMatcher.grammar_from_json_schema(source))
-        if problem:
-            raise invalid(f"{where}: {problem}", where)
-        return self.rule(name, "%json " + json.dumps(source, ensure_ascii=False))
+    def json(self, schema: dict, where: str) -> str:
+        """A rule for JSON values of ``schema``: one per distinct schema (each is a sub-grammar for llguidance to
+        compile, and tools repeat their parameters' types)."""
+        text = json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False, sort_keys=True)
+        if text not in self.schemas:
+            problem = self.llg.LLMatcher.validate_grammar(self.llg.LLMatcher.grammar_from_json_schema(text))
+            if problem:
+                raise invalid(f"{where}: {problem}", where)
+            self.schemas[text] = self.rule(f"json{len(self.schemas)}", "%json " + text)
+        return self.schemas[text]
 
     def parameter(self, name: str, key: str, schema: dict, defs: dict, where: str) -> str:
         if any(c in key for c in '"<>\n'):
@@ -113,7 +118,7 @@ class _Grammar:
         self.rule("text_value", r"/(?s:.*)<\//", "[lazy]")
         self.rule("any_parameter", f'{self.token} "parameter name=\\"" /[^"<>\\n]+/ "\\" " '
                                    f'("string=\\"true\\">" text_value | "string=\\"false\\">" '
-                                   f'{self.json("any_json", {}, "tools")} "</") {self.token} "parameter>\\n<"')
+                                   f'{self.json({}, "tools")} "</") {self.token} "parameter>\\n<"')
         return "\n".join([f"start: {start}", *self.rules])
 
 
