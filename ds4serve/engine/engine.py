@@ -252,6 +252,8 @@ class Engine:
                     state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
                                                 feed)
                     self._pending_restore = None
+                    if logits.is_cuda:  # the forward returns before the device has run it: the first token waits
+                        torch.cuda.current_stream(logits.device).synchronize()  # for it anyway, so time it here
                     res.timings.prefill_s = time.perf_counter() - start
                     if feed is None:
                         yield from self._decode_loop(handle, state, logits, start, constraint)
