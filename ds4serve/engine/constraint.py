@@ -74,12 +74,18 @@ class Constraint:
         self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.vocab_size, self.eos_id = vocab_size, tokenizer.eos_id
+        self._pending: list[int] = []
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor). After a complete
         document that the end-of-sequence token did not end (the request ignores it) only that token is left.
         llguidance's bitmask (one bit a token, 16 KB for DeepSeek-V4's vocabulary) is unpacked where the logits
         are, so a GPU step copies 16 KB, not a byte a token."""
+        for token in self._pending:
+            if not self.matcher.consume_token(token):
+                raise GenerateError(ErrorCode.INTERNAL, f"{self.field}: token {token} does not continue the "
+                                    f"document ({self.matcher.get_error()})")
+        self._pending.clear()
         if self.matcher.is_stopped():
             return logits.masked_fill(torch.arange(self.vocab_size, device=logits.device) != self.eos_id,
                                       float("-inf"))
@@ -90,9 +96,9 @@ class Constraint:
         return logits.masked_fill(bits.flatten()[:self.vocab_size] == 0, float("-inf"))
 
     def consume(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise GenerateError(ErrorCode.INTERNAL, f"{self.field}: token {token} does not continue the document "
-                                f"({self.matcher.get_error()})")
+        """Record the answer's next token. The matcher takes it at the next :meth:`mask`, which the engine calls
+        after launching the step that token feeds, so the host's work overlaps the device's."""
+        self._pending.append(token)
 
 
 def for_request(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> Constraint | None:
