@@ -80,7 +80,8 @@ class Constraint:
         """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor). After a complete
         document that the end-of-sequence token did not end (the request ignores it) only that token is left.
         llguidance's bitmask (one bit a token, 16 KB for DeepSeek-V4's vocabulary) is unpacked where the logits
-        are, so a GPU step copies 16 KB, not a byte a token."""
+        are, so a GPU step copies 16 KB, not a byte a token, and the host queues the copy and the masking behind
+        the step instead of waiting for it."""
         for token in self._pending:
             if not self.matcher.consume_token(token):
                 raise GenerateError(ErrorCode.INTERNAL, f"{self.field}: token {token} does not continue the "
@@ -92,7 +93,10 @@ class Constraint:
         self._fill(self.matcher, self._bits, 0)
         if self._shifts.device != logits.device:
             self._shifts = self._shifts.to(logits.device)
-        bits = (self._bits[0].to(logits.device).unsqueeze(1) >> self._shifts) & 1
+        # queued behind the step that made the logits, not waited for: the next fill of the pinned bitmask comes
+        # after the token sampled from these logits reached the host, so after this copy ran
+        words = self._bits[0].to(logits.device, non_blocking=True)
+        bits = (words.unsqueeze(1) >> self._shifts) & 1
         return logits.masked_fill(bits.flatten()[:self.vocab_size] == 0, float("-inf"))
 
     def consume(self, token: int) -> None:
