@@ -14,7 +14,8 @@
 5. a layer split (cuda:0 and the last GPU; both on cuda:0 on a one-GPU machine) decoding through one
    graph per shard and verifying through one per shard: greedy tokens equal to the whole model's;
 6. structured output through the decode graph (when llguidance is installed): a JSON schema's and a forced
-   tool call's answers, greedy and sampled, parse and follow the schema, and what the mask costs a token.
+   tool call's answers, greedy and sampled, parse and follow the schema; speculative constrained greedy
+   decoding through the verify graphs equals plain (fp32); what the mask costs a token.
 
 Prints one line per check and exits non-zero when one fails. Usage::
 
@@ -500,7 +501,8 @@ def _differing_rows(a, b) -> list[str]:
 def check_constrained(root: Path) -> None:
     """Answers held by llguidance's masks on the GPU (the mask is computed on the host each answer token and
     applied to the graph's logits): a JSON schema and a forced tool call, greedy and sampled, on a tiny random
-    model whose free output is neither; the time a token costs with the mask against without."""
+    model whose free output is neither; speculative constrained greedy decoding (MTP and oracle drafts, the
+    verify graphs) equal to plain in fp32; the time a token costs with the mask against without."""
     try:
         import llguidance  # noqa: F401
     except ImportError:
@@ -515,7 +517,7 @@ def check_constrained(root: Path) -> None:
         "type": "object", "required": ["city", "days"],
         "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
                                                                             "maximum": 9}}}}}
-    path = make_tiny(root / "constrained", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5))
+    path = make_tiny(root / "constrained", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
     engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_context=512)
     tok = engine.tokenizer
@@ -539,6 +541,14 @@ def check_constrained(root: Path) -> None:
         calls = [json.loads(c.arguments) for c in delta.tool_calls]
         ok = res.ok and len(calls) == 1 and not delta.content and 1 <= calls[0].get("days", 0) <= 9
         record(f"forced tool call through the graph (bf16, temperature {temperature})", ok, calls=calls,
+               error=res.error_message)
+    fp32 = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=512)
+    held = SamplingParams(max_tokens=120, temperature=0.0, json_schema=schema)
+    plain = fp32.generate(prompt, held)
+    for spec in ("mtp", OracleProposer(prompt + plain.tokens, 0.7, 4)):
+        res = fp32.generate(prompt, held, speculative=spec)
+        record(f"speculative constrained greedy == plain, through the graphs (fp32, {spec})",
+               res.ok and res.tokens == plain.tokens and bool(res.stats.speculative), tokens=len(res.tokens),
                error=res.error_message)
     free = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     held = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, grammar='start: /(?s:.*)/')

@@ -11,6 +11,7 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (th
 
 from ds4serve import SamplingParams  # noqa: E402
 from ds4serve.engine import constraint  # noqa: E402
+from ds4serve.engine.drafts import OracleProposer  # noqa: E402
 from ds4serve.engine.request import ErrorCode  # noqa: E402
 
 from .helpers import random_prompt  # noqa: E402
@@ -55,10 +56,18 @@ def test_reasoning_is_free_and_the_answer_after_it_is_held(engine):
     _check(json.loads(engine.tokenizer.decode(res.tokens[4:-1])))
 
 
-def test_a_constrained_request_does_not_speculate(engine):
-    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=120, json_schema=SCHEMA),
-                          speculative="ngram")
-    assert res.ok and not res.stats.speculative
+@pytest.mark.parametrize("speculative", ["ngram", "mtp", "oracle 1.0", "oracle 0.5"])
+def test_speculative_constrained_decoding_equals_plain(engine, speculative):
+    """Drafts are verified against the masked distributions (a forbidden draft is rejected), so greedy
+    speculative decoding of a constrained answer gives plain constrained decoding's tokens; the oracle drafts
+    plain's own continuation (every draft right at 1.0, half of them at 0.5)."""
+    prompt = random_prompt(12, seed=40)
+    params = SamplingParams(max_tokens=120, temperature=0.0, json_schema=SCHEMA)
+    plain = engine.generate(prompt, params)
+    if speculative.startswith("oracle"):
+        speculative = OracleProposer(prompt + plain.tokens, float(speculative.split()[1]), 4)
+    res = engine.generate(prompt, params, speculative=speculative)
+    assert res.ok and res.stats.speculative and res.tokens == plain.tokens
     _check(json.loads(_answer(engine, res)))
 
 

@@ -244,10 +244,9 @@ class Engine:
                 with profiler.request(res):
                     self._require_model()
                     prompt = self._validate(handle.prompt, params)
-                    # compiled before the prompt is prefilled (a bad schema costs no forward); its mask follows the
-                    # accepted tokens one at a time, so a constrained request does not speculate
+                    # compiled before the prompt is prefilled (a bad schema costs no forward)
                     constraint = constraint_for(params, self.tokenizer, self.cfg.vocab_size)
-                    proposer = None if constraint is not None else self._proposer(speculative)
+                    proposer = self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
                     state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
                                                 feed)
@@ -258,7 +257,7 @@ class Engine:
                     if feed is None:
                         yield from self._decode_loop(handle, state, logits, start, constraint)
                     else:
-                        yield from speculative_decode(self, handle, state, logits, start, feed)
+                        yield from speculative_decode(self, handle, state, logits, start, feed, constraint)
             except GenerateError as exc:
                 res.error, res.error_message, res.finish_reason = exc.code, exc.message, "error"
             except torch.OutOfMemoryError as exc:

@@ -48,8 +48,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus the top N
     reasoning_budget: int | None = None  # max reasoning tokens before </think> is forced
     thinking: bool | None = None  # None: thinking iff the prompt ends with <think>
-    json_schema: dict | None = None  # the answer held to this JSON schema (engine/constraint.py); no speculation
-    grammar: str | None = None  # or to this llguidance Lark grammar (e.g. a forced tool call); no speculation
+    json_schema: dict | None = None  # the answer held to this JSON schema (engine/constraint.py)
+    grammar: str | None = None  # or to this llguidance Lark grammar (e.g. a forced tool call)
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`GenerateError` (invalid_request) naming the first bad field."""

@@ -26,6 +26,7 @@ from .. import profiler
 from ..kernels.switches import SWITCHES
 from ..model import ForwardResult
 from ..state import SequenceState
+from .constraint import Constraint
 from .generation import Generation
 from .sampler import Sampler
 
@@ -243,15 +244,18 @@ class SpeculativeStats:
 
 
 def speculative_decode(engine: "Engine", handle: "RequestHandle", state: SequenceState, logits: torch.Tensor,
-                       start: float, feed: PromptFeed) -> Iterator[int]:
+                       start: float, feed: PromptFeed, constraint: Constraint | None = None) -> Iterator[int]:
     """The speculative decode loop: tokens one at a time, as plain decoding would produce them.
 
-    ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine.
+    ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine. With a
+    ``constraint`` (structured output) every row's distribution is the masked one, the mask following the
+    tokens accepted before that row, so a draft the rule forbids is rejected like any other the target would
+    not emit, and the tokens are those of plain constrained decoding.
     """
     proposer = feed.proposer
     model = engine._require_model()
     res, params = handle.result, handle.params
-    gen = Generation(handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start)
+    gen = Generation(handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start, constraint)
     stats = SpeculativeStats(proposer.name)
     policy = WidthPolicy(proposer)
     history = list(state.tokens)
