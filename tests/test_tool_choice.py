@@ -1,5 +1,6 @@
 """Forced tool calls: ``tool_choice`` "required" / a named tool (OpenAI) and "any" / "tool" (Anthropic) hold the
-answer to a DSML tool-call block of the given tools' schemas (server/tool_grammar.py through llguidance).
+answer to a DSML tool-call block of the given tools' schemas; under "auto", ``strict`` functions' calls are held
+to their schemas after free content (server/tool_grammar.py through llguidance).
 
 The tiny random model never writes DSML on its own, so every parsed call below is the grammar's doing."""
 
@@ -17,7 +18,7 @@ from ds4serve import Engine, SamplingParams  # noqa: E402
 from ds4serve.engine.constraint import Constraint  # noqa: E402
 from ds4serve.server.app import ServerConfig, create_app  # noqa: E402
 from ds4serve.server.chat_format import OutputParser, render_tool_calls  # noqa: E402
-from ds4serve.server.tool_grammar import forced_tool_call  # noqa: E402
+from ds4serve.server.tool_grammar import forced_tool_call, strict_tool_calls  # noqa: E402
 
 from .helpers import random_prompt  # noqa: E402
 from .server_harness import running  # noqa: E402
@@ -78,6 +79,41 @@ def test_a_named_tool_or_no_parallel_calls_allow_one_invoke(tok):
     assert not _accepts(tok, named, [_call("now"), _call("now")])
     single = forced_tool_call(TOOLS, tok, parallel=False)
     assert _accepts(tok, single, [_call("note")]) and not _accepts(tok, single, [_call("now"), _call("note")])
+
+
+STRICT = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}, FREE]
+
+
+@pytest.mark.parametrize("text,calls,ok", [
+    ("Let me see <b>\n\n< x", [], True),  # content alone, "<" and blank lines included
+    ("", [], True),
+    ("Checking.", [_call("get_weather", city="Paris", unit="c")], True),
+    ("", [_call("get_weather", city="Paris", unit="c"), _call("note", anything=[1])], True),  # note is not strict
+    ("Checking.", [_call("get_weather", city="Paris", unit="kelvin")], False),  # the strict schema holds
+    ("Checking.", [_call("get_weather", unit="c")], False),
+])
+def test_strict_functions_are_held_after_free_content(tok, text, calls, ok):
+    rendered = text + (render_tool_calls(calls) if calls else "")
+    matcher = Constraint(tok, tok.vocab_size, grammar=strict_tool_calls(STRICT, tok)).matcher
+    accepted = all(matcher.consume_token(t) for t in tok.encode(rendered)) and matcher.is_accepting()
+    assert accepted == ok
+
+
+def test_content_cannot_hold_a_dsml_block_of_its_own(tok):
+    """The block must follow content ending in a blank line, and nothing may follow it."""
+    grammar = strict_tool_calls(STRICT, tok)
+    for text in ("Checking.<｜DSML｜tool_calls>", render_tool_calls([_call("note")]) + " more"):
+        matcher = Constraint(tok, tok.vocab_size, grammar=grammar).matcher
+        assert not (all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting())
+    assert strict_tool_calls([FREE], tok) is None  # no strict function: nothing to hold
+
+
+def test_with_a_response_format_the_content_is_a_document_or_the_answer_calls(tok):
+    grammar = strict_tool_calls(STRICT, tok, content_schema={"type": "object", "required": ["a"],
+                                                             "properties": {"a": {"type": "integer"}}})
+    for text, ok in (('{"a": 1}', True), (render_tool_calls([_call("note")]), True), ("hi", False), ('{"b": 1}', False)):
+        matcher = Constraint(tok, tok.vocab_size, grammar=grammar).matcher
+        assert (all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting()) == ok, text
 
 
 def _check_weather(arguments: dict) -> None:
@@ -161,3 +197,18 @@ def test_anthropic_any_and_named_tool(base):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "?"}],
                                tool_choice={"type": "any"})
+
+
+def test_openai_auto_tool_choice_holds_a_strict_function(oai):
+    """Under "auto" the model may answer or call; steered into a call (logit_bias on ``｜DSML｜``, after a blank
+    line and ``<``), a strict function's arguments follow its schema. Unsteered, the answer is content."""
+    tools = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
+    steer = {"128825": 100, "271": 15, "30": 15}
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200,
+                                    tools=tools, parallel_tool_calls=False, logit_bias=steer, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    _check_weather(json.loads(call.function.arguments))
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=30,
+                                    tools=tools, temperature=0)
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content

@@ -17,6 +17,7 @@ the engine runs without it (the GPU benchmark machine has none), and such a requ
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import torch
@@ -39,8 +40,15 @@ def _llguidance(field: str = "json_schema"):
 
 @functools.lru_cache(maxsize=4)
 def _vocabulary(tokenizer: Tokenizer, vocab_size: int):
-    """llguidance's view of a tokenizer (1-5 s to build for DeepSeek-V4's 129k tokens on a CPU: cached)."""
-    return _llguidance().LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
+    """llguidance's view of a tokenizer (1-5 s to build for DeepSeek-V4's 129k tokens on a CPU: cached).
+
+    Every added token is special to it, as DeepSeek-V4's are control tokens (``<think>``, ``｜DSML｜``, ...)
+    though its tokenizer marks only some special: no JSON string or free text of a grammar can then hold one,
+    and a grammar names one by id (``<[128825]>``), which text before it cannot swallow."""
+    spec = json.loads(tokenizer.to_json())
+    for added in spec.get("added_tokens", []):
+        added["special"] = True
+    return _llguidance().LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=tokenizer.eos_id)
 
 
 def prepare(tokenizer: Tokenizer, vocab_size: int) -> bool:

@@ -15,7 +15,7 @@ from .completion import (Completion, CompletionSpec, Piece, build_params, check_
                          run_to_end)
 from .errors import APIError, invalid, openai_body
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
-from .tool_grammar import forced_tool_call
+from .tool_grammar import forced_tool_call, strict_tool_calls
 
 router = APIRouter()
 
@@ -88,15 +88,21 @@ def _response_format(body: ChatRequest) -> dict | None:
     return schema
 
 
-def _forced_call(server, body: ChatRequest, tools: list[dict] | None, response_format: dict | None) -> str | None:
-    """The grammar of the tool call that ``tool_choice`` "required" or a named tool forces (tool_grammar.py)."""
+def _answer_rule(server, body: ChatRequest, tools: list[dict] | None, response_format: dict | None
+                 ) -> tuple[str | None, dict | None]:
+    """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
+    "required" or a named tool forces; under "auto", content then maybe calls with the ``strict`` functions'
+    parameters held (the content a document of ``response_format``'s schema, if any); else that schema alone."""
     choice = body.tool_choice
-    if not tools or choice in (None, "auto"):
-        return None
-    if response_format is not None:
-        raise invalid("response_format: cannot be combined with a forced tool call (tool_choice)", "response_format")
-    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    return forced_tool_call(tools, server.engine.tokenizer, name, body.parallel_tool_calls is not False)
+    tok, parallel = server.engine.tokenizer, body.parallel_tool_calls is not False
+    if tools and choice not in (None, "auto"):
+        if response_format is not None:
+            raise invalid("response_format: cannot be combined with a forced tool call (tool_choice)",
+                          "response_format")
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return forced_tool_call(tools, tok, name, parallel), None
+    strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
+    return (strict, None) if strict is not None else (None, response_format)
 
 
 def chat_spec(server, body: ChatRequest) -> CompletionSpec:
@@ -105,7 +111,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
     response_format = _response_format(body)
-    grammar = _forced_call(server, body, tools, response_format)
+    grammar, json_schema = _answer_rule(server, body, tools, response_format)
     encoded = encode_messages(_messages(body), thinking=thinking, reasoning_effort=effort, tools=tools,
                               response_format=response_format)
     tok = server.engine.tokenizer
@@ -119,7 +125,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         reasoning_budget=body.thinking.budget_tokens if body.thinking else None, thinking=thinking,
-        ignore_eos=body.ignore_eos, json_schema=response_format, grammar=grammar, vocab=server.engine.cfg.vocab_size)
+        ignore_eos=body.ignore_eos, json_schema=json_schema, grammar=grammar, vocab=server.engine.cfg.vocab_size)
     return CompletionSpec(
         prompt=prompt, params=params, stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         thinking=thinking, tools={t["function"]["name"] for t in tools} if tools else None,

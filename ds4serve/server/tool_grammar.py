@@ -1,9 +1,13 @@
-"""The grammar of a forced tool call: ``tool_choice`` "required" (OpenAI) / "any" (Anthropic) or a named tool.
+"""Grammars of an answer's DSML tool calls, held token by token by :mod:`ds4serve.engine.constraint`.
 
-The answer must then be exactly a DSML tool-calls block (chat_format.render_tool_calls' layout) followed by the
+:func:`forced_tool_call`: ``tool_choice`` "required" (OpenAI) / "any" (Anthropic) or a named tool. The answer
+must then be exactly a DSML tool-calls block (chat_format.render_tool_calls' layout) followed by the
 end-of-sequence token: one invoke of the named tool, or one or more invokes (one only without parallel tool
-calls) of the given tools. Each invoke's parameters follow its ``parameters`` schema: the properties in the
-schema's order, the required ones always, a string-typed one as raw text (``string="true"``; its ``enum``,
+calls) of the given tools. :func:`strict_tool_calls`: ``tool_choice`` "auto" with OpenAI's ``strict: true`` on
+some function. The answer is free content (or, with a ``response_format``, a document of its schema), or such
+content then a tool-calls block; in the block a strict function's parameters are held to its schema and any
+other function takes any parameters. Each held invoke's parameters follow its ``parameters`` schema: the
+properties in the schema's order, the required ones always, a string-typed one as raw text (``string="true"``; its ``enum``,
 ``const``, ``minLength`` and ``maxLength`` held, not a ``pattern``), any other as compact JSON held to the
 property's schema (``string="false"``); a tool without properties takes any parameters. The grammar is in
 llguidance's Lark dialect, which :mod:`ds4serve.engine.constraint` compiles.
@@ -71,10 +75,17 @@ class _Grammar:
             low, high = schema.get("minLength", 0), schema.get("maxLength")
             if not all(type(n) is int and n >= 0 for n in (low, 0 if high is None else high)):
                 raise invalid(f"{where}: minLength and maxLength must be integers >= 0", where)
-            text = self.rule(f"{name}_text", f"/(?s:.){{{low},{'' if high is None else high}}}<\\//", "[lazy]")
+            text = self.text(f"{name}_text", f"/(?s:.){{{low},{'' if high is None else high}}}<\\//", lazy=True)
         else:
             text = "text_value"
         return f'"string=\\"true\\">" {text}'
+
+    def text(self, name: str, regex: str, lazy: bool = False) -> str:
+        """A rule for raw text matching ``regex`` that does not hold ``｜DSML｜``. The tokenizer does not mark that
+        token special, so llguidance reads it as its text, which free text would otherwise take: a block or a
+        tag the grammar does not hold."""
+        terminal = self.rule(name.upper(), f"{regex} & NO_DSML")
+        return self.rule(name, terminal, "[lazy]" if lazy else "")
 
     def json(self, schema: dict, where: str) -> str:
         """A rule for JSON values of ``schema``: one per distinct schema (each is a sub-grammar for llguidance to
@@ -93,13 +104,13 @@ class _Grammar:
         head, value = _literal(f'parameter name="{key}" '), self.value(name, schema, defs, where)
         return self.rule(name, f'{self.token} {head} {value} {self.token} "parameter>\\n<"')
 
-    def invoke(self, index: int, function: dict, where: str) -> str:
+    def invoke(self, index: int, function: dict, where: str, held: bool = True) -> str:
         """``invoke name="f">\\n`` (after ``<｜DSML｜``), the parameters, then ``</｜DSML｜invoke>``. Without
         parameters the layout is render_tool_calls' ``>\\n\\n</``; with them each is ``<…parameter>\\n``."""
         params = function.get("parameters") or {}
         props = params.get("properties") if isinstance(params, dict) else None
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-        if props:
+        if props and held:
             required = set(params.get("required") or [])
             parts = [self.parameter(f"p{index}_{i}", key, schema if isinstance(schema, dict) else {}, defs,
                                     f"{where}.properties.{key}") + ("" if key in required else "?")
@@ -110,13 +121,26 @@ class _Grammar:
         head = _literal(f'invoke name="{function["name"]}">\n')
         return self.rule(f"invoke{index}", f'{head} ({body}) "/" {self.token} "invoke>"')
 
-    def build(self, functions: dict[int, dict], many: bool, where: str) -> str:
-        invoke = self.rule("invoke", " | ".join(self.invoke(i, f, where.format(i)) for i, f in functions.items()))
+    def build(self, functions: dict[int, dict], many: bool, where: str, held: set[int] | None = None,
+              content: str | dict | None = None) -> str:
+        """``functions`` by their index in the request; ``held``: the indices whose schemas are held (None: all);
+        ``content``: None (the answer is the block), "text" (free content, then maybe the block) or a JSON
+        schema (a document of it, or the block)."""
+        invoke = self.rule("invoke", " | ".join(self.invoke(i, f, where.format(i), held is None or i in held)
+                                                for i, f in functions.items()))
         end = f'"/" {self.token} "tool_calls>"'
         tail = self.rule("more", f'"\\n<" ({self.token} {invoke} more | {end})') if many else f'"\\n<" {end}'
-        start = f'"\\n\\n<" {self.token} "tool_calls>\\n<" {self.token} {invoke} {tail}'
-        self.rule("text_value", r"/(?s:.*)<\//", "[lazy]")
-        self.rule("any_parameter", f'{self.token} "parameter name=\\"" /[^"<>\\n]+/ "\\" " '
+        calls = f'{self.token} "tool_calls>\\n<" {self.token} {invoke} {tail}'
+        if content is None:
+            start = f'"\\n\\n<" {calls}'
+        elif content == "text":  # text ending in "\\n\\n<" may go on with the block (the special token comes next)
+            free, before = self.text("free_text", r"/(?s:.*)/"), self.text("text_before_calls", r"/(?s:.*)\n\n</")
+            start = f"{free} | {before} {calls}"
+        else:
+            start = f'{self.json(content, "response_format")} | "\\n\\n<" {calls}'
+        self.text("text_value", r"/(?s:.*)<\//", lazy=True)
+        self.rule("NO_DSML", f"~/(?s:.*){DSML}(?s:.*)/")
+        self.rule("any_parameter", f'{self.token} "parameter name=\\"" /[^"<>\\n{DSML[0]}]+/ "\\" " '
                                    f'("string=\\"true\\">" text_value | "string=\\"false\\">" '
                                    f'{self.json({}, "tools")} "</") {self.token} "parameter>\\n<"')
         return "\n".join([f"start: {start}", *self.rules])
@@ -129,3 +153,16 @@ def forced_tool_call(tools: list[dict], tokenizer: Tokenizer, name: str | None =
     parameter schema (``where.format(i)``), which a 400 about a property names."""
     functions = {i: t["function"] for i, t in enumerate(tools) if name is None or t["function"]["name"] == name}
     return _Grammar(tokenizer.token_id(DSML)).build(functions, name is None and parallel, where)
+
+
+def strict_tool_calls(tools: list[dict], tokenizer: Tokenizer, parallel: bool = True,
+                      content_schema: dict | None = None, where: str = "tools.{}.function.parameters") -> str | None:
+    """The Lark grammar of an answer under ``tool_choice`` "auto" that holds the calls of ``strict`` functions to
+    their schemas (None when no function is strict): content, then maybe a tool-calls block. With
+    ``content_schema`` (a ``response_format``) the content is a document of it, or the answer is the block."""
+    held = {i for i, t in enumerate(tools) if t["function"].get("strict") is True}
+    if not held:
+        return None
+    functions = dict(enumerate(t["function"] for t in tools))
+    return _Grammar(tokenizer.token_id(DSML)).build(functions, parallel, where, held,
+                                                    "text" if content_schema is None else content_schema)
