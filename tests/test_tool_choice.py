@@ -111,7 +111,8 @@ def test_content_cannot_hold_a_dsml_block_of_its_own(tok):
 def test_with_a_response_format_the_content_is_a_document_or_the_answer_calls(tok):
     grammar = strict_tool_calls(STRICT, tok, content_schema={"type": "object", "required": ["a"],
                                                              "properties": {"a": {"type": "integer"}}})
-    for text, ok in (('{"a": 1}', True), (render_tool_calls([_call("note")]), True), ("hi", False), ('{"b": 1}', False)):
+    cases = (('{"a": 1}', True), (render_tool_calls([_call("note")]), True), ("hi", False), ('{"b": 1}', False))
+    for text, ok in cases:
         matcher = Constraint(tok, tok.vocab_size, grammar=grammar).matcher
         assert (all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting()) == ok, text
 

@@ -7,10 +7,10 @@ calls) of the given tools. :func:`strict_tool_calls`: ``tool_choice`` "auto" wit
 some function. The answer is free content (or, with a ``response_format``, a document of its schema), or such
 content then a tool-calls block; in the block a strict function's parameters are held to its schema and any
 other function takes any parameters. Each held invoke's parameters follow its ``parameters`` schema: the
-properties in the schema's order, the required ones always, a string-typed one as raw text (``string="true"``; its ``enum``,
-``const``, ``minLength`` and ``maxLength`` held, not a ``pattern``), any other as compact JSON held to the
-property's schema (``string="false"``); a tool without properties takes any parameters. The grammar is in
-llguidance's Lark dialect, which :mod:`ds4serve.engine.constraint` compiles.
+properties in the schema's order, the required ones always, a string-typed one as raw text (``string="true"``;
+its ``enum``, ``const``, ``minLength`` and ``maxLength`` held, not a ``pattern``), any other as compact JSON held
+to the property's schema (``string="false"``); a tool without properties takes any parameters. The grammar is
+in llguidance's Lark dialect, which :mod:`ds4serve.engine.constraint` compiles.
 
 ``｜DSML｜`` is one special token, so the grammar names it by id, and the literal text around it is cut so
 that every ``<`` before it ends a literal of its own: ``"\\n<"`` then either the token or ``"/"`` (a literal
