@@ -86,6 +86,11 @@ CASES = [
     (MSGS, msgs(tools=[{"name": "f"}]), 400, None),
     (MSGS, msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}), 400, None),
     (MSGS, msgs(tool_choice={"type": "any"}), 400, None),
+    # a strict tool's schema is compiled under "auto" too (a non-strict one is only shown to the model)
+    (MSGS, msgs(tools=[{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}]), 400, None),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), 400, "tools.0.function.parameters.properties.a"),
     (MSGS, msgs(thinking={"type": "sometimes"}), 400, None),
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),

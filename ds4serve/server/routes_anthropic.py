@@ -13,7 +13,7 @@ from .chat_format import encode_messages, shared_prefix_length
 from .completion import Completion, CompletionSpec, build_params, check_prompt, resolve_max_tokens, run_to_end
 from .errors import APIError, anthropic_body, invalid
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
-from .tool_grammar import forced_tool_call
+from .tool_grammar import forced_tool_call, strict_tool_calls
 
 router = APIRouter()
 
@@ -76,7 +76,8 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
     if choice is not None and choice.type == "tool" and choice.name not in names:
         raise invalid(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
     return [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
-                                                                   ("parameters", t.input_schema)) if v is not None}}
+                                                                   ("parameters", t.input_schema), ("strict", t.strict))
+                                              if v is not None}}
             for t in body.tools]
 
 
@@ -87,14 +88,17 @@ def _encode(server, body: CountTokensRequest):
     return encoded, server.engine.tokenizer.encode(encoded.text), tools
 
 
-def _forced_call(server, body: MessagesRequest, tools: list[dict] | None) -> str | None:
-    """The grammar of the tool call that ``tool_choice`` "any" or "tool" forces (tool_grammar.py)."""
+def _tool_grammar(server, body: MessagesRequest, tools: list[dict] | None) -> str | None:
+    """The grammar the answer is held to (tool_grammar.py): the tool call that ``tool_choice`` "any" or "tool"
+    forces; under "auto", content then maybe calls with the ``strict`` tools' inputs held."""
     choice = body.tool_choice
-    if not tools or choice is None or choice.type not in ("any", "tool"):
+    if not tools:
         return None
-    name = choice.name if choice.type == "tool" else None
-    return forced_tool_call(tools, server.engine.tokenizer, name, not choice.disable_parallel_tool_use,
-                            "tools.{}.input_schema")
+    tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
+    if choice is not None and choice.type in ("any", "tool"):
+        name = choice.name if choice.type == "tool" else None
+        return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema")
+    return strict_tool_calls(tools, tok, parallel, where="tools.{}.input_schema")
 
 
 def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
@@ -104,7 +108,7 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     params = build_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         reasoning_budget=body.thinking.budget_tokens if body.thinking and encoded.thinking else None,
-        thinking=encoded.thinking, grammar=_forced_call(server, body, tools), vocab=server.engine.cfg.vocab_size)
+        thinking=encoded.thinking, grammar=_tool_grammar(server, body, tools), vocab=server.engine.cfg.vocab_size)
     tok = server.engine.tokenizer
     return CompletionSpec(prompt=prompt, params=params, stops=list(body.stop_sequences or []),
                           thinking=encoded.thinking, tools={t["function"]["name"] for t in tools} if tools else None,

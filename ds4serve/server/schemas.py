@@ -239,6 +239,7 @@ class AnthropicTool(_Body):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None
 
     @field_validator("input_schema")
     @classmethod
