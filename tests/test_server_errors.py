@@ -25,7 +25,7 @@ def msgs(**kw):
     return {**OK_MSGS, **kw}
 
 
-# (route, body: dict or raw bytes, status, the param the error must name (OpenAI routes) or None)
+# (route, body: dict or raw bytes, status, the param the error must name (Anthropic: its message) or None)
 CASES = [
     (CHAT, b"{not json", 400, None),
     (CHAT, b"[1, 2]", 400, None),
@@ -88,7 +88,7 @@ CASES = [
     (MSGS, msgs(tool_choice={"type": "any"}), 400, None),
     # a strict tool's schema is compiled under "auto" too (a non-strict one is only shown to the model)
     (MSGS, msgs(tools=[{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {
-        "a": {"type": "nonsense"}}}}]), 400, None),
+        "a": {"type": "nonsense"}}}}]), 400, "tools.0.input_schema.properties.a"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), 400, "tools.0.function.parameters.properties.a"),
     (MSGS, msgs(thinking={"type": "sometimes"}), 400, None),
@@ -133,6 +133,7 @@ def test_bad_request_gets_status_and_shape(base, path, body, status, param):
     err = r.json()
     if path.startswith("/v1/messages"):
         assert err["type"] == "error" and err["error"]["type"] and err["error"]["message"]
+        assert param is None or err["error"]["message"].startswith(param)
     else:
         assert err["error"]["message"] and err["error"]["type"] and err["error"]["code"]
         if param is not None:

@@ -103,12 +103,13 @@ def _tool_grammar(server, body: MessagesRequest, tools: list[dict] | None) -> st
 
 def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     encoded, prompt, tools = _encode(server, body)
+    grammar = _tool_grammar(server, body, tools)
     check_prompt(server, prompt, "messages")
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
     params = build_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         reasoning_budget=body.thinking.budget_tokens if body.thinking and encoded.thinking else None,
-        thinking=encoded.thinking, grammar=_tool_grammar(server, body, tools), vocab=server.engine.cfg.vocab_size)
+        thinking=encoded.thinking, grammar=grammar, vocab=server.engine.cfg.vocab_size)
     tok = server.engine.tokenizer
     return CompletionSpec(prompt=prompt, params=params, stops=list(body.stop_sequences or []),
                           thinking=encoded.thinking, tools={t["function"]["name"] for t in tools} if tools else None,
