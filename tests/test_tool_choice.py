@@ -34,10 +34,15 @@ FREE = {"type": "function", "function": {"name": "note"}}
 TOOLS = [WEATHER, NOW, FREE]
 
 
+def _matches(tokenizer, grammar: str, text: str) -> bool:
+    """Whether the tokens of ``text`` make a whole answer of ``grammar``."""
+    matcher = Constraint(tokenizer, tokenizer.vocab_size, grammar=grammar).matcher
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+
 def _accepts(tokenizer, grammar: str, calls: list[dict]) -> bool:
     """Whether the rendered ``calls`` (chat_format's layout, what the model was trained on) match ``grammar``."""
-    matcher = Constraint(tokenizer, tokenizer.vocab_size, grammar=grammar).matcher
-    return all(matcher.consume_token(t) for t in tokenizer.encode(render_tool_calls(calls))) and matcher.is_accepting()
+    return _matches(tokenizer, grammar, render_tool_calls(calls))
 
 
 def _call(name: str, **arguments) -> dict:
@@ -93,18 +98,14 @@ STRICT = [{"type": "function", "function": {**WEATHER["function"], "strict": Tru
     ("Checking.", [_call("get_weather", unit="c")], False),
 ])
 def test_strict_functions_are_held_after_free_content(tok, text, calls, ok):
-    rendered = text + (render_tool_calls(calls) if calls else "")
-    matcher = Constraint(tok, tok.vocab_size, grammar=strict_tool_calls(STRICT, tok)).matcher
-    accepted = all(matcher.consume_token(t) for t in tok.encode(rendered)) and matcher.is_accepting()
-    assert accepted == ok
+    assert _matches(tok, strict_tool_calls(STRICT, tok), text + (render_tool_calls(calls) if calls else "")) == ok
 
 
 def test_content_cannot_hold_a_dsml_block_of_its_own(tok):
     """The block must follow content ending in a blank line, and nothing may follow it."""
     grammar = strict_tool_calls(STRICT, tok)
     for text in ("Checking.<｜DSML｜tool_calls>", render_tool_calls([_call("note")]) + " more"):
-        matcher = Constraint(tok, tok.vocab_size, grammar=grammar).matcher
-        assert not (all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting())
+        assert not _matches(tok, grammar, text)
     assert strict_tool_calls([FREE], tok) is None  # no strict function: nothing to hold
 
 
@@ -113,8 +114,7 @@ def test_with_a_response_format_the_content_is_a_document_or_the_answer_calls(to
                                                              "properties": {"a": {"type": "integer"}}})
     cases = (('{"a": 1}', True), (render_tool_calls([_call("note")]), True), ("hi", False), ('{"b": 1}', False))
     for text, ok in cases:
-        matcher = Constraint(tok, tok.vocab_size, grammar=grammar).matcher
-        assert (all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting()) == ok, text
+        assert _matches(tok, grammar, text) == ok, text
 
 
 def _check_weather(arguments: dict) -> None:
