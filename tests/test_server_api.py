@@ -163,6 +163,8 @@ def test_second_turn_forwards_only_new_tokens_and_matches_a_cold_run(oai, base, 
     """Multi-turn chat hits the prefix cache and gives what a cold engine gives with the same seed."""
     first = [{"role": "user", "content": "Tell me a story about a prefix cache"}]
     r1 = oai.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0.7, seed=5)
+    timings = r1.usage.model_extra["timings"]  # the prefix is staged (cached) before the rest is prefilled
+    assert timings["first_token_ms"] >= timings["prefill_ms"] > 0
     second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
                       {"role": "user", "content": "And then?"}]
     prefilled_before = metric(base, "ds4serve_prefilled_tokens_total", AUTH)

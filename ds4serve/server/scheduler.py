@@ -190,6 +190,8 @@ class Scheduler:
         res.stats.prefilled_tokens = len(job.prompt) - cached
         res.stats.forward_calls = self.engine.forward_calls - calls0
         res.timings.prefill_s += staged_s
+        if res.tokens:  # the staged prefix came before the engine's own clock started
+            res.timings.first_token_s += staged_s
         self._record(job, res)
         if self.cache is not None and res.error in (None, ErrorCode.CANCELLED) and res.tokens:
             self._insert(self.engine.snapshot(self.cache.device))
