@@ -508,7 +508,7 @@ def check_constrained(root: Path) -> None:
     except ImportError:
         record("constrained: llguidance installed", False, error="llguidance is not installed")
         return
-    from ds4serve.server.chat_format import OutputParser
+    from ds4serve.server.output_parser import OutputParser, merged
     from ds4serve.server.tool_grammar import forced_tool_call
 
     schema = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
@@ -536,8 +536,7 @@ def check_constrained(root: Path) -> None:
         res = engine.generate(prompt, SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
                                                      grammar=grammar))
         parser = OutputParser(thinking=False, tools={"get_weather"})
-        delta = parser.feed(tok.decode(res.tokens[:-1]))
-        delta.extend(parser.finish())
+        delta = merged(parser.feed(tok.decode(res.tokens[:-1])) + parser.finish())
         calls = [json.loads(c.arguments) for c in delta.tool_calls]
         ok = res.ok and len(calls) == 1 and not delta.content and 1 <= calls[0].get("days", 0) <= 9
         record(f"forced tool call through the graph (bf16, temperature {temperature})", ok, calls=calls,

@@ -1,13 +1,9 @@
-"""The DeepSeek-V4 prompt encoding (the reference's worked examples) and the streaming output parser."""
+"""The DeepSeek-V4 prompt encoding (the reference's worked examples)."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
-from ds4serve.server.chat_format import (BOS, EOS, REASONING_EFFORT_MAX, OutputParser, ParsedDelta, encode_messages,
-                                         parse_tool_block, render_tools, shared_prefix_length)
+from ds4serve.server.chat_format import (BOS, EOS, REASONING_EFFORT_MAX, encode_messages, render_tools,
+                                         shared_prefix_length)
 from tests.helpers import CALL, WEATHER
 
 HISTORY = [
@@ -95,60 +91,3 @@ def test_tools_without_system_message_insert_one_and_response_format_follows():
                           response_format={"type": "object"}).text
     assert out.startswith(BOS + "\n\n## Tools")
     assert '## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{"type": "object"}' in out
-
-
-def _feed_all(parser: OutputParser, text: str, step: int) -> ParsedDelta:
-    out = ParsedDelta()
-    for i in range(0, len(text), step):
-        out.extend(parser.feed(text[i:i + step]))
-    out.extend(parser.finish())
-    return out
-
-
-@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
-def test_parser_splits_reasoning_content_and_calls_for_any_chunking(step):
-    text = "Need the tool.</think>Let me check." + CALL
-    out = _feed_all(OutputParser(thinking=True, tools={"get_weather"}), text, step)
-    assert out.reasoning == "Need the tool."
-    assert out.content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris", "days": 2})]
-
-
-def test_parser_holds_back_partial_tags():
-    p = OutputParser(thinking=True, tools={"get_weather"})
-    assert p.feed("abc</th") == ParsedDelta(reasoning="abc")
-    assert p.feed("ink>x\n\n<｜DS") == ParsedDelta(content="x")
-    assert p.feed("nope") == ParsedDelta(content="\n\n<｜DSnope")
-
-
-@pytest.mark.parametrize("block", [
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">P',
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="unknown_tool">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
-    '\n\n<｜DSML｜tool_calls>\ngarbage\n</｜DSML｜tool_calls>',
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="a" string="true">1'
-    '</｜DSML｜parameter>\n<｜DSML｜parameter name="a" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-    '</｜DSML｜tool_calls>',
-])
-def test_malformed_dsml_stays_content(block):
-    out = _feed_all(OutputParser(thinking=False, tools={"get_weather"}), "ok" + block, 5)
-    assert out.tool_calls == []
-    assert out.content == "ok" + block.lstrip("\n")
-
-
-def test_tool_block_inside_reasoning_and_direct_json_invoke():
-    text = ('thinking...\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">{"k": [1]}</｜DSML｜invoke>\n'
-            '</｜DSML｜tool_calls>')
-    out = _feed_all(OutputParser(thinking=True, tools={"f"}), text, 4)
-    assert out.reasoning == "thinking..." and out.content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("f", {"k": [1]})]
-
-
-def test_without_tools_dsml_is_plain_content_and_unclosed_reasoning_is_reasoning():
-    assert _feed_all(OutputParser(thinking=False), "a" + CALL, 3).content == "a" + CALL
-    assert _feed_all(OutputParser(thinking=True), "still thinking</th", 3) == ParsedDelta(reasoning="still thinking</th")
-
-
-def test_parse_tool_block_string_false_values_that_are_not_json_stay_strings():
-    calls = parse_tool_block('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">12x'
-                             '</｜DSML｜parameter>\n</｜DSML｜invoke>')
-    assert json.loads(calls[0].arguments) == {"n": "12x"}

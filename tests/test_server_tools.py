@@ -120,9 +120,34 @@ def test_openai_streamed_tool_call(oai, scripted):
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert content == "Let me check."
-    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
-    assert calls[0].id.startswith("call_") and json.loads(calls[0].function.arguments)["city"] == "Paris"
+    # the arguments stream as the model writes them: the first fragment opens the call (id, type, name)
+    assert len(calls) > 2 and {tc.index for tc in calls} == {0}
+    assert calls[0].id.startswith("call_") and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert all(tc.id is None and tc.function.name is None for tc in calls[1:])
+    assert json.loads("".join(tc.function.arguments for tc in calls)) == {"city": "Paris", "days": 2}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_cut_off_by_the_end_of_generation_is_closed_in_both_apis(base, scripted):
+    cut = CALL[:CALL.index("Paris") + 3]  # the stream ends inside the city's value
+    scripted.script("ok" + cut)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "?"}], "tools": [WEATHER], "max_tokens": 100}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
+    assert r["message"]["content"] == "ok" and r["finish_reason"] == "stop"
+    assert json.loads(r["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Par"}
+
+    scripted.script("ok" + cut)
+    anth = {"model": "tiny", "max_tokens": 100, "messages": [{"role": "user", "content": "?"}], "stream": True,
+            "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]}
+    with httpx.stream("POST", f"{base}/v1/messages", json=anth, timeout=30) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["text", "tool_use"] and kinds.count("content_block_stop") == 2
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == {"city": "Par"} and kinds.count("content_block_delta") > 2
+    assert events[-2]["delta"]["stop_reason"] == "end_turn"
 
 
 def test_malformed_tool_call_is_returned_as_content(oai, scripted):

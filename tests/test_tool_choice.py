@@ -17,7 +17,8 @@ pytest.importorskip("llguidance", reason="forced tool calls need llguidance (the
 from ds4serve import Engine, SamplingParams  # noqa: E402
 from ds4serve.engine.constraint import Constraint  # noqa: E402
 from ds4serve.server.app import ServerConfig, create_app  # noqa: E402
-from ds4serve.server.chat_format import OutputParser, render_tool_calls  # noqa: E402
+from ds4serve.server.chat_format import render_tool_calls  # noqa: E402
+from ds4serve.server.output_parser import OutputParser, merged  # noqa: E402
 from ds4serve.server.tool_grammar import forced_tool_call, strict_tool_calls  # noqa: E402
 
 from .helpers import random_prompt  # noqa: E402
@@ -130,8 +131,7 @@ def test_the_model_is_held_to_a_call_the_parser_reads(engine, tok, temperature, 
                                                                      seed=seed, grammar=grammar))
     assert res.ok and res.finish_reason == "stop" and res.tokens[-1] == tok.eos_id, res.error_message
     parser = OutputParser(thinking=False, tools={"get_weather"})
-    delta = parser.feed(tok.decode(res.tokens[:-1]))
-    delta.extend(parser.finish())
+    delta = merged(parser.feed(tok.decode(res.tokens[:-1])) + parser.finish())
     assert not delta.content and [c.name for c in delta.tool_calls] == ["get_weather"]
     _check_weather(json.loads(delta.tool_calls[0].arguments))
 

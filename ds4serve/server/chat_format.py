@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 chat format: prompt encoding and an incremental parser of the model's output.
+"""The DeepSeek-V4 chat format: prompt encoding (the output's parser is :mod:`.output_parser`).
 
 Encoding follows the rules of DeepSeek's ``encoding_dsv4.py`` (V4 has no template file):
 
@@ -12,17 +12,13 @@ Encoding follows the rules of DeepSeek's ``encoding_dsv4.py`` (V4 has no templat
 * in thinking mode without tools, the reasoning of assistant turns before the last user message is
   dropped and their transition is ``</think>``; with tools every turn keeps its reasoning;
 * ``reasoning_effort="max"`` in thinking mode puts a fixed paragraph right after BOS.
-
-Parsing is lenient where DeepSeek's reference parser is strict: output that does not form a valid
-DSML block stays content, and nothing the model writes raises.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -246,169 +242,3 @@ def shared_prefix_length(prompt_len: int, encoded: EncodedPrompt, ends_with_thin
     ends with ``<think>``, so the shared part stops one token earlier.
     """
     return prompt_len - 1 if encoded.reasoning_dropped and ends_with_think else prompt_len
-
-
-# ---- output parsing ------------------------------------------------------------------------------
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object
-
-
-@dataclass
-class ParsedDelta:
-    """What a piece of output added: reasoning text, content text, completed tool calls."""
-
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
-
-    def extend(self, other: "ParsedDelta") -> None:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls.extend(other.tool_calls)
-
-
-_INVOKE = re.compile(rf"\s*<{DSML}invoke\s+name=\"([^\"]*)\"\s*>(.*?)</{DSML}invoke>\s*", re.DOTALL)
-_PARAM = re.compile(rf"\s*<{DSML}parameter\s+name=\"([^\"]*)\"\s+string=\"(true|false)\"\s*>(.*?)</{DSML}parameter>\s*",
-                    re.DOTALL)
-
-
-def parse_tool_block(block: str, known: set[str] | None = None) -> list[ToolCall] | None:
-    """The calls of the text between ``<｜DSML｜tool_calls>`` and its end tag; None if malformed.
-
-    Non-string parameters are JSON (kept as a string when they do not parse); an invoke whose body is
-    a bare JSON object is accepted as its arguments. A call to a name outside ``known`` is malformed.
-    """
-    calls, pos = [], 0
-    while pos < len(block):
-        m = _INVOKE.match(block, pos)
-        if m is None:
-            return None if block[pos:].strip() else calls or None
-        name, body = m.group(1), m.group(2)
-        if not name or (known is not None and name not in known):
-            return None
-        args = _parse_params(body)
-        if args is None:
-            return None
-        calls.append(ToolCall(name=name, arguments=_json(args)))
-        pos = m.end()
-    return calls or None
-
-
-def _parse_params(body: str) -> dict | None:
-    if body.strip().startswith("{"):
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        return value if isinstance(value, dict) else None
-    args: dict[str, Any] = {}
-    pos = 0
-    while pos < len(body):
-        m = _PARAM.match(body, pos)
-        if m is None:
-            return args if not body[pos:].strip() else None
-        key, is_str, raw = m.groups()
-        if key in args:
-            return None
-        if is_str == "true":
-            args[key] = raw
-        else:
-            try:
-                args[key] = json.loads(raw)
-            except ValueError:
-                args[key] = raw
-        pos = m.end()
-    return args
-
-
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
-class OutputParser:
-    """Splits streamed output text into reasoning, content and DSML tool calls.
-
-    Feed text as it is decoded (special tokens kept); each call returns what became certain. Text
-    that may be the start of ``</think>`` or of a tool-call block is held back until it is decided.
-    ``tools`` is the set of callable names (None: tool calls are not parsed, DSML stays content).
-    """
-
-    def __init__(self, thinking: bool, tools: set[str] | None = None):
-        self.state = "reasoning" if thinking else "content"
-        self.tools = tools
-        self.buf = ""
-        self.saw_tool_calls = False
-
-    def feed(self, text: str) -> ParsedDelta:
-        self.buf += text
-        out = ParsedDelta()
-        while True:
-            step = self._step(final=False)
-            if step is None:
-                return out
-            out.extend(step)
-
-    def finish(self) -> ParsedDelta:
-        """Flush held-back text at the end of generation (an unclosed tool block becomes content)."""
-        out = ParsedDelta()
-        while (step := self._step(final=True)) is not None:
-            out.extend(step)
-        if self.state == "tools":
-            out.content += TOOL_CALLS_START + self.buf
-        elif self.state == "reasoning":
-            out.reasoning += self.buf
-        else:
-            out.content += self.buf
-        self.buf = ""
-        return out
-
-    def _markers(self) -> tuple[str, ...]:
-        tools = (TOOL_CALLS_START,) if self.tools is not None else ()
-        return ((THINK_END,) + tools) if self.state == "reasoning" else tools
-
-    def _step(self, final: bool) -> ParsedDelta | None:
-        """Advance one state transition or emit the safe part of the buffer; None when stalled."""
-        if self.state == "tools":
-            end = self.buf.find(TOOL_CALLS_END)
-            if end < 0:
-                return None
-            block, self.buf = self.buf[:end], self.buf[end + len(TOOL_CALLS_END):]
-            self.state = "content"
-            calls = parse_tool_block(block, self.tools)
-            if calls is None:
-                return ParsedDelta(content=TOOL_CALLS_START + block + TOOL_CALLS_END)
-            self.saw_tool_calls = True
-            return ParsedDelta(tool_calls=calls)
-        markers = self._markers()
-        hits = [(self.buf.find(m), m) for m in markers if m in self.buf]
-        if hits:
-            at, marker = min(hits)
-            before, self.buf = self.buf[:at], self.buf[at + len(marker):]
-            if marker == THINK_END:
-                self.state = "content"
-                return ParsedDelta(reasoning=before)
-            was_reasoning, self.state = self.state == "reasoning", "tools"
-            before = before.rstrip()
-            return ParsedDelta(reasoning=before) if was_reasoning else ParsedDelta(content=before)
-        if final or not self.buf:
-            return None
-        keep = _partial_suffix(self.buf, markers)
-        if self.tools is not None:
-            keep = len(self.buf) - len(self.buf[:len(self.buf) - keep].rstrip())
-        if keep == len(self.buf):
-            return None
-        text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return ParsedDelta(reasoning=text) if self.state == "reasoning" else ParsedDelta(content=text)

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ..engine import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
-from .chat_format import OutputParser, ParsedDelta
+from .output_parser import OutputParser, ParsedDelta
 from .errors import APIError, context_overflow, invalid
 from .scheduler import Job
 from .textstream import Detokenizer, StopMatcher
@@ -40,6 +40,13 @@ class Piece:
 
     delta: ParsedDelta
     logprobs: list[TokenLogprob]
+
+
+def _pieces(segments: list[ParsedDelta], logprobs: list[TokenLogprob]) -> list[Piece]:
+    """The parser's segments as pieces, the logprobs of the tokens behind them on the last one."""
+    if not segments:
+        return [Piece(ParsedDelta(), logprobs)]
+    return [Piece(s, []) for s in segments[:-1]] + [Piece(segments[-1], logprobs)]
 
 
 def resolve_max_tokens(server, prompt_len: int, requested: int | None, field_name: str) -> int:
@@ -116,17 +123,18 @@ class Completion:
             text = self.stopper.feed(self.detok.feed(event.token))
             if self.stopper.hit is not None and not self.job.cancelled:
                 self.server.scheduler.withdraw(self.job, "stop_sequence")
-            delta = self.parser.feed(text)
-            if delta or (pending and self.stopper.hit is None):
-                yield Piece(delta, pending)
+            segments = self.parser.feed(text)
+            if segments or (pending and self.stopper.hit is None):
+                for piece in _pieces(segments, pending):
+                    yield piece
                 pending = []
         self.result = self.job.result
         self._raise_for_error()
         tail = self.stopper.feed(self.detok.finish()) + self.stopper.finish()
-        delta = self.parser.feed(tail)
-        delta.extend(self.parser.finish())
-        if delta or pending:
-            yield Piece(delta, pending)
+        segments = self.parser.feed(tail) + self.parser.finish()
+        if segments or pending:
+            for piece in _pieces(segments, pending):
+                yield piece
 
     def _raise_for_error(self) -> None:
         res = self.result
@@ -159,8 +167,8 @@ class Completion:
     # ---- summary -------------------------------------------------------------------------------
     @property
     def finish_reason(self) -> str:
-        """OpenAI vocabulary: stop, length, tool_calls."""
-        if self.parser.saw_tool_calls:
+        """OpenAI vocabulary: stop, length, tool_calls (not when a call was cut off)."""
+        if self.parser.saw_tool_calls and not self.parser.cut_call:
             return "tool_calls"
         if self.result is not None and self.result.finish_reason == "length":
             return "length"

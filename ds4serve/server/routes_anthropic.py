@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .chat_format import encode_messages, shared_prefix_length
 from .completion import Completion, CompletionSpec, build_params, check_prompt, resolve_max_tokens, run_to_end
 from .errors import APIError, anthropic_body, invalid
+from .output_parser import merged
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
 from .tool_grammar import forced_tool_call, strict_tool_calls
 
@@ -149,18 +150,15 @@ async def messages(body: MessagesRequest, request: Request):
     model = body.model or server.config.model_name
     if body.stream:
         return await _stream(completion, mid, model)
-    pieces = await run_to_end(completion)
-    reasoning = "".join(p.delta.reasoning for p in pieces)
-    text = "".join(p.delta.content for p in pieces)
+    total = merged([p.delta for p in await run_to_end(completion)])
     content: list[dict] = []
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text or not any(p.delta.tool_calls for p in pieces):
-        content.append({"type": "text", "text": text})
-    for p in pieces:
-        for call in p.delta.tool_calls:
-            content.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name,
-                            "input": json.loads(call.arguments)})
+    if total.reasoning:
+        content.append({"type": "thinking", "thinking": total.reasoning, "signature": ""})
+    if total.content or not total.tool_calls:
+        content.append({"type": "text", "text": total.content})
+    for call in total.tool_calls:
+        content.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name,
+                        "input": json.loads(call.arguments)})
     return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
                          "stop_reason": _stop_reason(completion), "stop_sequence": completion.stop_sequence,
                          "usage": _usage(completion)})
@@ -184,7 +182,7 @@ class _Blocks:
         return [_event("content_block_stop", {"index": self.index})]
 
     def delta(self, kind: str, block: dict, delta: dict) -> list[str]:
-        out = self.open(kind, block) if self.kind != kind or kind == "tool_use" else []
+        out = self.open(kind, block) if self.kind != kind else []
         return out + [_event("content_block_delta", {"index": self.index, "delta": delta})]
 
     def piece(self, piece) -> list[str]:
@@ -194,10 +192,13 @@ class _Blocks:
                               {"type": "thinking_delta", "thinking": d.reasoning})
         if d.content:
             out += self.delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": d.content})
-        for call in d.tool_calls:
-            out += self.delta("tool_use", {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
-                                           "name": call.name, "input": {}},
-                              {"type": "input_json_delta", "partial_json": call.arguments})
+        for call in d.tool_calls:  # a fragment with a name opens its call's block, the rest add to it
+            if call.name is not None:
+                out += self.open("tool_use", {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                                              "name": call.name, "input": {}})
+            if call.arguments:
+                out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "input_json_delta", "partial_json": call.arguments}}))
         return out
 
 

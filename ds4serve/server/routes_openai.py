@@ -14,6 +14,7 @@ from .chat_format import BOS, encode_messages, shared_prefix_length
 from .completion import (Completion, CompletionSpec, Piece, build_params, check_prompt, resolve_max_tokens,
                          run_to_end)
 from .errors import APIError, invalid, openai_body
+from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .tool_grammar import forced_tool_call, strict_tool_calls
 
@@ -145,9 +146,18 @@ def _token_logprobs(tok, piece: Piece) -> list[dict]:
             for lp in piece.logprobs]
 
 
-def _tool_calls(piece: Piece, start: int) -> list[dict]:
-    return [{"index": start + i, "id": _mint("call_"), "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(piece.delta.tool_calls)]
+def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
+    """A piece's tool-call fragments as stream deltas: the one opening a call carries its id (minted into
+    ``ids``), type and name; the others add to its arguments."""
+    out = []
+    for d in piece.delta.tool_calls:
+        if d.name is None:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+        else:
+            ids[d.index] = _mint("call_")
+            out.append({"index": d.index, "id": ids[d.index], "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})
+    return out
 
 
 @router.post("/v1/chat/completions")
@@ -162,16 +172,14 @@ async def chat_completions(body: ChatRequest, request: Request):
     if body.stream:
         return await _stream_chat(completion, rid, created, model, tok, body)
     pieces = await run_to_end(completion)
-    content = "".join(p.delta.content for p in pieces)
-    reasoning = "".join(p.delta.reasoning for p in pieces)
-    calls: list[dict] = []
-    for p in pieces:
-        calls.extend(_tool_calls(p, len(calls)))
-    message: dict = {"role": "assistant", "content": content if content or not calls else None}
-    if reasoning:
-        message["reasoning_content"] = reasoning
+    total = merged([p.delta for p in pieces])
+    calls = [{"id": _mint("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in total.tool_calls]
+    message: dict = {"role": "assistant", "content": total.content if total.content or not calls else None}
+    if total.reasoning:
+        message["reasoning_content"] = total.reasoning
     if calls:
-        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        message["tool_calls"] = calls
     logprobs = {"content": [e for p in pieces for e in _token_logprobs(tok, p)]} if body.logprobs else None
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -195,7 +203,7 @@ async def _stream_chat(completion: Completion, rid: str, created: int, model: st
         return _sse(obj)
 
     async def events() -> AsyncIterator[str]:
-        n_calls = 0
+        ids: dict[int, str] = {}
         yield chunk({"role": "assistant", "content": ""})
         async for piece in pieces:
             d = piece.delta
@@ -206,8 +214,7 @@ async def _stream_chat(completion: Completion, rid: str, created: int, model: st
             if d.content or lps:
                 yield chunk({"content": d.content}, logprobs=lps)
             if d.tool_calls:
-                yield chunk({"tool_calls": _tool_calls(piece, n_calls)})
-                n_calls += len(d.tool_calls)
+                yield chunk({"tool_calls": _call_chunks(piece, ids)})
         yield chunk({}, finish=completion.finish_reason)
 
     usage_head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}

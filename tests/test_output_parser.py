@@ -1,0 +1,134 @@
+"""The streaming output parser: reasoning, content and tool calls whose arguments stream as they are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds4serve.server.output_parser import OutputParser, ParsedDelta, ToolCallDelta, merged
+from tests.helpers import CALL
+
+INVOKE = '<｜DSML｜invoke name="{}">\n'
+PARAM = '<｜DSML｜parameter name="{}" string="{}">{}</｜DSML｜parameter>\n'
+END_INVOKE = "</｜DSML｜invoke>\n"
+BLOCK = "\n\n<｜DSML｜tool_calls>\n{}</｜DSML｜tool_calls>"
+
+
+def _segments(parser: OutputParser, text: str, step: int) -> list[ParsedDelta]:
+    out = []
+    for i in range(0, len(text), step):
+        out += parser.feed(text[i:i + step])
+    return out + parser.finish()
+
+
+def _all(parser: OutputParser, text: str, step: int) -> ParsedDelta:
+    return merged(_segments(parser, text, step))
+
+
+def _calls(delta: ParsedDelta) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in delta.tool_calls]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_reasoning_content_and_calls_for_any_chunking(step):
+    parser = OutputParser(thinking=True, tools={"get_weather"})
+    out = _all(parser, "Need the tool.</think>Let me check." + CALL, step)
+    assert out.reasoning == "Need the tool." and out.content == "Let me check."
+    assert out.tool_calls[0].arguments == '{"city": "Paris", "days": 2}'  # what json.dumps writes
+    assert _calls(out) == [("get_weather", {"city": "Paris", "days": 2})]
+    assert parser.saw_tool_calls and not parser.cut_call
+
+
+def test_partial_tags_are_held_back():
+    p = OutputParser(thinking=True, tools={"get_weather"})
+    assert p.feed("abc</th") == [ParsedDelta(reasoning="abc")]
+    assert p.feed("ink>x\n\n<｜DS") == [ParsedDelta(content="x")]
+    assert p.feed("nope") == [ParsedDelta(content="\n\n<｜DSnope")]
+
+
+def test_arguments_stream_as_they_are_written():
+    p = OutputParser(thinking=False, tools={"write"})
+    assert p.feed("Saving.\n\n<｜DSML｜tool_calls>\n" + INVOKE.format("write")) == [
+        ParsedDelta(content="Saving.", tool_calls=[ToolCallDelta(0, "write", "")])]
+    frags = [p.feed(t) for t in ('<｜DSML｜parameter name="path" string="true">a.', 'txt</｜DSML｜para',
+                                 'meter>\n<｜DSML｜parameter name="text" string="true">line "1"\n',
+                                 'line 2</｜DSML', '｜parameter>\n<｜DSML｜parameter name="n" string="false">[1,',
+                                 ' 2]</｜DSML｜parameter>\n', END_INVOKE + "</｜DSML｜tool_calls>")]
+    args = [[d.arguments for d in seg.tool_calls] for segs in frags for seg in segs]
+    # the string's closing quote waits for the end tag, held back until it is whole
+    assert args == [['{"path": "a.'], ['txt'], ['", "text": "line \\"1\\"\\n'], ['line 2'], ['"'],
+                    [', "n": [1, 2]'], ['}']]
+    assert all(d.index == 0 and d.name is None for segs in frags for seg in segs for d in seg.tool_calls)
+    assert p.finish() == [] and p.saw_tool_calls
+
+
+def test_parallel_calls_take_consecutive_indices_across_blocks():
+    block = BLOCK.format(INVOKE.format("f") + PARAM.format("k", "false", "1") + END_INVOKE
+                         + INVOKE.format("g") + END_INVOKE)
+    out = _all(OutputParser(thinking=False, tools={"f", "g"}), block + "\n" + BLOCK.format(INVOKE.format("f")
+                                                                                          + END_INVOKE), 5)
+    assert [(c.index, c.name, c.arguments) for c in out.tool_calls] == [(0, "f", '{"k": 1}'), (1, "g", "{}"),
+                                                                        (2, "f", "{}")]
+
+
+@pytest.mark.parametrize("body", [
+    INVOKE.format("unknown_tool") + END_INVOKE,
+    "garbage\n",
+    INVOKE.format("get_weather").replace(">", " x>"),
+])
+def test_a_block_that_breaks_before_its_first_call_stays_content(body):
+    out = _all(OutputParser(thinking=False, tools={"get_weather"}), "ok" + BLOCK.format(body), 5)
+    assert out.tool_calls == [] and out.content == "ok" + BLOCK.format(body).lstrip("\n")
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_call_that_breaks_ends_where_its_well_formed_part_ends(step):
+    body = (INVOKE.format("f") + PARAM.format("a", "true", "1") + PARAM.format("a", "true", "2") + END_INVOKE)
+    parser = OutputParser(thinking=False, tools={"f"})
+    segments = _segments(parser, "ok" + BLOCK.format(body), step)
+    out = merged(segments)
+    assert _calls(out) == [("f", {"a": "1"})]
+    assert out.content == "ok" + PARAM.format("a", "true", "2") + END_INVOKE + "</｜DSML｜tool_calls>"
+    # the text after the call comes in a later segment than the call, so a client sees them in order
+    first_call = next(i for i, s in enumerate(segments) if s.tool_calls)
+    assert "".join(s.content for s in segments[first_call + 1:]).startswith("<｜DSML｜parameter")
+    assert not parser.saw_tool_calls and not parser.cut_call
+
+
+@pytest.mark.parametrize("tail,args", [
+    ('<｜DSML｜parameter name="city" string="true">Par', {"city": "Par"}),
+    ('<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜param', {"city": "Paris</｜DSML｜param"}),
+    ('<｜DSML｜parameter name="days" string="false">[1, ', {}),
+    ("", {}),
+])
+def test_a_call_cut_off_by_the_end_of_generation_is_closed_and_marked(tail, args):
+    parser = OutputParser(thinking=False, tools={"get_weather"})
+    out = _all(parser, "\n\n<｜DSML｜tool_calls>\n" + INVOKE.format("get_weather") + tail, 3)
+    assert _calls(out) == [("get_weather", args)]
+    assert parser.cut_call and not parser.saw_tool_calls
+
+
+def test_a_cut_block_before_any_call_stays_content():
+    text = "ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜inv"
+    parser = OutputParser(thinking=False, tools={"f"})
+    out = _all(parser, text, 2)
+    assert out.tool_calls == [] and out.content == "ok" + text[4:] and not parser.cut_call
+
+
+def test_tool_block_inside_reasoning_and_direct_json_invoke():
+    text = 'thinking...' + BLOCK.format('<｜DSML｜invoke name="f">{"k": [1]}' + END_INVOKE)
+    out = _all(OutputParser(thinking=True, tools={"f"}), text, 4)
+    assert out.reasoning == "thinking..." and out.content == ""
+    assert _calls(out) == [("f", {"k": [1]})]
+
+
+def test_non_json_values_stay_strings():
+    out = _all(OutputParser(thinking=False, tools={"f"}), BLOCK.format(
+        INVOKE.format("f") + PARAM.format("n", "false", "12x") + END_INVOKE), 6)
+    assert _calls(out) == [("f", {"n": "12x"})]
+
+
+def test_without_tools_dsml_is_plain_content_and_unclosed_reasoning_is_reasoning():
+    assert _all(OutputParser(thinking=False), "a" + CALL, 3).content == "a" + CALL
+    assert _all(OutputParser(thinking=True), "still thinking</th", 3) == ParsedDelta(reasoning="still thinking</th")
