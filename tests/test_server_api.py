@@ -98,6 +98,37 @@ def test_chat_streaming_matches_non_streaming_and_ends_with_usage(oai):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
+def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
+    """Choices run one after another: choice i is what a lone request with seed + i gives, and the later
+    ones restore the prompt the first one prefilled (the prefix cache)."""
+    question = "Name three colours, n choices"
+    prompt = engine.tokenizer.encode(encode_messages([{"role": "user", "content": question}], thinking=False).text)
+    r = chat(oai, question, max_tokens=5, temperature=1.0, seed=11, n=3, logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in r.choices)
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1
+    assert all("".join(e.token for e in c.logprobs.content) == c.message.content for c in r.choices)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 15
+    assert r.usage.model_extra["timings"]["prefilled_tokens"] == len(prompt)
+    for i, text in enumerate(texts):
+        assert chat(oai, question, max_tokens=5, temperature=1.0, seed=11 + i).choices[0].message.content == text
+
+    chunks = list(chat(oai, question, max_tokens=5, temperature=1.0, seed=11, n=3, stream=True,
+                       stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    order = [c.choices[0].index for c in chunks if c.choices]
+    assert order == sorted(order)  # one choice after another, each opened by its role delta
+    assert [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role] == [0, 1, 2]
+    assert [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason] == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 15
+
+    legacy = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3, temperature=1.0,
+                                    seed=2, n=2)
+    assert [c.index for c in legacy.choices] == [0, 1] and legacy.usage.completion_tokens == 6
+
+
 def test_reasoning_content_with_a_thinking_budget(oai):
     r = chat(oai, "Think first", max_tokens=5, temperature=0,
              extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}})

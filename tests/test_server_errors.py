@@ -43,7 +43,7 @@ CASES = [
     (CHAT, chat(temperature=-1), 400, "temperature"),
     (CHAT, chat(temperature="hot"), 400, "temperature"),
     (CHAT, chat(top_p=0), 400, "top_p"),
-    (CHAT, chat(n=2), 400, "n"),
+    (CHAT, chat(n=17), 400, "n"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     (CHAT, chat(seed=2 ** 70), 400, "seed"),

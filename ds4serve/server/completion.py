@@ -9,6 +9,7 @@ forward, whether or not anything is being sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -179,23 +180,86 @@ class Completion:
         return self.stopper.hit
 
     def usage(self) -> dict:
-        res = self.result
-        prompt, completion = len(self.spec.prompt), len(res.tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": res.stats.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": res.stats.reasoning_tokens},
-            "timings": {
-                "prefilled_tokens": res.stats.prefilled_tokens,
-                "prefill_ms": round(res.timings.prefill_s * 1e3, 3),
-                "decode_ms": round(res.timings.decode_s * 1e3, 3),
-                "first_token_ms": round(res.timings.first_token_s * 1e3, 3),
-                "forward_calls": res.stats.forward_calls,
-                **({"speculative": res.stats.speculative} if res.stats.speculative else {}),
-            },
-        }
+        return usage([self])
+
+
+def usage(completions: list[Completion]) -> dict:
+    """OpenAI ``usage`` of one request's completions (its ``n`` choices): the prompt counted once (its
+    cached tokens and the first token's time are the first choice's), the generated tokens and the work
+    summed; a draft's statistics only when there is one choice."""
+    first = completions[0].result
+    results = [c.result for c in completions]
+    completion_tokens = sum(len(r.tokens) for r in results)
+    prompt = len(completions[0].spec.prompt)
+    spec = first.stats.speculative if len(results) == 1 else None
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.stats.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": sum(r.stats.reasoning_tokens for r in results)},
+        "timings": {
+            "prefilled_tokens": sum(r.stats.prefilled_tokens for r in results),
+            "prefill_ms": round(sum(r.timings.prefill_s for r in results) * 1e3, 3),
+            "decode_ms": round(sum(r.timings.decode_s for r in results) * 1e3, 3),
+            "first_token_ms": round(first.timings.first_token_s * 1e3, 3),
+            "forward_calls": sum(r.stats.forward_calls for r in results),
+            **({"speculative": spec} if spec else {}),
+        },
+    }
+
+
+class Choices:
+    """The ``n`` completions of one request, run one after another as jobs of their own: with the prefix
+    cache the later ones restore the prompt the first one prefilled. Choice ``i`` samples with
+    ``seed + i`` when a seed is given (the same request gives the same choices)."""
+
+    def __init__(self, server, request: Request, spec: CompletionSpec, n: int):
+        self.server, self.request = server, request
+        seeds = [None if spec.params.seed is None else spec.params.seed + i for i in range(n)]
+        self.specs = [dataclasses.replace(spec, params=dataclasses.replace(spec.params, seed=s)) for s in seeds]
+        self.completions: list[Completion] = []
+
+    def _next(self) -> Completion:
+        completion = Completion(self.server, self.request, self.specs[len(self.completions)])
+        self.completions.append(completion)
+        completion.start()
+        return completion
+
+    def start(self) -> None:
+        """Queue the first choice (raises 429/503 :class:`APIError`), so a refusal is the request's status."""
+        self._next()
+
+    async def collect(self) -> list[list[Piece]]:
+        """Every choice's pieces, in order."""
+        out = [await run_to_end(self.completions[0])]
+        while len(self.completions) < len(self.specs):
+            out.append(await run_to_end(self._next()))
+        return out
+
+    async def opened(self) -> AsyncIterator[tuple[int, Piece | None]]:
+        """``(choice, piece)`` as the choices stream, ``(choice, None)`` when one ends; waits for the first
+        piece first, so a failure before any output raises here (see :meth:`Completion.opened`)."""
+        first = await self.completions[0].opened()
+
+        async def chained() -> AsyncIterator[tuple[int, Piece | None]]:
+            pieces = first
+            for i in range(len(self.specs)):
+                if i:
+                    pieces = self._next().pieces()
+                async for piece in pieces:
+                    yield i, piece
+                self.completions[i].close()
+                yield i, None
+
+        return chained()
+
+    def close(self) -> None:
+        if self.completions:
+            self.completions[-1].close()
+
+    def usage(self) -> dict:
+        return usage(self.completions)
 
 
 async def run_to_end(completion: Completion) -> list[Piece]:

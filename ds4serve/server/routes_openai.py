@@ -11,8 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .chat_format import BOS, encode_messages, shared_prefix_length
-from .completion import (Completion, CompletionSpec, Piece, build_params, check_prompt, resolve_max_tokens,
-                         run_to_end)
+from .completion import (Choices, Completion, CompletionSpec, Piece, build_params, check_prompt, resolve_max_tokens)
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
@@ -163,15 +162,23 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     server = request.app.state.server
-    spec = chat_spec(server, body)
-    completion = Completion(server, request, spec)
-    completion.start()
+    choices = Choices(server, request, chat_spec(server, body), body.n)
+    choices.start()
     model = body.model or server.config.model_name
     rid, created = _mint("chatcmpl-"), int(time.time())
     tok = server.engine.tokenizer
     if body.stream:
-        return await _stream_chat(completion, rid, created, model, tok, body)
-    pieces = await run_to_end(completion)
+        return await _stream_chat(choices, rid, created, model, tok, body)
+    outputs = await choices.collect()
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [_chat_choice(i, c, pieces, tok, body.logprobs)
+                    for i, (c, pieces) in enumerate(zip(choices.completions, outputs))],
+        "usage": choices.usage(),
+    })
+
+
+def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, logprobs: bool | None) -> dict:
     total = merged([p.delta for p in pieces])
     calls = [{"id": _mint("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in total.tool_calls]
@@ -180,48 +187,48 @@ async def chat_completions(body: ChatRequest, request: Request):
         message["reasoning_content"] = total.reasoning
     if calls:
         message["tool_calls"] = calls
-    logprobs = {"content": [e for p in pieces for e in _token_logprobs(tok, p)]} if body.logprobs else None
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                     "finish_reason": completion.finish_reason}],
-        "usage": completion.usage(),
-    })
+    lps = {"content": [e for p in pieces for e in _token_logprobs(tok, p)]} if logprobs else None
+    return {"index": index, "message": message, "logprobs": lps, "finish_reason": completion.finish_reason}
 
 
-async def _stream_chat(completion: Completion, rid: str, created: int, model: str, tok,
+async def _stream_chat(choices: Choices, rid: str, created: int, model: str, tok,
                        body: ChatRequest) -> StreamingResponse:
-    pieces = await completion.opened()
+    stream = await choices.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
         obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
-                            "finish_reason": finish}]}
+               "choices": [{"index": index, "delta": delta,
+                            "logprobs": {"content": logprobs} if logprobs else None, "finish_reason": finish}]}
         if include_usage:
             obj["usage"] = None
         return _sse(obj)
 
     async def events() -> AsyncIterator[str]:
         ids: dict[int, str] = {}
-        yield chunk({"role": "assistant", "content": ""})
-        async for piece in pieces:
+        started = -1
+        async for i, piece in stream:
+            if i > started:
+                started, ids = i, {}
+                yield chunk(i, {"role": "assistant", "content": ""})
+            if piece is None:
+                yield chunk(i, {}, finish=choices.completions[i].finish_reason)
+                continue
             d = piece.delta
             lps = _token_logprobs(tok, piece) if body.logprobs else None
             if d.reasoning:
-                yield chunk({"reasoning_content": d.reasoning}, logprobs=lps)
+                yield chunk(i, {"reasoning_content": d.reasoning}, logprobs=lps)
                 lps = None
             if d.content or lps:
-                yield chunk({"content": d.content}, logprobs=lps)
+                yield chunk(i, {"content": d.content}, logprobs=lps)
             if d.tool_calls:
-                yield chunk({"tool_calls": _call_chunks(piece, ids)})
-        yield chunk({}, finish=completion.finish_reason)
+                yield chunk(i, {"tool_calls": _call_chunks(piece, ids)})
 
     usage_head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return _sse_response(completion, events(), usage_head if include_usage else None)
+    return _sse_response(choices, events(), usage_head if include_usage else None)
 
 
-def _sse_response(completion: Completion, events: AsyncIterator[str], usage_head: dict | None) -> StreamingResponse:
+def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict | None) -> StreamingResponse:
     """The OpenAI stream: ``events``, then the usage chunk when asked for, then ``[DONE]``.
 
     A failure after the stream started becomes an error event followed by ``[DONE]``.
@@ -232,13 +239,13 @@ def _sse_response(completion: Completion, events: AsyncIterator[str], usage_head
             async for event in events:
                 yield event
             if usage_head is not None:
-                yield _sse({**usage_head, "choices": [], "usage": completion.usage()})
+                yield _sse({**usage_head, "choices": [], "usage": choices.usage()})
             yield _sse("[DONE]")
         except APIError as err:
             yield _sse(openai_body(err))
             yield _sse("[DONE]")
         finally:
-            completion.close()
+            choices.close()
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -286,35 +293,39 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     server = request.app.state.server
-    completion = Completion(server, request, completion_spec(server, body))
-    completion.start()
+    choices = Choices(server, request, completion_spec(server, body), body.n)
+    choices.start()
     model = body.model or server.config.model_name
     rid, created = _mint("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
     if not body.stream:
-        pieces = await run_to_end(completion)
+        outputs = await choices.collect()
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": "".join(p.delta.content for p in pieces),
+            "choices": [{"index": i, "text": "".join(p.delta.content for p in pieces),
                          "logprobs": _legacy_logprobs(tok, pieces, 0) if want_lp else None,
-                         "finish_reason": completion.finish_reason}],
-            "usage": completion.usage(),
+                         "finish_reason": c.finish_reason}
+                        for i, (c, pieces) in enumerate(zip(choices.completions, outputs))],
+            "usage": choices.usage(),
         })
-    pieces = await completion.opened()
+    stream = await choices.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(text: str, finish: str | None, logprobs: dict | None) -> str:
+    def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
         return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+                     "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
 
     async def events() -> AsyncIterator[str]:
         offset = 0
-        async for piece in pieces:
+        async for i, piece in stream:
+            if piece is None:
+                yield chunk(i, "", choices.completions[i].finish_reason, None)
+                offset = 0
+                continue
             lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
             offset += len(piece.delta.content)
-            yield chunk(piece.delta.content, None, lps)
-        yield chunk("", completion.finish_reason, None)
+            yield chunk(i, piece.delta.content, None, lps)
 
     usage_head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    return _sse_response(completion, events(), usage_head if include_usage else None)
+    return _sse_response(choices, events(), usage_head if include_usage else None)

@@ -2,7 +2,7 @@
 
 Unknown fields are accepted and ignored (clients send many); known fields are checked for type and
 range so a bad value is a 400 naming it. Fields the server cannot honour are refused explicitly
-(``n > 1``, images, ``echo``) rather than ignored.
+(``n`` above 16, images, ``echo``) rather than ignored.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
+MAX_CHOICES = 16
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -133,7 +134,7 @@ class SamplingFields(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices run one after another
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -143,13 +144,6 @@ class SamplingFields(_Body):
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop sequences")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported (one completion per request)")
         return v
 
 
