@@ -98,15 +98,25 @@ def test_a_call_that_breaks_ends_where_its_well_formed_part_ends(step):
 
 @pytest.mark.parametrize("tail,args", [
     ('<｜DSML｜parameter name="city" string="true">Par', {"city": "Par"}),
-    ('<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜param', {"city": "Paris</｜DSML｜param"}),
-    ('<｜DSML｜parameter name="days" string="false">[1, ', {}),
+    ('<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜param', {"city": "Paris"}),
+    ('<｜DSML｜parameter name="days" string="false">3448', {"days": 3448}),
+    ('<｜DSML｜parameter name="days" string="false">[1, ', {"days": "[1, "}),
+    ('<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n<｜DSML｜para', {"days": 2}),
     ("", {}),
 ])
 def test_a_call_cut_off_by_the_end_of_generation_is_closed_and_marked(tail, args):
+    """The call keeps what was written of its values; the unfinished rest of the block is not content."""
     parser = OutputParser(thinking=False, tools={"get_weather"})
-    out = _all(parser, "\n\n<｜DSML｜tool_calls>\n" + INVOKE.format("get_weather") + tail, 3)
-    assert _calls(out) == [("get_weather", args)]
+    out = _all(parser, "ok\n\n<｜DSML｜tool_calls>\n" + INVOKE.format("get_weather") + tail, 3)
+    assert _calls(out) == [("get_weather", args)] and out.content == "ok"
     assert parser.cut_call and not parser.saw_tool_calls
+
+
+def test_a_block_cut_after_its_calls_completed_finishes_as_tool_calls():
+    parser = OutputParser(thinking=False, tools={"f"})
+    out = _all(parser, BLOCK.format(INVOKE.format("f") + END_INVOKE)[:-5], 4)
+    assert _calls(out) == [("f", {})] and out.content == ""
+    assert parser.saw_tool_calls and not parser.cut_call
 
 
 def test_a_cut_block_before_any_call_stays_content():

@@ -11,8 +11,9 @@ Parsing is lenient where DeepSeek's reference parser is strict, and nothing the 
 * a block that stops following the DSML layout before any of its calls opened stays content, whole;
 * one that stops after a call opened ends that call where its well-formed part ends (its arguments
   closed, so they are always a JSON object), and the rest of the block is content;
-* a call cut off by the end of generation (max_tokens, a stop string) is closed the same way and
-  marked :attr:`OutputParser.cut_call`, so the finish reason says why it ended.
+* a call cut off by the end of generation (max_tokens, a stop string) keeps what was written of its
+  values (a non-string one's text as its value, as at its close), is closed, and is marked
+  :attr:`OutputParser.cut_call`, so the finish reason says why it ended; a partial tag is dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ _LONGEST_TAG = 512  # a '<' with no '>' this far on is not a DSML tag
 
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+def _parameter_value(raw: str) -> Any:
+    """A non-string parameter's value: its JSON, or the raw text as a string when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
 
 
 def _escaped(text: str) -> str:
@@ -134,23 +143,16 @@ class _ToolBlock:
         self.args = 0  # key-value pairs sent for the open call
         self.key = ""  # the non-string parameter whose value is being read
 
-    def step(self, buf: str, out: _Segments, final: bool) -> tuple[str, bool]:
-        """Consume the start of ``buf`` into ``out``: the rest of the buffer, and whether the block closed.
-        Raises :class:`_Malformed` where the layout breaks (and, when ``final``, where it is cut)."""
+    def step(self, buf: str, out: _Segments) -> tuple[str, bool]:
+        """Consume the start of ``buf`` into ``out``: the rest of the buffer (unchanged while what it starts
+        with is incomplete), and whether the block closed. Raises :class:`_Malformed` where the layout breaks."""
         if self.mode == "string":
-            return self._string_value(buf, out, final), False
+            return self._string_value(buf, out), False
         if self.mode == "value":
             end = buf.find(PARAMETER_END)
             if end < 0:
-                if final:
-                    raise _Malformed
                 return buf, False
-            raw = buf[:end]
-            try:
-                value = json.loads(raw)
-            except ValueError:
-                value = raw
-            self._argument(out, f"{_json(self.key)}: {_json(value)}")
+            self._argument(out, f"{_json(self.key)}: {_json(_parameter_value(buf[:end]))}")
             self.mode = "body"
             return buf[end + len(PARAMETER_END):], False
         rest = buf.lstrip()
@@ -159,12 +161,12 @@ class _ToolBlock:
                 self.raw += buf[:len(buf) - len(rest)]
             return rest, False
         if self.mode == "body" and rest.startswith("{"):
-            return self._json_body(rest, out, final), False
+            return self._json_body(rest, out), False
         if not rest.startswith("<"):
             raise _Malformed
         close = rest.find(">")
         if close < 0:
-            if final or len(rest) > _LONGEST_TAG:
+            if len(rest) > _LONGEST_TAG:
                 raise _Malformed
             return rest, False
         tag, after = rest[:close + 1], rest[close + 1:]
@@ -198,23 +200,21 @@ class _ToolBlock:
         out.call(self.index, None, ("{" if self.args == 0 else ", ") + text)
         self.args += 1
 
-    def _string_value(self, buf: str, out: _Segments, final: bool) -> str:
+    def _string_value(self, buf: str, out: _Segments) -> str:
         end = buf.find(PARAMETER_END)
         if end >= 0:
             out.call(self.index, None, _escaped(buf[:end]) + "\"")
             self.mode = "body"
             return buf[end + len(PARAMETER_END):]
-        keep = 0 if final else _partial_suffix(buf, (PARAMETER_END,))
+        keep = _partial_suffix(buf, (PARAMETER_END,))
         if len(buf) > keep:
             out.call(self.index, None, _escaped(buf[:len(buf) - keep]))
         return buf[len(buf) - keep:]
 
-    def _json_body(self, rest: str, out: _Segments, final: bool) -> str:
+    def _json_body(self, rest: str, out: _Segments) -> str:
         """An invoke whose body is a bare JSON object (only before any parameter)."""
         end = rest.find(INVOKE_END)
         if end < 0:
-            if final:
-                raise _Malformed
             return rest
         try:
             value = json.loads(rest[:end])
@@ -233,12 +233,15 @@ class _ToolBlock:
         self.index += 1
         self.mode = "between"
 
-    def cut(self, out: _Segments) -> bool:
-        """Close the open call where its well-formed part ends; whether one was open."""
+    def end_call(self, out: _Segments, rest: str) -> bool:
+        """Close the open call where its well-formed part ends (whether one was open). ``rest`` is the text
+        the end of generation left unfinished: a non-string value's text is kept as its value."""
         if self.mode == "between":
             return False
         if self.mode == "string":
             out.call(self.index, None, "\"")
+        elif self.mode == "value" and rest.strip():
+            self._argument(out, f"{_json(self.key)}: {_json(_parameter_value(rest))}")
         self._close_call(out)
         return True
 
@@ -315,9 +318,9 @@ class OutputParser:
     def _block_step(self, out: _Segments, final: bool) -> bool:
         block, before = self.block, self.buf
         try:
-            self.buf, closed = block.step(self.buf, out, final)
+            self.buf, closed = block.step(self.buf, out)
         except _Malformed:
-            self._leave_block(out, final)
+            self._leave_block(out, cut=False)
             return True
         self._count(block)
         if closed:
@@ -326,7 +329,7 @@ class OutputParser:
         if self.buf != before:
             return True
         if final:
-            self._leave_block(out, final)
+            self._leave_block(out, cut=True)
             return True
         return False
 
@@ -334,12 +337,15 @@ class OutputParser:
         self.calls = block.index
         self.saw_tool_calls |= block.completed > 0
 
-    def _leave_block(self, out: _Segments, final: bool) -> None:
-        """The block ends without its closing tag: malformed, or cut off when ``final``. Before any call
-        opened its text so far is content; after, the open call is closed and the rest is content."""
+    def _leave_block(self, out: _Segments, cut: bool) -> None:
+        """The block ends without its closing tag: malformed, or ``cut`` off by the end of generation.
+        Before any call opened, its text is content. After, the open call is closed; the rest of a
+        malformed block is content, and what the end of generation left unfinished (a partial tag) is dropped."""
         block, self.block = self.block, None
         if not block.opened:
             out.content(TOOL_CALLS_START + block.raw)
             return
-        self.cut_call |= block.cut(out) and final
+        self.cut_call |= block.end_call(out, self.buf if cut else "") and cut
+        if cut:
+            self.buf = ""
         self._count(block)
