@@ -71,6 +71,12 @@ CASES = [
         "type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}}}],
                 tool_choice={"type": "function", "function": {"name": "f"}}), 400,
      "tools.0.function.parameters.properties.a"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)y"}}}}}],
+                tool_choice="required"), 400, "tools.0.function.parameters.properties.a.pattern"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^a|b$"}}}}}],
+                tool_choice="required"), 400, "tools.0.function.parameters.properties.a.pattern"),
     (CHAT, chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), 400,
      "response_format"),
     (CHAT, chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),

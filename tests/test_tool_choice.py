@@ -78,6 +78,23 @@ def test_calls_outside_the_schemas_do_not(tok, calls):
     assert not _accepts(tok, forced_tool_call(TOOLS, tok), calls)
 
 
+@pytest.mark.parametrize("pattern,value,ok", [
+    ("^[A-Z]{3}$", "CDG", True),
+    ("^[A-Z]{3}$", "CDGX", False),
+    ("^[A-Z]{3}$", "cdg", False),
+    ("[0-9]", "gate 7b", True),  # unanchored: a match anywhere
+    ("[0-9]", "gate b", False),
+    ("^/srv/[a-z]+$", "/srv/data", True),  # slashes inside the pattern
+    ("^/srv/[a-z]+$", "/srv/Data", False),
+    ("^(?:a|b)c$", "bc", True),
+])
+def test_a_string_pattern_is_held(tok, pattern, value, ok):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["s"], "properties": {"s": {"type": "string", "pattern": pattern,
+                                                                  "maxLength": 9}}}}}
+    assert _accepts(tok, forced_tool_call([tool], tok), [_call("f", s=value)]) == ok
+
+
 def test_a_named_tool_or_no_parallel_calls_allow_one_invoke(tok):
     named = forced_tool_call(TOOLS, tok, name="now")
     assert _accepts(tok, named, [_call("now")])

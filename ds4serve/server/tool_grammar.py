@@ -8,7 +8,7 @@ some function. The answer is free content (or, with a ``response_format``, a doc
 content then a tool-calls block; in the block a strict function's parameters are held to its schema and any
 other function takes any parameters. Each held invoke's parameters follow its ``parameters`` schema: the
 properties in the schema's order, the required ones always, a string-typed one as raw text (``string="true"``;
-its ``enum``, ``const``, ``minLength`` and ``maxLength`` held, not a ``pattern``), any other as compact JSON held
+its ``enum``, ``const``, ``minLength``, ``maxLength`` and ``pattern`` held), any other as compact JSON held
 to the property's schema (``string="false"``); a tool without properties takes any parameters. The grammar is
 in llguidance's Lark dialect, which :mod:`ds4serve.engine.constraint` compiles.
 
@@ -38,6 +38,44 @@ def _is_text(schema: dict) -> bool:
         return True
     enum = schema.get("enum")
     return isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
+
+
+def _ends_with_anchor(pattern: str) -> bool:
+    """Whether ``pattern`` ends with a ``$`` that is not escaped."""
+    backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
+    return pattern.endswith("$") and backslashes % 2 == 0
+
+
+def _scan(pattern: str):
+    """``(index, char, depth)`` of the characters of ``pattern`` outside escapes and character classes."""
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        else:
+            depth += (c == "(") - (c == ")")
+            yield i, c, depth
+        i += 1
+
+
+def _top_level_alternation(pattern: str) -> bool:
+    return any(c == "|" and depth == 0 for _, c, depth in _scan(pattern))
+
+
+def _slashes_escaped(pattern: str) -> str:
+    """``pattern`` with every unescaped ``/`` written ``\\/`` (Lark's regex literals end at any ``/``)."""
+    out, i = [], 0
+    while i < len(pattern):
+        step = 2 if pattern[i] == "\\" else 1
+        out.append("\\/" if pattern[i] == "/" else pattern[i:i + step])
+        i += step
+    return "".join(out)
 
 
 def _llguidance():
@@ -71,14 +109,36 @@ class _Grammar:
             if any("</" in c for c in choices):
                 raise invalid(f"{where}: a DSML parameter value cannot contain '</'", where)
             text = "(" + " | ".join(_literal(c + "</") for c in choices) + ")"
-        elif "minLength" in schema or "maxLength" in schema:
-            low, high = schema.get("minLength", 0), schema.get("maxLength")
-            if not all(type(n) is int and n >= 0 for n in (low, 0 if high is None else high)):
-                raise invalid(f"{where}: minLength and maxLength must be integers >= 0", where)
-            text = self.text(f"{name}_text", f"/(?s:.){{{low},{'' if high is None else high}}}<\\//", lazy=True)
+        elif {"minLength", "maxLength", "pattern"} & set(schema):
+            regexes = []
+            if "minLength" in schema or "maxLength" in schema:
+                low, high = schema.get("minLength", 0), schema.get("maxLength")
+                if not all(type(n) is int and n >= 0 for n in (low, 0 if high is None else high)):
+                    raise invalid(f"{where}: minLength and maxLength must be integers >= 0", where)
+                regexes.append(f"/(?s:.){{{low},{'' if high is None else high}}}<\\//")
+            if "pattern" in schema:
+                regexes.append(self.pattern(schema["pattern"], f"{where}.pattern"))
+            text = self.text(f"{name}_text", " & ".join(regexes), lazy=True)
         else:
             text = "text_value"
         return f'"string=\\"true\\">" {text}'
+
+    def pattern(self, pattern: object, where: str) -> str:
+        """A Lark regex of text in which JSON Schema's (unanchored) ``pattern`` finds a match, then ``</``.
+        llguidance matches whole lexemes and has no anchors, so a leading ``^`` / trailing ``$`` become the
+        lexeme's ends and an unanchored end may be followed (or preceded) by any text."""
+        if not isinstance(pattern, str):
+            raise invalid(f"{where}: expected a regular expression string", where)
+        start, end = pattern.startswith("^"), _ends_with_anchor(pattern)
+        core = pattern[1 if start else 0:len(pattern) - (1 if end else 0)]
+        if (start or end) and _top_level_alternation(core):
+            raise invalid(f"{where}: group the alternatives of an anchored pattern, as in ^(?:a|b)$", where)
+        regex = "/" + ("" if start else "(?s:.)*") + f"(?:{_slashes_escaped(core)})" + ("" if end else "(?s:.)*")
+        regex += "<\\//"
+        problem = self.llg.LLMatcher.validate_grammar(self.llg.LLMatcher.grammar_from_lark(f"start: X\nX: {regex}"))
+        if problem:
+            raise invalid(f"{where}: not a pattern the grammar can hold ({problem.splitlines()[0]})", where)
+        return regex
 
     def text(self, name: str, regex: str, lazy: bool = False) -> str:
         """A rule for raw text matching ``regex`` that does not hold ``｜DSML｜``. The tokenizer does not mark that
