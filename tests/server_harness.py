@@ -1,4 +1,8 @@
-"""Test harness: run a real uvicorn server on 127.0.0.1 (random port) in a background thread."""
+"""Test harness: run a real uvicorn server on 127.0.0.1 (random port) in a background thread, and an engine
+whose completions are scripted.
+
+:class:`ScriptedEngine` runs the real engine on every prompt (so admission, the prefix cache and stats behave
+as in production) but replaces the sampled tokens by a script. It lives here, not in the package."""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from typing import Iterator
 
 import httpx
 import uvicorn
+
+from ds4serve import Engine, SamplingParams
+from ds4serve.engine import ErrorCode
 
 
 def free_port() -> int:
@@ -56,3 +63,50 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.05)
+
+
+FAIL = object()  # script marker: the engine fails at this point
+
+
+class ScriptedHandle:
+    def __init__(self, inner: Engine, prompt: list[int], snapshot, script: list):
+        self.result = inner.generate(prompt, SamplingParams(max_tokens=1, temperature=0), snapshot=snapshot)
+        self.result.tokens, self.result.finish_reason = [], "length"
+        self.script = script
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def __iter__(self):
+        for item in self.script:
+            if self._cancelled:
+                self.result.finish_reason, self.result.error = "cancelled", ErrorCode.CANCELLED
+                return
+            if item is FAIL:
+                self.result.finish_reason, self.result.error = "error", ErrorCode.INTERNAL
+                self.result.error_message = "scripted failure"
+                return
+            self.result.tokens.append(item)
+            yield item
+        self.result.finish_reason = "stop"
+
+
+class ScriptedEngine:
+    """The real engine with scripted generations (queued in ``scripts``); records the prompts."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+        self.scripts: list[list] = []
+        self.prompts: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def script(self, text: str, fail: bool = False) -> None:
+        tokens = self.inner.tokenizer.encode(text)
+        self.scripts.append(tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id]))
+
+    def stream(self, prompt, params, *, speculative=None, snapshot=None) -> ScriptedHandle:
+        self.prompts.append(list(prompt))
+        return ScriptedHandle(self.inner, prompt, snapshot, self.scripts.pop(0))

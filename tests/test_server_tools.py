@@ -1,9 +1,5 @@
-"""Tool calls end to end, with a test-only engine wrapper that emits a scripted completion.
-
-:class:`ScriptedEngine` runs the real engine on every prompt (so admission, the prefix cache and
-stats behave as in production) but replaces the sampled tokens by a script: a DSML tool-call
-completion, a malformed one, or a failure after some tokens. It lives here, not in the package.
-"""
+"""Tool calls end to end through a :class:`~tests.server_harness.ScriptedEngine`: a DSML tool-call
+completion, a malformed one, or a failure after some tokens."""
 
 from __future__ import annotations
 
@@ -14,60 +10,12 @@ import httpx
 import openai
 import pytest
 
-from ds4serve import Engine, SamplingParams
-from ds4serve.engine import ErrorCode
+from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
 from ds4serve.server.chat_format import encode_messages
 from tests.helpers import CALL, WEATHER
 
-from .server_harness import running
-
-FAIL = object()  # script marker: the engine fails at this point
-
-
-class ScriptedHandle:
-    def __init__(self, inner: Engine, prompt: list[int], snapshot, script: list):
-        self.result = inner.generate(prompt, SamplingParams(max_tokens=1, temperature=0), snapshot=snapshot)
-        self.result.tokens, self.result.finish_reason = [], "length"
-        self.script = script
-        self._cancelled = False
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    def __iter__(self):
-        for item in self.script:
-            if self._cancelled:
-                self.result.finish_reason, self.result.error = "cancelled", ErrorCode.CANCELLED
-                return
-            if item is FAIL:
-                self.result.finish_reason, self.result.error = "error", ErrorCode.INTERNAL
-                self.result.error_message = "scripted failure"
-                return
-            self.result.tokens.append(item)
-            yield item
-        self.result.finish_reason = "stop"
-
-
-class ScriptedEngine:
-    """The real engine with scripted generations (queued in ``scripts``); records the prompts."""
-
-    def __init__(self, inner: Engine):
-        self.inner = inner
-        self.scripts: list[list] = []
-        self.prompts: list[list[int]] = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def script(self, text: str, fail: bool = False) -> None:
-        tokens = self.inner.tokenizer.encode(text)
-        self.scripts.append(tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id]))
-
-    def stream(self, prompt, params, *, speculative=None, snapshot=None) -> ScriptedHandle:
-        self.prompts.append(list(prompt))
-        return ScriptedHandle(self.inner, prompt, snapshot, self.scripts.pop(0))
-
+from .server_harness import ScriptedEngine, running
 
 @pytest.fixture(scope="module")
 def scripted(tiny_dir):

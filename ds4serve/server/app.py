@@ -23,6 +23,7 @@ from .errors import APIError, body_for, invalid
 from .metrics import Metrics
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
+from .routes_responses import router as responses_router
 from .scheduler import Scheduler
 from .schemas import ParkRequest
 
@@ -139,15 +140,12 @@ def _replay(body: bytes, receive):
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
+    """The problem of the field the body came closest to: where a union's members all fail, the deepest one."""
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return invalid(f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
-    loc = []
-    for part in first["loc"][1:] if first["loc"][:1] == ("body",) else first["loc"]:
-        if isinstance(part, str) and _is_type_tag(part):
-            break  # pydantic names the union member it tried; the field is what came before
-        loc.append(str(part))
+    if errors and errors[0].get("type") == "json_invalid":
+        return invalid(f"invalid JSON body: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}")
+    first = max(errors, key=lambda e: len(_field_path(e["loc"])), default={"loc": (), "msg": "", "type": ""})
+    loc = _field_path(first["loc"])
     if not loc:
         return invalid("the request body must be a JSON object" if first["type"] != "missing"
                        else "a JSON request body is required")
@@ -159,8 +157,15 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
+def _field_path(loc: tuple) -> list[str]:
+    """A pydantic location as the request's field path: without ``body`` and the union members' tags
+    (``str``, ``list[...]``, ``function-...``, a model's class name)."""
+    parts = loc[1:] if loc[:1] == ("body",) else loc
+    return [str(p) for p in parts if not (isinstance(p, str) and _is_type_tag(p))]
+
+
 def _is_type_tag(part: str) -> bool:
-    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+    return part in _TYPE_TAGS or "[" in part or part.startswith("function-") or part[:1].isupper()
 
 
 def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None = None) -> FastAPI:
@@ -178,6 +183,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     app.state.server = server
     app.add_middleware(_Gate, server=server)
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(anthropic_router)
 
     @app.exception_handler(APIError)

@@ -188,6 +188,122 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+# ---- OpenAI Responses -----------------------------------------------------------------------------
+
+class ResponseText(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+def _joined(content: str | list[ResponseText]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class ResponseMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ResponseText]
+
+    def text(self) -> str:
+        return _joined(self.content)
+
+
+class ResponseFunctionCall(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class ResponseFunctionCallOutput(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponseText]
+
+    def text(self) -> str:
+        return _joined(self.output)
+
+
+class ReasoningText(_Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ResponseReasoning(_Body):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content if self.content is not None else self.summary))
+
+
+ResponseInputItem = Union[ResponseMessage, ResponseFunctionCall, ResponseFunctionCallOutput, ResponseReasoning]
+
+
+class ResponseTool(_Body):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool = True  # the Responses API holds function calls to their schemas unless told not to
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_schema(v)
+
+
+class ResponseNamedTool(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseReasoningOption(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: str | None = None
+
+
+class ResponseTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseTextOption(_Body):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[ResponseInputItem]
+    instructions: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None  # not in OpenAI's API; as in chat completions
+    reasoning: ResponseReasoningOption | None = None
+    text: ResponseTextOption | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _no_previous(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("responses are not stored here: send the whole conversation in input")
+        return v
+
+
 # ---- Anthropic ------------------------------------------------------------------------------------
 
 class TextBlock(_Body):

@@ -1,0 +1,278 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (streaming and not), over the chat completions path.
+
+A request's ``input`` items become chat messages (``instructions`` the system text; ``function_call`` items
+the tool calls of an assistant turn, a ``reasoning`` item the next assistant turn's reasoning,
+``function_call_output`` items tool results) and everything else its chat equivalent, so the prompt,
+tool grammars (function tools are ``strict`` unless they say otherwise, as in OpenAI's API) and
+structured output are the chat route's. Errors name the Responses field (``input``, ``tools.0.parameters``,
+``max_output_tokens``, ``text.format``). The answer is a list of output items: a ``reasoning`` item
+(thinking mode), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
+sends the same items as typed events (``response.output_item.added``, ``...output_text.delta``,
+``...function_call_arguments.delta``, ..., ``response.completed`` or ``response.incomplete``). Nothing
+is stored: ``previous_response_id`` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from .completion import Completion, CompletionSpec, run_to_end, usage
+from .errors import APIError, invalid
+from .output_parser import ParsedDelta
+from .routes_openai import chat_spec
+from .schemas import ChatRequest, ResponseFunctionCall, ResponseReasoning, ResponsesRequest
+
+router = APIRouter()
+
+# chat completions' field -> the Responses API's, for the errors chat_spec raises
+_FIELDS = [
+    (re.compile(r"^messages\b[\w.]*"), "input"),
+    (re.compile(r"^tools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"^max_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"^response_format\b[\w.]*"), "text.format"),
+    (re.compile(r"^reasoning_effort\b"), "reasoning.effort"),
+]
+
+
+def _mint(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def _renamed(err: APIError) -> APIError:
+    """``err`` with its field (and a message that starts with it) named as the Responses API names it."""
+    if err.param is None:
+        return err
+    param = err.param
+    for pattern, repl in _FIELDS:
+        param = pattern.sub(repl, param)
+    message = param + err.message[len(err.param):] if err.message.startswith(err.param) else err.message
+    return APIError(err.status, message, err.code, param, err.headers)
+
+
+def _messages(body: ResponsesRequest) -> list[dict]:
+    """Chat messages of ``instructions`` and ``input``."""
+    out: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if isinstance(body.input, str):
+        return out + [{"role": "user", "content": body.input}]
+    reasoning = None  # a reasoning item waits for the assistant turn it belongs to
+    for item in body.input:
+        if isinstance(item, ResponseReasoning):
+            reasoning = item.text()
+        elif isinstance(item, ResponseFunctionCall):
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+                reasoning = None
+            out[-1].setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+        elif item.type == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        elif item.role == "assistant":
+            out.append({"role": "assistant", "content": item.text(), "reasoning_content": reasoning})
+            reasoning = None
+        else:
+            out.append({"role": "system" if item.role in ("system", "developer") else "user", "content": item.text()})
+    return out
+
+
+def _chat_body(body: ResponsesRequest) -> dict:
+    """The chat completions request this one is."""
+    chat: dict[str, Any] = {"messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
+                            "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+                            "parallel_tool_calls": body.parallel_tool_calls}
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                         for t in body.tools]
+    choice = body.tool_choice
+    chat["tool_choice"] = choice if isinstance(choice, str) or choice is None else {
+        "type": "function", "function": {"name": choice.name}}
+    fmt = body.text.format if body.text else None
+    if fmt is not None and fmt.type == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
+    elif fmt is not None:
+        chat["response_format"] = {"type": fmt.type}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
+    return chat
+
+
+def responses_spec(server, body: ResponsesRequest) -> CompletionSpec:
+    try:
+        return chat_spec(server, ChatRequest.model_validate(_chat_body(body)))
+    except APIError as err:
+        raise _renamed(err) from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise invalid(f"input: {first['msg']} (as a chat message: {'.'.join(map(str, first['loc']))})",
+                      "input") from None
+
+
+class _Items:
+    """The output items of one response as it streams: each piece opens, extends and closes items, and
+    every change is an event (a dict with its ``type``; the stream numbers them)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.open: dict | None = None
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        return {"type": f"response.{kind}", "output_index": len(self.items) - 1, **fields}
+
+    def _start(self, item: dict) -> list[dict]:
+        events = self._close()
+        self.items.append(item)
+        self.open = item
+        events.append(self._event("output_item.added", item=_copy(item)))
+        if item["type"] != "function_call":
+            part = item["content"][0]
+            events.append(self._event("content_part.added", item_id=item["id"], content_index=0, part=_copy(part)))
+        return events
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events = [] if self.open is not None and self.open["type"] == kind else self._start(_new_item(kind))
+        self.open["content"][0]["text"] += text
+        delta = "output_text.delta" if kind == "message" else "reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return events + [self._event(delta, item_id=self.open["id"], content_index=0, delta=text, **extra)]
+
+    def piece(self, delta: ParsedDelta) -> list[dict]:
+        events = []
+        if delta.reasoning:
+            events += self._text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._text("message", delta.content)
+        for call in delta.tool_calls:
+            if call.name is not None:
+                events += self._start({"type": "function_call", "id": _mint("fc_"), "call_id": _mint("call_"),
+                                       "name": call.name, "arguments": "", "status": "in_progress"})
+            self.open["arguments"] += call.arguments
+            if call.arguments:
+                events.append(self._event("function_call_arguments.delta", item_id=self.open["id"],
+                                          delta=call.arguments))
+        return events
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        if item["type"] == "function_call":
+            events = [self._event("function_call_arguments.done", item_id=item["id"], name=item["name"],
+                                  arguments=item["arguments"])]
+        else:
+            part = item["content"][0]
+            done = ({"type": "output_text.done", "logprobs": []} if item["type"] == "message"
+                    else {"type": "reasoning_text.done"})
+            kind = done.pop("type")
+            events = [self._event(kind, item_id=item["id"], content_index=0, text=part["text"], **done),
+                      self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part))]
+        return events + [self._event("output_item.done", item=_copy(item))]
+
+    def finish(self) -> list[dict]:
+        """Close the open item; an answer with no item gets an empty message."""
+        events = [] if self.items else self._start(_new_item("message"))
+        return events + self._close()
+
+
+def _new_item(kind: str) -> dict:
+    if kind == "message":
+        return {"type": "message", "id": _mint("msg_"), "role": "assistant", "status": "in_progress",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+    return {"type": "reasoning", "id": _mint("rs_"), "summary": [], "status": "in_progress",
+            "content": [{"type": "reasoning_text", "text": ""}]}
+
+
+def _copy(item: dict) -> dict:
+    return json.loads(json.dumps(item))
+
+
+class _Response:
+    """The response object around the items: its fields echo the request's settings."""
+
+    def __init__(self, server, body: ResponsesRequest, completion: Completion):
+        self.body, self.completion = body, completion
+        self.id, self.created = _mint("resp_"), int(time.time())
+        self.model = body.model or server.config.model_name
+
+    def render(self, items: list[dict], done: bool) -> dict:
+        body, completion = self.body, self.completion
+        incomplete = done and completion.finish_reason == "length"
+        status = "in_progress" if not done else "incomplete" if incomplete else "completed"
+        choice = body.tool_choice
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": items, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.instructions, "metadata": body.metadata or {},
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
+            else choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "reasoning": body.reasoning.model_dump() if body.reasoning else None,
+            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if body.text and body.text.format else {"type": "text"}},
+            "usage": _usage(completion) if done else None,
+        }
+
+
+def _usage(completion: Completion) -> dict:
+    chat = usage([completion])
+    return {"input_tokens": chat["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": chat["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": chat["completion_tokens_details"]["reasoning_tokens"]},
+            "total_tokens": chat["total_tokens"], "timings": chat["timings"]}
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request):
+    server = request.app.state.server
+    completion = Completion(server, request, responses_spec(server, body))
+    completion.start()
+    response = _Response(server, body, completion)
+    if body.stream:
+        return await _stream(completion, response)
+    items = _Items()
+    for piece in await run_to_end(completion):
+        items.piece(piece.delta)
+    items.finish()
+    return JSONResponse(response.render(items.items, done=True))
+
+
+async def _stream(completion: Completion, response: _Response) -> StreamingResponse:
+    pieces = await completion.opened()
+
+    async def events() -> AsyncIterator[str]:
+        items, number = _Items(), 0
+
+        def sse(event: dict) -> str:
+            nonlocal number
+            data = json.dumps({**event, "sequence_number": number}, ensure_ascii=False)
+            number += 1
+            return f"event: {event['type']}\ndata: {data}\n\n"
+
+        try:
+            for kind in ("created", "in_progress"):
+                yield sse({"type": f"response.{kind}", "response": response.render([], done=False)})
+            async for piece in pieces:
+                for event in items.piece(piece.delta):
+                    yield sse(event)
+            for event in items.finish():
+                yield sse(event)
+            final = response.render(items.items, done=True)
+            yield sse({"type": f"response.{final['status']}", "response": final})
+        except APIError as err:
+            yield sse({"type": "error", "code": err.code, "message": err.message, "param": err.param})
+        finally:
+            completion.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

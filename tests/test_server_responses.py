@@ -1,0 +1,150 @@
+"""OpenAI's Responses API (``/v1/responses``) through the official SDK: output items, streamed events,
+tool calls and their results in ``input``, reasoning items, and errors naming the Responses fields."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from ds4serve import Engine
+from ds4serve.server.app import ServerConfig, create_app
+from ds4serve.server.chat_format import encode_messages
+from tests.helpers import CALL, WEATHER
+
+from .server_harness import ScriptedEngine, running
+
+TOOL = {"type": "function", **{k: v for k, v in WEATHER["function"].items()}}
+STRICT_TOOL = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                        "maximum": 5}}}}
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_dir):
+    return ScriptedEngine(Engine.from_pretrained(tiny_dir, max_context=1024))
+
+
+@pytest.fixture(scope="module")
+def client(scripted):
+    with running(create_app(scripted, ServerConfig(model_name="tiny"))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dir):
+    """The real (random) tiny model, for what the grammars and the sampler decide."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024)
+    with running(create_app(engine, ServerConfig(model_name="tiny"))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def test_text_answer_and_its_stream(client, scripted):
+    scripted.script("Hello there.")
+    r = client.responses.create(model="tiny", input="Hi", instructions="Be brief.")
+    assert r.status == "completed" and r.output_text == "Hello there." and r.id.startswith("resp_")
+    assert [o.type for o in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
+    prompt = encode_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                             thinking=False).text
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(prompt)
+    assert r.usage.input_tokens == len(scripted.prompts[-1]) and r.usage.output_tokens > 0
+
+    scripted.script("Hello there.")
+    with client.responses.stream(model="tiny", input="Hi", instructions="Be brief.") as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there."
+    assert final.output_text == "Hello there." and final.usage.output_tokens == r.usage.output_tokens
+
+
+def test_a_tool_call_and_its_result_round_trip(client, scripted):
+    scripted.script("Let me check." + CALL)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.responses.create(model="tiny", input=question, tools=[TOOL])
+    assert r.status == "completed" and [o.type for o in r.output] == ["message", "function_call"]
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    assert call.call_id.startswith("call_") and r.output_text == "Let me check."
+
+    scripted.script("It is 18°C.")
+    history = question + [o.model_dump(exclude_none=True) for o in r.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}]
+    r2 = client.responses.create(model="tiny", input=history, tools=[TOOL])
+    assert r2.output_text == "It is 18°C."
+    chat = question + [{"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 18}'}]
+    tools = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(encode_messages(chat, thinking=False,
+                                                                                   tools=tools).text)
+
+    scripted.script("Let me check." + CALL)
+    with client.responses.stream(model="tiny", input=question, tools=[TOOL]) as s:
+        events = list(s)
+        final = s.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and json.loads("".join(deltas)) == {"city": "Paris", "days": 2} == json.loads(done.arguments)
+    assert [o.type for o in final.output] == ["message", "function_call"]
+
+
+def test_reasoning_is_an_item_and_goes_back_as_the_turn_s_reasoning(client, scripted):
+    scripted.script("Need the tool.</think>Sunny.")
+    r = client.responses.create(model="tiny", input="Weather?", reasoning={"effort": "high"})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Need the tool." and r.output_text == "Sunny."
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+
+    scripted.script("Ok.")
+    history = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+               {"role": "user", "content": "Thanks"}]
+    client.responses.create(model="tiny", input=history, reasoning={"effort": "high"})
+    chat = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": "Need the tool."},
+            {"role": "user", "content": "Thanks"}]
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(encode_messages(chat, thinking=True).text)
+
+
+def test_function_tools_are_strict_unless_they_say_not(live):
+    r = live.responses.create(model="tiny", input="Weather?", tools=[STRICT_TOOL], tool_choice="required",
+                              parallel_tool_calls=False, max_output_tokens=60, temperature=1.0,
+                              extra_body={"seed": 4})
+    (call,) = r.output
+    args = json.loads(call.arguments)
+    assert r.status == "completed" and call.type == "function_call" and set(args) <= {"city", "days"}
+    assert len(args["city"]) <= 8 and 1 <= args.get("days", 1) <= 5
+
+
+def test_max_output_tokens_makes_the_response_incomplete(live):
+    r = live.responses.create(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3
+    with live.responses.stream(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0) as s:
+        events = list(s)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+    (dict(input="x", max_output_tokens=0), "max_output_tokens"),
+    (dict(input="x", tools=[{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}]), "tools.0.parameters.properties.a"),
+    (dict(input="x", tools=[TOOL], tool_choice={"type": "function", "name": "g"}), "tool_choice"),
+    (dict(input="x", tool_choice="required"), "tool_choice"),
+    (dict(input="x", text={"format": {"type": "json_schema", "name": "v", "schema": [1]}}), "text.format.schema"),
+    (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
+    (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
+    (dict(input="word " * 1200), "input"),
+])
+def test_errors_name_the_responses_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", **kwargs)
+    assert err.value.body["param"] == param and err.value.body["message"]
