@@ -142,3 +142,40 @@ def test_non_json_values_stay_strings():
 def test_without_tools_dsml_is_plain_content_and_unclosed_reasoning_is_reasoning():
     assert _all(OutputParser(thinking=False), "a" + CALL, 3).content == "a" + CALL
     assert _all(OutputParser(thinking=True), "still thinking</th", 3) == ParsedDelta(reasoning="still thinking</th")
+
+
+FRAGMENTS = ["\n\n<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", '<｜DSML｜invoke name="f">', '<｜DSML｜invoke name="g">',
+             '<｜DSML｜invoke name="nope">', "</｜DSML｜invoke>", '<｜DSML｜parameter name="a" string="true">',
+             '<｜DSML｜parameter name="b" string="false">', "</｜DSML｜parameter>", "</think>", "<｜DSML｜", "</｜DS",
+             "\n", " ", "text", '"q"', "\\", "[1, 2]", "{", '{"k": 1}', "<", ">", "é", "ü\n"]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_any_output_parses_the_same_for_any_chunking_into_valid_calls(seed):
+    """Random mixes of DSML pieces: the parser never raises, every call's arguments are a JSON object, and
+    one-shot, character-by-character and random chunkings agree."""
+    import random
+
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40)))
+    if seed % 2:  # mostly well-formed blocks, with a random fragment dropped in here and there
+        invokes = "".join(INVOKE.format(rng.choice("fg")) + "".join(
+            PARAM.format(k, v, rng.choice(FRAGMENTS)) for k, v in (("a", "true"), ("b", "false"))[:rng.randint(0, 2)])
+            + END_INVOKE for _ in range(rng.randint(1, 3)))
+        parts = list(BLOCK.format(invokes))
+        for _ in range(rng.randint(0, 2)):
+            parts.insert(rng.randint(0, len(parts)), rng.choice(FRAGMENTS))
+        text = text[:rng.randint(0, 10)] + "".join(parts)[:rng.randint(len(parts) // 2, len(parts))]
+    thinking = rng.random() < 0.3
+    results = []
+    for steps in ([len(text) or 1], [1] * len(text), [rng.randint(1, 9) for _ in range(len(text))]):
+        parser, out, at = OutputParser(thinking=thinking, tools={"f", "g"}), [], 0
+        for step in steps:
+            out += parser.feed(text[at:at + step])
+            at += step
+        out += parser.finish()
+        results.append((merged(out), parser.saw_tool_calls, parser.cut_call))
+    assert results[0] == results[1] == results[2], text
+    total = results[0][0]
+    assert all(isinstance(json.loads(c.arguments), dict) for c in total.tool_calls), text
+    assert [c.index for c in total.tool_calls] == list(range(len(total.tool_calls)))
