@@ -129,6 +129,22 @@ def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
     assert [c.index for c in legacy.choices] == [0, 1] and legacy.usage.completion_tokens == 6
 
 
+def test_a_predicted_output_drafts_the_answer_and_leaves_it_unchanged(oai):
+    plain = chat(oai, "Repeat after me", max_tokens=16, temperature=0)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    for prediction, accepted in ((text, True), (text[:len(text) // 3] + " something else " + text[len(text) // 2:],
+                                                True), ("unrelated words entirely", False)):
+        r = chat(oai, "Repeat after me", max_tokens=16, temperature=0,
+                 prediction={"type": "content", "content": prediction})
+        details = r.usage.completion_tokens_details
+        assert r.choices[0].message.content == text
+        assert (details.accepted_prediction_tokens > 0) == accepted
+        if prediction == text:  # whole runs a step: fewer forwards than tokens
+            assert r.usage.model_extra["timings"]["forward_calls"] < plain.usage.model_extra["timings"]["forward_calls"]
+            assert details.rejected_prediction_tokens <= 1
+
+
 def test_reasoning_content_with_a_thinking_budget(oai):
     r = chat(oai, "Think first", max_tokens=5, temperature=0,
              extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}})

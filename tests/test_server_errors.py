@@ -37,6 +37,7 @@ CASES = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages.0.content.0.type"),  # of a union's members, the one the body came closest to
     (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
+    (CHAT, chat(prediction={"type": "file", "content": "x"}), 400, "prediction.type"),
     (CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
     (CHAT, chat(max_tokens=100000), 400, "max_tokens"),
     (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),

@@ -7,7 +7,7 @@ import pytest
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine import ErrorCode
-from ds4serve.engine.drafts import OracleProposer
+from ds4serve.engine.drafts import OracleProposer, PredictionProposer
 from tests.helpers import random_prompt
 
 PROMPT = random_prompt(70, seed=11)  # positions 0..~100: many CSA (4) and HCA (16) windows
@@ -128,6 +128,26 @@ def test_ngram_proposer_is_lossless_and_drafts_from_repeats(engine):
     stats = res.stats.speculative
     assert stats["method"] == "ngram"
     assert stats["accepted"] > 0 and stats["steps"] < 15
+
+
+@pytest.mark.parametrize("edit", ["exact", "insert", "delete", "replace", "unrelated"])
+def test_a_predicted_output_is_lossless_and_drafts_what_the_output_shares_with_it(engine, edit):
+    """OpenAI's predicted outputs: the greedy answer is plain decoding's whatever the prediction; where the
+    answer follows it, drafts are accepted and the answer takes fewer steps than tokens."""
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    ref = engine.generate(PROMPT, params).tokens
+    prediction = {"exact": ref, "insert": ref[:8] + [7, 8, 9] + ref[8:], "delete": ref[:6] + ref[12:],
+                  "replace": ref[:10] + [123] * 4 + ref[14:], "unrelated": random_prompt(MAX_TOKENS, seed=3)}[edit]
+    res = engine.generate(PROMPT, params, speculative=PredictionProposer(prediction))
+    assert res.ok and res.tokens == ref
+    stats = res.stats.speculative
+    assert stats["method"] == "prediction"
+    if edit == "exact":  # eight drafts a step, all accepted, and a bonus token each
+        assert stats["accepted"] == stats["drafted"] and stats["steps"] <= 3
+    elif edit == "unrelated":
+        assert stats["accepted"] == 0
+    else:  # the alignment picks the prediction up again after the edit
+        assert stats["accepted"] >= MAX_TOKENS // 3 and stats["steps"] <= MAX_TOKENS // 2
 
 
 @pytest.mark.parametrize("spec", ["mtp:1", "mtp", "mtp:7"])

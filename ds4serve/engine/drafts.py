@@ -1,4 +1,5 @@
-"""The built-in draft proposers (n-gram lookup, MTP, DSpark) and the draft weights an engine holds.
+"""The built-in draft proposers (n-gram lookup, a client's predicted output, MTP, DSpark) and the draft
+weights an engine holds.
 
 ``Engine.generate(speculative=...)`` accepts a :class:`~ds4serve.engine.speculative.DraftProposer`
 or a string ``NAME`` / ``NAME:K`` with ``NAME`` in ``ngram``, ``mtp``, ``dspark`` and ``K`` the
@@ -12,6 +13,7 @@ relative positions, so they count positions from 0). The first step therefore ha
 
 from __future__ import annotations
 
+import bisect
 import functools
 import random
 import re
@@ -81,6 +83,47 @@ class NgramProposer(DraftProposer):
                 end = self._index.get(tuple(history[-n:]))
                 if end is not None:
                     return Draft(history[end + 1:end + 1 + k])
+        return Draft()
+
+
+class PredictionProposer(DraftProposer):
+    """OpenAI's predicted outputs: drafts read from the answer the client expects (``prediction``, token ids).
+
+    The output is aligned to the prediction as it grows: where the output so far ends with a run of tokens
+    that the prediction holds at or after the point the last match ended (the longest run, up to
+    ``max_ngram`` tokens), the draft is what follows that run in the prediction. Runs shorter than
+    ``near_ngram`` tokens match only within ``window`` tokens of that point, so a common token far ahead
+    does not pull the alignment away. Verification keeps the answer the target's own: a wrong prediction
+    costs rejected drafts, never different tokens.
+    """
+
+    name = "prediction"
+
+    def __init__(self, prediction: list[int], max_draft_tokens: int = 8, *, max_ngram: int = 8,
+                 near_ngram: int = 3, window: int = 64, **policy):
+        super().__init__(max_draft_tokens, **policy)
+        self.prediction = list(prediction)
+        self.max_ngram, self.near_ngram, self.window = max_ngram, near_ngram, window
+        self._at: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it starts at, ascending
+        for n in range(1, max_ngram + 1):
+            for i in range(len(self.prediction) - n + 1):
+                self._at.setdefault(tuple(self.prediction[i:i + n]), []).append(i)
+        self._start: int | None = None
+        self._cursor = 0  # where in the prediction the output is expected to go on
+
+    def begin(self, history: list[int], max_context: int) -> None:
+        self._start, self._cursor = None, 0
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        if self._start is None:  # the first call: the history is the prompt and the first output token
+            self._start = len(history) - 1
+        out = history[self._start:]
+        for n in range(min(self.max_ngram, len(out)), 0, -1):
+            starts = self._at.get(tuple(out[-n:]), [])
+            i = bisect.bisect_left(starts, max(0, self._cursor - n))
+            if i < len(starts) and (n >= self.near_ngram or starts[i] - self._cursor <= self.window):
+                self._cursor = starts[i] + n
+                return Draft(self.prediction[self._cursor:self._cursor + k])
         return Draft()
 
 

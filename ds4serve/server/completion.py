@@ -33,6 +33,7 @@ class CompletionSpec:
     thinking: bool = False
     tools: set[str] | None = None  # callable tool names; None: no tool-call parsing
     cache_at: int | None = None
+    speculative: object | None = None  # this request's draft (a predicted output); None: the server's
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Completion:
         self.stopper = StopMatcher(spec.stops)
         self.parser = OutputParser(spec.thinking, spec.tools)
         self.job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop(),
-                       cache_at=spec.cache_at, speculative=server.config.speculative)
+                       cache_at=spec.cache_at,
+                       speculative=server.config.speculative if spec.speculative is None else spec.speculative)
         self.result: GenerateResult | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -192,12 +194,17 @@ def usage(completions: list[Completion]) -> dict:
     completion_tokens = sum(len(r.tokens) for r in results)
     prompt = len(completions[0].spec.prompt)
     spec = first.stats.speculative if len(results) == 1 else None
+    predicted = [r.stats.speculative for r in results if (r.stats.speculative or {}).get("method") == "prediction"]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": first.stats.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": sum(r.stats.reasoning_tokens for r in results)},
+        "completion_tokens_details": {
+            "reasoning_tokens": sum(r.stats.reasoning_tokens for r in results),
+            "accepted_prediction_tokens": sum(s["accepted"] for s in predicted),
+            "rejected_prediction_tokens": sum(s["drafted"] - s["accepted"] for s in predicted),
+        },
         "timings": {
             "prefilled_tokens": sum(r.stats.prefilled_tokens for r in results),
             "prefill_ms": round(sum(r.timings.prefill_s for r in results) * 1e3, 3),

@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine.drafts import PredictionProposer
 from .chat_format import BOS, encode_messages, shared_prefix_length
 from .completion import (Choices, Completion, CompletionSpec, Piece, build_params, check_prompt, resolve_max_tokens)
 from .errors import APIError, invalid, openai_body
@@ -129,7 +130,20 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     return CompletionSpec(
         prompt=prompt, params=params, stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         thinking=thinking, tools={t["function"]["name"] for t in tools} if tools else None,
-        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id))
+        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+        speculative=_prediction(server, body))
+
+
+def _prediction(server, body: ChatRequest) -> PredictionProposer | None:
+    """A draft read from the predicted output (OpenAI's ``prediction``): verification keeps the answer the
+    model's own, and where the answer follows the prediction, whole runs of it are accepted a step."""
+    if body.prediction is None:
+        return None
+    tokens = server.engine.tokenizer.encode(body.prediction.text())
+    if len(tokens) > server.engine.max_context:
+        raise invalid(f"prediction.content: {len(tokens)} tokens, longer than the context of "
+                      f"{server.engine.max_context}", "prediction.content")
+    return PredictionProposer(tokens)
 
 
 def _mint(prefix: str) -> str:

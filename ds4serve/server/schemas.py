@@ -118,6 +118,14 @@ class ThinkingOption(_Body):
     budget_tokens: int | None = Field(default=None, ge=0)
 
 
+class Prediction(_Body):
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -161,6 +169,7 @@ class ChatRequest(SamplingFields):
     thinking: ThinkingOption | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
     user: str | None = None
 
 
