@@ -230,3 +230,25 @@ def test_openai_auto_tool_choice_holds_a_strict_function(oai):
     r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=30,
                                     tools=tools, temperature=0)
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content
+
+
+def test_anthropic_structured_output(base, engine):
+    """``output_config.format`` (Anthropic's structured outputs): the answer is a document of the schema, streamed
+    or not, with the response-format block in the prompt; with a forced tool call it is a 400."""
+    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"enum": ["yes", "no"]}}}
+    ask = dict(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "Is it?"}],
+               extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    msg = claude.messages.create(**ask)
+    assert json.loads(msg.content[0].text)["answer"] in ("yes", "no") and msg.stop_reason == "end_turn"
+    with claude.messages.stream(**ask) as s:
+        text = "".join(s.text_stream)
+    assert json.loads(text)["answer"] in ("yes", "no")
+    counted = claude.messages.count_tokens(model="tiny", messages=ask["messages"],
+                                           extra_body={"output_config": ask["extra_body"]["output_config"]})
+    assert counted.input_tokens > claude.messages.count_tokens(model="tiny", messages=ask["messages"]).input_tokens
+    tools = [{"name": "note", "input_schema": {"type": "object"}}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(**ask, tools=tools, tool_choice={"type": "any"})
+    assert "output_config.format" in err.value.message

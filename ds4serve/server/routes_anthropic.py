@@ -82,35 +82,49 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
             for t in body.tools]
 
 
+def _output_schema(body: CountTokensRequest) -> dict | None:
+    """``output_config.format``'s JSON schema (Anthropic's structured outputs): the answer is a document of it."""
+    config = body.output_config
+    return config.format.schema_ if config is not None and config.format is not None else None
+
+
 def _encode(server, body: CountTokensRequest):
     thinking = body.thinking is not None and body.thinking.type == "enabled"
+    effort = body.output_config.effort if body.output_config is not None else None
     tools = _tools(body)
-    encoded = encode_messages(_messages(body), thinking=thinking, tools=tools)
+    encoded = encode_messages(_messages(body), thinking=thinking, tools=tools, response_format=_output_schema(body),
+                              reasoning_effort="max" if effort in ("xhigh", "max") else None)
     return encoded, server.engine.tokenizer.encode(encoded.text), tools
 
 
-def _tool_grammar(server, body: MessagesRequest, tools: list[dict] | None) -> str | None:
-    """The grammar the answer is held to (tool_grammar.py): the tool call that ``tool_choice`` "any" or "tool"
-    forces; under "auto", content then maybe calls with the ``strict`` tools' inputs held."""
-    choice = body.tool_choice
+def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tuple[str | None, dict | None]:
+    """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
+    "any" or "tool" forces; under "auto", content (a document of ``output_config.format``'s schema, if any)
+    then maybe calls with the ``strict`` tools' inputs held; else that schema alone."""
+    choice, schema = body.tool_choice, _output_schema(body)
     if not tools:
-        return None
+        return None, schema
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
     if choice is not None and choice.type in ("any", "tool"):
+        if schema is not None:
+            raise invalid("output_config.format: cannot be combined with a forced tool call (tool_choice)",
+                          "output_config.format")
         name = choice.name if choice.type == "tool" else None
-        return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema")
-    return strict_tool_calls(tools, tok, parallel, where="tools.{}.input_schema")
+        return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema"), None
+    strict = strict_tool_calls(tools, tok, parallel, schema, where="tools.{}.input_schema",
+                               content_where="output_config.format.schema")
+    return (strict, None) if strict is not None else (None, schema)
 
 
 def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     encoded, prompt, tools = _encode(server, body)
-    grammar = _tool_grammar(server, body, tools)
+    grammar, json_schema = _answer_rule(server, body, tools)
     check_prompt(server, prompt, "messages")
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
     params = build_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         reasoning_budget=body.thinking.budget_tokens if body.thinking and encoded.thinking else None,
-        thinking=encoded.thinking, grammar=grammar, vocab=server.engine.cfg.vocab_size)
+        thinking=encoded.thinking, grammar=grammar, json_schema=json_schema, vocab=server.engine.cfg.vocab_size)
     tok = server.engine.tokenizer
     return CompletionSpec(prompt=prompt, params=params, stops=list(body.stop_sequences or []),
                           thinking=encoded.thinking, tools={t["function"]["name"] for t in tools} if tools else None,

@@ -372,6 +372,16 @@ class AnthropicToolChoice(_Body):
     disable_parallel_tool_use: bool = False
 
 
+class AnthropicOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(_Body):
+    format: AnthropicOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class CountTokensRequest(_Body):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -379,6 +389,7 @@ class CountTokensRequest(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingOption | None = None
+    output_config: AnthropicOutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):

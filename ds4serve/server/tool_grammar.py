@@ -182,10 +182,10 @@ class _Grammar:
         return self.rule(f"invoke{index}", f'{head} ({body}) "/" {self.token} "invoke>"')
 
     def build(self, functions: dict[int, dict], many: bool, where: str, held: set[int] | None = None,
-              content: str | dict | None = None) -> str:
+              content: str | dict | None = None, content_where: str = "response_format") -> str:
         """``functions`` by their index in the request; ``held``: the indices whose schemas are held (None: all);
         ``content``: None (the answer is the block), "text" (free content, then maybe the block) or a JSON
-        schema (a document of it, or the block)."""
+        schema (a document of it, or the block), which ``content_where`` names in a 400."""
         invoke = self.rule("invoke", " | ".join(self.invoke(i, f, where.format(i), held is None or i in held)
                                                 for i, f in functions.items()))
         end = f'"/" {self.token} "tool_calls>"'
@@ -197,7 +197,7 @@ class _Grammar:
             free, before = self.text("free_text", r"/(?s:.*)/"), self.text("text_before_calls", r"/(?s:.*)\n\n</")
             start = f"{free} | {before} {calls}"
         else:
-            start = f'{self.json(content, "response_format")} | "\\n\\n<" {calls}'
+            start = f'{self.json(content, content_where)} | "\\n\\n<" {calls}'
         self.text("text_value", r"/(?s:.*)<\//", lazy=True)
         self.rule("NO_DSML", f"~/(?s:.*){DSML}(?s:.*)/")
         self.rule("any_parameter", f'{self.token} "parameter name=\\"" /[^"<>\\n{DSML[0]}]+/ "\\" " '
@@ -216,13 +216,16 @@ def forced_tool_call(tools: list[dict], tokenizer: Tokenizer, name: str | None =
 
 
 def strict_tool_calls(tools: list[dict], tokenizer: Tokenizer, parallel: bool = True,
-                      content_schema: dict | None = None, where: str = "tools.{}.function.parameters") -> str | None:
+                      content_schema: dict | None = None, where: str = "tools.{}.function.parameters",
+                      content_where: str = "response_format") -> str | None:
     """The Lark grammar of an answer under ``tool_choice`` "auto" that holds the calls of ``strict`` functions to
     their schemas (None when no function is strict): content, then maybe a tool-calls block. With
-    ``content_schema`` (a ``response_format``) the content is a document of it, or the answer is the block."""
+    ``content_schema`` (a ``response_format``, the request field ``content_where``) the content is a document of
+    it, or the answer is the block."""
     held = {i for i, t in enumerate(tools) if t["function"].get("strict") is True}
     if not held:
         return None
     functions = dict(enumerate(t["function"] for t in tools))
     return _Grammar(tokenizer.token_id(DSML)).build(functions, parallel, where, held,
-                                                    "text" if content_schema is None else content_schema)
+                                                    "text" if content_schema is None else content_schema,
+                                                    content_where)
