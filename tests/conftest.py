@@ -43,3 +43,13 @@ def engine(tiny_dir):
     from ds4serve import Engine
 
     return Engine.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_dir):
+    """A :class:`~tests.server_harness.ScriptedEngine` on the default tiny checkpoint, one per test module (each
+    queues its own scripts)."""
+    from ds4serve import Engine
+    from tests.server_harness import ScriptedEngine
+
+    return ScriptedEngine(Engine.from_pretrained(tiny_dir, max_context=1024))

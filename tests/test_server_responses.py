@@ -13,18 +13,13 @@ from ds4serve.server.app import ServerConfig, create_app
 from ds4serve.server.chat_format import encode_messages
 from tests.helpers import CALL, WEATHER
 
-from .server_harness import ScriptedEngine, running
+from .server_harness import running
 
 TOOL = {"type": "function", **{k: v for k, v in WEATHER["function"].items()}}
 STRICT_TOOL = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city"],
     "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
                                                                         "maximum": 5}}}}
-
-
-@pytest.fixture(scope="module")
-def scripted(tiny_dir):
-    return ScriptedEngine(Engine.from_pretrained(tiny_dir, max_context=1024))
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,11 @@ import httpx
 import openai
 import pytest
 
-from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
 from ds4serve.server.chat_format import encode_messages
 from tests.helpers import CALL, WEATHER
 
-from .server_harness import ScriptedEngine, running
-
-@pytest.fixture(scope="module")
-def scripted(tiny_dir):
-    return ScriptedEngine(Engine.from_pretrained(tiny_dir, max_context=1024))
-
+from .server_harness import running
 
 @pytest.fixture(scope="module")
 def base(scripted):
