@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -42,6 +43,11 @@ class Piece:
 
     delta: ParsedDelta
     logprobs: list[TokenLogprob]
+
+
+def mint_id(prefix: str) -> str:
+    """A response or call id: ``prefix`` and 24 random hex digits."""
+    return prefix + secrets.token_hex(12)
 
 
 def _pieces(segments: list[ParsedDelta], logprobs: list[TokenLogprob]) -> list[Piece]:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import secrets
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .chat_format import encode_messages, shared_prefix_length
-from .completion import Completion, CompletionSpec, build_params, check_prompt, resolve_max_tokens, run_to_end
+from .completion import (Completion, CompletionSpec, build_params, check_prompt, mint_id, resolve_max_tokens,
+                         run_to_end)
 from .errors import APIError, anthropic_body, invalid
 from .output_parser import merged
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
@@ -160,7 +160,7 @@ async def messages(body: MessagesRequest, request: Request):
     server = request.app.state.server
     completion = Completion(server, request, messages_spec(server, body))
     completion.start()
-    mid = "msg_" + secrets.token_hex(12)
+    mid = mint_id("msg_")
     model = body.model or server.config.model_name
     if body.stream:
         return await _stream(completion, mid, model)
@@ -171,7 +171,7 @@ async def messages(body: MessagesRequest, request: Request):
     if total.content or not total.tool_calls:
         content.append({"type": "text", "text": total.content})
     for call in total.tool_calls:
-        content.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": call.name,
+        content.append({"type": "tool_use", "id": mint_id("toolu_"), "name": call.name,
                         "input": json.loads(call.arguments)})
     return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
                          "stop_reason": _stop_reason(completion), "stop_sequence": completion.stop_sequence,
@@ -208,7 +208,7 @@ class _Blocks:
             out += self.delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": d.content})
         for call in d.tool_calls:  # a fragment with a name opens its call's block, the rest add to it
             if call.name is not None:
-                out += self.open("tool_use", {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                out += self.open("tool_use", {"type": "tool_use", "id": mint_id("toolu_"),
                                               "name": call.name, "input": {}})
             if call.arguments:
                 out.append(_event("content_block_delta", {"index": self.index, "delta": {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from typing import AsyncIterator
 
@@ -12,7 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.drafts import PredictionProposer
 from .chat_format import BOS, encode_messages, shared_prefix_length
-from .completion import (Choices, Completion, CompletionSpec, Piece, build_params, check_prompt, resolve_max_tokens)
+from .completion import (Choices, Completion, CompletionSpec, Piece, build_params, check_prompt, mint_id,
+                         resolve_max_tokens)
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
@@ -146,10 +146,6 @@ def _prediction(server, body: ChatRequest) -> PredictionProposer | None:
     return PredictionProposer(tokens)
 
 
-def _mint(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
-
-
 def _token_logprobs(tok, piece: Piece) -> list[dict]:
     def entry(token: int, logprob: float) -> dict:
         text = tok.decode([token])
@@ -167,7 +163,7 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
         if d.name is None:
             out.append({"index": d.index, "function": {"arguments": d.arguments}})
         else:
-            ids[d.index] = _mint("call_")
+            ids[d.index] = mint_id("call_")
             out.append({"index": d.index, "id": ids[d.index], "type": "function",
                         "function": {"name": d.name, "arguments": d.arguments}})
     return out
@@ -179,7 +175,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     choices = Choices(server, request, chat_spec(server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
-    rid, created = _mint("chatcmpl-"), int(time.time())
+    rid, created = mint_id("chatcmpl-"), int(time.time())
     tok = server.engine.tokenizer
     if body.stream:
         return await _stream_chat(choices, rid, created, model, tok, body)
@@ -194,7 +190,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 
 def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, logprobs: bool | None) -> dict:
     total = merged([p.delta for p in pieces])
-    calls = [{"id": _mint("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    calls = [{"id": mint_id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in total.tool_calls]
     message: dict = {"role": "assistant", "content": total.content if total.content or not calls else None}
     if total.reasoning:
@@ -310,7 +306,7 @@ async def completions(body: CompletionRequest, request: Request):
     choices = Choices(server, request, completion_spec(server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
-    rid, created = _mint("cmpl-"), int(time.time())
+    rid, created = mint_id("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
     if not body.stream:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import time
 from typing import Any, AsyncIterator
 
@@ -24,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from .completion import Completion, CompletionSpec, run_to_end, usage
+from .completion import Completion, CompletionSpec, mint_id, run_to_end, usage
 from .errors import APIError, invalid
 from .output_parser import ParsedDelta
 from .routes_openai import chat_spec
@@ -40,10 +39,6 @@ _FIELDS = [
     (re.compile(r"^response_format\b[\w.]*"), "text.format"),
     (re.compile(r"^reasoning_effort\b"), "reasoning.effort"),
 ]
-
-
-def _mint(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
 
 
 def _renamed(err: APIError) -> APIError:
@@ -150,7 +145,7 @@ class _Items:
             events += self._text("message", delta.content)
         for call in delta.tool_calls:
             if call.name is not None:
-                events += self._start({"type": "function_call", "id": _mint("fc_"), "call_id": _mint("call_"),
+                events += self._start({"type": "function_call", "id": mint_id("fc_"), "call_id": mint_id("call_"),
                                        "name": call.name, "arguments": "", "status": "in_progress"})
             self.open["arguments"] += call.arguments
             if call.arguments:
@@ -183,9 +178,9 @@ class _Items:
 
 def _new_item(kind: str) -> dict:
     if kind == "message":
-        return {"type": "message", "id": _mint("msg_"), "role": "assistant", "status": "in_progress",
+        return {"type": "message", "id": mint_id("msg_"), "role": "assistant", "status": "in_progress",
                 "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
-    return {"type": "reasoning", "id": _mint("rs_"), "summary": [], "status": "in_progress",
+    return {"type": "reasoning", "id": mint_id("rs_"), "summary": [], "status": "in_progress",
             "content": [{"type": "reasoning_text", "text": ""}]}
 
 
@@ -198,7 +193,7 @@ class _Response:
 
     def __init__(self, server, body: ResponsesRequest, completion: Completion):
         self.body, self.completion = body, completion
-        self.id, self.created = _mint("resp_"), int(time.time())
+        self.id, self.created = mint_id("resp_"), int(time.time())
         self.model = body.model or server.config.model_name
 
     def render(self, items: list[dict], done: bool) -> dict:
