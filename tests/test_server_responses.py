@@ -125,6 +125,7 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
     with live.responses.stream(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0) as s:
         events = list(s)
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
+    assert r.output[-1].status == events[-1].response.output[-1].status == "incomplete"
 
 
 @pytest.mark.parametrize("kwargs,param", [
@@ -137,6 +138,8 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
     (dict(input="x", text={"format": {"type": "json_schema", "name": "v", "schema": [1]}}), "text.format.schema"),
     (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
     (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
+    (dict(input=[]), "input"),
+    (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),
     (dict(input="word " * 1200), "input"),
 ])
 def test_errors_name_the_responses_field(client, kwargs, param):

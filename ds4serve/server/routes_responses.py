@@ -36,6 +36,7 @@ _FIELDS = [
     (re.compile(r"^messages\b[\w.]*"), "input"),
     (re.compile(r"^tools\.(\d+)\.function\."), r"tools.\1."),
     (re.compile(r"^max_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"^response_format\.json_schema\.schema\b"), "text.format.schema"),
     (re.compile(r"^response_format\b[\w.]*"), "text.format"),
     (re.compile(r"^reasoning_effort\b"), "reasoning.effort"),
 ]
@@ -153,11 +154,11 @@ class _Items:
                                           delta=call.arguments))
         return events
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         item, self.open = self.open, None
         if item is None:
             return []
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "function_call":
             events = [self._event("function_call_arguments.done", item_id=item["id"], name=item["name"],
                                   arguments=item["arguments"])]
@@ -170,10 +171,11 @@ class _Items:
                       self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part))]
         return events + [self._event("output_item.done", item=_copy(item))]
 
-    def finish(self) -> list[dict]:
-        """Close the open item; an answer with no item gets an empty message."""
+    def finish(self, incomplete: bool) -> list[dict]:
+        """Close the open item (``incomplete``: cut off by ``max_output_tokens``); an answer with no item gets an
+        empty message."""
         events = [] if self.items else self._start(_new_item("message"))
-        return events + self._close()
+        return events + self._close("incomplete" if incomplete else "completed")
 
 
 def _new_item(kind: str) -> dict:
@@ -239,7 +241,7 @@ async def responses(body: ResponsesRequest, request: Request):
     items = _Items()
     for piece in await run_to_end(completion):
         items.piece(piece.delta)
-    items.finish()
+    items.finish(completion.finish_reason == "length")
     return JSONResponse(response.render(items.items, done=True))
 
 
@@ -261,7 +263,7 @@ async def _stream(completion: Completion, response: _Response) -> StreamingRespo
             async for piece in pieces:
                 for event in items.piece(piece.delta):
                     yield sse(event)
-            for event in items.finish():
+            for event in items.finish(completion.finish_reason == "length"):
                 yield sse(event)
             final = response.render(items.items, done=True)
             yield sse({"type": f"response.{final['status']}", "response": final})

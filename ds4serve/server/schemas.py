@@ -288,7 +288,7 @@ class ResponseTextOption(_Body):
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | list[ResponseInputItem]
+    input: str | Annotated[list[ResponseInputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
