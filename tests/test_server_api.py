@@ -145,6 +145,26 @@ def test_a_predicted_output_drafts_the_answer_and_leaves_it_unchanged(oai):
             assert details.rejected_prediction_tokens <= 1
 
 
+def test_tokenize_and_detokenize_match_what_the_routes_encode(base, engine):
+    msgs = [{"role": "user", "content": "Hello"}]
+    text = encode_messages(msgs, thinking=False).text
+    r = httpx.post(f"{base}/tokenize", json={"messages": msgs}, headers=AUTH).json()
+    assert r["tokens"] == engine.tokenizer.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    think = httpx.post(f"{base}/tokenize", json={"messages": msgs, "reasoning_effort": "high"}, headers=AUTH).json()
+    assert think["tokens"] == engine.tokenizer.encode(encode_messages(msgs, thinking=True).text)
+    assert httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()["prompt"] == text
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": "Once upon a time"}, headers=AUTH).json()["tokens"]
+    assert plain == engine.tokenizer.encode("<｜begin▁of▁sentence｜>Once upon a time")  # BOS, as /v1/completions
+    long = httpx.post(f"{base}/tokenize", json={"prompt": "word " * 1100}, headers=AUTH).json()
+    assert long["count"] > long["max_model_len"]  # counted, not refused
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+                              ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens"), ("/detokenize", {}, "tokens")):
+        bad = httpx.post(f"{base}{path}", json=body, headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.json())
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_reasoning_content_with_a_thinking_budget(oai):
     r = chat(oai, "Think first", max_tokens=5, temperature=0,
              extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}})

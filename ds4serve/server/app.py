@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
 from .routes_responses import router as responses_router
+from .routes_tokens import router as tokens_router
 from .scheduler import Scheduler
 from .schemas import ParkRequest
 
@@ -184,6 +185,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     app.add_middleware(_Gate, server=server)
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(tokens_router)
     app.include_router(anthropic_router)
 
     @app.exception_handler(APIError)

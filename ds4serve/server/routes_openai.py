@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.drafts import PredictionProposer
-from .chat_format import BOS, encode_messages, shared_prefix_length
+from .chat_format import BOS, EncodedPrompt, encode_messages, shared_prefix_length
 from .completion import (Choices, Completion, CompletionSpec, Piece, build_params, check_prompt, mint_id,
                          resolve_max_tokens)
 from .errors import APIError, invalid, openai_body
@@ -106,17 +106,23 @@ def _answer_rule(server, body: ChatRequest, tools: list[dict] | None, response_f
     return (strict, None) if strict is not None else (None, response_format)
 
 
-def chat_spec(server, body: ChatRequest) -> CompletionSpec:
+def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], list[dict] | None, dict | None]:
+    """A chat request's encoded prompt, its token ids (what ``/tokenize`` reports), its tools and its
+    response-format schema."""
     thinking, effort = _thinking(body)
-    tools = _tools(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
-    response_format = _response_format(body)
-    grammar, json_schema = _answer_rule(server, body, tools, response_format)
+    tools, response_format = _tools(body), _response_format(body)
     encoded = encode_messages(_messages(body), thinking=thinking, reasoning_effort=effort, tools=tools,
                               response_format=response_format)
+    return encoded, server.engine.tokenizer.encode(encoded.text), tools, response_format
+
+
+def chat_spec(server, body: ChatRequest) -> CompletionSpec:
+    encoded, prompt, tools, response_format = chat_prompt(server, body)
+    thinking = encoded.thinking
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
+    grammar, json_schema = _answer_rule(server, body, tools, response_format)
     tok = server.engine.tokenizer
-    prompt = tok.encode(encoded.text)
     check_prompt(server, prompt, "messages")
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_completion_tokens or body.max_tokens, field_name)
@@ -262,7 +268,7 @@ def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict
 
 # ---- /v1/completions ------------------------------------------------------------------------------
 
-def _completion_prompt(server, body: CompletionRequest) -> list[int]:
+def completion_prompt(server, body: CompletionRequest) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -275,7 +281,7 @@ def _completion_prompt(server, body: CompletionRequest) -> list[int]:
 
 
 def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
-    prompt = _completion_prompt(server, body)
+    prompt = completion_prompt(server, body)
     check_prompt(server, prompt, "prompt")
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
     params = build_params(

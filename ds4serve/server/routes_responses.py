@@ -14,6 +14,7 @@ is stored: ``previous_response_id`` is refused.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -164,11 +165,10 @@ class _Items:
                                   arguments=item["arguments"])]
         else:
             part = item["content"][0]
-            done = ({"type": "output_text.done", "logprobs": []} if item["type"] == "message"
-                    else {"type": "reasoning_text.done"})
-            kind = done.pop("type")
-            events = [self._event(kind, item_id=item["id"], content_index=0, text=part["text"], **done),
-                      self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part))]
+            done = (self._event("output_text.done", item_id=item["id"], content_index=0, text=part["text"],
+                                logprobs=[]) if item["type"] == "message"
+                    else self._event("reasoning_text.done", item_id=item["id"], content_index=0, text=part["text"]))
+            events = [done, self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part))]
         return events + [self._event("output_item.done", item=_copy(item))]
 
     def finish(self, incomplete: bool) -> list[dict]:
@@ -187,7 +187,8 @@ def _new_item(kind: str) -> dict:
 
 
 def _copy(item: dict) -> dict:
-    return json.loads(json.dumps(item))
+    """A snapshot of an item for an event (the item itself grows afterwards)."""
+    return copy.deepcopy(item)
 
 
 class _Response:

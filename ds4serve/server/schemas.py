@@ -197,6 +197,10 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+class DetokenizeRequest(_Body):
+    tokens: list[int] = Field(min_length=1)
+
+
 # ---- OpenAI Responses -----------------------------------------------------------------------------
 
 class ResponseText(_Body):

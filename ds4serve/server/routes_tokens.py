@@ -1,0 +1,48 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes): what a prompt is as tokens, and back.
+
+``/tokenize`` takes a completions-style ``prompt`` (text, or token ids) or a chat request's ``messages`` (with
+its ``tools``, ``response_format`` and thinking switches), encoded exactly as those routes encode them, and
+answers ``{"count", "max_model_len", "tokens"}``; a prompt longer than the context is reported, not refused.
+``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}`` (special tokens kept).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from .errors import invalid
+from .routes_openai import chat_prompt, completion_prompt
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest
+
+router = APIRouter()
+
+
+def _validated(model: type[BaseModel], body: dict) -> BaseModel:
+    """``body`` as ``model``; a failure is the same 400 a route's own body would get."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from None
+
+
+@router.post("/tokenize")
+async def tokenize(body: dict, request: Request):
+    server = request.app.state.server
+    if "messages" in body:
+        _, tokens, _, _ = chat_prompt(server, _validated(ChatRequest, body))
+    elif "prompt" in body:
+        tokens = completion_prompt(server, _validated(CompletionRequest, {"max_tokens": 1, **body}))
+    else:
+        raise invalid("expected a 'prompt' (text or token ids) or chat 'messages'", "prompt")
+    return {"count": len(tokens), "max_model_len": server.engine.max_context, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    tok, vocab = request.app.state.server.engine.tokenizer, request.app.state.server.engine.cfg.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"tokens: ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+    return {"prompt": tok.decode(body.tokens)}
