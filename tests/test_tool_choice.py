@@ -7,6 +7,7 @@ The tiny random model never writes DSML on its own, so every parsed call below i
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import openai
@@ -252,3 +253,41 @@ def test_anthropic_structured_output(base, engine):
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(**ask, tools=tools, tool_choice={"type": "any"})
     assert "output_config.format" in err.value.message
+
+
+@pytest.mark.parametrize("rule,holds", [
+    ({"choice": ["alpha", "beta", "gamma δ"]}, lambda t: t in ("alpha", "beta", "gamma δ")),
+    ({"regex": "^[0-9]{3}-[a-z]{2}$"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t) is not None),
+    ({"regex": "a/b[0-9]"}, lambda t: re.fullmatch("a/b[0-9]", t) is not None),
+    ({"json": {"type": "object", "required": ["ok"], "additionalProperties": False,
+               "properties": {"ok": {"type": "boolean"}}}}, lambda t: isinstance(json.loads(t)["ok"], bool)),
+    ({"grammar": 'start: "yes" | "no" | "maybe " DIGIT\nDIGIT: /[0-9]/'},
+     lambda t: re.fullmatch("yes|no|maybe [0-9]", t) is not None),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_structured_outputs_hold_chat_and_text_answers(oai, rule, holds, temperature):
+    """vLLM's ``structured_outputs``: the random tiny model's answer is held to the rule, chat and completions."""
+    extra = {"extra_body": {"structured_outputs": rule}, "temperature": temperature, "seed": 2, "max_tokens": 40}
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], **extra)
+    assert holds(r.choices[0].message.content) and r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    text = oai.completions.create(model="tiny", prompt="Answer:", **extra).choices[0].text
+    assert holds(text), text
+
+
+@pytest.mark.parametrize("rule,param", [
+    ({"choice": ["a"], "regex": "b"}, "structured_outputs"),
+    ({}, "structured_outputs"),
+    ({"regex": "(?=a)b"}, "structured_outputs.regex"),
+    ({"grammar": "start: %%"}, "structured_outputs.grammar"),
+    ({"choice": []}, "structured_outputs.choice"),
+])
+def test_structured_outputs_that_cannot_be_held_are_named(oai, rule, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=4,
+                                    extra_body={"structured_outputs": rule})
+    assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=4,
+                                    response_format={"type": "json_object"},
+                                    extra_body={"structured_outputs": {"choice": ["a"]}})
+    assert err.value.body["param"] == "structured_outputs"

@@ -16,6 +16,7 @@ from .completion import (Choices, Completion, CompletionSpec, Piece, build_param
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
+from .structured import structured_rule
 from .tool_grammar import forced_tool_call, strict_tool_calls
 
 router = APIRouter()
@@ -96,6 +97,12 @@ def _answer_rule(server, body: ChatRequest, tools: list[dict] | None, response_f
     parameters held (the content a document of ``response_format``'s schema, if any); else that schema alone."""
     choice = body.tool_choice
     tok, parallel = server.engine.tokenizer, body.parallel_tool_calls is not False
+    if body.structured_outputs is not None:
+        held_tools = tools and (choice not in (None, "auto") or any(t["function"].get("strict") for t in tools))
+        if response_format is not None or held_tools:
+            raise invalid("structured_outputs: cannot be combined with response_format, a forced tool call or "
+                          "strict functions", "structured_outputs")
+        return structured_rule(body.structured_outputs)
     if tools and choice not in (None, "auto"):
         if response_format is not None:
             raise invalid("response_format: cannot be combined with a forced tool call (tool_choice)",
@@ -284,11 +291,12 @@ def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
     prompt = completion_prompt(server, body)
     check_prompt(server, prompt, "prompt")
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    grammar, json_schema = structured_rule(body.structured_outputs) if body.structured_outputs else (None, None)
     params = build_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias, logprobs=body.logprobs,
-        ignore_eos=body.ignore_eos, vocab=server.engine.cfg.vocab_size)
+        ignore_eos=body.ignore_eos, json_schema=json_schema, grammar=grammar, vocab=server.engine.cfg.vocab_size)
     return CompletionSpec(prompt=prompt, params=params,
                           stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []))
 

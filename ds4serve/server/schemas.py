@@ -131,6 +131,15 @@ class ResponseFormat(_Body):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (server/structured.py): exactly one of these."""
+
+    choice: list[str] | None = Field(default=None, min_length=1)
+    regex: str | None = None
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    grammar: str | None = None
+
+
 class SamplingFields(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -143,6 +152,7 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices run one after another
+    structured_outputs: StructuredOutputs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False

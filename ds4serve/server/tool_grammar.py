@@ -78,13 +78,28 @@ def _slashes_escaped(pattern: str) -> str:
     return "".join(out)
 
 
-def _llguidance():
+def _llguidance(where: str = "tool_choice"):
     try:
         import llguidance
     except ImportError:
-        raise invalid("tool_choice: forcing a tool call needs the llguidance package (pip install "
-                      "'ds4serve[server]')", "tool_choice") from None
+        raise invalid(f"{where}: holding the answer to a rule needs the llguidance package (pip install "
+                      "'ds4serve[server]')", where) from None
     return llguidance
+
+
+def lark_regex(regex: str) -> str:
+    """A Lark regex literal of the text that ``regex`` matches in full (a leading ``^`` and trailing ``$`` say
+    nothing more there, and llguidance has no anchors)."""
+    start, end = regex.startswith("^"), _ends_with_anchor(regex)
+    return "/" + _slashes_escaped(regex[1 if start else 0:len(regex) - (1 if end else 0)]) + "/"
+
+
+def validate_lark(grammar: str, where: str) -> None:
+    """A 400 naming ``where`` when llguidance cannot compile ``grammar``."""
+    llg = _llguidance(where)
+    problem = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar))
+    if problem:
+        raise invalid(f"{where}: not a rule the grammar can hold ({problem.strip().splitlines()[0]})", where)
 
 
 class _Grammar:
@@ -135,9 +150,7 @@ class _Grammar:
             raise invalid(f"{where}: group the alternatives of an anchored pattern, as in ^(?:a|b)$", where)
         regex = "/" + ("" if start else "(?s:.)*") + f"(?:{_slashes_escaped(core)})" + ("" if end else "(?s:.)*")
         regex += "<\\//"
-        problem = self.llg.LLMatcher.validate_grammar(self.llg.LLMatcher.grammar_from_lark(f"start: X\nX: {regex}"))
-        if problem:
-            raise invalid(f"{where}: not a pattern the grammar can hold ({problem.splitlines()[0]})", where)
+        validate_lark(f"start: X\nX: {regex}", where)
         return regex
 
     def text(self, name: str, regex: str, lazy: bool = False) -> str:
