@@ -133,10 +133,11 @@ def test_tool_block_inside_reasoning_and_direct_json_invoke():
     assert _calls(out) == [("f", {"k": [1]})]
 
 
-def test_non_json_values_stay_strings():
+@pytest.mark.parametrize("raw", ["12x", "NaN", "-Infinity", "[1, NaN]"])
+def test_non_json_values_stay_strings(raw):
     out = _all(OutputParser(thinking=False, tools={"f"}), BLOCK.format(
-        INVOKE.format("f") + PARAM.format("n", "false", "12x") + END_INVOKE), 6)
-    assert _calls(out) == [("f", {"n": "12x"})]
+        INVOKE.format("f") + PARAM.format("n", "false", raw) + END_INVOKE), 6)
+    assert out.tool_calls[0].arguments == json.dumps({"n": raw}) and _calls(out) == [("f", {"n": raw})]
 
 
 def test_without_tools_dsml_is_plain_content_and_unclosed_reasoning_is_reasoning():

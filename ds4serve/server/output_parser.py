@@ -36,10 +36,15 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _parameter_value(raw: str) -> Any:
-    """A non-string parameter's value: its JSON, or the raw text as a string when it is not JSON."""
+    """A non-string parameter's value: its JSON, or the raw text as a string when it is not JSON (``NaN`` and
+    ``Infinity`` included, which Python's parser takes and other languages' do not)."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json)
     except ValueError:
         return raw
 
