@@ -35,7 +35,7 @@ import torch
 
 from ds4serve import Engine, SamplingParams, kernels
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
-from ds4serve.engine.drafts import OracleProposer
+from ds4serve.engine.drafts import OracleProposer, PredictionProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_pair, gemv_ref
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre
 from ds4serve.kernels.hyper import hc_coefficients
@@ -394,7 +394,9 @@ def check_verify_graphs(root: Path) -> None:
         record("state after commit_static of the graph's block == of the eager block", first_state is None,
                first_step_and_tensors=first_state)
         known = prompt + plain.tokens
-        for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), "mtp:3"):
+        edited = plain.tokens[:10] + [7, 8, 9] + plain.tokens[16:]  # a predicted output with an insert and a cut
+        for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), "mtp:3",
+                     PredictionProposer(edited)):
             _check_speculative(engine, prompt, plain.tokens, spec)
         with using(static_commit=True):  # the accepted prefix written by captured device commits
             for spec in (OracleProposer(known, 0.7, 4), "mtp:3"):
@@ -489,7 +491,8 @@ def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec
     record(f"speculative greedy through the graphs == plain decoding ({where}fp32, {name})",
            res.error is None and res.tokens == plain and graphs > 0,
            matching=sum(x == y for x, y in zip(res.tokens, plain)), graphs=graphs,
-           drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None, error=res.error_message)
+           drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None,
+           accepted=res.stats.speculative.get("accepted") if res.stats.speculative else None, error=res.error_message)
 
 
 def _differing_rows(a, b) -> list[str]:

@@ -96,3 +96,25 @@ def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_reg
             traced.commit(delta_at(out.delta, pos, t), 1)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
             assert err <= 1e-5, f"position {pos}: relative error {err:.3g}"
+
+
+def test_wide_chunks_stay_torch_code_inside_a_compiled_region(monkeypatch):
+    """hc_streams' raw Triton kernels run only eagerly: inside a compiled region (a static verify block of more
+    than 8 rows) the collapse is torch code for Inductor to compile, which cannot rebuild those kernels."""
+    from ds4serve.kernels import hc_streams
+    from ds4serve.model import hyper
+
+    calls = []
+
+    def spy(pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        calls.append(len(X))
+        return (pre.unsqueeze(-1) * X).sum(-2)
+
+    monkeypatch.setattr(kernels, "enabled", lambda X: True)
+    monkeypatch.setattr(hc_streams, "hc_collapse", spy)
+    pre, X = torch.rand(9, 4), torch.randn(9, 4, 8)
+    hyper._collapse(pre, X)  # eagerly (outside a static step): the kernel
+    assert calls == [9]
+    monkeypatch.setattr(regions, "_active", lambda args, kwargs, chunks: "eager")
+    got = hyper._collapse(pre, X)  # compiled: torch code
+    assert calls == [9] and torch.allclose(got, (pre.unsqueeze(-1) * X).sum(dim=-2))

@@ -128,9 +128,12 @@ def _mix_kernel(X: torch.Tensor) -> bool:
 
 
 def _stream_kernels(X: torch.Tensor) -> bool:
-    """Chunks longer than a verify block use :mod:`ds4serve.kernels.hc_streams`; a decode step's
-    products stay torch code, which the compiled decode regions fuse with their neighbours."""
-    return X.shape[0] > MIX_REDUCE_MAX_ROWS and kernels.enabled(X)
+    """Chunks of more than ``MIX_REDUCE_MAX_ROWS`` rows run eagerly use :mod:`ds4serve.kernels.hc_streams`. A
+    decode step's products, and a wider verify block's inside a compiled region, stay torch code, which
+    Inductor fuses with their neighbours: Inductor compiles a raw Triton kernel from its source in a worker
+    process, where the ``pdl`` helpers those kernels call are not defined (a verify block of 9 rows failed
+    so on the H200, twenty-second run)."""
+    return X.shape[0] > MIX_REDUCE_MAX_ROWS and kernels.enabled(X) and not torch.compiler.is_compiling()
 
 
 @region
