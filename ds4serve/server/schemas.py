@@ -266,17 +266,9 @@ class ResponseReasoning(_Body):
 ResponseInputItem = Union[ResponseMessage, ResponseFunctionCall, ResponseFunctionCallOutput, ResponseReasoning]
 
 
-class ResponseTool(_Body):
+class ResponseTool(FunctionDef):
     type: Literal["function"]
-    name: str = Field(pattern=TOOL_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
     strict: bool = True  # the Responses API holds function calls to their schemas unless told not to
-
-    @field_validator("parameters")
-    @classmethod
-    def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _check_schema(v)
 
 
 class ResponseNamedTool(_Body):
