@@ -146,3 +146,91 @@ def test_errors_name_the_responses_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", **kwargs)
     assert err.value.body["param"] == param and err.value.body["message"]
+
+
+def test_a_stored_response_is_read_listed_and_deleted(client, scripted):
+    scripted.script("Hello there.")
+    r = client.responses.create(model="tiny", input="Hi", instructions="Be brief.")
+    assert r.store and client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    (item,) = client.responses.input_items.list(r.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "Hi"
+    assert item.id.startswith("msg_")
+    client.responses.delete(r.id)
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError) as err:
+            call(r.id)
+        assert err.value.body["code"] == "not_found" and r.id in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input="Again?", previous_response_id=r.id)
+    assert err.value.body["code"] == "previous_response_not_found"
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_previous_response_id_continues_the_stored_conversation(client, scripted):
+    """Each turn's prompt equals the one the whole history sent as input gives; a turn's instructions are
+    its own (the first turn's are not carried over)."""
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    scripted.script("Let me check." + CALL)
+    r1 = client.responses.create(model="tiny", input=question, tools=[TOOL], instructions="Be brief.")
+    call = r1.output[1]
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}]
+    scripted.script("It is 18°C.")
+    r2 = client.responses.create(model="tiny", input=result, tools=[TOOL], previous_response_id=r1.id,
+                                 instructions="Use Celsius.")
+    continued = scripted.prompts[-1]
+    assert r2.previous_response_id == r1.id and r2.output_text == "It is 18°C."
+    history = question + [o.model_dump(exclude_none=True) for o in r1.output] + result
+    scripted.script("It is 18°C.")
+    client.responses.create(model="tiny", input=history, tools=[TOOL], instructions="Use Celsius.", store=False)
+    assert continued == scripted.prompts[-1]
+    assert "Be brief." not in scripted.inner.tokenizer.decode(continued)
+
+    scripted.script("You are welcome.")
+    client.responses.create(model="tiny", input="Thanks!", previous_response_id=r2.id)
+    third = scripted.prompts[-1]
+    scripted.script("You are welcome.")
+    client.responses.create(model="tiny", store=False, input=history + [
+        o.model_dump(exclude_none=True) for o in r2.output] + [{"role": "user", "content": "Thanks!"}])
+    assert third == scripted.prompts[-1]
+    assert [i.type for i in client.responses.input_items.list(r2.id, order="asc").data] == ["function_call_output"]
+
+
+def test_store_false_keeps_nothing_and_a_stream_is_stored_when_it_ends(client, scripted):
+    scripted.script("Hello there.")
+    r = client.responses.create(model="tiny", input="Hi", store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    scripted.script("Hello there.")
+    with client.responses.stream(model="tiny", input="Hi") as s:
+        final = s.get_final_response()
+    stored = client.responses.retrieve(final.id)
+    assert final.store and stored.status == "completed" and stored.output_text == final.output_text == "Hello there."
+    assert stored.usage.output_tokens == final.usage.output_tokens
+
+
+def test_input_items_come_in_pages(client, scripted):
+    turns = [{"role": "user", "content": f"message {i}"} for i in range(5)]
+    scripted.script("Ok.")
+    r = client.responses.create(model="tiny", input=turns)
+    newest_first = client.responses.input_items.list(r.id, limit=2)
+    assert [i.content[0].text for i in newest_first.data] == ["message 4", "message 3"] and newest_first.has_more
+    rest = client.responses.input_items.list(r.id, limit=10, after=newest_first.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["message 2", "message 1", "message 0"] and not rest.has_more
+    oldest = client.responses.input_items.list(r.id, order="asc", limit=1).data
+    assert oldest[0].content[0].text == "message 0"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.input_items.list(r.id, after="msg_unknown")
+    assert err.value.body["param"] == "after"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(r.id, limit=0)
+
+
+def test_a_server_without_a_store_keeps_no_response(scripted):
+    with running(create_app(scripted, ServerConfig(model_name="tiny", responses_store_bytes=0))) as url:
+        bare = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        scripted.script("Hello there.")
+        r = bare.responses.create(model="tiny", input="Hi")
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError):
+            bare.responses.retrieve(r.id)

@@ -21,6 +21,7 @@ from ..engine import Engine
 from ..engine.prefix_cache import PrefixCache
 from .errors import APIError, body_for, invalid
 from .metrics import Metrics
+from .response_store import ResponseStore
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
 from .routes_responses import router as responses_router
@@ -44,6 +45,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_tokens_limit: int = 32768
     speculative: object | None = None
+    responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id (0: none)
 
 
 class Server:
@@ -55,6 +57,7 @@ class Server:
         self.cache = cache
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, self.metrics, max_queue=config.max_queue, cache=cache)
+        self.responses = ResponseStore(config.responses_store_bytes)
         self.started = int(time.time())
 
 

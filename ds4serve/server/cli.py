@@ -28,6 +28,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--prefix-cache-mb", type=at_least(0, float), default=1024.0,
                    help="memory for prefix snapshots (0: off)")
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
+    p.add_argument("--responses-store-mb", type=at_least(0, float), default=64.0,
+                   help="memory for /v1/responses kept for previous_response_id and GET (0: none kept)")
     p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None,
                    help="disk budget of --prefix-cache-dir")
     p.add_argument("--no-warm-up", action="store_true", help="start serving without first running one short "
@@ -48,7 +50,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
                                 disk_max_bytes=None if disk_mb is None else int(disk_mb * 2**20))
         config = ServerConfig(model_name=a.served_model_name or model.name, api_key=a.api_key,
                               max_queue=a.max_queue, max_body_bytes=int(a.max_body_mb * 2**20),
-                              max_tokens_limit=a.max_tokens_limit, speculative=a.speculative)
+                              max_tokens_limit=a.max_tokens_limit, speculative=a.speculative,
+                              responses_store_bytes=int(a.responses_store_mb * 2**20))
         if not a.no_warm_up:
             log.info("warmed up in %.1f s (one short request: compiles, graph captures%s)",
                      engine.warm_up(a.speculative), ", the draft" if a.speculative else "")

@@ -8,8 +8,13 @@ structured output are the chat route's. Errors name the Responses field (``input
 ``max_output_tokens``, ``text.format``). The answer is a list of output items: a ``reasoning`` item
 (thinking mode), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
 sends the same items as typed events (``response.output_item.added``, ``...output_text.delta``,
-``...function_call_arguments.delta``, ..., ``response.completed`` or ``response.incomplete``). Nothing
-is stored: ``previous_response_id`` is refused.
+``...function_call_arguments.delta``, ..., ``response.completed`` or ``response.incomplete``).
+
+Responses are stored unless the request says ``store: false`` (:mod:`ds4serve.server.response_store`): a later
+request's ``previous_response_id`` continues the stored conversation (its own ``instructions`` apply, as in
+OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
+remove them. A continued conversation's prompt is the one its whole history would give, so the prefix cache serves
+the turns before it.
 """
 
 from __future__ import annotations
@@ -18,17 +23,19 @@ import copy
 import json
 import re
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from .completion import Completion, CompletionSpec, mint_id, run_to_end, usage
 from .errors import APIError, invalid
 from .output_parser import ParsedDelta
+from .response_store import StoredResponse
 from .routes_openai import chat_spec
-from .schemas import ChatRequest, ResponseFunctionCall, ResponseReasoning, ResponsesRequest
+from .schemas import (ChatRequest, ResponseFunctionCall, ResponseInputItem, ResponseMessage, ResponseReasoning,
+                      ResponsesRequest)
 
 router = APIRouter()
 
@@ -77,6 +84,32 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         else:
             out.append({"role": "system" if item.role in ("system", "developer") else "user", "content": item.text()})
     return out
+
+
+_ITEMS = TypeAdapter(list[ResponseInputItem])
+
+
+def _own_items(body: ResponsesRequest) -> list[dict]:
+    """This request's input items as OpenAI's API lists them: a string input is one user message, a message's
+    text a list of parts, and each item has an id."""
+    inputs = [ResponseMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    items = [item.model_dump(exclude_none=True) for item in inputs]
+    for item in items:
+        if item["type"] == "message" and isinstance(item["content"], str):
+            kind = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        if item.get("id") is None:
+            item["id"] = mint_id("msg_" if item["type"] == "message" else "item_")
+    return items
+
+
+def _continued(server, body: ResponsesRequest) -> ResponsesRequest:
+    """``body`` with the stored conversation its ``previous_response_id`` names before its own input."""
+    if body.previous_response_id is None:
+        return body
+    history = _ITEMS.validate_python(server.responses.conversation(body.previous_response_id))
+    own = [ResponseMessage(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+    return body.model_copy(update={"input": history + own})
 
 
 def _chat_body(body: ResponsesRequest) -> dict:
@@ -198,6 +231,13 @@ class _Response:
         self.body, self.completion = body, completion
         self.id, self.created = mint_id("resp_"), int(time.time())
         self.model = body.model or server.config.model_name
+        self.store = server.responses if body.store is not False and server.responses.budget > 0 else None
+        self.input_items = _own_items(body)
+
+    def keep(self, final: dict) -> None:
+        """Store the finished response (unless the request said ``store: false``)."""
+        if self.store is not None:
+            self.store.put(StoredResponse(final, self.input_items, self.body.previous_response_id))
 
     def render(self, items: list[dict], done: bool) -> dict:
         body, completion = self.body, self.completion
@@ -214,7 +254,8 @@ class _Response:
             else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "previous_response_id": body.previous_response_id, "store": self.store is not None,
+            "truncation": "disabled",
             "reasoning": body.reasoning.model_dump() if body.reasoning else None,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
@@ -234,7 +275,7 @@ def _usage(completion: Completion) -> dict:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     server = request.app.state.server
-    completion = Completion(server, request, responses_spec(server, body))
+    completion = Completion(server, request, responses_spec(server, _continued(server, body)))
     completion.start()
     response = _Response(server, body, completion)
     if body.stream:
@@ -243,7 +284,45 @@ async def responses(body: ResponsesRequest, request: Request):
     for piece in await run_to_end(completion):
         items.piece(piece.delta)
     items.finish(completion.finish_reason == "length")
-    return JSONResponse(response.render(items.items, done=True))
+    final = response.render(items.items, done=True)
+    response.keep(final)
+    return JSONResponse(final)
+
+
+def _stored(request: Request, response_id: str) -> StoredResponse:
+    stored = request.app.state.server.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"No response found with id '{response_id}'.", "not_found", "response_id")
+    return stored
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(response_id: str, request: Request):
+    return JSONResponse(_stored(request, response_id).response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete(response_id: str, request: Request):
+    _stored(request, response_id)
+    request.app.state.server.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
+                      limit: int = Query(20, ge=1, le=100), after: str | None = None):
+    """The response's own input items (not those of the responses it continued), newest first by default."""
+    items = list(_stored(request, response_id).input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise invalid(f"after: no input item '{after}' in response '{response_id}'", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 async def _stream(completion: Completion, response: _Response) -> StreamingResponse:
@@ -267,6 +346,7 @@ async def _stream(completion: Completion, response: _Response) -> StreamingRespo
             for event in items.finish(completion.finish_reason == "length"):
                 yield sse(event)
             final = response.render(items.items, done=True)
+            response.keep(final)
             yield sse({"type": f"response.{final['status']}", "response": final})
         except APIError as err:
             yield sse({"type": "error", "code": err.code, "message": err.message, "param": err.param})

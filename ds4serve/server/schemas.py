@@ -311,13 +311,6 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
 
-    @field_validator("previous_response_id")
-    @classmethod
-    def _no_previous(cls, v: str | None) -> str | None:
-        if v is not None:
-            raise ValueError("responses are not stored here: send the whole conversation in input")
-        return v
-
 
 # ---- Anthropic ------------------------------------------------------------------------------------
 
