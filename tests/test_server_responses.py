@@ -130,6 +130,8 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+    (dict(input="x", include=["message.output_text.everything"]), "include.0"),
+    (dict(input="x", top_logprobs=21), "top_logprobs"),
     (dict(input="x", max_output_tokens=0), "max_output_tokens"),
     (dict(input="x", tools=[{"type": "function", "name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}]), "tools.0.parameters.properties.a"),
@@ -234,3 +236,24 @@ def test_a_server_without_a_store_keeps_no_response(scripted):
         assert r.store is False
         with pytest.raises(openai.NotFoundError):
             bare.responses.retrieve(r.id)
+
+
+def test_output_text_logprobs_are_the_chat_route_s(live):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the same entries as chat completions'
+    logprobs for the same greedy answer, in the final item and, split over the deltas, in the stream."""
+    kwargs = dict(model="tiny", max_output_tokens=6, temperature=0)
+    r = live.responses.create(input="Tell me a story", include=["message.output_text.logprobs"], top_logprobs=2,
+                              **kwargs)
+    chat = live.chat.completions.create(messages=[{"role": "user", "content": "Tell me a story"}], logprobs=True,
+                                        top_logprobs=2, model="tiny", max_completion_tokens=6, temperature=0)
+    (part,) = r.output[0].content
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert [e.model_dump() for e in part.logprobs] == want and len(want) == r.usage.output_tokens
+    assert "".join(e.token for e in part.logprobs) == part.text and all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    with live.responses.stream(input="Tell me a story", include=["message.output_text.logprobs"], top_logprobs=2,
+                               **kwargs) as s:
+        events = list(s)
+    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert streamed == want
+    plain = live.responses.create(input="Tell me a story", top_logprobs=2, **kwargs)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text

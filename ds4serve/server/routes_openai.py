@@ -159,7 +159,9 @@ def _prediction(server, body: ChatRequest) -> PredictionProposer | None:
     return PredictionProposer(tokens)
 
 
-def _token_logprobs(tok, piece: Piece) -> list[dict]:
+def token_logprobs(tok, piece: Piece) -> list[dict]:
+    """OpenAI's logprob entries (token text, logprob, bytes, top alternatives) of the tokens behind ``piece``."""
+
     def entry(token: int, logprob: float) -> dict:
         text = tok.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -210,7 +212,7 @@ def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, l
         message["reasoning_content"] = total.reasoning
     if calls:
         message["tool_calls"] = calls
-    lps = {"content": [e for p in pieces for e in _token_logprobs(tok, p)]} if logprobs else None
+    lps = {"content": [e for p in pieces for e in token_logprobs(tok, p)]} if logprobs else None
     return {"index": index, "message": message, "logprobs": lps, "finish_reason": completion.finish_reason}
 
 
@@ -238,7 +240,7 @@ async def _stream_chat(choices: Choices, rid: str, created: int, model: str, tok
                 yield chunk(i, {}, finish=choices.completions[i].finish_reason)
                 continue
             d = piece.delta
-            lps = _token_logprobs(tok, piece) if body.logprobs else None
+            lps = token_logprobs(tok, piece) if body.logprobs else None
             if d.reasoning:
                 yield chunk(i, {"reasoning_content": d.reasoning}, logprobs=lps)
                 lps = None

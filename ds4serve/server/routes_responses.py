@@ -29,13 +29,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
-from .completion import Completion, CompletionSpec, mint_id, run_to_end, usage
+from .completion import Completion, CompletionSpec, Piece, mint_id, run_to_end, usage
 from .errors import APIError, invalid
 from .output_parser import ParsedDelta
 from .response_store import StoredResponse
-from .routes_openai import chat_spec
-from .schemas import (ChatRequest, ResponseFunctionCall, ResponseInputItem, ResponseMessage, ResponseReasoning,
-                      ResponsesRequest)
+from .routes_openai import chat_spec, token_logprobs
+from .schemas import (LOGPROBS_INCLUDED, ChatRequest, ResponseFunctionCall, ResponseInputItem, ResponseMessage,
+                      ResponseReasoning, ResponsesRequest)
 
 router = APIRouter()
 
@@ -130,7 +130,13 @@ def _chat_body(body: ResponsesRequest) -> dict:
         chat["response_format"] = {"type": fmt.type}
     if body.reasoning is not None and body.reasoning.effort is not None:
         chat["reasoning_effort"] = body.reasoning.effort
+    if _wants_logprobs(body):
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs)
     return chat
+
+
+def _wants_logprobs(body: ResponsesRequest) -> bool:
+    return LOGPROBS_INCLUDED in (body.include or [])
 
 
 def responses_spec(server, body: ResponsesRequest) -> CompletionSpec:
@@ -148,9 +154,11 @@ class _Items:
     """The output items of one response as it streams: each piece opens, extends and closes items, and
     every change is an event (a dict with its ``type``; the stream numbers them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer=None) -> None:
+        """``tokenizer``: the output text carries the logprobs of its tokens (None: it carries none)."""
         self.items: list[dict] = []
         self.open: dict | None = None
+        self.tokenizer = tokenizer
 
     def _event(self, kind: str, **fields: Any) -> dict:
         return {"type": f"response.{kind}", "output_index": len(self.items) - 1, **fields}
@@ -165,19 +173,25 @@ class _Items:
             events.append(self._event("content_part.added", item_id=item["id"], content_index=0, part=_copy(part)))
         return events
 
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list[dict]) -> list[dict]:
         events = [] if self.open is not None and self.open["type"] == kind else self._start(_new_item(kind))
-        self.open["content"][0]["text"] += text
-        delta = "output_text.delta" if kind == "message" else "reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
-        return events + [self._event(delta, item_id=self.open["id"], content_index=0, delta=text, **extra)]
+        part = self.open["content"][0]
+        part["text"] += text
+        if kind == "reasoning":
+            return events + [self._event("reasoning_text.delta", item_id=self.open["id"], content_index=0, delta=text)]
+        part["logprobs"] += logprobs
+        return events + [self._event("output_text.delta", item_id=self.open["id"], content_index=0, delta=text,
+                                     logprobs=logprobs)]
 
-    def piece(self, delta: ParsedDelta) -> list[dict]:
+    def piece(self, piece: Piece) -> list[dict]:
+        """The events of one piece of the answer; the logprobs of its tokens go with its output text, if any."""
+        delta: ParsedDelta = piece.delta
         events = []
         if delta.reasoning:
-            events += self._text("reasoning", delta.reasoning)
+            events += self._text("reasoning", delta.reasoning, [])
         if delta.content:
-            events += self._text("message", delta.content)
+            events += self._text("message", delta.content,
+                                 [] if self.tokenizer is None else token_logprobs(self.tokenizer, piece))
         for call in delta.tool_calls:
             if call.name is not None:
                 events += self._start({"type": "function_call", "id": mint_id("fc_"), "call_id": mint_id("call_"),
@@ -199,7 +213,7 @@ class _Items:
         else:
             part = item["content"][0]
             done = (self._event("output_text.done", item_id=item["id"], content_index=0, text=part["text"],
-                                logprobs=[]) if item["type"] == "message"
+                                logprobs=part["logprobs"]) if item["type"] == "message"
                     else self._event("reasoning_text.done", item_id=item["id"], content_index=0, text=part["text"]))
             events = [done, self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part))]
         return events + [self._event("output_item.done", item=_copy(item))]
@@ -233,6 +247,7 @@ class _Response:
         self.model = body.model or server.config.model_name
         self.store = server.responses if body.store is not False and server.responses.budget > 0 else None
         self.input_items = _own_items(body)
+        self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None
 
     def keep(self, final: dict) -> None:
         """Store the finished response (unless the request said ``store: false``)."""
@@ -254,6 +269,7 @@ class _Response:
             else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "top_logprobs": body.top_logprobs,
             "previous_response_id": body.previous_response_id, "store": self.store is not None,
             "truncation": "disabled",
             "reasoning": body.reasoning.model_dump() if body.reasoning else None,
@@ -280,9 +296,9 @@ async def responses(body: ResponsesRequest, request: Request):
     response = _Response(server, body, completion)
     if body.stream:
         return await _stream(completion, response)
-    items = _Items()
+    items = _Items(response.tokenizer)
     for piece in await run_to_end(completion):
-        items.piece(piece.delta)
+        items.piece(piece)
     items.finish(completion.finish_reason == "length")
     final = response.render(items.items, done=True)
     response.keep(final)
@@ -329,7 +345,7 @@ async def _stream(completion: Completion, response: _Response) -> StreamingRespo
     pieces = await completion.opened()
 
     async def events() -> AsyncIterator[str]:
-        items, number = _Items(), 0
+        items, number = _Items(response.tokenizer), 0
 
         def sse(event: dict) -> str:
             nonlocal number
@@ -341,7 +357,7 @@ async def _stream(completion: Completion, response: _Response) -> StreamingRespo
             for kind in ("created", "in_progress"):
                 yield sse({"type": f"response.{kind}", "response": response.render([], done=False)})
             async for piece in pieces:
-                for event in items.piece(piece.delta):
+                for event in items.piece(piece):
                     yield sse(event)
             for event in items.finish(completion.finish_reason == "length"):
                 yield sse(event)

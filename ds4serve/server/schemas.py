@@ -292,6 +292,14 @@ class ResponseTextOption(_Body):
     format: ResponseTextFormat | None = None
 
 
+# OpenAI's include values; only the output text's logprobs mean something here (no hosted tools, no images, and
+# reasoning comes back as plain text), the others are accepted and change nothing
+ResponseIncludable = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                             "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                             "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+LOGPROBS_INCLUDED = "message.output_text.logprobs"
+
+
 class ResponsesRequest(_Body):
     model: str | None = None
     input: str | Annotated[list[ResponseInputItem], Field(min_length=1)]
@@ -310,6 +318,8 @@ class ResponsesRequest(_Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[ResponseIncludable] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 # ---- Anthropic ------------------------------------------------------------------------------------
