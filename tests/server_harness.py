@@ -66,13 +66,15 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
 
 
 FAIL = object()  # script marker: the engine fails at this point
+HOLD = object()  # script marker: the engine waits here until ScriptedEngine.release()
 
 
 class ScriptedHandle:
-    def __init__(self, inner: Engine, prompt: list[int], snapshot, script: list):
+    def __init__(self, inner: Engine, prompt: list[int], snapshot, script: list, released: threading.Event):
         self.result = inner.generate(prompt, SamplingParams(max_tokens=1, temperature=0), snapshot=snapshot)
         self.result.tokens, self.result.finish_reason = [], "length"
         self.script = script
+        self.released = released
         self._cancelled = False
 
     def cancel(self) -> None:
@@ -83,6 +85,10 @@ class ScriptedHandle:
             if self._cancelled:
                 self.result.finish_reason, self.result.error = "cancelled", ErrorCode.CANCELLED
                 return
+            if item is HOLD:
+                if not self.released.wait(30):
+                    raise RuntimeError("a held script was never released")
+                continue
             if item is FAIL:
                 self.result.finish_reason, self.result.error = "error", ErrorCode.INTERNAL
                 self.result.error_message = "scripted failure"
@@ -99,14 +105,22 @@ class ScriptedEngine:
         self.inner = inner
         self.scripts: list[list] = []
         self.prompts: list[list[int]] = []
+        self.released = threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def script(self, text: str, fail: bool = False) -> None:
+    def script(self, text: str, fail: bool = False, hold: bool = False) -> None:
+        """Queue a generation of ``text``; ``fail``: then an engine failure; ``hold``: first wait for
+        :meth:`release` (as a request queued behind others, or in a long prefill, waits)."""
         tokens = self.inner.tokenizer.encode(text)
-        self.scripts.append(tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id]))
+        if hold:
+            self.released.clear()
+        self.scripts.append(([HOLD] if hold else []) + tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id]))
+
+    def release(self) -> None:
+        self.released.set()
 
     def stream(self, prompt, params, *, speculative=None, snapshot=None) -> ScriptedHandle:
         self.prompts.append(list(prompt))
-        return ScriptedHandle(self.inner, prompt, snapshot, self.scripts.pop(0))
+        return ScriptedHandle(self.inner, prompt, snapshot, self.scripts.pop(0), self.released)

@@ -46,6 +46,7 @@ class ServerConfig:
     max_tokens_limit: int = 32768
     speculative: object | None = None
     responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id (0: none)
+    stream_keepalive_s: float = 10.0  # a stream starts without its first token after this, then pings (0: never)
 
 
 class Server:

@@ -30,6 +30,9 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
     p.add_argument("--responses-store-mb", type=at_least(0, float), default=64.0,
                    help="memory for /v1/responses kept for previous_response_id and GET (0: none kept)")
+    p.add_argument("--stream-keepalive-s", type=at_least(0, float), default=10.0,
+                   help="a stream still waiting for its first token starts after this long and then sends a "
+                        "keepalive whenever this long passes without an event (0: wait, never ping)")
     p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None,
                    help="disk budget of --prefix-cache-dir")
     p.add_argument("--no-warm-up", action="store_true", help="start serving without first running one short "
@@ -51,7 +54,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         config = ServerConfig(model_name=a.served_model_name or model.name, api_key=a.api_key,
                               max_queue=a.max_queue, max_body_bytes=int(a.max_body_mb * 2**20),
                               max_tokens_limit=a.max_tokens_limit, speculative=a.speculative,
-                              responses_store_bytes=int(a.responses_store_mb * 2**20))
+                              responses_store_bytes=int(a.responses_store_mb * 2**20),
+                              stream_keepalive_s=a.stream_keepalive_s)
         if not a.no_warm_up:
             log.info("warmed up in %.1f s (one short request: compiles, graph captures%s)",
                      engine.warm_up(a.speculative), ", the draft" if a.speculative else "")

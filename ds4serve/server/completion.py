@@ -154,19 +154,25 @@ class Completion:
         raise APIError.from_code(res.error, res.error_message or res.error.value)
 
     async def opened(self) -> AsyncIterator[Piece]:
-        """Every piece of a stream, after waiting for the first one: a failure before any output raises here,
-        so it gets a real HTTP status (the completion closed), not an error event in a 200 stream."""
+        """Every piece of a stream, after waiting for the first one up to ``stream_keepalive_s`` (0: as long as it
+        takes): a failure in that time raises here, so it gets a real HTTP status (the completion closed), not an
+        error event in a 200 stream. Past it the stream starts without it (see :mod:`ds4serve.server.sse`)."""
         it = self.pieces().__aiter__()
-        try:
-            first = [await it.__anext__()]
-        except StopAsyncIteration:
-            first = []
-        except APIError:
+
+        async def first_piece() -> list[Piece]:
+            try:
+                return [await it.__anext__()]
+            except StopAsyncIteration:
+                return []
+
+        first = asyncio.ensure_future(first_piece())
+        await asyncio.wait({first}, timeout=self.server.config.stream_keepalive_s or None)
+        if first.done() and first.exception() is not None:
             self.close()
-            raise
+            raise first.exception()
 
         async def chained() -> AsyncIterator[Piece]:
-            for piece in first:
+            for piece in await first:
                 yield piece
             async for piece in it:
                 yield piece

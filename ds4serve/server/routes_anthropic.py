@@ -14,6 +14,7 @@ from .completion import (Completion, CompletionSpec, build_params, check_prompt,
 from .errors import APIError, anthropic_body, invalid
 from .output_parser import merged
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
+from .sse import ANTHROPIC_PING, event_stream
 from .tool_grammar import forced_tool_call, strict_tool_calls
 
 router = APIRouter()
@@ -243,4 +244,4 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
         finally:
             completion.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return event_stream(events(), ANTHROPIC_PING, completion.server.config.stream_keepalive_s)

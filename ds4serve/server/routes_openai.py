@@ -16,6 +16,7 @@ from .completion import (Choices, Completion, CompletionSpec, Piece, build_param
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
+from .sse import OPENAI_PING, event_stream
 from .structured import structured_rule
 from .tool_grammar import forced_tool_call, strict_tool_calls
 
@@ -272,7 +273,7 @@ def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict
         finally:
             choices.close()
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return event_stream(body(), OPENAI_PING, choices.server.config.stream_keepalive_s)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .response_store import StoredResponse
 from .routes_openai import chat_spec, token_logprobs
 from .schemas import (LOGPROBS_INCLUDED, ChatRequest, ResponseFunctionCall, ResponseInputItem, ResponseMessage,
                       ResponseReasoning, ResponsesRequest)
+from .sse import OPENAI_PING, event_stream
 
 router = APIRouter()
 
@@ -369,4 +370,4 @@ async def _stream(completion: Completion, response: _Response) -> StreamingRespo
         finally:
             completion.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return event_stream(events(), OPENAI_PING, completion.server.config.stream_keepalive_s)
