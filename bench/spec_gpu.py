@@ -7,10 +7,12 @@ width and ``p`` the same prompt is generated with the verify steps (and any MTP 
 ``SWITCHES.speculative_graphs`` committing on the host, and with ``static_commit`` too, against plain
 decoding (CUDA-graph decode): tokens/s, tokens per verify step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not:
 near-tied greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one).
-``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any).
+``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any). ``--predictions`` adds
+OpenAI's predicted outputs (:class:`~ds4serve.engine.drafts.PredictionProposer`, up to 8 drafts a step): a prediction
+equal to the continuation the verify path emits at width 9, and the same with 4 of its tokens cut and 4 replaced.
 
     PYTHONPATH=. python3 bench/spec_gpu.py --out $OUT/spec.json [--variant bf16] [--widths 2,3,4,6]
-        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs,graphs+static_commit]
+        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs,graphs+static_commit] [--predictions]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from bench_gpu import log  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve import Engine, SamplingParams  # noqa: E402
-from ds4serve.engine.drafts import OracleProposer  # noqa: E402
+from ds4serve.engine.drafts import OracleProposer, PredictionProposer  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 
@@ -64,6 +66,17 @@ def verifier_sequence(engine: Engine, prompt: list[int], params: SamplingParams,
     return prompt + tokens, rounds + 1
 
 
+def prediction_drafts(engine: Engine, prompt: list[int], params: SamplingParams, tokens: list[int]) -> list:
+    """``(name, make proposer)`` of two predicted outputs: the verify path's own continuation at the widest
+    block a prediction drafts (9 rows), and that continuation with tokens 16-19 cut and 40-43 replaced."""
+    known, runs = verifier_sequence(engine, prompt, params, PredictionProposer([]).max_draft_tokens + 1, tokens)
+    log(f"prediction: the verify path's own continuation after {runs} run(s)")
+    answer = known[len(prompt):]
+    edited = answer[:16] + answer[20:40] + [(t + 1) % engine.cfg.vocab_size for t in answer[40:44]] + answer[44:]
+    return [("prediction exact", lambda: PredictionProposer(answer)),
+            ("prediction 4 cut, 4 replaced", lambda: PredictionProposer(edited))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -77,6 +90,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--modes", default="eager,graphs,graphs+static_commit",
                    help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--predictions", action="store_true", help="also time predicted outputs, exact and edited")
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     accepts = [float(a) for a in args.accept.split(",")]
@@ -106,6 +120,8 @@ def main() -> None:
                 log(f"{mode:>6} width {w}: the verify path's own continuation after {runs} run(s)")
                 drafts += [(f"oracle width {w} p {a}", lambda known=known, w=w, a=a: OracleProposer(known, a, w))
                            for a in accepts]
+            if args.predictions:
+                drafts += prediction_drafts(engine, prompt, params, plain.tokens)
             if args.model is not None and engine.cfg.n_mtp_layers:
                 drafts.append(("mtp", lambda: "mtp"))
             for name, make in drafts:

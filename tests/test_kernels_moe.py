@@ -100,6 +100,20 @@ def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
     assert _rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
+def test_the_widest_verify_block_stays_on_the_fused_kernel():
+    """A captured verify block (up to MAX_DRAFT_TOKENS + 1 rows) runs as one compiled region, where quantized
+    experts have no grouped path that keeps off the host: it must stay on the fused kernel (DeepSeek-V4-Flash
+    routes 6 experts a token). Then 17 rows (top-2 of this test's 5 FP8 experts) through it, against the reference."""
+    from ds4serve.engine.drafts import MAX_DRAFT_TOKENS
+    from ds4serve.model import moe as model_moe
+
+    assert (MAX_DRAFT_TOKENS + 1) * 6 <= model_moe.FUSED_MAX_PAIRS
+    x, idx, weights, w, routed, shared = _case("fp8", MAX_DRAFT_TOKENS + 1)
+    with kernels.on_any_device():
+        out = _moe_fused(w, x, idx, weights, LIMIT)
+    assert _rel(out, moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))) <= 1e-2
+
+
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64
     "fp32": MoEConfig(Tile(8, 32, warps=2, stages=2), Tile(16, 16, warps=1, stages=1)),
     "fp8": MoEConfig(Tile(64, 64, stages=3), Tile(8, 32, stages=2)),  # 64 rows: lowered to the 32-row scale block

@@ -142,7 +142,7 @@ def test_a_predicted_output_is_lossless_and_drafts_what_the_output_shares_with_i
     assert res.ok and res.tokens == ref
     stats = res.stats.speculative
     assert stats["method"] == "prediction"
-    if edit == "exact":  # eight drafts a step, all accepted, and a bonus token each
+    if edit == "exact":  # seven drafts a step, all accepted, and a bonus token each
         assert stats["accepted"] == stats["drafted"] and stats["steps"] <= 3
     elif edit == "unrelated":
         assert stats["accepted"] == 0

@@ -14,7 +14,10 @@ from ..kernels.switches import SWITCHES
 from .linear import FP8Weight, Weight, linear
 from .moe_grouped import routed_experts, swiglu_gate
 
-FUSED_MAX_PAIRS = 64  # (token, expert) pairs up to which the fused kernel runs (decode, short verify)
+# (token, expert) pairs up to which the fused kernel runs: decode and every verify block (up to 17 rows: 16 drafts,
+# top-6 routing). A captured verify block runs as one compiled region, where quantized experts cannot take the
+# grouped kernels and the other paths read group ends on the host, which a capture refuses.
+FUSED_MAX_PAIRS = 128
 ROUTER_FUSED_MAX_ROWS = 16  # tokens up to which the one-launch router runs (kernels/router.py takes 16)
 
 
