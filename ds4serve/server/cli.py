@@ -28,13 +28,13 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--prefix-cache-mb", type=at_least(0, float), default=1024.0,
                    help="memory for prefix snapshots (0: off)")
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
+    p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None,
+                   help="disk budget of --prefix-cache-dir")
     p.add_argument("--responses-store-mb", type=at_least(0, float), default=64.0,
                    help="memory for /v1/responses kept for previous_response_id and GET (0: none kept)")
     p.add_argument("--stream-keepalive-s", type=at_least(0, float), default=10.0,
                    help="a stream still waiting for its first token starts after this long and then sends a "
                         "keepalive whenever this long passes without an event (0: wait, never ping)")
-    p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None,
-                   help="disk budget of --prefix-cache-dir")
     p.add_argument("--no-warm-up", action="store_true", help="start serving without first running one short "
                    "request (then the first client's request pays the compiles and graph captures)")
 

@@ -90,11 +90,15 @@ def _messages(body: ResponsesRequest) -> list[dict]:
 _ITEMS = TypeAdapter(list[ResponseInputItem])
 
 
+def _input_items(body: ResponsesRequest) -> list[ResponseInputItem]:
+    """``input`` as items (a string is one user message)."""
+    return [ResponseMessage(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+
+
 def _own_items(body: ResponsesRequest) -> list[dict]:
     """This request's input items as OpenAI's API lists them: a string input is one user message, a message's
     text a list of parts, and each item has an id."""
-    inputs = [ResponseMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    items = [item.model_dump(exclude_none=True) for item in inputs]
+    items = [item.model_dump(exclude_none=True) for item in _input_items(body)]
     for item in items:
         if item["type"] == "message" and isinstance(item["content"], str):
             kind = "output_text" if item["role"] == "assistant" else "input_text"
@@ -109,8 +113,7 @@ def _continued(server, body: ResponsesRequest) -> ResponsesRequest:
     if body.previous_response_id is None:
         return body
     history = _ITEMS.validate_python(server.responses.conversation(body.previous_response_id))
-    own = [ResponseMessage(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
-    return body.model_copy(update={"input": history + own})
+    return body.model_copy(update={"input": history + _input_items(body)})
 
 
 def _chat_body(body: ResponsesRequest) -> dict:
