@@ -85,9 +85,11 @@ class ScriptedHandle:
             if self._cancelled:
                 self.result.finish_reason, self.result.error = "cancelled", ErrorCode.CANCELLED
                 return
-            if item is HOLD:
-                if not self.released.wait(30):
-                    raise RuntimeError("a held script was never released")
+            if item is HOLD:  # until released, or cancelled (as the engine stops before its next forward)
+                deadline = time.monotonic() + 30
+                while not self.released.wait(0.01) and not self._cancelled:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("a held script was never released")
                 continue
             if item is FAIL:
                 self.result.finish_reason, self.result.error = "error", ErrorCode.INTERNAL

@@ -4,6 +4,7 @@ tool calls and their results in ``input``, reasoning items, and errors naming th
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -13,7 +14,7 @@ from ds4serve.server.app import ServerConfig, create_app
 from ds4serve.server.chat_format import encode_messages
 from tests.helpers import CALL, WEATHER
 
-from .server_harness import running
+from .server_harness import running, wait_for
 
 TOOL = {"type": "function", **{k: v for k, v in WEATHER["function"].items()}}
 STRICT_TOOL = {"type": "function", "name": "get_weather", "parameters": {
@@ -257,3 +258,53 @@ def test_output_text_logprobs_are_the_chat_route_s(live):
     assert streamed == want
     plain = live.responses.create(input="Tell me a story", top_logprobs=2, **kwargs)
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+
+
+def _wait_status(client, rid: str, done: tuple[str, ...] = ("completed", "incomplete", "cancelled", "failed")):
+    deadline = time.monotonic() + 20
+    while (r := client.responses.retrieve(rid)).status not in done:
+        assert time.monotonic() < deadline, r.status
+        time.sleep(0.05)
+    return r
+
+
+def test_a_background_response_is_read_back_when_it_is_done(client, scripted):
+    scripted.script("Hello there.", hold=True)
+    r = client.responses.create(model="tiny", input="Hi", background=True)
+    assert r.background and r.status == "queued" and r.output == []
+    assert client.responses.retrieve(r.id).status in ("queued", "in_progress")
+    scripted.release()
+    done = _wait_status(client, r.id)
+    assert done.status == "completed" and done.output_text == "Hello there." and done.usage.output_tokens > 0
+    assert client.responses.cancel(r.id).status == "completed"  # an ended one is returned as it is
+
+
+def test_a_background_response_can_be_cancelled(client, scripted):
+    """One cancelled while it runs (the engine held in it), one while it waits in the queue behind it."""
+    started = len(scripted.prompts)
+    scripted.script("Hello there.", hold=True)
+    running = client.responses.create(model="tiny", input="first", background=True)
+    wait_for(lambda: len(scripted.prompts) == started + 1)  # prefilled, now held
+    scripted.script("Never sent.")
+    queued = client.responses.create(model="tiny", input="second", background=True)
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.error is None and cancelled.output == []
+    scripted.release()
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert len(scripted.prompts) == started + 1  # the queued one never ran
+    scripted.scripts.clear()
+    scripted.script("Hello there.")
+    assert client.responses.create(model="tiny", input="after").output_text == "Hello there."
+
+
+def test_background_needs_a_stored_unstreamed_response(client, scripted):
+    for kwargs in (dict(stream=True), dict(store=False)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model="tiny", input="Hi", background=True, **kwargs)
+        assert err.value.body["param"] == "background"
+    scripted.script("Hello there.")
+    r = client.responses.create(model="tiny", input="Hi")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(r.id)
+    assert err.value.body["param"] == "response_id"

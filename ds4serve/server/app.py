@@ -59,6 +59,7 @@ class Server:
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, self.metrics, max_queue=config.max_queue, cache=cache)
         self.responses = ResponseStore(config.responses_store_bytes)
+        self.background: dict[str, object] = {}  # background /v1/responses still generating, by id
         self.started = int(time.time())
 
 

@@ -84,7 +84,9 @@ def check_prompt(server, prompt: list[int], param: str) -> None:
 
 
 class Completion:
-    def __init__(self, server, request: Request, spec: CompletionSpec):
+    def __init__(self, server, request: Request | None, spec: CompletionSpec):
+        """``request``: the HTTP request whose client going away cancels the generation (None: a background
+        generation, which runs on after the request has been answered)."""
         self.server = server
         self.request = request
         self.spec = spec
@@ -106,7 +108,8 @@ class Completion:
         if self.server.engine.parked:
             raise APIError.from_code(ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it")
         self.server.scheduler.submit(self.job)
-        self._watcher = asyncio.create_task(self._watch_disconnect())
+        if self.request is not None:
+            self._watcher = asyncio.create_task(self._watch_disconnect())
 
     async def _watch_disconnect(self) -> None:
         while True:

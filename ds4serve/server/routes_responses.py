@@ -13,12 +13,14 @@ sends the same items as typed events (``response.output_item.added``, ``...outpu
 Responses are stored unless the request says ``store: false`` (:mod:`ds4serve.server.response_store`): a later
 request's ``previous_response_id`` continues the stored conversation (its own ``instructions`` apply, as in
 OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
-remove them. A continued conversation's prompt is the one its whole history would give, so the prefix cache serves
+remove them. A ``background`` response is answered at once as ``queued`` and generates detached from the request,
+updating its stored response, until it ends or ``POST /v1/responses/{id}/cancel`` stops it. A continued conversation's prompt is the one its whole history would give, so the prefix cache serves
 the turns before it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -258,14 +260,51 @@ class _Response:
         if self.store is not None:
             self.store.put(StoredResponse(final, self.input_items, self.body.previous_response_id))
 
-    def render(self, items: list[dict], done: bool) -> dict:
+    def in_background(self, server) -> dict:
+        """Generate detached from the request (``background: true``): the response is stored at once as
+        ``queued``, its status and output updated in place as pieces come, and stored again when it ends
+        (``completed`` / ``incomplete``, ``cancelled`` through ``POST .../cancel``, or ``failed``)."""
+        current = self.render([], done=False, status="queued")
+        self.keep(current)
+        self.task = asyncio.create_task(self._generate(current))
+        server.background[self.id] = self
+        self.task.add_done_callback(lambda _: server.background.pop(self.id, None))
+        return copy.deepcopy(current)
+
+    async def cancel(self, server) -> None:
+        """Stop the background generation and wait until its response says ``cancelled``."""
+        server.scheduler.withdraw(self.completion.job, CANCELLED_BY_CLIENT)
+        await asyncio.shield(self.task)
+
+    async def _generate(self, current: dict) -> None:
+        items = _Items(self.tokenizer)
+        try:
+            async for piece in self.completion.pieces():
+                items.piece(piece)
+                current.update(self.render(items.items, done=False))
+            items.finish(self.completion.finish_reason == "length")
+            final = self.render(items.items, done=True)
+        except Exception as exc:  # noqa: BLE001 - nobody else sees a background generation fail: its response says so
+            err = exc if isinstance(exc, APIError) else APIError(500, f"{type(exc).__name__}: {exc}", "internal")
+            cancelled = self.completion.job.cancel_reason == CANCELLED_BY_CLIENT
+            final = self.render(items.items, done=False, status="cancelled" if cancelled else "failed",
+                                error=None if cancelled else err)
+        finally:
+            self.completion.close()
+        current.update(final)
+        self.keep(current)
+
+    def render(self, items: list[dict], done: bool, status: str | None = None, error: APIError | None = None) -> dict:
+        """The response object with ``items``; ``status`` overrides the one ``done`` implies (a background
+        response's ``queued``, ``cancelled`` or ``failed`` with its ``error``)."""
         body, completion = self.body, self.completion
         incomplete = done and completion.finish_reason == "length"
-        status = "in_progress" if not done else "incomplete" if incomplete else "completed"
+        status = status or ("in_progress" if not done else "incomplete" if incomplete else "completed")
         choice = body.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": items, "error": None,
+            "model": self.model, "output": items, "background": bool(body.background),
+            "error": None if error is None else {"code": error.code, "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions, "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -292,12 +331,21 @@ def _usage(completion: Completion) -> dict:
             "total_tokens": chat["total_tokens"], "timings": chat["timings"]}
 
 
+CANCELLED_BY_CLIENT = "cancel_request"  # the job's cancel reason after POST /v1/responses/{id}/cancel
+
+
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     server = request.app.state.server
-    completion = Completion(server, request, responses_spec(server, _continued(server, body)))
+    if body.background and (body.stream or body.store is False or server.responses.budget == 0):
+        raise invalid("background: a background response is stored and read back with GET /v1/responses/{id}: it "
+                      "takes no stream, no store: false, and a server that stores responses", "background")
+    completion = Completion(server, None if body.background else request,
+                            responses_spec(server, _continued(server, body)))
     completion.start()
     response = _Response(server, body, completion)
+    if body.background:
+        return JSONResponse(response.in_background(server))
     if body.stream:
         return await _stream(completion, response)
     items = _Items(response.tokenizer)
@@ -318,6 +366,20 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve(response_id: str, request: Request):
+    return JSONResponse(_stored(request, response_id).response)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(response_id: str, request: Request):
+    """Cancel a background response still generating (one that has ended is returned as it is)."""
+    server = request.app.state.server
+    stored = _stored(request, response_id)
+    if not stored.response.get("background"):
+        raise invalid(f"response_id: '{response_id}' is not a background response; only those can be cancelled",
+                      "response_id")
+    running = server.background.get(response_id)
+    if running is not None:
+        await running.cancel(server)
     return JSONResponse(_stored(request, response_id).response)
 
 

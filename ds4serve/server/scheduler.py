@@ -124,12 +124,16 @@ class Scheduler:
             self._cond.notify()
 
     def withdraw(self, job: Job, reason: str) -> None:
-        """Cancel ``job``: drop it from the queue if it has not started, else stop it."""
+        """Cancel ``job``: drop it from the queue if it has not started (its stream then ends, cancelled), else
+        stop it."""
         with self._cond:
-            if job in self._waiting:
+            queued = job in self._waiting
+            if queued:
                 self._waiting.remove(job)
                 self.metrics.queue_depth.set(len(self._waiting))
         job.cancel(reason)
+        if queued:
+            self._deliver(job, _cancelled(job))
 
     # ---- worker thread -------------------------------------------------------------------------
     def _worker(self) -> None:

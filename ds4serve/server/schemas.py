@@ -320,6 +320,7 @@ class ResponsesRequest(_Body):
     user: str | None = None
     include: list[ResponseIncludable] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    background: bool | None = None
 
 
 # ---- Anthropic ------------------------------------------------------------------------------------
