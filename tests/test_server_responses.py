@@ -294,6 +294,12 @@ def test_a_background_response_can_be_cancelled(client, scripted):
     assert client.responses.retrieve(running.id).status == "cancelled"
     assert len(scripted.prompts) == started + 1  # the queued one never ran
     scripted.scripts.clear()
+    scripted.script("Hello there.", hold=True)  # deleting a running one stops it: it does not come back
+    deleted = client.responses.create(model="tiny", input="third", background=True)
+    client.responses.delete(deleted.id)
+    scripted.release()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
     scripted.script("Hello there.")
     assert client.responses.create(model="tiny", input="after").output_text == "Hello there."
 

@@ -14,8 +14,8 @@ Responses are stored unless the request says ``store: false`` (:mod:`ds4serve.se
 request's ``previous_response_id`` continues the stored conversation (its own ``instructions`` apply, as in
 OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
 remove them. A ``background`` response is answered at once as ``queued`` and generates detached from the request,
-updating its stored response, until it ends or ``POST /v1/responses/{id}/cancel`` stops it. A continued conversation's prompt is the one its whole history would give, so the prefix cache serves
-the turns before it.
+updating its stored response, until it ends or ``POST /v1/responses/{id}/cancel`` stops it. A continued
+conversation's prompt is the one its whole history would give, so the prefix cache serves the turns before it.
 """
 
 from __future__ import annotations
@@ -385,8 +385,13 @@ async def cancel(response_id: str, request: Request):
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, request: Request):
+    """Remove a stored response (a background one still generating is stopped first)."""
+    server = request.app.state.server
     _stored(request, response_id)
-    request.app.state.server.responses.delete(response_id)
+    running = server.background.get(response_id)
+    if running is not None:
+        await running.cancel(server)
+    server.responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
