@@ -141,6 +141,11 @@ def _chat_body(body: ResponsesRequest) -> dict:
     return chat
 
 
+def _stored_here(server, body: ResponsesRequest) -> bool:
+    """Whether this response is kept: unless the request says ``store: false`` or the server keeps none."""
+    return body.store is not False and server.responses.budget > 0
+
+
 def _wants_logprobs(body: ResponsesRequest) -> bool:
     return LOGPROBS_INCLUDED in (body.include or [])
 
@@ -251,7 +256,7 @@ class _Response:
         self.body, self.completion = body, completion
         self.id, self.created = mint_id("resp_"), int(time.time())
         self.model = body.model or server.config.model_name
-        self.store = server.responses if body.store is not False and server.responses.budget > 0 else None
+        self.store = server.responses if _stored_here(server, body) else None
         self.input_items = _own_items(body)
         self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None
 
@@ -337,7 +342,7 @@ CANCELLED_BY_CLIENT = "cancel_request"  # the job's cancel reason after POST /v1
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     server = request.app.state.server
-    if body.background and (body.stream or body.store is False or server.responses.budget == 0):
+    if body.background and (body.stream or not _stored_here(server, body)):
         raise invalid("background: a background response is stored and read back with GET /v1/responses/{id}: it "
                       "takes no stream, no store: false, and a server that stores responses", "background")
     completion = Completion(server, None if body.background else request,
