@@ -156,3 +156,19 @@ def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
                                     capacity=64)
     assert len(calls) == sum(t == CSA for t in model.cfg.layer_types) and min(calls) > model.cfg.index_topk
     assert err <= 1e-5, f"relative error {err:.3g}"
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
+def test_attention_inputs_static_step_matches_torch_code(tiny_factory, monkeypatch):
+    """Every layer's query / key norms, RoPE and window keys from one launch give the logits of the torch code;
+    the ring has wrapped."""
+    pytest.importorskip("triton", reason="the switch calls the Triton kernels")
+    from ds4serve.kernels import ops
+
+    calls = []
+    real = ops.attention_inputs
+    monkeypatch.setattr(ops, "attention_inputs", lambda *a: calls.append(int(a[6])) or real(*a))
+    err, model = _static_step_error(tiny_factory, "attention_inputs", calls, seed=4, prompt_seed=3, length=21,
+                                    capacity=32)
+    assert calls == [20] * model.cfg.num_layers
+    assert err <= 1e-5, f"relative error {err:.3g}"

@@ -107,6 +107,31 @@ def test_linear_dispatches_to_the_gemv(monkeypatch, dense_on):
     assert calls == ([True, False, True, False] if dense_on else [False, False])
 
 
+def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypatch):
+    """9-16 bf16 rows times FP8 weights run the GEMV (not a dequantised matmul) on tensor-core tiles, the
+    table's four-token tensor-core entries included; CUDA-core entries are not stretched past 8 tokens; dense
+    weights and fp32 activations keep the 8-row limit."""
+    calls = []
+    op = ops.gemv
+    monkeypatch.setattr(ops, "gemv", lambda *args: calls.append(args[0].shape[0]) or op(*args))
+    gen = torch.Generator().manual_seed(5)
+    q = quantize_fp8(torch.randn(R, K, generator=gen) / K ** 0.5, BLOCK)
+    q = type(q)(q.data.to(DEVICE), q.scale.to(DEVICE), q.block)
+    x = torch.randn(12, 2, K, generator=gen).to(DEVICE, torch.bfloat16)
+    with kernels.on_any_device(), using(gemv_dense=True):
+        got = [linear(x[:, 0], q), grouped_linear(x, q, 2), linear(x[:9, 0], q.dequantize(torch.bfloat16)),
+               linear(x[:, 0].float(), q)]
+    want = [gemv_ref(x[:, 0], q.data, q.scale, q.block), gemv_ref(x, q.data, q.scale, q.block, 2)]
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and _rel(g, r) <= 1e-2
+    assert calls == [12, 12]
+    for (kind, rows, cols, tokens, groups), entry in TABLE.items():
+        block = (128, 128) if kind == "fp8" else None
+        wide = default_config(kind, rows, cols, 16, groups, block)
+        assert wide.dot and config_problem(wide, kind, rows, 16, groups, block) is None
+        assert wide == entry or tokens == 1 or not entry.dot
+
+
 def test_dense_gemv_op_traces_whole():
     """The op with no scale (dense weights) compiles as one node around torch code."""
     gen = torch.Generator().manual_seed(4)

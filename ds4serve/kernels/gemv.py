@@ -326,12 +326,19 @@ def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_tokens: int, group
     return None
 
 
+TABLED_TOKENS = 8  # the table's four-token entries serve up to this many tokens
+
+
 def default_config(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int = 1,
                    block: tuple[int, int] | None = None) -> GemvConfig:
-    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`)."""
+    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`).
+
+    Past ``TABLED_TOKENS`` tokens only a tensor-core entry is taken: its tile pads the tokens to
+    ``DOT_ROWS`` anyway, where a CUDA-core tile's accumulator grows with every token."""
     if kind == "bf16" or (kind == "fp8" and block == TABLED_BLOCK):
         hit = TABLE.get(table_key(kind, n_rows, n_in, n_tokens, groups))
-        if hit is not None and config_problem(hit, kind, n_rows, n_tokens, groups, block) is None:
+        if (hit is not None and (hit.dot or n_tokens <= TABLED_TOKENS)
+                and config_problem(hit, kind, n_rows, n_tokens, groups, block) is None):
             return hit
     return _heuristic(kind, n_rows, n_in, n_tokens, groups, block)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import hyper, indexer, moe, router
+from .attention_inputs import attention_inputs as _attention_inputs
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .gemv import gemv_pair as _gemv_pair
@@ -179,3 +180,18 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
 @decode_attention.register_fake
 def _(q, keys, allowed, sinks, scale):
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(f"{_LIB}::attention_inputs", mutates_args=())
+def attention_inputs(qr: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ds4serve.kernels.attention_inputs.attention_inputs`: ``(q, kv, keys, allowed)`` of one decode
+    token, its query and key row normalised and rotated, the window with its row in its slot and the mask."""
+    return _attention_inputs(qr, kv, kv_norm, cos, sin, ring, pos, eps)
+
+
+@attention_inputs.register_fake
+def _(qr, kv, kv_norm, cos, sin, ring, pos, eps):
+    return (qr.new_empty(qr.shape), kv.new_empty(kv.shape), ring.new_empty(ring.shape),
+            ring.new_empty(1, ring.shape[0], dtype=torch.bool))

@@ -154,6 +154,12 @@ class Switches:
     # experts) 2048 tokens 66.0 -> 54.1, 8192 tokens 230.1 -> 184.2; the same last logits (H200, 2026-11-30,
     # bench/results/2026-11-30-h200-round19-b-fp4bits.log).
     grouped_fp4_bits: bool = True
+    # A one-token static step's query and key norms, their RoPE and the window keys are one launch
+    # (kernels/attention_inputs.py) instead of ~six Inductor kernels per layer. Interleaved A/B at 512, five
+    # rounds: bf16 9.27 -> 9.16, FP8 6.56 -> 6.44 ms/token; check_gpu (graphs, verify graphs) 7/7 with it (H200,
+    # 2026-12-01, bench/results/2026-12-01-h200-round24-e-*). The inverse RoPE folded into the decode attention's
+    # combine as well was slower for FP8 (6.57 -> 6.87 alone; round24-d) and was not kept.
+    attention_inputs: bool = True
 
 
 SWITCHES = Switches()

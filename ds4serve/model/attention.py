@@ -111,9 +111,8 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     xp = (w.x_proj or Projections.separate(w.input_parts()))(x)
     q_res = rms_norm(xp["wq_a"], w.q_norm, eps)
     qp = (w.q_proj or Projections.separate(w.q_parts()))(q_res)
-    q = unweighted_rms_norm(qp["wq_b"].unflatten(-1, (H, hd)), eps)
-    q = _rotation(chunk)(q, cos, sin)
-    kv = Rope.apply(rms_norm(xp["wkv"], w.kv_norm, eps), cos, sin)
+    q, kv, window = _queries_and_keys(qp["wq_b"].unflatten(-1, (H, hd)), xp["wkv"], w.kv_norm, chunk, state, eps,
+                                      cos, sin)
 
     delta = LayerDelta(window_rows=kv)
     entries = visible = None
@@ -128,9 +127,27 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, xp, qp, chunk, state, cfg, ropes, visible)
 
-    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin)
+    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin, window)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b), delta
+
+
+Window = tuple[torch.Tensor, torch.Tensor]  # a static step's window keys and their mask
+
+
+def _queries_and_keys(qr: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor, chunk: ChunkInfo,
+                      state: LayerState, eps: float, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, Window | None]:
+    """``(q, kv, window)``: the query ``qr [S, H, d]`` and the key/value rows ``kv [S, d]`` normalised and
+    rotated; for a one-token static step with ``SWITCHES.attention_inputs`` (kernels only) they and the window
+    keys (:func:`_window_keys_static`) come from one launch, else ``window`` is None."""
+    if chunk.static and qr.shape[0] == 1 and SWITCHES.attention_inputs and kernels.enabled(qr):
+        from ..kernels import ops
+
+        q, kv, keys, allowed = ops.attention_inputs(qr, kv, kv_norm, cos, sin, state.window, chunk.positions, eps)
+        return q, kv, (keys, allowed)
+    q = _rotation(chunk)(unweighted_rms_norm(qr, eps), cos, sin)
+    return q, Rope.apply(rms_norm(kv, kv_norm, eps), cos, sin), None
 
 
 def _rotation(chunk: ChunkInfo) -> Callable[..., torch.Tensor]:
@@ -145,15 +162,16 @@ def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
 
 def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: LayerState,
                  entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor, scale: float,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 cos: torch.Tensor, sin: torch.Tensor, window: Window | None = None) -> torch.Tensor:
     """Attention over the window (and the entries ``visible`` admits: a mask, or in a static step with
     ``SWITCHES.gather_entries`` the indexer's index slots), then the inverse RoPE.
 
-    A static step reads the whole ring and entry buffers, masked (:func:`_attend`); a chunk runs
-    block-wise over the ring rows in reach and its own rows (:mod:`.chunk_attention`).
+    A static step reads the whole ring and entry buffers, masked (:func:`_attend`; ``window``: its keys and mask
+    when already made); a chunk runs block-wise over the ring rows in reach and its own rows
+    (:mod:`.chunk_attention`).
     """
     if chunk.static:
-        keys, allowed = _window_keys_static(kv, chunk.positions, state.window)
+        keys, allowed = window or _window_keys_static(kv, chunk.positions, state.window)
         if entries is None:
             return _attend(q, [keys], [allowed], sinks, scale, cos, sin)
         return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin)

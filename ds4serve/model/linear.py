@@ -19,6 +19,7 @@ from ..kernels.switches import SWITCHES
 from ..quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
 GEMV_MAX_ROWS = 8  # up to this many activation rows (tokens), projections run as GEMV kernels
+FP8_GEMV_MAX_ROWS = 16  # FP8 weights times bf16 activations: the tensor-core GEMV tile's width (gemv.DOT_ROWS)
 
 
 @dataclass
@@ -106,14 +107,17 @@ def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
 
 
 def _gemv_applies(x: torch.Tensor, w: Weight, groups: int) -> bool:
-    """The Triton GEMV takes up to ``GEMV_MAX_ROWS`` tokens on FP8 weights, and on contiguous dense bf16
-    weights times bf16 activations while ``SWITCHES.gemv_dense`` is on (else cuBLAS)."""
-    if not (kernels.enabled(x) and x.numel() // (x.shape[-1] * groups) <= GEMV_MAX_ROWS):
+    """The Triton GEMV takes up to ``GEMV_MAX_ROWS`` tokens on contiguous dense bf16 weights times bf16
+    activations while ``SWITCHES.gemv_dense`` is on (else cuBLAS), and on FP8 weights; FP8 with bf16
+    activations up to ``FP8_GEMV_MAX_ROWS``, on tensor-core tiles past 8 (a wider verify block's
+    projections would otherwise dequantise every weight to bf16 and read it again)."""
+    rows = x.numel() // (x.shape[-1] * groups)
+    if not kernels.enabled(x):
         return False
     if isinstance(w, FP8Weight):
-        return True
-    return (isinstance(w, torch.Tensor) and SWITCHES.gemv_dense and w.dtype == x.dtype == torch.bfloat16
-            and w.is_contiguous())
+        return rows <= (FP8_GEMV_MAX_ROWS if x.dtype == torch.bfloat16 else GEMV_MAX_ROWS)
+    return (rows <= GEMV_MAX_ROWS and isinstance(w, torch.Tensor) and SWITCHES.gemv_dense
+            and w.dtype == x.dtype == torch.bfloat16 and w.is_contiguous())
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor | FP8Weight, groups: int) -> torch.Tensor:
