@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -304,13 +305,72 @@ def test_a_background_response_can_be_cancelled(client, scripted):
     assert client.responses.create(model="tiny", input="after").output_text == "Hello there."
 
 
-def test_background_needs_a_stored_unstreamed_response(client, scripted):
-    for kwargs in (dict(stream=True), dict(store=False)):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.responses.create(model="tiny", input="Hi", background=True, **kwargs)
-        assert err.value.body["param"] == "background"
+def test_background_needs_a_stored_response(client, scripted):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input="Hi", background=True, store=False)
+    assert err.value.body["param"] == "background"
     scripted.script("Hello there.")
     r = client.responses.create(model="tiny", input="Hi")
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.cancel(r.id)
     assert err.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as err:  # only a streamed background response streams again
+        client.responses.retrieve(r.id, stream=True)
+    assert err.value.body["param"] == "stream"
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_streamed_background_response_is_followed_and_taken_up_again(client, scripted):
+    """The client of a streamed background response leaves while it waits in the queue; the generation goes on, a
+    second stream follows it live to the end, and a third takes it up again from a sequence number after it ended
+    (through the SDK, which reads the stream from the start and skips, and on the wire with ``starting_after``)."""
+    scripted.script("Hello there.", hold=True)
+    with client.responses.stream(model="tiny", input="Hi", background=True) as s:
+        it = iter(s)
+        first = [next(it), next(it)]
+    assert [e.type for e in first] == ["response.created", "response.queued"]
+    rid = first[0].response.id
+    assert first[0].response.status == "queued" and first[0].response.background
+    assert client.responses.retrieve(rid).status == "queued"
+    with client.responses.stream(response_id=rid) as live:
+        it = iter(live)
+        assert [next(it).type, next(it).type] == ["response.created", "response.queued"]  # logged, then waits
+        scripted.release()
+        events = first + list(it)
+        final = live.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["response.created", "response.queued", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == "response.completed" and final.output_text == "Hello there."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there."
+    done = client.responses.retrieve(rid)
+    assert done.status == "completed" and done.output_text == "Hello there."
+    with client.responses.stream(response_id=rid, starting_after=3) as again:
+        tail = list(again)
+    assert [e.sequence_number for e in tail] == list(range(4, len(events)))
+    assert tail[-1].type == "response.completed"
+    wire = httpx.get(f"{client.base_url}responses/{rid}", params={"stream": "true", "starting_after": len(events) - 2})
+    assert [(e["sequence_number"], e["type"]) for e in _sse_events(wire.text)] == [(len(events) - 1,
+                                                                                     "response.completed")]
+
+
+def test_a_streamed_background_response_cancelled_ends_its_streams(client, scripted):
+    """Cancelled while its stream waits: the stream ends with no further event and the response says cancelled; the
+    events it had stay readable."""
+    scripted.script("Hello there.", hold=True)
+    with client.responses.stream(model="tiny", input="Hi", background=True) as s:
+        it = iter(s)
+        created = next(it)
+        assert client.responses.cancel(created.response.id).status == "cancelled"
+        rest = list(it)
+    scripted.release()
+    assert [e.type for e in rest] == ["response.queued"]
+    assert client.responses.retrieve(created.response.id).status == "cancelled"
+    wire = httpx.get(f"{client.base_url}responses/{created.response.id}", params={"stream": "true"})
+    assert [e["type"] for e in _sse_events(wire.text)] == ["response.created", "response.queued"]
+    scripted.script("Hello there.")
+    assert client.responses.create(model="tiny", input="after").output_text == "Hello there."

@@ -1,9 +1,9 @@
 """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``: in memory, within a byte budget.
 
 Each stored response holds the response object as the client got it, its own input items (a string input as one
-user message) and the id of the response it continued. The conversation a ``previous_response_id`` stands for is
-the chain's input and output items, oldest first; instructions are not part of it (OpenAI's API does not carry them
-over either). When the texts' size passes the budget the least recently used responses go first; reading a
+user message), the id of the response it continued and, for a streamed background response, its stream's events.
+The conversation a ``previous_response_id`` stands for is the chain's input and output items, oldest first;
+instructions are not part of it (OpenAI's API does not carry them over either). When the texts' size passes the budget the least recently used responses go first; reading a
 conversation marks every response of its chain as used, so a chain in use stays whole. A response whose
 ancestor is gone cannot be continued (400 ``previous_response_not_found``), as after a server restart.
 """
@@ -22,6 +22,7 @@ class StoredResponse:
     response: dict  # the response object as returned
     input_items: list[dict]  # this request's own input items, each with an id
     previous_id: str | None
+    events: list[dict] | None = None  # a streamed background response's numbered stream events, to stream again
 
     @property
     def id(self) -> str:
@@ -29,7 +30,7 @@ class StoredResponse:
 
     def size(self) -> int:
         """Bytes of its JSON text: what the budget counts."""
-        return len(json.dumps([self.response, self.input_items], ensure_ascii=False).encode())
+        return len(json.dumps([self.response, self.input_items, self.events], ensure_ascii=False).encode())
 
 
 class ResponseStore:

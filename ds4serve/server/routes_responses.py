@@ -14,7 +14,9 @@ Responses are stored unless the request says ``store: false`` (:mod:`ds4serve.se
 request's ``previous_response_id`` continues the stored conversation (its own ``instructions`` apply, as in
 OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and
 remove them. A ``background`` response is answered at once as ``queued`` and generates detached from the request,
-updating its stored response, until it ends or ``POST /v1/responses/{id}/cancel`` stops it. A continued
+updating its stored response, until it ends or ``POST /v1/responses/{id}/cancel`` stops it; with ``stream`` too it
+is answered with its stream, which ``GET /v1/responses/{id}?stream=true&starting_after=N`` takes up again (its
+events are kept with it). A continued
 conversation's prompt is the one its whole history would give, so the prefix cache serves the turns before it.
 """
 
@@ -259,11 +261,45 @@ class _Response:
         self.store = server.responses if _stored_here(server, body) else None
         self.input_items = _own_items(body)
         self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None
+        self.items = _Items(self.tokenizer)
+        # a streamed background response's numbered events, which any number of streams follow (``grew`` is set,
+        # and replaced, at each new one; ``ended`` once the last is in)
+        self.log: list[dict] | None = [] if body.background and body.stream else None
+        self.grew = asyncio.Event()
+        self.ended = False
 
     def keep(self, final: dict) -> None:
         """Store the finished response (unless the request said ``store: false``)."""
         if self.store is not None:
-            self.store.put(StoredResponse(final, self.input_items, self.body.previous_response_id))
+            self.store.put(StoredResponse(final, self.input_items, self.body.previous_response_id, self.log))
+
+    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[dict]:
+        """The stream's events, unnumbered: ``response.created``, ``response.in_progress``, the output items' events,
+        then ``response.completed`` or ``response.incomplete`` with the final response, stored before it is sent. A
+        background response is created ``queued`` (``response.queued`` follows) and is in progress from its first
+        piece on."""
+        queued = bool(self.body.background)
+        yield {"type": "response.created", "response": self.render([], done=False, status="queued" if queued else None)}
+        if queued:
+            yield {"type": "response.queued", "response": self.render([], done=False, status="queued")}
+        else:
+            yield self._in_progress()
+        async for piece in pieces:
+            if queued:
+                queued = False
+                yield self._in_progress()
+            for event in self.items.piece(piece):
+                yield event
+        if queued:
+            yield self._in_progress()
+        for event in self.items.finish(self.completion.finish_reason == "length"):
+            yield event
+        final = self.render(self.items.items, done=True)
+        self.keep(final)
+        yield {"type": f"response.{final['status']}", "response": final}
+
+    def _in_progress(self) -> dict:
+        return {"type": "response.in_progress", "response": self.render(self.items.items, done=False)}
 
     def in_background(self, server) -> dict:
         """Generate detached from the request (``background: true``): the response is stored at once as
@@ -282,22 +318,34 @@ class _Response:
         await asyncio.shield(self.task)
 
     async def _generate(self, current: dict) -> None:
-        items = _Items(self.tokenizer)
         try:
-            async for piece in self.completion.pieces():
-                items.piece(piece)
-                current.update(self.render(items.items, done=False))
-            items.finish(self.completion.finish_reason == "length")
-            final = self.render(items.items, done=True)
+            async for event in self.events(self.completion.pieces()):
+                current.update(event.get("response") or self.render(self.items.items, done=False))
+                self._record(event)
+            if self.log is not None:
+                self.keep(current)  # stored again with its last event, so the budget counts it
         except Exception as exc:  # noqa: BLE001 - nobody else sees a background generation fail: its response says so
             err = exc if isinstance(exc, APIError) else APIError(500, f"{type(exc).__name__}: {exc}", "internal")
             cancelled = self.completion.job.cancel_reason == CANCELLED_BY_CLIENT
-            final = self.render(items.items, done=False, status="cancelled" if cancelled else "failed",
-                                error=None if cancelled else err)
+            current.update(self.render(self.items.items, done=False, status="cancelled" if cancelled else "failed",
+                                       error=None if cancelled else err))
+            if not cancelled:  # a cancelled stream just ends (the Responses API has no event for it)
+                self._record({"type": "response.failed", "response": current})
+            self.keep(current)
         finally:
             self.completion.close()
-        current.update(final)
-        self.keep(current)
+            self.ended = True
+            self._wake()
+
+    def _record(self, event: dict) -> None:
+        """Log a copy of ``event`` with its sequence number for the streams following it (if this one streams)."""
+        if self.log is not None:
+            self.log.append(copy.deepcopy({**event, "sequence_number": len(self.log)}))
+            self._wake()
+
+    def _wake(self) -> None:
+        self.grew.set()
+        self.grew = asyncio.Event()
 
     def render(self, items: list[dict], done: bool, status: str | None = None, error: APIError | None = None) -> dict:
         """The response object with ``items``; ``status`` overrides the one ``done`` implies (a background
@@ -342,18 +390,19 @@ CANCELLED_BY_CLIENT = "cancel_request"  # the job's cancel reason after POST /v1
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     server = request.app.state.server
-    if body.background and (body.stream or not _stored_here(server, body)):
+    if body.background and not _stored_here(server, body):
         raise invalid("background: a background response is stored and read back with GET /v1/responses/{id}: it "
-                      "takes no stream, no store: false, and a server that stores responses", "background")
+                      "takes no store: false, and a server that stores responses", "background")
     completion = Completion(server, None if body.background else request,
                             responses_spec(server, _continued(server, body)))
     completion.start()
     response = _Response(server, body, completion)
     if body.background:
-        return JSONResponse(response.in_background(server))
+        current = response.in_background(server)
+        return _follow(server, response.id, response.log, -1) if body.stream else JSONResponse(current)
     if body.stream:
         return await _stream(completion, response)
-    items = _Items(response.tokenizer)
+    items = response.items
     for piece in await run_to_end(completion):
         items.piece(piece)
     items.finish(completion.finish_reason == "length")
@@ -370,8 +419,17 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve(response_id: str, request: Request):
-    return JSONResponse(_stored(request, response_id).response)
+async def retrieve(response_id: str, request: Request, stream: bool = False,
+                   starting_after: int = Query(-1, ge=-1)):
+    """The stored response; with ``stream=true`` (a response created with ``background`` and ``stream``) its stream's
+    events after ``starting_after``, then, while it still generates, the new ones as they come."""
+    stored = _stored(request, response_id)
+    if not stream:
+        return JSONResponse(stored.response)
+    if stored.events is None:
+        raise invalid(f"stream: response '{response_id}' was not created with background: true and stream: true; "
+                      "only those can be streamed again", "stream")
+    return _follow(request.app.state.server, response_id, stored.events, starting_after)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -417,32 +475,42 @@ async def input_items(response_id: str, request: Request, order: Literal["asc", 
                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
+def _sse(event: dict, number: int) -> str:
+    data = json.dumps({**event, "sequence_number": number}, ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {data}\n\n"
+
+
 async def _stream(completion: Completion, response: _Response) -> StreamingResponse:
     pieces = await completion.opened()
 
     async def events() -> AsyncIterator[str]:
-        items, number = _Items(response.tokenizer), 0
-
-        def sse(event: dict) -> str:
-            nonlocal number
-            data = json.dumps({**event, "sequence_number": number}, ensure_ascii=False)
-            number += 1
-            return f"event: {event['type']}\ndata: {data}\n\n"
-
+        number = 0
         try:
-            for kind in ("created", "in_progress"):
-                yield sse({"type": f"response.{kind}", "response": response.render([], done=False)})
-            async for piece in pieces:
-                for event in items.piece(piece):
-                    yield sse(event)
-            for event in items.finish(completion.finish_reason == "length"):
-                yield sse(event)
-            final = response.render(items.items, done=True)
-            response.keep(final)
-            yield sse({"type": f"response.{final['status']}", "response": final})
+            async for event in response.events(pieces):
+                yield _sse(event, number)
+                number += 1
         except APIError as err:
-            yield sse({"type": "error", "code": err.code, "message": err.message, "param": err.param})
+            yield _sse({"type": "error", "code": err.code, "message": err.message, "param": err.param}, number)
         finally:
             completion.close()
 
     return event_stream(events(), OPENAI_PING, completion.server.config.stream_keepalive_s)
+
+
+def _follow(server, response_id: str, log: list[dict], after: int) -> StreamingResponse:
+    """A streamed background response's events after sequence number ``after``: those logged, then each new one until
+    the last. The client going away leaves the generation running (it is detached from every request)."""
+
+    async def events() -> AsyncIterator[str]:
+        n = after + 1
+        while True:
+            running = server.background.get(response_id)
+            grew = running.grew if running is not None else None  # taken before reading: no event is missed
+            while n < len(log):
+                yield _sse(log[n], n)
+                n += 1
+            if running is None or running.ended:
+                return
+            await grew.wait()
+
+    return event_stream(events(), OPENAI_PING, server.config.stream_keepalive_s)
