@@ -110,16 +110,18 @@ def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
-def test_hc_fused_static_verify_block_matches_unfused(tiny_factory):
-    """A static block of three tokens (a verify step) through the fused sites gives the unfused logits."""
+@pytest.mark.parametrize("rows", [3, 12])
+def test_hc_fused_static_verify_block_matches_unfused(tiny_factory, rows):
+    """A static block of three tokens (a verify step), and one wider than the mixes' product-sum (whose unfused
+    sites multiply matrices), through the fused sites gives the unfused logits."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernel")
-    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=15, prefilled=12,
-                                                capacity=24)
+    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=24, prefilled=24 - rows,
+                                                capacity=32)
     logits = []
     for state, fused in ((off, False), (on, True)):
         with torch.inference_mode(), regions.disabled(), kernels.on_any_device(), using(hc_fused=fused):
-            logits.append(model.forward(torch.tensor(ids[-3:]), state, logit_rows=slice(0, 3),
-                                        positions=torch.arange(state.pos, state.pos + 3)).logits)
+            logits.append(model.forward(torch.tensor(ids[-rows:]), state, logit_rows=slice(0, rows),
+                                        positions=torch.arange(state.pos, state.pos + rows)).logits)
     err = float((logits[1] - logits[0]).abs().max() / logits[0].abs().max())
     assert err <= 1e-5, f"relative error {err:.3g}"
 

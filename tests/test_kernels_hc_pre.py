@@ -129,8 +129,8 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_
     calls = []
     real = ops.hc_pre
     monkeypatch.setattr(ops, "hc_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
-    S_long = hyper.MIX_REDUCE_MAX_ROWS + 1
-    for S in (1, hyper.MIX_REDUCE_MAX_ROWS, S_long):
+    S_long = hyper.FUSED_SITE_MAX_ROWS + 1
+    for S in (1, hyper.MIX_REDUCE_MAX_ROWS + 1, S_long):
         X, site, norm_w = _inputs(S, 32, torch.float32, seed=S)
         want = _reference(X, site, norm_w)
         with using(hc_fused=True):
@@ -140,7 +140,7 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_
                 _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
         with using(hc_fused=False), kernels.on_any_device():
             _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
-    assert calls == [1, hyper.MIX_REDUCE_MAX_ROWS]
+    assert calls == [1, hyper.MIX_REDUCE_MAX_ROWS + 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -183,7 +183,7 @@ def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks_with_the_switch
     calls = []
     real = ops.hc_merge_pre
     monkeypatch.setattr(ops, "hc_merge_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
-    for S in (1, hyper.MIX_REDUCE_MAX_ROWS + 1):
+    for S in (1, hyper.FUSED_SITE_MAX_ROWS, hyper.FUSED_SITE_MAX_ROWS + 1):
         X, out, post, comb, site, norm_w = _merge_inputs(S, 32, torch.float32, seed=S)
         want_X = _reference_merge(X, out, post, comb)
         want = _reference(want_X, site, norm_w)
@@ -199,7 +199,7 @@ def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks_with_the_switch
                 check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
         with using(hc_fused=False), kernels.on_any_device():
             check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
-    assert calls == [1]
+    assert calls == [1, hyper.FUSED_SITE_MAX_ROWS]
 
 
 _COMPILE_MERGE = """

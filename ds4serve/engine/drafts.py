@@ -99,7 +99,7 @@ class PredictionProposer(DraftProposer):
 
     At most 7 drafts a step: a verify block of up to ``GEMV_MAX_ROWS`` (8) rows runs the decode kernels, a wider
     one partly the prefill paths (on the H200's FP8 proxy a block of 8 rows took 2.19x a decode step, 12 rows
-    3.16x, 16 rows 3.75x, with FP8 projections on the GEMV up to 16 rows; docs/SPECULATIVE.md).
+    3.04x, 16 rows 3.70x; docs/SPECULATIVE.md).
     """
 
     name = "prediction"
