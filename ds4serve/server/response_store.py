@@ -3,9 +3,10 @@
 Each stored response holds the response object as the client got it, its own input items (a string input as one
 user message), the id of the response it continued and, for a streamed background response, its stream's events.
 The conversation a ``previous_response_id`` stands for is the chain's input and output items, oldest first;
-instructions are not part of it (OpenAI's API does not carry them over either). When the texts' size passes the budget the least recently used responses go first; reading a
-conversation marks every response of its chain as used, so a chain in use stays whole. A response whose
-ancestor is gone cannot be continued (400 ``previous_response_not_found``), as after a server restart.
+instructions are not part of it (OpenAI's API does not carry them over either). When the texts' size passes the
+budget the least recently used responses go first; reading a conversation marks every response of its chain as
+used, so a chain in use stays whole. A response whose ancestor is gone cannot be continued (400
+``previous_response_not_found``), as after a server restart.
 """
 
 from __future__ import annotations

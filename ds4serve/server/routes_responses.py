@@ -16,8 +16,8 @@ OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/respons
 remove them. A ``background`` response is answered at once as ``queued`` and generates detached from the request,
 updating its stored response, until it ends or ``POST /v1/responses/{id}/cancel`` stops it; with ``stream`` too it
 is answered with its stream, which ``GET /v1/responses/{id}?stream=true&starting_after=N`` takes up again (its
-events are kept with it). A continued
-conversation's prompt is the one its whole history would give, so the prefix cache serves the turns before it.
+events are kept with it). A continued conversation's prompt is the one its whole history would give, so the prefix
+cache serves the turns before it.
 """
 
 from __future__ import annotations
