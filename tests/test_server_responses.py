@@ -374,3 +374,32 @@ def test_a_streamed_background_response_cancelled_ends_its_streams(client, scrip
     assert [e["type"] for e in _sse_events(wire.text)] == ["response.created", "response.queued"]
     scripted.script("Hello there.")
     assert client.responses.create(model="tiny", input="after").output_text == "Hello there."
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(client, scripted):
+    """A conversation longer than the context (1,024 tokens here) is a 400 ``context_length_exceeded``, unless
+    ``truncation`` is ``"auto"``: then the prompt is that of the longest tail of whole turns (from a user message on)
+    that leaves room for ``max_output_tokens``, after the instructions; a lone turn too long still fails."""
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Question {i}: " + "word " * 60},
+                  {"role": "assistant", "content": f"Answer {i}: " + "word " * 20}]
+    turns.append({"role": "user", "content": "And the last one?"})
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input=turns, max_output_tokens=16)
+    assert err.value.body["code"] == "context_length_exceeded"
+    scripted.script("Fine.")
+    r = client.responses.create(model="tiny", input=turns, max_output_tokens=16, truncation="auto",
+                                instructions="Be brief.")
+    assert r.output_text == "Fine." and r.truncation == "auto"
+
+    def prompt(start: int) -> list[int]:
+        text = encode_messages([{"role": "system", "content": "Be brief."}] + turns[start:], thinking=False).text
+        return scripted.inner.tokenizer.encode(text)
+
+    kept = [start for start in range(0, len(turns), 2) if prompt(start) == scripted.prompts[-1]]
+    assert kept and kept[0] > 0 and len(prompt(kept[0])) + 16 <= 1024 < len(prompt(kept[0] - 2)) + 16
+    assert r.usage.input_tokens == len(scripted.prompts[-1])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input=[{"role": "user", "content": "word " * 1100}], truncation="auto")
+    assert err.value.body["code"] == "context_length_exceeded"

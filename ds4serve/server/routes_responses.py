@@ -120,6 +120,35 @@ def _continued(server, body: ResponsesRequest) -> ResponsesRequest:
     return body.model_copy(update={"input": history + _input_items(body)})
 
 
+def _fitted_spec(server, body: ResponsesRequest) -> CompletionSpec:
+    """The completion of ``body`` after the conversation its ``previous_response_id`` names. With ``truncation:
+    "auto"`` a conversation too long for the context loses its oldest items, whole turns at a time (a kept
+    conversation starts at a user message), as few as make it fit; ``instructions`` stay. Otherwise, or when not
+    even its last turn fits, the 400 ``context_length_exceeded``."""
+    body = _continued(server, body)
+    try:
+        return responses_spec(server, body)
+    except APIError as err:
+        if body.truncation != "auto" or err.code != "context_length_exceeded":
+            raise
+        overflow = err
+    items = _input_items(body)
+    starts = [i for i, item in enumerate(items) if i > 0 and isinstance(item, ResponseMessage) and item.role == "user"]
+    lo, hi, fitted = 0, len(starts), None  # the fewest dropped turns that fit: the prompt shrinks as more go
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            fitted = responses_spec(server, body.model_copy(update={"input": items[starts[mid]:]}))
+            hi = mid
+        except APIError as err:
+            if err.code != "context_length_exceeded":
+                raise
+            lo = mid + 1
+    if fitted is None:
+        raise overflow
+    return fitted
+
+
 def _chat_body(body: ResponsesRequest) -> dict:
     """The chat completions request this one is."""
     chat: dict[str, Any] = {"messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
@@ -367,7 +396,7 @@ class _Response:
             "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
             "top_logprobs": body.top_logprobs,
             "previous_response_id": body.previous_response_id, "store": self.store is not None,
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "reasoning": body.reasoning.model_dump() if body.reasoning else None,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text and body.text.format else {"type": "text"}},
@@ -393,8 +422,7 @@ async def responses(body: ResponsesRequest, request: Request):
     if body.background and not _stored_here(server, body):
         raise invalid("background: a background response is stored and read back with GET /v1/responses/{id}: it "
                       "takes no store: false, and a server that stores responses", "background")
-    completion = Completion(server, None if body.background else request,
-                            responses_spec(server, _continued(server, body)))
+    completion = Completion(server, None if body.background else request, _fitted_spec(server, body))
     completion.start()
     response = _Response(server, body, completion)
     if body.background:

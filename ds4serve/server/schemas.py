@@ -321,6 +321,7 @@ class ResponsesRequest(_Body):
     include: list[ResponseIncludable] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 # ---- Anthropic ------------------------------------------------------------------------------------
