@@ -300,7 +300,7 @@ def check_tiny(root: Path) -> None:
     no further from it than the CPU's own bf16 forward is (random tiny models route differently in
     bf16 at some positions, so a fixed max-error bound would measure the model, not the code)."""
     ids = torch.randint(3, 128000, (200,), generator=torch.Generator().manual_seed(3)).tolist()
-    sizes = (64, 1, 135)
+    sizes = (64, 1, 12, 123)  # a 12-row chunk: FP8 GEMVs on tensor-core tiles and fused mHC sites past 8 rows
     for quant in ("none", "fp8+fp4"):
         path = make_tiny(root / quant, TinySpec(seed=4, quantize=quant))
         ckpt = Checkpoint(path)
@@ -395,8 +395,8 @@ def check_verify_graphs(root: Path) -> None:
                first_step_and_tensors=first_state)
         known = prompt + plain.tokens
         edited = plain.tokens[:10] + [7, 8, 9] + plain.tokens[16:]  # a predicted output with an insert and a cut
-        for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), "mtp:3",
-                     PredictionProposer(edited)):
+        for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), OracleProposer(known, 0.7, 12),
+                     "mtp:3", PredictionProposer(edited)):
             _check_speculative(engine, prompt, plain.tokens, spec)
         with using(static_commit=True):  # the accepted prefix written by captured device commits
             for spec in (OracleProposer(known, 0.7, 4), "mtp:3"):
