@@ -297,6 +297,7 @@ def test_a_background_response_can_be_cancelled(client, scripted):
     scripted.scripts.clear()
     scripted.script("Hello there.", hold=True)  # deleting a running one stops it: it does not come back
     deleted = client.responses.create(model="tiny", input="third", background=True)
+    wait_for(lambda: len(scripted.prompts) == started + 2)  # running (its script taken), held
     client.responses.delete(deleted.id)
     scripted.release()
     with pytest.raises(openai.NotFoundError):
@@ -359,12 +360,14 @@ def test_a_streamed_background_response_is_followed_and_taken_up_again(client, s
 
 
 def test_a_streamed_background_response_cancelled_ends_its_streams(client, scripted):
-    """Cancelled while its stream waits: the stream ends with no further event and the response says cancelled; the
-    events it had stay readable."""
+    """Cancelled while its stream waits (the engine held in it): the stream ends with no further event and the
+    response says cancelled; the events it had stay readable."""
+    started = len(scripted.prompts)
     scripted.script("Hello there.", hold=True)
     with client.responses.stream(model="tiny", input="Hi", background=True) as s:
         it = iter(s)
         created = next(it)
+        wait_for(lambda: len(scripted.prompts) == started + 1)  # prefilled, now held
         assert client.responses.cancel(created.response.id).status == "cancelled"
         rest = list(it)
     scripted.release()
