@@ -218,7 +218,7 @@ def test_split_product_left_as_terms_sums_to_the_product(kind):
     summed = gemv(x, w, scale, block, config=config)
     assert terms.shape == (3, 3, R) and terms.dtype == torch.float32
     got = sum_terms(terms.permute(1, 0, 2), x.dtype)
-    if kind == "fp32" or DEVICE == "cuda":
+    if kind == "fp32":
         assert torch.equal(got, summed)
     else:  # the interpreter truncates the sum launch's cast to bf16, torch rounds it
         torch.testing.assert_close(got, summed, rtol=1e-2, atol=1e-2)
