@@ -32,15 +32,14 @@ def random_prompt(n: int, seed: int, vocab: int = 128000) -> list[int]:
 
 
 def static_decode_setup(tiny_factory, seed: int, prompt_seed: int, length: int, prefilled: int,
-                        capacity: int, quantize: str = "none"):
+                        capacity: int):
     """A tiny model whose static steps close CSA and HCA windows and wrap the ring (window 8, HCA
-    ratio 8, indexer top-5; ``quantize`` as make-tiny's, kept quantized in memory), a random prompt of
-    ``length``, and two states with its first ``prefilled`` tokens committed: ``(model, ids, (state_a, state_b))``."""
+    ratio 8, indexer top-5), a random prompt of ``length``, and two states with its first
+    ``prefilled`` tokens committed: ``(model, ids, (state_a, state_b))``."""
     from ds4serve.model import DeepSeekV4
     from ds4serve.weights import Checkpoint
 
-    ckpt = Checkpoint(tiny_factory(seed=seed, window=8, hca_rate=8, index_topk=5, quantize=quantize))
-    model = DeepSeekV4.load(ckpt, quantized=quantize != "none")
+    model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=seed, window=8, hca_rate=8, index_topk=5)))
     ids = random_prompt(length, seed=prompt_seed)
     states = model.new_state(capacity), model.new_state(capacity)
     for state in states:

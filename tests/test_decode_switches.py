@@ -174,32 +174,3 @@ def test_attention_inputs_static_step_matches_torch_code(tiny_factory, monkeypat
                                     capacity=32)
     assert calls == [20] * model.cfg.num_layers
     assert err <= 1e-5, f"relative error {err:.3g}"
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
-@pytest.mark.parametrize("hc_fused", [True, False])
-def test_split_terms_static_step_gives_the_same_logits(tiny_factory, monkeypatch, hc_fused):
-    """With the FP8 ``wo_b`` split over K (as the FP8 proxy's is; forced here, the tiny shapes do not split), its
-    slices' unsummed terms summed by the merge after it (the fused kernel, or ``sum_terms`` unfused) give the logits
-    of the summed product, bit for bit in fp32; every layer's ``wo_b`` went out as terms."""
-    pytest.importorskip("triton", reason="the switch calls the Triton kernels")
-    from ds4serve.kernels import gemv as gemv_module
-    from ds4serve.kernels import ops
-
-    real_config = gemv_module.default_config
-    wo_b = (64, 2 * 16)  # the tiny model's [hidden, o_groups * o_lora_rank]
-    monkeypatch.setattr(gemv_module, "default_config", lambda kind, rows, n_in, *a: (
-        gemv_module.GemvConfig(16, 16, split=2) if (rows, n_in) == wo_b else real_config(kind, rows, n_in, *a)))
-    calls = []
-    real = ops.gemv_terms
-    monkeypatch.setattr(ops, "gemv_terms", lambda *a: calls.append(tuple(a[1].shape)) or real(*a))
-    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=5, prompt_seed=2, length=13, prefilled=12,
-                                                capacity=24, quantize="fp8")
-    with torch.inference_mode(), regions.disabled(), kernels.on_any_device(), using(hc_fused=hc_fused):
-        with using(split_terms=False):
-            ref, _ = static_step(model, off, ids[-1])
-        assert not calls
-        with using(split_terms=True):
-            out, _ = static_step(model, on, ids[-1])
-    assert calls == [wo_b] * model.cfg.num_layers
-    assert torch.equal(out.logits, ref.logits)

@@ -18,8 +18,7 @@ from ds4serve.kernels.gemv import (  # noqa: E402
     SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_pair, gemv_ref, weight_kind)
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.kernels import gemv as gemv_module  # noqa: E402
-from ds4serve.model.hyper import sum_terms  # noqa: E402
-from ds4serve.model.linear import grouped_linear, linear, linear_pair, linear_terms, quantize_fp8  # noqa: E402
+from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
 from tests.helpers import spy_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,44 +203,3 @@ def test_gemv_pair_rejects_weights_of_different_input_widths():
     x = torch.randn(1, K).to(DEVICE, torch.bfloat16)
     with pytest.raises(ValueError, match=f"must take {K} inputs, not {K} and {K // 2}"):
         gemv_pair(x, a, b)
-
-
-@pytest.mark.parametrize("kind", ["fp32", "fp8"])
-def test_split_product_left_as_terms_sums_to_the_product(kind):
-    """A split-K product asked for its terms returns the slices' fp32 products ``[split, N, R]`` and launches no
-    sum: summed in slice order they are the summed product, the same bits in fp32."""
-    w, scale, block = _weight(kind, 21)
-    x = torch.randn(3, K, generator=torch.Generator().manual_seed(22)).to(DEVICE)
-    x = x.to(torch.float32 if kind == "fp32" else torch.bfloat16)
-    config = GemvConfig(16, 32, split=3)
-    terms = gemv(x, w, scale, block, config=config, terms=True)
-    summed = gemv(x, w, scale, block, config=config)
-    assert terms.shape == (3, 3, R) and terms.dtype == torch.float32
-    got = sum_terms(terms.permute(1, 0, 2), x.dtype)
-    if kind == "fp32":
-        assert torch.equal(got, summed)
-    else:  # the interpreter truncates the sum launch's cast to bf16, torch rounds it
-        torch.testing.assert_close(got, summed, rtol=1e-2, atol=1e-2)
-    assert not torch.allclose(terms[0], terms[1])  # each slice its own part of the inputs
-
-
-@pytest.mark.parametrize("split", [1, 2])
-def test_linear_terms_returns_terms_only_for_a_split_product(monkeypatch, split):
-    """``linear_terms`` gives the slices' unsummed terms ``[S, split, R]`` (a view, slices apart by ``S * R``) when
-    the product splits and the switch is on, else ``linear``'s output; the op's fake has the kernel's shape."""
-    monkeypatch.setattr(gemv_module, "default_config", lambda *args: GemvConfig(16, 32, split=split))
-    q = quantize_fp8(torch.randn(R, K, generator=torch.Generator().manual_seed(23)).to(DEVICE) / K ** 0.5, BLOCK)
-    x = torch.randn(2, K, generator=torch.Generator().manual_seed(24)).to(DEVICE, torch.bfloat16)
-    with kernels.on_any_device():
-        want = linear(x, q)
-        with using(split_terms=False):
-            assert torch.equal(linear_terms(x, q), want)
-        got = linear_terms(x, q)
-        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fake = ops.gemv_terms(mode.from_tensor(x), mode.from_tensor(q.data), mode.from_tensor(q.scale), *q.block)
-    if split == 1:
-        assert torch.equal(got, want)
-        return
-    assert got.shape == (2, split, R) and got.stride() == (R, 2 * R, 1)
-    assert fake.shape == (split, 2, R) and fake.dtype == torch.float32
-    torch.testing.assert_close(sum_terms(got, x.dtype), want, rtol=1e-2, atol=1e-2)

@@ -144,17 +144,11 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["slots", "slices"])
-def test_merge_sums_the_sublayer_terms(dtype, layout):
-    """Given fp32 terms ``[S, terms, D]`` instead of the sublayer's output (the fused MoE's slot terms; a split-K
-    GEMV's slices, a view of ``[terms, S, D]``), the merge sums them as their sum launch does: every output as
-    with the summed output (fp32: the same bits)."""
+def test_merge_sums_the_moe_slot_terms(dtype):
+    """Given the fused MoE's fp32 slot terms ``[S, slots, D]`` instead of its output, the merge sums them as the
+    MoE's slot-sum launch does: every output as with the summed output (fp32: the same bits)."""
     X, _, post, comb, site, norm_w = _merge_inputs(3, 256, dtype, seed=12)
-    gen = torch.Generator().manual_seed(13)
-    if layout == "slots":
-        terms = torch.randn(3, 7, 256, generator=gen).to(DEVICE)
-    else:
-        terms = torch.randn(7, 3, 256, generator=gen).to(DEVICE).permute(1, 0, 2)
+    terms = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     args = (post, comb, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
     got = hc_merge_pre(X, terms, *args, block=64)
     want = hc_merge_pre(X, hyper.sum_terms(terms, dtype), *args, block=64)
@@ -218,8 +212,8 @@ from ds4serve.kernels.hc_streams import EXACT_ROUNDING
 
 sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_ptr", "scale_ptr", "w_ptr",
                                   "part_ptr", "post_ptr", "comb_ptr")}
-sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", out_row="i32",
-           out_term="i32", iters="i32", eps="fp32", norm_eps="fp32")
+sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", iters="i32",
+           eps="fp32", norm_eps="fp32")
 consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, PDL=0)
 ptx = {}
 for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):

@@ -385,13 +385,11 @@ def _with_split(cfg: GemvConfig, n_rows: int, n_in: int) -> GemvConfig:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, groups: int = 1, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None, terms: bool = False) -> torch.Tensor:
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [N, K]`` (or ``[N, G, K]`` with ``groups=G``) times ``weight [R, K]`` → ``[N, R]``.
 
     ``scale`` (with its ``block``) makes ``weight`` FP8 e4m3; ``out`` is an optional contiguous
-    ``[N, R]`` destination of ``x``'s dtype. With ``terms``, a product split over K (:func:`k_slices` > 1)
-    returns its slices' fp32 products ``[split, N, R]`` unsummed, for a consumer that sums them in slice
-    order and rounds as the sum launch it saves would (the fused mHC merge, :mod:`ds4serve.kernels.hc_pre`)."""
+    ``[N, R]`` destination of ``x``'s dtype."""
     n_rows, n_in = weight.shape
     x2 = x.reshape(-1, groups * n_in).contiguous()
     n_tokens = x2.shape[0]
@@ -413,17 +411,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                                N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
     else:
         _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
-    if split > 1 and not terms:
+    if split > 1:
         n = n_tokens * n_rows
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
                                                     **pdl.launch(x2))
-    return target if terms else out
-
-
-def k_slices(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torch.Tensor | None,
-             block: tuple[int, int] | None, groups: int = 1) -> int:
-    """How many K slices :func:`gemv` splits the product into with its default tile (1: not split)."""
-    return _plan(x_dtype, n_tokens, weight, scale, block, groups, None)[3]
+    return out
 
 
 def _plan(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torch.Tensor | None,

@@ -8,10 +8,9 @@ the weighted RMSNorm. Each moves little data and costs mostly its latency (~8 us
 token (2 per layer, 43 layers). Here one launch does the site. With ``MERGE`` (:func:`hc_merge_pre`) the same launch
 first does the merge of the sublayer output before the site, ``X' = hc_merge(X, out, post, comb)``: the boundary
 between the attention and the MoE (otherwise an Inductor merge kernel and the four launches above) is then one
-launch. The sublayer output may also come as unsummed fp32 terms ``[S, terms, D]``: the fused MoE's slot terms (a
-block's closing merge, :mod:`ds4serve.model.deepseek4`) or a split-K GEMV's slices (the attention's ``wo_b``,
-:func:`ds4serve.model.linear.linear_terms`; a view with any strides), which the merge sums in fp32, in term order,
-and rounds to X's dtype, as the sum launch it saves would have.
+launch. The sublayer output may also come as the fused MoE's unsummed fp32 slot terms ``[S, slots, D]`` (a block's
+closing merge, :mod:`ds4serve.model.deepseek4`), which the merge sums in fp32, in slot order, and rounds to X's
+dtype, as the MoE's slot-sum launch it saves would have.
 
 Grid ``(P, S)``: program ``p`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
 ``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread over
@@ -59,8 +58,7 @@ NUM_WARPS = 8  # the last program's tail (module docstring); alone 10.0 us a sit
 
 @triton.jit
 def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                   part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, out_row, out_term, iters, eps, norm_eps,
-                   HC: tl.constexpr,
+                   part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, HC: tl.constexpr,
                    BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
                    MERGE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
@@ -75,7 +73,7 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
     if MERGE:
         # n = k * D + d; k clamped so that the masked tail of the last program reads comb and post in bounds
         d = n % D
-        o = _sublayer_output(out_ptr, x_ptr, s, d, nm, out_row, out_term, SLOTS)
+        o = _sublayer_output(out_ptr, x_ptr, s, d, nm, D, SLOTS)
         x = merged(x_ptr + s * N, o, post_in_ptr + s * HC, comb_in_ptr + s * HC * HC, tl.minimum(n // D, HC - 1),
                    d, nm, D, HC, BLOCK)
         site_row = merged_ptr + s * N
@@ -102,17 +100,16 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
 
 
 @triton.jit
-def _sublayer_output(out_ptr, x_ptr, s, d, mask, out_row, out_term, SLOTS: tl.constexpr):
-    """Row ``s`` of the sublayer output at columns ``d``, as fp32 values: read as stored (``SLOTS == 0``, rows
-    ``out_row`` apart), or summed from its ``SLOTS`` fp32 terms (``out_term`` apart: the fused MoE's slot terms or
-    a split-K GEMV's slices, left unsummed) in term order and rounded to X's dtype, as the sum launch would have
-    stored it."""
-    row = out_ptr + s * out_row + d
+def _sublayer_output(out_ptr, x_ptr, s, d, mask, D, SLOTS: tl.constexpr):
+    """Row ``s`` of the sublayer output at columns ``d``, as fp32 values: read as stored (``SLOTS == 0``), or
+    summed from its fp32 slot terms ``[S, SLOTS, D]`` (the fused MoE's, left unsummed) in slot order and
+    rounded to X's dtype, as the MoE's own slot-sum launch would have stored it."""
     if SLOTS == 0:
-        return tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(out_ptr + s * D + d, mask=mask, other=0.0).to(tl.float32)
+    row = out_ptr + s * SLOTS * D + d
     acc = tl.load(row, mask=mask, other=0.0)
     for j in tl.static_range(1, SLOTS):
-        acc += tl.load(row + j * out_term, mask=mask, other=0.0)
+        acc += tl.load(row + j * D, mask=mask, other=0.0)
     return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
@@ -182,13 +179,10 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     """``(X' [S, hc, D], post' [S, hc], comb' [S, hc, hc], x_in [S, D])``: the merge
     ``X' = hc_merge(X, out, post, comb)`` of a sublayer's output ``out [S, D]`` (fp32 ``post``, ``comb``),
     then the next pre site on ``X'`` as :func:`hc_pre` (same arguments), in one launch. ``out`` may also be
-    fp32 terms ``[S, terms, D]`` (the fused MoE's slot terms, a split-K GEMV's slices; any strides): the kernel
-    sums them as their sum launch would have."""
-    if out.dim() == 3:
-        out = out if out.dtype == torch.float32 and out.stride(-1) == 1 else out.float().contiguous()
-    else:
-        out = out.to(X.dtype).contiguous()
-    merge = (out, post.float().contiguous(), comb.float().contiguous())
+    the fp32 slot terms ``[S, slots, D]`` of the fused MoE: the kernel sums them as the MoE would have."""
+    terms = out.dim() == 3
+    merge = ((out.float() if terms else out.to(X.dtype)).contiguous(), post.float().contiguous(),
+             comb.float().contiguous())
     return _site(X, merge, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)
 
 
@@ -208,11 +202,10 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     streams = X if merge is None else torch.empty_like(X)
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
-    out_term = out.stride(1) if slots else 0
     _hc_pre_kernel[(n_prog, S)](
         X, out, post_in, comb_in, streams, fn.float().contiguous(), base.float().contiguous(),
         scale.float().contiguous(), norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in,
-        D, out.stride(0), out_term, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
+        D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
         SLOTS=slots, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
     return streams, post, comb, x_in

@@ -16,7 +16,6 @@ from .attention_inputs import attention_inputs as _attention_inputs
 from .decode_attention import decode_attention as _decode_attention
 from .gemv import gemv as _gemv
 from .gemv import gemv_pair as _gemv_pair
-from .gemv import k_slices
 from .hc_pre import hc_merge_pre as _hc_merge_pre
 from .hc_pre import hc_pre as _hc_pre
 
@@ -39,20 +38,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bloc
 @gemv.register_fake
 def _(x, weight, scale, block_rows, block_cols, groups):
     return x.new_empty(x.numel() // (groups * weight.shape[1]), weight.shape[0])
-
-
-@torch.library.custom_op(f"{_LIB}::gemv_terms", mutates_args=())
-def gemv_terms(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block_rows: int, block_cols: int
-               ) -> torch.Tensor:
-    """A split-K :func:`ds4serve.kernels.gemv.gemv` of ``x [N, K]`` left unsummed: its slices' fp32 products
-    ``[split, N, R]``."""
-    return _gemv(x, weight, scale, _block(scale, block_rows, block_cols), terms=True)
-
-
-@gemv_terms.register_fake
-def _(x, weight, scale, block_rows, block_cols):
-    split = k_slices(x.dtype, x.shape[0], weight, scale, _block(scale, block_rows, block_cols))
-    return x.new_empty(split, x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::gemv_pair", mutates_args=())

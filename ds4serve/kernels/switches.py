@@ -160,10 +160,6 @@ class Switches:
     # 2026-12-01, bench/results/2026-12-01-h200-round24-e-*). The inverse RoPE folded into the decode attention's
     # combine as well was slower for FP8 (6.57 -> 6.87 alone; round24-d) and was not kept.
     attention_inputs: bool = True
-    # A split-K GEMV whose output the fused mHC merge takes next (the attention's wo_b, FP8: two K slices) leaves
-    # its slices' fp32 products unsummed and the merge sums them, in slice order, as the sum launch did
-    # (model/linear.py linear_terms): one launch less a layer, the same bits. Not yet timed on the GPU.
-    split_terms: bool = True
 
 
 SWITCHES = Switches()

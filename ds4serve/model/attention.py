@@ -22,7 +22,7 @@ from ..kernels.switches import SWITCHES
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
-from .linear import Weight, grouped_linear, linear_terms
+from .linear import Weight, grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
 from .projections import Projections, concatenate
 from .rope import Rope
@@ -102,9 +102,7 @@ class ChunkInfo:
 
 def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: LayerState, cfg: ModelConfig,
               ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
-    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit. The output
-    may also be the unsummed fp32 terms ``[S, terms, D]`` of a split-K ``wo_b`` (:func:`.linear.linear_terms`),
-    which the mHC merge after it sums (:func:`ds4serve.model.hyper.hc_merge_pre`)."""
+    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit."""
     S = x.shape[0]
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     table = "main" if w.layer_type == SLIDING else "compress"
@@ -131,7 +129,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
 
     out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin, window)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
-    return linear_terms(low, w.wo_b), delta
+    return linear(low, w.wo_b), delta
 
 
 Window = tuple[torch.Tensor, torch.Tensor]  # a static step's window keys and their mask

@@ -70,8 +70,8 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
     """A sublayer's merge then the next pre site: ``(X', post', comb', x_in)`` for
     ``X' = hc_merge(X, out, post, comb)`` and ``hc_pre(X', site, norm_w, ...)``.
 
-    ``out`` is ``[S, D]``, or fp32 terms ``[S, terms, D]`` whose sum is the output (:func:`sum_terms`): the fused
-    MoE's slot terms, a split-K GEMV's slices (:func:`ds4serve.model.linear.linear_terms`). With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch
+    ``out`` is ``[S, D]``, or the fused MoE's fp32 slot terms ``[S, slots, D]`` (their sum is the output,
+    :func:`sum_terms`). With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch
     (:mod:`ds4serve.kernels.hc_pre`), whose merge rounds as the product-sum branch of :func:`hc_merge` does;
     otherwise the two functions.
     """
@@ -86,9 +86,9 @@ def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
 
 
 def sum_terms(terms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A sublayer output from its fp32 terms ``[S, terms, D]`` (the fused MoE's slot terms, a split-K GEMV's
-    slices): summed in term order in fp32, then cast to ``dtype``, as the sum launch that the unsummed terms save
-    does and as the fused merge does (:mod:`ds4serve.kernels.hc_pre`)."""
+    """A sublayer output from its fp32 terms ``[S, terms, D]`` (the fused MoE's slot terms): summed in term order
+    in fp32, then cast to ``dtype``, as the MoE's slot-sum launch that the unsummed terms save does and as the
+    fused merge does (:mod:`ds4serve.kernels.hc_pre`)."""
     acc = terms[:, 0]
     for j in range(1, terms.shape[1]):
         acc = acc + terms[:, j]

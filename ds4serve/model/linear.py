@@ -86,22 +86,6 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype))
 
 
-def linear_terms(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """``linear(x, w)`` for ``x [S, K]``, or, when it runs as a GEMV split over K (FP8 ``wo_b``) and
-    ``SWITCHES.split_terms`` is on, the slices' unsummed fp32 products ``[S, split, R]``, for a consumer that
-    sums them in slice order (:func:`ds4serve.model.hyper.hc_merge_pre`, :func:`~ds4serve.model.hyper.sum_terms`):
-    the same values, one launch less."""
-    if SWITCHES.split_terms and x.dim() == 2 and _gemv_applies(x, w, 1):
-        from ..kernels import ops
-        from ..kernels.gemv import k_slices
-
-        weight, scale, rows, cols = _operand(w)
-        block = (rows, cols) if scale is not None else None
-        if k_slices(x.dtype, x.shape[0], weight, scale, block) > 1:
-            return ops.gemv_terms(x.contiguous(), weight, scale, rows, cols).permute(1, 0, 2)
-    return linear(x, w)
-
-
 def linear_pair(x: torch.Tensor, a: Weight, b: Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(x, a), linear(x, b))``; with ``SWITCHES.gemv_pair``, when both run as GEMVs, one call of
     :func:`ds4serve.kernels.gemv.gemv_pair` (one launch where the two products' tiles allow)."""
