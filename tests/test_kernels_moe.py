@@ -202,3 +202,55 @@ def test_down_loop_stages_pipeline_the_weight_loads_on_hopper():
     # load per byte: 3x slower in the decode graph, 2026-11-30)
     assert "ld.global.v4.b32" in ptx["1"] and "ld.global.b8" not in ptx["1"]
     assert "cp.async.cg" in ptx["3"] or "cp.async.ca" in ptx["3"]
+
+
+_COMPILE_GATE_UP = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds4serve.kernels import moe
+
+weights = ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr")
+sig = {name: "*fp8e4nv" for name in weights}
+sig.update({name: "*fp32" for name in ("h_ptr", "s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr")})
+sig.update(x_ptr="*bf16", idx_ptr="*i64", w_stride="i64", limit="fp32",
+           **dict.fromkeys(("s_stride", "row_len", "s_cols", "srow_len", "ss_cols", "n_in", "n_inter", "top_k",
+                            "n_slots"), "i32"))
+ptx = {}
+for prefetch in (True, False):
+    consts = dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, SQUANT=1, SSB_R=128, SSB_C=128, SVEC=16, MIXED=False,
+                  BLOCK_R=32, BLOCK_K=512, STAGES=1, PREFETCH=prefetch, LANES=128, PDL=True)
+    source = ASTSource(moe._gate_up_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+    ptx[str(prefetch)] = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+json.dump(ptx, sys.stdout)
+"""
+
+
+def test_gate_up_asks_l2_for_the_shared_rows_before_its_pdl_wait():
+    """Compiled for sm_90 as the FP8 proxy launches it, the gate-up kernel with ``PREFETCH`` requests the shared
+    expert's w1 and w3 rows (one bulk request each a thread) before ``griddepcontrol.wait``, so during the router;
+    without it, no request. Triton's interpreter runs no inline assembly, so only the PTX can show it."""
+    ptx = sm90_ptx(_COMPILE_GATE_UP)
+    with_prefetch, without = ptx["True"], ptx["False"]
+    request = "cp.async.bulk.prefetch.L2.global"
+    assert with_prefetch.count(request) == 2 and request not in without
+    assert with_prefetch.index(request) < with_prefetch.index("griddepcontrol.wait")
+
+
+def test_shared_prefetch_only_on_the_gpu_under_pdl_and_aligned(monkeypatch):
+    """The requests need PDL (their window is the router's) and a GPU (the interpreter has no inline assembly);
+    rows whose bytes are not whole 16-byte units would misalign a bulk request."""
+    from ds4serve.kernels import pdl
+    from ds4serve.kernels.switches import using
+
+    def stack(row_len: int) -> ExpertStack:
+        return ExpertStack(torch.zeros(4, row_len, dtype=torch.bfloat16))
+
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not moe._shared_prefetch(x, stack(8), stack(8), 4)  # CPU tensors
+    monkeypatch.setattr(pdl, "enabled_for", lambda t: True)
+    assert moe._shared_prefetch(x, stack(8), stack(8), 4)  # 4 rows of 16 bytes
+    assert not moe._shared_prefetch(x, stack(3), stack(3), 1)  # 6 bytes
+    with using(shared_prefetch=False):
+        assert not moe._shared_prefetch(x, stack(8), stack(8), 4)
