@@ -35,7 +35,6 @@ import triton.language as tl
 
 from . import pdl
 from .scoped import overridden
-from .switches import SWITCHES
 
 DENSE, FP8, FP4 = 0, 1, 2
 X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
@@ -241,16 +240,11 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                     SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
                     MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    PREFETCH: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
-    shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``. With ``PREFETCH``
-    a shared-slot program asks L2 for its w1 and w3 rows before its PDL wait (:func:`_prefetch_rows`)."""
-    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
-    if PREFETCH:
-        if slot >= top_k:
-            _prefetch_rows(sw1_ptr, row0, srow_len, BLOCK_R, LANES)
-            _prefetch_rows(sw3_ptr, row0, srow_len, BLOCK_R, LANES)
+    shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
     pdl.start(PDL)
+    pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
     x = x_ptr + token * n_in
     e = tl.load(idx_ptr + choice).to(tl.int64)
     if MIXED:
@@ -269,26 +263,6 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
                           tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, row0, row_len, BLOCK_R: tl.constexpr, LANES: tl.constexpr):
-    """Ask L2 for rows ``[row0, row0 + BLOCK_R)`` of a row-major matrix of ``row_len`` elements a row: one bulk
-    request (``cp.async.bulk.prefetch.L2``, no completion to wait for) per lane for its share of the bytes.
-
-    The shared expert's weights do not depend on the routing, so its gate-up programs, launched early by
-    programmatic dependent launch while the router runs (a few microseconds of small, latency-bound work in
-    which the memory is nearly idle), can have them in L2 by the time the router ends; the routed experts'
-    programs then have the memory to themselves. The host makes sure every request is 16-byte aligned
-    (:func:`_shared_prefetch`)."""
-    size: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    n = BLOCK_R * row_len * size
-    chunk = (tl.cdiv(n, LANES) + 15) // 16 * 16
-    at = tl.minimum(tl.arange(0, LANES) * chunk, n - 16)  # lanes past the end repeat the last 16 bytes
-    nbytes = tl.maximum(tl.minimum(n - at, chunk), 16)
-    base = w_ptr.to(tl.pointer_type(tl.int8)) + row0.to(tl.int64) * row_len * size
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [base + at, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -396,17 +370,6 @@ def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, in
     return rows, block_k
 
 
-def _shared_prefetch(x: torch.Tensor, w1: ExpertStack, w3: ExpertStack, rows: int) -> bool:
-    """Whether the gate-up launch asks L2 for the shared expert's rows before its PDL wait
-    (``SWITCHES.shared_prefetch``): only when that wait lets the launch start during the router (PDL on, so
-    not on CPU tensors either: Triton's interpreter has no inline assembly) and every bulk request is 16-byte
-    aligned."""
-    if not (SWITCHES.shared_prefetch and pdl.enabled_for(x)):
-        return False
-    row_bytes = w1.row_len * w1.data.element_size()
-    return all(w.data.data_ptr() % 16 == 0 for w in (w1, w3)) and (rows * row_bytes) % 16 == 0
-
-
 def _config(stack: ExpertStack, configs: Mapping[str, MoEConfig] | None) -> MoEConfig:
     return (configs or {}).get(stack.format) or CONFIGS[stack.format]
 
@@ -442,7 +405,6 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
         x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
         sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
         **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
-        PREFETCH=shared is not None and _shared_prefetch(x, sw1, sw3, rows), LANES=32 * config.gate_up.warps,
         num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](

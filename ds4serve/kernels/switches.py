@@ -160,9 +160,6 @@ class Switches:
     # 2026-12-01, bench/results/2026-12-01-h200-round24-e-*). The inverse RoPE folded into the decode attention's
     # combine as well was slower for FP8 (6.57 -> 6.87 alone; round24-d) and was not kept.
     attention_inputs: bool = True
-    # The fused MoE's gate-up programs of the shared expert ask L2 for their weight rows before their PDL wait, so
-    # that the shared expert streams in while the router runs (kernels/moe.py _prefetch_rows). Not yet timed.
-    shared_prefetch: bool = True
 
 
 SWITCHES = Switches()
