@@ -11,6 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
+from ds4serve.kernels.arrival import counters  # noqa: E402
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
@@ -77,14 +78,18 @@ def _check(got, want, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("S, D, block", [(1, 64, 32), (3, 200, 128), (3, 200, 32)])
-def test_kernel_matches_torch_composition(dtype, S, D, block):
+@pytest.mark.parametrize("sinkhorn", [True, False])
+def test_kernel_matches_torch_composition(dtype, S, D, block, sinkhorn):
     """Several programs per row (8, 7 and 25; 800 values are no multiple of 128 or 32, D = 200 no power
-    of two), so the last program of each row combines partials; a second launch on the same inputs gives
-    the same bits (the arrival counters were left at zero)."""
+    of two), so the last program of each row combines partials (and each row's Sinkhorn program waits for them,
+    ``hc_sinkhorn_program``); the arrival counters and the flags are left at zero, so a second launch on the
+    same inputs gives the same bits."""
     X, site, norm_w = _inputs(S, D, dtype, seed=S * D + block)
-    got = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
-    _check(got, _reference(X, site, norm_w), dtype)
-    again = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
+    with using(hc_sinkhorn_program=sinkhorn):
+        got = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
+        _check(got, _reference(X, site, norm_w), dtype)
+        assert not counters(X.device, 2 * S)[: 2 * S].any()
+        again = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
@@ -212,9 +217,9 @@ from ds4serve.kernels.hc_streams import EXACT_ROUNDING
 
 sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_ptr", "scale_ptr", "w_ptr",
                                   "part_ptr", "post_ptr", "comb_ptr")}
-sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", D="i32", iters="i32",
-           eps="fp32", norm_eps="fp32")
-consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, PDL=0)
+sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", flag_ptr="*i32",
+           D="i32", iters="i32", eps="fp32", norm_eps="fp32")
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, SINKHORN=1, PDL=0)
 ptx = {}
 for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
     source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
@@ -231,3 +236,10 @@ def test_merge_rounds_the_product_on_hopper():
     ptx = sm90_ptx(_COMPILE_MERGE)
     assert "fma.rn.bf16" in ptx["fused"]
     assert "fma.rn.bf16" not in ptx["exact"] and "mul.rn.f32" in ptx["exact"]
+
+
+def test_sinkhorn_program_waits_on_the_flag_with_acquire():
+    """The row's last arrival publishes the partials with a release exchange of the flag; the Sinkhorn program
+    spins on an acquiring compare-and-swap that also resets it (:mod:`ds4serve.kernels.arrival`)."""
+    ptx = sm90_ptx(_COMPILE_MERGE)["exact"]
+    assert "atom.global.gpu.release.exch.b32" in ptx and "atom.global.acquire.gpu.cas.b32" in ptx

@@ -61,3 +61,25 @@ def last_to_arrive(count_ptr, arrivals):
     if last:
         tl.store(count_ptr, 0)
     return last
+
+
+@triton.jit
+def signal(flag_ptr):
+    """Set the flag at ``flag_ptr`` for a program waiting on it (:func:`wait_for`), publishing what this program
+    has seen: called by the last program to arrive, it hands the group's partials on."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, 1, sem="release")
+
+
+@triton.jit
+def wait_for(flag_ptr):
+    """Spin until the flag at ``flag_ptr`` is set (:func:`signal`), then reset it to 0 (as every launch expects
+    it) in the same atomic, which acquires what the signalling program had seen.
+
+    The waiting program is one more program of the launch than the group it waits for, and the last in launch
+    order: on the GPU the group's programs do not need its slot (they never wait), so they reach the flag
+    whatever the scheduling; Triton's interpreter runs programs one after another in launch order, so there the
+    flag is set before the first try."""
+    while tl.atomic_cas(flag_ptr, 1, 0, sem="acquire") != 1:
+        pass
+

@@ -12,25 +12,29 @@ launch. The sublayer output may also come as the fused MoE's unsummed fp32 slot 
 closing merge, :mod:`ds4serve.model.deepseek4`), which the merge sums in fp32, in slot order, and rounds to X's
 dtype, as the MoE's slot-sum launch it saves would have.
 
-Grid ``(P, S)``: program ``p`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
+Grid ``(P, S)`` (``(P + 1, S)`` with the Sinkhorn programs below): program ``p < P`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
 ``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread over
 P = 128 programs at the real size), and stores its partial sum of squares and 24 partial dot products to an fp32
 scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it computes them from the
 ``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and uses them for its
 partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is the last of its row,
-and it alone finishes the row: it sums the partials in a fixed order (the same whichever program came last:
+and it finishes the row: it sums the partials in a fixed order (the same whichever program came last:
 deterministic), forms the mixes and the coefficients (the code of :func:`ds4serve.kernels.hyper.coefficients`),
 writes ``post`` and ``comb``, then the collapse and the norm. That tail is one program's chain of dependent memory
-latencies (on the H200, ~3.3 us for the partials and the coefficients, ~3.6 us for the collapse and the norm,
-against ~3.9 us for everything before it): so the last program issues the loads of the ``hc`` rows it collapses and
-of the norm weight before it reads the partials, and their latency overlaps the coefficients' instead of following
-them; and the kernel runs 8 warps (not 4), which halves each thread's share of the collapse and the norm and of the
-rows held meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no spills either way,
-ptxas for sm_90).
+latencies and the 20 Sinkhorn iterations (on the H200, ~3.3 us for the partials and the coefficients, ~3.6 us for
+the collapse and the norm, against ~3.9 us for everything before it). The collapse needs only ``pre``; the Sinkhorn
+iterations only make ``comb``, which the next merge reads. So with ``SWITCHES.hc_sinkhorn_program`` each row has
+one more program, launched last: it waits until the row's last arrival signals that the partials are in, then
+forms ``post`` and ``comb`` and writes them, while the last arrival forms ``pre`` alone and collapses, the two tails
+side by side. The last program also issues the loads of the ``hc`` rows it collapses and of the norm weight before
+it reads the partials, so that their latency overlaps the coefficients' instead of following them; and the kernel
+runs 8 warps (not 4), which halves each thread's share of the collapse and the norm and of the rows held
+meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no spills either way, ptxas
+for sm_90).
 
-The last-program pattern, its memory ordering and the shared counters: :mod:`ds4serve.kernels.arrival`. The last
-program reads the merged rows, stored by the other programs before they counted themselves in, as it reads their
-partials: after the acquire, at L2 (``.cg``).
+The last-program pattern, its memory ordering, the flag the Sinkhorn program waits on and the shared counters:
+:mod:`ds4serve.kernels.arrival`. The last program reads the merged rows, stored by the other programs before they
+counted themselves in, as it reads their partials: after the acquire, at L2 (``.cg``).
 
 Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch scales
 each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation orders differ from
@@ -48,9 +52,10 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .arrival import counters, last_to_arrive
+from .arrival import counters, last_to_arrive, signal, wait_for
 from .hc_streams import EXACT_ROUNDING, merged
-from .hyper import coefficients
+from .hyper import coefficients, pre_coefficients
+from .switches import SWITCHES
 
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
 NUM_WARPS = 8  # the last program's tail (module docstring); alone 10.0 us a site against 10.6 with 4 (eleventh run)
@@ -58,13 +63,41 @@ NUM_WARPS = 8  # the last program's tail (module docstring); alone 10.0 us a sit
 
 @triton.jit
 def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                   part_ptr, count_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps, HC: tl.constexpr,
-                   BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                   MERGE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
+                   part_ptr, count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps,
+                   HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                   D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl.start(PDL)
     p = tl.program_id(0)
-    n_prog = tl.num_programs(0)
+    n_prog = tl.num_programs(0) - SINKHORN  # with SINKHORN (1), each row's last program is its Sinkhorn program
     s = tl.program_id(1).to(tl.int64)
+    WIDTH: tl.constexpr = 1 + (2 + HC) * HC
+    if p == n_prog:
+        wait_for(flag_ptr + s)
+        _, post, comb = _row_coefficients(part_ptr + s * n_prog * WIDTH, n_prog, HC * D, base_ptr, scale_ptr,
+                                          iters, eps, norm_eps, HC, P_PAD)
+        _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
+    else:
+        _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+                   part_ptr, count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
+                   HC, BLOCK, MIX_PAD, P_PAD, D_PAD, MERGE, SLOTS, SINKHORN)
+
+
+@triton.jit
+def _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC: tl.constexpr):
+    j = tl.arange(0, HC)
+    tl.store(post_ptr + s * HC + j, post)
+    tl.store(comb_ptr + s * HC * HC + j[:, None] * HC + j[None, :], comb)
+
+
+@triton.jit
+def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr,
+               count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
+               HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
+               D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr):
+    """Program ``p`` of row ``s``: its ``BLOCK`` values' partials (merged first with ``MERGE``); the last of the
+    row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn program and computes only
+    ``pre``, else all the coefficients itself; then it collapses the streams and applies the norm."""
     MIX: tl.constexpr = (2 + HC) * HC
     WIDTH: tl.constexpr = 1 + MIX
     N = HC * D
@@ -88,14 +121,18 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
     tl.store(part, tl.sum(x * x, axis=0))
     tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
     if last_to_arrive(count_ptr + s, n_prog):
+        if SINKHORN:
+            signal(flag_ptr + s)
         # The collapse's rows and the norm weight do not depend on the coefficients: loaded first, their
-        # latency overlaps the partials' loads and the Sinkhorn math instead of following them.
+        # latency overlaps the partials' loads and any Sinkhorn math instead of following them.
         rows, w = _collapse_inputs(site_row, w_ptr, D, HC, D_PAD)
-        pre, post, comb = _row_coefficients(part_ptr + s * n_prog * WIDTH, n_prog, N, base_ptr, scale_ptr,
-                                            iters, eps, norm_eps, HC, P_PAD)
-        j = tl.arange(0, HC)
-        tl.store(post_ptr + s * HC + j, post)
-        tl.store(comb_ptr + s * HC * HC + j[:, None] * HC + j[None, :], comb)
+        partials = part_ptr + s * n_prog * WIDTH
+        if SINKHORN:
+            pre = _row_pre(partials, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC, P_PAD)
+        else:
+            pre, post, comb = _row_coefficients(partials, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC,
+                                                P_PAD)
+            _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
         _collapse_and_norm(rows, w, pre, y_ptr + s * D, D, norm_eps, HC, D_PAD)
 
 
@@ -111,6 +148,19 @@ def _sublayer_output(out_ptr, x_ptr, s, d, mask, D, SLOTS: tl.constexpr):
     for j in tl.static_range(1, SLOTS):
         acc += tl.load(row + j * D, mask=mask, other=0.0)
     return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _row_pre(rows_ptr, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC: tl.constexpr, P_PAD: tl.constexpr):
+    """``pre`` of a row from its programs' partials, as :func:`_row_coefficients` computes it."""
+    WIDTH: tl.constexpr = 1 + (2 + HC) * HC
+    q = tl.arange(0, P_PAD)
+    j = tl.arange(0, HC)
+    rows = rows_ptr + q * WIDTH
+    pm = q < n_prog
+    sq = tl.sum(tl.load(rows, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
+    pre_w = tl.load(rows[:, None] + 1 + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
+    return pre_coefficients(tl.sum(pre_w, axis=0) * tl.rsqrt(sq / N + norm_eps), base_ptr, scale_ptr, eps, HC)
 
 
 @triton.jit
@@ -195,17 +245,19 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     X = X.contiguous()
     mix = (2 + hc) * hc
     n_prog = triton.cdiv(hc * D, block)
+    sinkhorn = int(SWITCHES.hc_sinkhorn_program)
     part = torch.empty(S, n_prog, 1 + mix, device=X.device, dtype=torch.float32)
+    flags = counters(X.device, 2 * S)
     post = torch.empty(S, hc, device=X.device, dtype=torch.float32)
     comb = torch.empty(S, hc, hc, device=X.device, dtype=torch.float32)
     x_in = torch.empty(S, D, device=X.device, dtype=X.dtype)
     streams = X if merge is None else torch.empty_like(X)
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
-    _hc_pre_kernel[(n_prog, S)](
+    _hc_pre_kernel[(n_prog + sinkhorn, S)](
         X, out, post_in, comb_in, streams, fn.float().contiguous(), base.float().contiguous(),
-        scale.float().contiguous(), norm_w.float().contiguous(), part, counters(X.device, S), post, comb, x_in,
+        scale.float().contiguous(), norm_w.float().contiguous(), part, flags, flags[S:], post, comb, x_in,
         D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        SLOTS=slots, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
+        SLOTS=slots, SINKHORN=sinkhorn, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
     return streams, post, comb, x_in

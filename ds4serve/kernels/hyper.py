@@ -15,12 +15,18 @@ from . import pdl
 
 
 @triton.jit
+def pre_coefficients(pre_w, base_ptr, scale_ptr, eps, HC: tl.constexpr):
+    """``pre [HC]`` of :func:`coefficients` alone (for a program that collapses the streams and needs no more)."""
+    return tl.sigmoid(pre_w * tl.load(scale_ptr) + tl.load(base_ptr + tl.arange(0, HC))) + eps
+
+
+@triton.jit
 def coefficients(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, eps, HC: tl.constexpr):
     """``(pre [HC], post [HC], comb [HC, HC])`` from one token's fp32 mixes split as ``pre_w [HC]``,
     ``post_w [HC]``, ``comb_w [HC, HC]``: the sigmoids and the Sinkhorn iterations in registers."""
     j = tl.arange(0, HC)
     cell = j[:, None] * HC + j[None, :]
-    pre = tl.sigmoid(pre_w * tl.load(scale_ptr) + tl.load(base_ptr + j)) + eps
+    pre = pre_coefficients(pre_w, base_ptr, scale_ptr, eps, HC)
     post = 2.0 * tl.sigmoid(post_w * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
     c = comb_w * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + cell)
     c = tl.exp(c - tl.max(c, axis=1)[:, None])

@@ -160,6 +160,11 @@ class Switches:
     # 2026-12-01, bench/results/2026-12-01-h200-round24-e-*). The inverse RoPE folded into the decode attention's
     # combine as well was slower for FP8 (6.57 -> 6.87 alone; round24-d) and was not kept.
     attention_inputs: bool = True
+    # Each row of a fused mHC site (kernels/hc_pre.py) has one more program, which waits for the row's partials
+    # and runs the Sinkhorn iterations for post and comb while the last program to arrive collapses the streams
+    # and applies the norm with pre alone; without it the last program does both, one after the other. Not
+    # yet timed on the GPU.
+    hc_sinkhorn_program: bool = True
 
 
 SWITCHES = Switches()
