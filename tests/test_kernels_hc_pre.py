@@ -219,27 +219,44 @@ sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_
                                   "part_ptr", "post_ptr", "comb_ptr")}
 sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", flag_ptr="*i32",
            D="i32", iters="i32", eps="fp32", norm_eps="fp32")
-consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, SINKHORN=1, PDL=0)
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, SINKHORN=1)
 ptx = {}
-for name, options in (("exact", EXACT_ROUNDING), ("fused", {})):
-    source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+for name, options, early, pdl in (("exact", EXACT_ROUNDING, True, False), ("fused", {}, True, False),
+                                  ("early", EXACT_ROUNDING, True, True), ("late", EXACT_ROUNDING, False, True)):
+    launch = {**consts, "EARLY_FN": early, "PDL": pdl}
+    source = ASTSource(hc_pre._hc_pre_kernel, {**sig, **dict.fromkeys(launch, "constexpr")}, launch)
     ptx[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": hc_pre.NUM_WARPS, **options}).asm["ptx"]
 json.dump(ptx, sys.stdout)
 """
 
 
-def test_merge_rounds_the_product_on_hopper():
+@pytest.fixture(scope="module")
+def merge_ptx() -> dict:
+    """The merge site's sm_90 PTX: with and without contraction, and under PDL with fn loaded before or after the
+    wait."""
+    return sm90_ptx(_COMPILE_MERGE)
+
+
+def test_merge_rounds_the_product_on_hopper(merge_ptx):
     """Compiled for sm_90 in bf16, the merge rounds ``post_k * out`` before adding the mix, as hc_merge does:
     with floating-point contraction the compiler makes the two one bf16 FMA (which the H200 check caught as a
     relative 2.6e-3 difference), so the kernel is launched without it (``EXACT_ROUNDING``)."""
-    ptx = sm90_ptx(_COMPILE_MERGE)
-    assert "fma.rn.bf16" in ptx["fused"]
-    assert "fma.rn.bf16" not in ptx["exact"] and "mul.rn.f32" in ptx["exact"]
+    assert "fma.rn.bf16" in merge_ptx["fused"]
+    assert "fma.rn.bf16" not in merge_ptx["exact"] and "mul.rn.f32" in merge_ptx["exact"]
 
 
-def test_sinkhorn_program_waits_on_the_flag_with_acquire():
+def test_sinkhorn_program_waits_on_the_flag_with_acquire(merge_ptx):
     """The row's last arrival publishes the partials with a release exchange of the flag; the Sinkhorn program
     spins on an acquiring compare-and-swap that also resets it (:mod:`ds4serve.kernels.arrival`)."""
-    ptx = sm90_ptx(_COMPILE_MERGE)["exact"]
+    ptx = merge_ptx["exact"]
     assert "atom.global.gpu.release.exch.b32" in ptx and "atom.global.acquire.gpu.cas.b32" in ptx
+
+
+def test_fn_loads_before_the_pdl_wait_only_with_the_switch(merge_ptx):
+    """With ``EARLY_FN`` the programs' loads of fn come before ``griddepcontrol.wait``; without it, nothing is read
+    before the wait (every other input may be the kernel before's output)."""
+    def loads_before_wait(ptx: str) -> int:
+        return ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+
+    assert loads_before_wait(merge_ptx["early"]) > 0 and loads_before_wait(merge_ptx["late"]) == 0

@@ -66,11 +66,17 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
                    part_ptr, count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps,
                    HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
                    D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr,
-                   PDL: tl.constexpr):
-    pdl.start(PDL)
+                   EARLY_FN: tl.constexpr, PDL: tl.constexpr):
     p = tl.program_id(0)
     n_prog = tl.num_programs(0) - SINKHORN  # with SINKHORN (1), each row's last program is its Sinkhorn program
     s = tl.program_id(1).to(tl.int64)
+    if EARLY_FN:
+        # fn is a weight, which no kernel before writes: its loads (the phase's trip to DRAM) can be issued before
+        # the PDL wait, and their latency then overlaps the kernel before instead of following the wait
+        f = _fn_columns(fn_ptr, p, D, HC, BLOCK, MIX_PAD)
+    pdl.start(PDL)
+    if not EARLY_FN:
+        f = _fn_columns(fn_ptr, p, D, HC, BLOCK, MIX_PAD)
     WIDTH: tl.constexpr = 1 + (2 + HC) * HC
     if p == n_prog:
         wait_for(flag_ptr + s)
@@ -78,9 +84,20 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
                                           iters, eps, norm_eps, HC, P_PAD)
         _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
     else:
-        _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+        _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr, scale_ptr, w_ptr,
                    part_ptr, count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
                    HC, BLOCK, MIX_PAD, P_PAD, D_PAD, MERGE, SLOTS, SINKHORN)
+
+
+@triton.jit
+def _fn_columns(fn_ptr, p, D, HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr):
+    """``fn [mix, HC * D]`` at program ``p``'s ``BLOCK`` columns, ``[MIX_PAD, BLOCK]`` fp32 (zeros past the ends; none
+    at all for a row's Sinkhorn program, whose columns lie past the row)."""
+    MIX: tl.constexpr = (2 + HC) * HC
+    n = p * BLOCK + tl.arange(0, BLOCK)
+    m = tl.arange(0, MIX_PAD)
+    return tl.load(fn_ptr + m[:, None] * (HC * D) + n[None, :], mask=(m[:, None] < MIX) & (n < HC * D)[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -91,11 +108,12 @@ def _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC: tl.constexpr):
 
 
 @triton.jit
-def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, part_ptr,
+def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr, scale_ptr, w_ptr, part_ptr,
                count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
                D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr):
-    """Program ``p`` of row ``s``: its ``BLOCK`` values' partials (merged first with ``MERGE``); the last of the
+    """Program ``p`` of row ``s``: its ``BLOCK`` values' partials with ``f``, its columns of ``fn`` (merged first with
+    ``MERGE``); the last of the
     row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn program and computes only
     ``pre``, else all the coefficients itself; then it collapses the streams and applies the norm."""
     MIX: tl.constexpr = (2 + HC) * HC
@@ -116,7 +134,6 @@ def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, bas
         x = tl.load(site_row + n, mask=nm, other=0.0)
     x = x.to(tl.float32)
     m = tl.arange(0, MIX_PAD)
-    f = tl.load(fn_ptr + m[:, None] * N + n[None, :], mask=(m[:, None] < MIX) & nm[None, :], other=0.0)
     part = part_ptr + (s * n_prog + p) * WIDTH
     tl.store(part, tl.sum(x * x, axis=0))
     tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
@@ -259,5 +276,5 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
         scale.float().contiguous(), norm_w.float().contiguous(), part, flags, flags[S:], post, comb, x_in,
         D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        SLOTS=slots, SINKHORN=sinkhorn, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
+        SLOTS=slots, SINKHORN=sinkhorn, EARLY_FN=SWITCHES.hc_fn_before_wait, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
     return streams, post, comb, x_in

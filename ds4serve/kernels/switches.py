@@ -166,6 +166,9 @@ class Switches:
     # Interleaved A/B at 512, five rounds: bf16 9.12 -> 9.07, FP8 6.41 -> 6.38 ms/token; check_gpu (graphs,
     # verify graphs) 15/15 with it (H200, 2026-12-01, bench/results/2026-12-01-h200-round25-c-*).
     hc_sinkhorn_program: bool = True
+    # A fused mHC site's programs load their columns of fn (the mixes' weights, 1.5 MB a site) before their PDL
+    # wait, so that the phase's one trip to DRAM overlaps the kernel before it (kernels/hc_pre.py). Not yet timed.
+    hc_fn_before_wait: bool = True
 
 
 SWITCHES = Switches()
