@@ -14,8 +14,8 @@ dtype, as the MoE's slot-sum launch it saves would have.
 
 Grid ``(P, S)`` (``(P + 1, S)`` with the Sinkhorn programs below): program ``p < P`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
 ``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread over
-P = 128 programs at the real size), and stores its partial sum of squares and 24 partial dot products to an fp32
-scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it computes them from the
+P = 128 programs at the real size; read before the PDL wait with ``SWITCHES.hc_fn_before_wait``, as no kernel
+writes it), and stores its partial sum of squares and 24 partial dot products to an fp32 scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it computes them from the
 ``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and uses them for its
 partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is the last of its row,
 and it finishes the row: it sums the partials in a fixed order (the same whichever program came last:
