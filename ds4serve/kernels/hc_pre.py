@@ -12,25 +12,26 @@ launch. The sublayer output may also come as the fused MoE's unsummed fp32 slot 
 closing merge, :mod:`ds4serve.model.deepseek4`), which the merge sums in fp32, in slot order, and rounds to X's
 dtype, as the MoE's slot-sum launch it saves would have.
 
-Grid ``(P, S)`` (``(P + 1, S)`` with the Sinkhorn programs below): program ``p < P`` of row ``s`` reads ``BLOCK`` values of the flattened row and the same columns of
-``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of ``fn`` is read once per row, coalesced, spread over
-P = 128 programs at the real size; read before the PDL wait with ``SWITCHES.hc_fn_before_wait``, as no kernel
-writes it), and stores its partial sum of squares and 24 partial dot products to an fp32 scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it computes them from the
-``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and uses them for its
-partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is the last of its row,
-and it finishes the row: it sums the partials in a fixed order (the same whichever program came last:
-deterministic), forms the mixes and the coefficients (the code of :func:`ds4serve.kernels.hyper.coefficients`),
-writes ``post`` and ``comb``, then the collapse and the norm. That tail is one program's chain of dependent memory
-latencies and the 20 Sinkhorn iterations (on the H200, ~3.3 us for the partials and the coefficients, ~3.6 us for
-the collapse and the norm, against ~3.9 us for everything before it). The collapse needs only ``pre``; the Sinkhorn
-iterations only make ``comb``, which the next merge reads. So with ``SWITCHES.hc_sinkhorn_program`` each row has
-one more program, launched last: it waits until the row's last arrival signals that the partials are in, then
-forms ``post`` and ``comb`` and writes them, while the last arrival forms ``pre`` alone and collapses, the two tails
-side by side. The last program also issues the loads of the ``hc`` rows it collapses and of the norm weight before
-it reads the partials, so that their latency overlaps the coefficients' instead of following them; and the kernel
-runs 8 warps (not 4), which halves each thread's share of the collapse and the norm and of the rows held
-meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no spills either way, ptxas
-for sm_90).
+Grid ``(P, S)`` (``(P + 1, S)`` with the Sinkhorn programs below): program ``p < P`` of row ``s`` reads ``BLOCK``
+values of the flattened row and the same columns of ``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of
+``fn`` is read once per row, coalesced, spread over P = 128 programs at the real size; read before the PDL wait with
+``SWITCHES.hc_fn_before_wait``, as no kernel writes it), and stores its partial sum of squares and 24 partial dot
+products to an fp32 scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it
+computes them from the ``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and
+uses them for its partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is
+the last of its row, and it finishes the row: it sums the partials in a fixed order (the same whichever program came
+last: deterministic), forms the mixes and the coefficients (the code of
+:func:`ds4serve.kernels.hyper.coefficients`), writes ``post`` and ``comb``, then the collapse and the norm. That
+tail is one program's chain of dependent memory latencies and the 20 Sinkhorn iterations (on the H200, ~3.3 us for
+the partials and the coefficients, ~3.6 us for the collapse and the norm, against ~3.9 us for everything before it).
+The collapse needs only ``pre``; the Sinkhorn iterations only make ``comb``, which the next merge reads. So with
+``SWITCHES.hc_sinkhorn_program`` each row has one more program, launched last: it waits until the row's last arrival
+signals that the partials are in, then forms ``post`` and ``comb`` and writes them, while the last arrival forms
+``pre`` alone and collapses, the two tails side by side. The last program also issues the loads of the ``hc`` rows
+it collapses and of the norm weight before it reads the partials, so that their latency overlaps the coefficients'
+instead of following them; and the kernel runs 8 warps (not 4), which halves each thread's share of the collapse and
+the norm and of the rows held meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no
+spills either way, ptxas for sm_90).
 
 The last-program pattern, its memory ordering, the flag the Sinkhorn program waits on and the shared counters:
 :mod:`ds4serve.kernels.arrival`. The last program reads the merged rows, stored by the other programs before they
@@ -276,5 +277,6 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
         scale.float().contiguous(), norm_w.float().contiguous(), part, flags, flags[S:], post, comb, x_in,
         D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        SLOTS=slots, SINKHORN=sinkhorn, EARLY_FN=SWITCHES.hc_fn_before_wait, num_warps=NUM_WARPS, **EXACT_ROUNDING, **pdl.launch(X))
+        SLOTS=slots, SINKHORN=sinkhorn, EARLY_FN=SWITCHES.hc_fn_before_wait, num_warps=NUM_WARPS, **EXACT_ROUNDING,
+        **pdl.launch(X))
     return streams, post, comb, x_in
