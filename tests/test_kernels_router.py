@@ -212,3 +212,37 @@ def test_router_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
                                     capacity=24)
     assert calls == [t == "hash_moe" for t in model.cfg.mlp_types]
     assert err <= 1e-5, f"relative error {err:.3g}"
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds4serve.kernels import router
+
+sig = dict(x_ptr="*bf16", gate_ptr="*bf16", bias_ptr="*fp32", tid2eid_ptr="*i32", ids_ptr="*i64", part_ptr="*fp32",
+           count_ptr="*i32", w_out_ptr="*bf16", idx_out_ptr="*i64", n_tokens="i32", n_experts="i32", dim="i32",
+           x_stride="i32", k_per_split="i32", tid2eid_stride="i32", scaling="fp32")
+ptx = {}
+for early in (True, False):
+    consts = dict(K=6, N_PAD=1, E_PAD=32, K_PAD=8, BLOCK_E=8, BLOCK_K=512, SPLIT=8, STAGES=2, HASH=False,
+                  HAS_BIAS=True, BF16=True, EARLY_GATE=early, PDL=True)
+    source = ASTSource(router._router_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+    ptx[str(early)] = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+json.dump(ptx, sys.stdout)
+"""
+
+
+def test_gate_read_before_the_pdl_wait_only_with_the_switch():
+    """Compiled for sm_90 at the FP8 proxy's router size (32 experts, 8 slices of 512 inputs), the programs read
+    their gate tile before ``griddepcontrol.wait`` with ``EARLY_GATE`` and nothing before it without (the tokens'
+    inputs are the kernel before's output)."""
+    from tests.helpers import sm90_ptx
+
+    ptx = sm90_ptx(_COMPILE)
+
+    def loads_before_wait(code: str) -> int:
+        return code[: code.index("griddepcontrol.wait")].count("ld.global")
+
+    assert loads_before_wait(ptx["True"]) > 0 and loads_before_wait(ptx["False"]) == 0

@@ -32,6 +32,7 @@ import triton.language as tl
 from . import pdl
 from .arrival import counters, last_to_arrive
 from .gemv import SMS
+from .switches import SWITCHES
 
 MAX_ROWS = 16  # tokens a call (decode, short verify blocks)
 MAX_EXPERTS = 512  # the last program holds every row's [N, E] scores in registers
@@ -138,12 +139,26 @@ def _finish(part_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_out_ptr, idx_out_ptr, n_
 
 
 @triton.jit
+def _gate_tile(w_rows, k0, k_hi, emask, BLOCK_K: tl.constexpr):
+    """``[1, BLOCK_E, BLOCK_K]`` fp32: the program's gate rows at inputs ``[k0, k0 + BLOCK_K)`` (0 past ``k_hi``)."""
+    cols = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+    return tl.load(w_rows + cols, mask=emask[None, :, None] & (cols < k_hi), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _x_tile(x_rows, k0, k_hi, tmask, BLOCK_K: tl.constexpr):
+    """``[N_PAD, 1, BLOCK_K]`` fp32: the tokens' inputs ``[k0, k0 + BLOCK_K)`` (0 past ``k_hi``)."""
+    cols = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+    return tl.load(x_rows + cols, mask=tmask[:, None, None] & (cols < k_hi), other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _router_kernel(x_ptr, gate_ptr, bias_ptr, tid2eid_ptr, ids_ptr, part_ptr, count_ptr, w_out_ptr, idx_out_ptr,
                    n_tokens, n_experts, dim, x_stride, k_per_split, tid2eid_stride, scaling,
                    K: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                   HASH: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
+                   HASH: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, EARLY_GATE: tl.constexpr,
+                   PDL: tl.constexpr):
     split = tl.program_id(1)
     tokens = tl.arange(0, N_PAD)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -152,14 +167,18 @@ def _router_kernel(x_ptr, gate_ptr, bias_ptr, tid2eid_ptr, ids_ptr, part_ptr, co
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, dim)
     w_rows = gate_ptr + e[None, :, None].to(tl.int64) * dim
+    if EARLY_GATE:
+        # the gate is a weight, which no kernel before writes: the first step's tile (often the program's whole
+        # slice) is read before the PDL wait, its latency overlapping the kernel before instead of following it
+        w = _gate_tile(w_rows, k_lo, k_hi, emask, BLOCK_K)
+    pdl.start(PDL)
+    if not EARLY_GATE:
+        w = _gate_tile(w_rows, k_lo, k_hi, emask, BLOCK_K)
     x_rows = x_ptr + tokens[:, None, None] * x_stride
     acc = tl.zeros([N_PAD, BLOCK_E, BLOCK_K], tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BLOCK_K)[None, None, :]
-        cmask = cols < k_hi
-        w = tl.load(w_rows + cols, mask=emask[None, :, None] & cmask, other=0.0).to(tl.float32)
-        xs = tl.load(x_rows + cols, mask=tmask[:, None, None] & cmask, other=0.0).to(tl.float32)
-        acc += w * xs
+    acc += w * _x_tile(x_rows, k_lo, k_hi, tmask, BLOCK_K)
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+        acc += _gate_tile(w_rows, k0, k_hi, emask, BLOCK_K) * _x_tile(x_rows, k0, k_hi, tmask, BLOCK_K)
     part = part_ptr + (split * n_tokens + tokens[:, None]) * n_experts + e[None, :]
     tl.store(part, tl.sum(acc, axis=2), mask=tmask[:, None] & emask[None, :])
     if last_to_arrive(count_ptr, tl.num_programs(0) * tl.num_programs(1)):
@@ -201,7 +220,7 @@ def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         K=k, N_PAD=triton.next_power_of_2(n_tokens), E_PAD=triton.next_power_of_2(n_experts),
         K_PAD=triton.next_power_of_2(k), BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, SPLIT=split, STAGES=cfg.stages,
         HASH=tid2eid is not None, HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
-        num_warps=cfg.warps, **pdl.launch(x))
+        EARLY_GATE=SWITCHES.router_gate_before_wait, num_warps=cfg.warps, **pdl.launch(x))
     return weights, idx
 
 

@@ -171,6 +171,10 @@ class Switches:
     # at 512, five rounds: bf16 9.02 -> 8.97, FP8 6.32 -> 6.30 ms/token (every round; H200, 2026-12-01,
     # bench/results/2026-12-01-h200-round25-d-*).
     hc_fn_before_wait: bool = True
+    # The one-launch router's programs read the first step of their gate rows (at the proxy's and the Flash model's
+    # sizes, half or all of their slice) before their PDL wait (kernels/router.py), as the mHC sites read fn. Not yet
+    # timed.
+    router_gate_before_wait: bool = True
 
 
 SWITCHES = Switches()
