@@ -171,34 +171,38 @@ def _sublayer_output(out_ptr, x_ptr, s, d, mask, D, SLOTS: tl.constexpr):
 @triton.jit
 def _row_pre(rows_ptr, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC: tl.constexpr, P_PAD: tl.constexpr):
     """``pre`` of a row from its programs' partials, as :func:`_row_coefficients` computes it."""
-    WIDTH: tl.constexpr = 1 + (2 + HC) * HC
-    q = tl.arange(0, P_PAD)
-    j = tl.arange(0, HC)
-    rows = rows_ptr + q * WIDTH
-    pm = q < n_prog
-    sq = tl.sum(tl.load(rows, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
-    pre_w = tl.load(rows[:, None] + 1 + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
-    return pre_coefficients(tl.sum(pre_w, axis=0) * tl.rsqrt(sq / N + norm_eps), base_ptr, scale_ptr, eps, HC)
+    _, _, sq, pre_w = _row_partials(rows_ptr, n_prog, HC, P_PAD)
+    r = tl.rsqrt(tl.sum(sq, axis=0) / N + norm_eps)
+    return pre_coefficients(tl.sum(pre_w, axis=0) * r, base_ptr, scale_ptr, eps, HC)
 
 
 @triton.jit
 def _row_coefficients(rows_ptr, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC: tl.constexpr,
                       P_PAD: tl.constexpr):
     """``(pre, post, comb)`` of a row from its programs' partials ``[n_prog, 1 + mix]`` at ``rows_ptr``."""
+    rows, pm, sq, pre_w = _row_partials(rows_ptr, n_prog, HC, P_PAD)
+    j = tl.arange(0, HC)
+    post_w = tl.load(rows[:, None] + 1 + HC + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
+    cell = j[:, None] * HC + j[None, :]
+    comb_w = tl.load(rows[:, None, None] + 1 + 2 * HC + cell[None, :, :], mask=pm[:, None, None], other=0.0,
+                     cache_modifier=".cg")
+    r = tl.rsqrt(tl.sum(sq, axis=0) / N + norm_eps)
+    return coefficients(tl.sum(pre_w, axis=0) * r, tl.sum(post_w, axis=0) * r, tl.sum(comb_w, axis=0) * r,
+                        base_ptr, scale_ptr, iters, eps, HC)
+
+
+@triton.jit
+def _row_partials(rows_ptr, n_prog, HC: tl.constexpr, P_PAD: tl.constexpr):
+    """``(the partials' row pointers [P_PAD], their mask, the squares' partials [P_PAD], the pre mixes' [P_PAD, HC])``
+    of a row, loaded at L2 (other programs wrote them)."""
     WIDTH: tl.constexpr = 1 + (2 + HC) * HC
     q = tl.arange(0, P_PAD)
     j = tl.arange(0, HC)
     rows = rows_ptr + q * WIDTH
     pm = q < n_prog
-    sq = tl.sum(tl.load(rows, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
+    sq = tl.load(rows, mask=pm, other=0.0, cache_modifier=".cg")
     pre_w = tl.load(rows[:, None] + 1 + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
-    post_w = tl.load(rows[:, None] + 1 + HC + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
-    cell = j[:, None] * HC + j[None, :]
-    comb_w = tl.load(rows[:, None, None] + 1 + 2 * HC + cell[None, :, :], mask=pm[:, None, None], other=0.0,
-                     cache_modifier=".cg")
-    r = tl.rsqrt(sq / N + norm_eps)
-    return coefficients(tl.sum(pre_w, axis=0) * r, tl.sum(post_w, axis=0) * r, tl.sum(comb_w, axis=0) * r,
-                        base_ptr, scale_ptr, iters, eps, HC)
+    return rows, pm, sq, pre_w
 
 
 @triton.jit
