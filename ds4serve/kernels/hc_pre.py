@@ -113,10 +113,10 @@ def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr
                count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
                HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
                D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr):
-    """Program ``p`` of row ``s``: its ``BLOCK`` values' partials with ``f``, its columns of ``fn`` (merged first with
-    ``MERGE``); the last of the
-    row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn program and computes only
-    ``pre``, else all the coefficients itself; then it collapses the streams and applies the norm."""
+    """Program ``p`` of row ``s``: its ``BLOCK`` values' partials with ``f``, its columns of ``fn`` (merged first
+    with ``MERGE``); the last of the row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn
+    program and computes only ``pre``, else all the coefficients itself; then it collapses the streams and applies
+    the norm."""
     MIX: tl.constexpr = (2 + HC) * HC
     WIDTH: tl.constexpr = 1 + MIX
     N = HC * D
@@ -238,7 +238,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """``(post [S, hc] fp32, comb [S, hc, hc] fp32, x_in [S, D] in X's dtype)`` for streams ``X [S, hc, D]``:
     ``hc_split(X, HCSite(fn, base, scale), ...)`` then ``rms_norm(collapsed, norm_w, norm_eps)``.
 
-    ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]``, ``scale [3]`` and ``norm_w [D]`` are used in fp32.
+    ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]``, ``scale [3]`` and ``norm_w [D]`` are used in fp32; ``fn`` is a
+    weight (an fp32 one is read before the launch's PDL wait, so the kernel just before must not write it).
     Two launches must not run concurrently on one device (they share the arrival counters).
     """
     return _site(X, None, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)[1:]
@@ -268,6 +269,9 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     mix = (2 + hc) * hc
     n_prog = triton.cdiv(hc * D, block)
     sinkhorn = int(SWITCHES.hc_sinkhorn_program)
+    fn32 = fn.float().contiguous()
+    # read before the PDL wait only when it is the caller's weight: a converted copy is the launch before's output
+    early_fn = SWITCHES.hc_fn_before_wait and fn32 is fn
     part = torch.empty(S, n_prog, 1 + mix, device=X.device, dtype=torch.float32)
     flags = counters(X.device, 2 * S)
     post = torch.empty(S, hc, device=X.device, dtype=torch.float32)
@@ -277,10 +281,10 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
     _hc_pre_kernel[(n_prog + sinkhorn, S)](
-        X, out, post_in, comb_in, streams, fn.float().contiguous(), base.float().contiguous(),
+        X, out, post_in, comb_in, streams, fn32, base.float().contiguous(),
         scale.float().contiguous(), norm_w.float().contiguous(), part, flags, flags[S:], post, comb, x_in,
         D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
         P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        SLOTS=slots, SINKHORN=sinkhorn, EARLY_FN=SWITCHES.hc_fn_before_wait, num_warps=NUM_WARPS, **EXACT_ROUNDING,
+        SLOTS=slots, SINKHORN=sinkhorn, EARLY_FN=early_fn, num_warps=NUM_WARPS, **EXACT_ROUNDING,
         **pdl.launch(X))
     return streams, post, comb, x_in

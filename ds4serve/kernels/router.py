@@ -193,7 +193,8 @@ def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     """``(weights [N, k] in x's dtype, expert ids [N, k] int64)`` of :func:`route_ref`, in one launch.
 
     ``x [N, D]`` (bf16 or fp32, N <= :data:`MAX_ROWS`), ``gate [E, D]`` dense and contiguous, ``bias [E]``
-    fp32 or None; ``tid2eid [V, k]`` (a hash layer: the experts of ``token_ids [N]``) or None. Two launches
+    fp32 or None; ``tid2eid [V, k]`` (a hash layer: the experts of ``token_ids [N]``) or None. ``gate`` is a
+    weight: it is read before the launch's PDL wait, so the kernel just before must not write it. Two launches
     must not run concurrently on one device (they share the arrival counters).
     """
     n_tokens, dim = x.shape
