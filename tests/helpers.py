@@ -26,6 +26,11 @@ def sm90_ptx(script: str) -> dict:
     return json.loads(done.stdout)
 
 
+def loads_before_pdl_wait(ptx: str) -> int:
+    """How many global loads a kernel's PTX issues before its ``griddepcontrol.wait``."""
+    return ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+
+
 def random_prompt(n: int, seed: int, vocab: int = 128000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()

@@ -16,7 +16,7 @@ from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 from ds4serve.model.norms import rms_norm  # noqa: E402
-from tests.helpers import sm90_ptx  # noqa: E402
+from tests.helpers import loads_before_pdl_wait, sm90_ptx  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HC, ITERS, EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
@@ -256,7 +256,4 @@ def test_sinkhorn_program_waits_on_the_flag_with_acquire(merge_ptx):
 def test_fn_loads_before_the_pdl_wait_only_with_the_switch(merge_ptx):
     """With ``EARLY_FN`` the programs' loads of fn come before ``griddepcontrol.wait``; without it, nothing is read
     before the wait (every other input may be the kernel before's output)."""
-    def loads_before_wait(ptx: str) -> int:
-        return ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
-
-    assert loads_before_wait(merge_ptx["early"]) > 0 and loads_before_wait(merge_ptx["late"]) == 0
+    assert loads_before_pdl_wait(merge_ptx["early"]) > 0 and loads_before_pdl_wait(merge_ptx["late"]) == 0

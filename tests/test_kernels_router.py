@@ -238,11 +238,7 @@ def test_gate_read_before_the_pdl_wait_only_with_the_switch():
     """Compiled for sm_90 at the FP8 proxy's router size (32 experts, 8 slices of 512 inputs), the programs read
     their gate tile before ``griddepcontrol.wait`` with ``EARLY_GATE`` and nothing before it without (the tokens'
     inputs are the kernel before's output)."""
-    from tests.helpers import sm90_ptx
+    from tests.helpers import loads_before_pdl_wait, sm90_ptx
 
     ptx = sm90_ptx(_COMPILE)
-
-    def loads_before_wait(code: str) -> int:
-        return code[: code.index("griddepcontrol.wait")].count("ld.global")
-
-    assert loads_before_wait(ptx["True"]) > 0 and loads_before_wait(ptx["False"]) == 0
+    assert loads_before_pdl_wait(ptx["True"]) > 0 and loads_before_pdl_wait(ptx["False"]) == 0
