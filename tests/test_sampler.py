@@ -104,3 +104,39 @@ def test_invalid_fields_are_named(field, value):
 
     with pytest.raises(GenerateError, match=field):
         SamplingParams(**{field: value}).validate(5)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0, top_p=5e-324),  # below float32's smallest number: rounds to 0 there
+    dict(temperature=5e-324),  # likewise: the logits would be divided by 0
+    dict(temperature=1.0, repetition_penalty=5e-324),  # a seen positive logit divided by 0
+    dict(temperature=1e-5, repetition_penalty=1e-36),  # a seen logit over 1e-36, then over 1e-5: past float32
+    dict(temperature=1.0, repetition_penalty=1e300),  # the penalty itself overflows float32
+])
+def test_extreme_valid_parameters_give_a_distribution(kw):
+    """Values the API accepts but float32 cannot hold as they are still give a distribution to draw from, and
+    the draw is a token it allows."""
+    s = Sampler(SamplingParams(**kw), 5)
+    d = s.distribution(LOGITS, prompt=[0, 3], output=[1])
+    assert torch.isfinite(d).all() and (d >= 0).all() and math.isclose(float(d.sum()), 1.0, rel_tol=1e-6)
+    assert d[s.sample(LOGITS, [0, 3], [1])] > 0
+
+
+def test_top_p_below_the_top_token_keeps_only_it():
+    assert _dist(temperature=1.0, top_p=5e-324).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_temperatures_below_the_epsilon_are_greedy():
+    assert Sampler(SamplingParams(temperature=1e-6), 5).greedy and not Sampler(SamplingParams(temperature=1e-5), 5).greedy
+    assert _dist(temperature=5e-324).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e300])
+def test_ruled_out_tokens_stay_out_under_any_repetition_penalty(penalty):
+    """A ``-inf`` logit (a token a grammar rules out) that is also in the history stays ``-inf`` whatever the
+    penalty: a factor that float32 rounds to 0 or inf would make it NaN, which argmax would pick."""
+    logits = torch.tensor([float("-inf"), 0.0, 1.0, -1.0, float("-inf")])
+    s = Sampler(SamplingParams(repetition_penalty=penalty), 5)
+    out = s.adjusted(logits, prompt=[0, 1, 4], output=[2])
+    assert not out.isnan().any() and out[0] == out[4] == float("-inf")
+    assert s.sample(logits, [0, 1, 4], [2]) in {1, 2, 3}

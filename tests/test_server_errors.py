@@ -149,6 +149,25 @@ def test_bad_request_gets_status_and_shape(base, path, body, status, param):
     assert post(base, CHAT, OK_CHAT).status_code == 200  # still serving
 
 
+# Valid values at the edges of their ranges that float32 cannot hold as they are (found by fuzzing the API with
+# schemathesis: each was a 500 with "probability tensor contains either `inf`, `nan` or element < 0")
+EDGE_VALUES = [
+    (CHAT, chat(temperature=1, top_p=5e-324)),
+    (CHAT, chat(temperature=5e-324)),
+    (CHAT, chat(repetition_penalty=5e-324, response_format={"type": "json_object"})),
+    (MSGS, msgs(top_p=5e-324)),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2, "top_p": 5e-324}),
+    (COMP, {"prompt": "", "max_tokens": 2, "temperature": 0, "repetition_penalty": 5e-324,
+            "structured_outputs": {"choice": ["a", "b"]}}),
+]
+
+
+@pytest.mark.parametrize("path,body", EDGE_VALUES, ids=[f"{i}:{c[0]}" for i, c in enumerate(EDGE_VALUES)])
+def test_sampling_values_at_the_edges_of_their_ranges_are_served(base, path, body):
+    r = post(base, path, body)
+    assert r.status_code == 200, r.text
+
+
 def test_context_overflow_uses_the_openai_wording(base):
     err = post(base, CHAT, chat(messages=[{"role": "user", "content": "word " * 400}])).json()["error"]
     assert err["code"] == "context_length_exceeded"

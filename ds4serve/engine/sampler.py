@@ -7,9 +7,13 @@ Order of operations (each documented where the sampler tests check it):
    logit is divided by it, a negative one multiplied;
 3. frequency penalty (subtracted once per occurrence in the output window) and presence penalty
    (subtracted once for every token present in the output window);
-4. temperature 0 → argmax of the above; otherwise divide by the temperature, then keep the
-   ``top_k`` largest, the smallest set whose probability reaches ``top_p``, and the tokens whose
-   probability is at least ``min_p`` times the largest; sample with the request's own generator.
+4. temperature below :data:`GREEDY_BELOW` (0 included) → argmax of the above; otherwise divide by
+   the temperature, then keep the ``top_k`` largest, the smallest set whose probability reaches
+   ``top_p`` (never empty: the most likely token stays), and the tokens whose probability is at
+   least ``min_p`` times the largest; sample with the request's own generator. A logit that the
+   penalties or the temperature push past float32's range is held at its largest value, and a
+   repetition penalty beyond float32's range at its nearest end (so a ``-inf`` logit, e.g. one a
+   grammar rules out, stays ``-inf``).
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before any of
 the above), like OpenAI's API.
@@ -20,6 +24,10 @@ from __future__ import annotations
 import torch
 
 from .request import SamplingParams, TokenLogprob
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): the logits over them leave float32
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 class Sampler:
@@ -42,7 +50,7 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature == 0
+        return self.params.temperature < GREEDY_BELOW
 
     def adjusted(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         """Steps 1-3: bias and penalties applied to float32 ``logits [V]``."""
@@ -56,21 +64,22 @@ class Sampler:
             seen = _unique(history[-window:] if window else history, self.device)
             if seen.numel():
                 vals = x[seen]
-                x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                penalty = min(max(p.repetition_penalty, _FLOAT32_TINY), _FLOAT32_MAX)  # never a factor of 0 or inf
+                x[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
         if p.frequency_penalty or p.presence_penalty:
             recent = output[-window:] if window else output
             if recent:
                 ids = torch.tensor(recent, dtype=torch.long, device=self.device)
                 counts = torch.bincount(ids, minlength=x.shape[0]).float()
                 x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        return x
+        return x.clamp_(max=_FLOAT32_MAX)
 
     def distribution(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         """The exact probabilities the sampler draws from (one-hot when greedy)."""
         x = self.adjusted(logits, prompt, output)
         if self.greedy:
             return torch.nn.functional.one_hot(x.argmax(), x.shape[0]).float()
-        return _filtered_probs(x / self.params.temperature, self.params)
+        return _filtered_probs((x / self.params.temperature).clamp_(max=_FLOAT32_MAX), self.params)
 
     def sample(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> int:
         if self.greedy:
@@ -108,6 +117,7 @@ def _filtered_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_p, order = probs.sort(descending=True)
         before = sorted_p.cumsum(0) - sorted_p  # mass strictly before each token
         drop = before >= p.top_p
+        drop[0] = False  # a top_p below float32's smallest number compares as 0 there
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
