@@ -88,9 +88,9 @@ def fp4_random(E: int, rows: int, cols: int) -> FP4Weight:
 
 
 def check_gemv() -> None:
-    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K
-    and a CUDA-core one. Each timing repeats one weight (L2-warm below 50 MB): bench/sweep_gemv.py
-    measures the DRAM rates."""
+    """Dense bf16 and FP8 GEMV at the proxy's shapes: the default config, a tensor-core one with split-K,
+    a CUDA-core one and for one token a vector tile with split-K. Each timing repeats one weight (L2-warm
+    below 50 MB): bench/sweep_gemv.py measures the DRAM rates."""
     for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
         dense_w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5
         q = quantize_fp8(dense_w)
@@ -100,8 +100,9 @@ def check_gemv() -> None:
             for kind, w, s, block in (("bf16", dense_w, None, None), ("fp8", q.data, q.scale, q.block)):
                 ref = gemv_ref(x, w, s, block, groups)
                 default = default_config(kind, rows, cols, tokens, groups, block)
+                vec = (GemvConfig(32, 512, split=2, stages=1, vec=True),) if tokens == 1 else ()
                 for c in (default, GemvConfig(64, 128, split=4, dot=True),
-                          GemvConfig(16, 512 if tokens == 1 else 128, split=2)):
+                          GemvConfig(16, 512 if tokens == 1 else 128, split=2), *vec):
                     poison_allocator(tokens * rows * 4 * max(c.split, 1))
                     out = gemv(xin, w, s, block, groups, config=c)
                     ms = timed(lambda: gemv(xin, w, s, block, groups, config=c))

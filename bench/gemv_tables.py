@@ -9,7 +9,7 @@ writes candidate tiles, one field changed per candidate, as named tables::
     {"moe-fp8-down-rows128": [{"key": ["moe", "fp8"], "config": {"gate_up": {...}, "down": {"rows": 128, ...}}}]}
 
 (GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format, one
-field changed) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
+field changed; with ``--vec`` the one-token vector tiles, ``gemv.GemvConfig.vec``, for each projection) and ``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as
 an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
@@ -26,7 +26,8 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from ds4serve.kernels.gemv import TABLE, TABLED_BLOCK, GemvConfig, config_problem, table_key, table_overrides
+from ds4serve.kernels.gemv import (SMS, TABLE, TABLED_BLOCK, GemvConfig, config_problem, split_for, table_key,
+                                   table_overrides)
 from ds4serve.kernels.moe import CONFIGS, MoEConfig, Tile, config_overrides
 from ds4serve.kernels.switches import parse, using
 
@@ -49,7 +50,7 @@ SHAPES: dict[str, Key] = {
 
 def candidates(key: Key) -> list[GemvConfig]:
     """Tiles near ``key``'s table entry, one field changed at a time, that can run its product."""
-    kind, rows, _, tokens, groups = key
+    kind, rows, cols, tokens, groups = key
     base = TABLE[key]
     block = _scale_block(kind)
     changes = [
@@ -63,8 +64,27 @@ def candidates(key: Key) -> list[GemvConfig]:
     out: list[GemvConfig] = []
     for change in changes:
         cfg = dataclasses.replace(base, **change)
-        if cfg != base and cfg not in out and config_problem(cfg, kind, rows, tokens, groups, block) is None:
+        if cfg != base and cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups, block) is None:
             out.append(cfg)
+    return out
+
+
+# (block_r, block_k) of the vector tiles: the fused MoE's FP8 tiles (gate-up 32 x 512, down 64 x 256) and their
+# neighbours, four warps and one loop stage as there
+VEC_TILES = ((16, 512), (32, 512), (32, 256), (64, 256))
+
+
+def vec_candidates(key: Key) -> list[GemvConfig]:
+    """One-token vector tiles for ``key``'s product that can run it: each of :data:`VEC_TILES` unsplit and split
+    until the grid holds two and four programs an SM (the fused MoE's launches have ~3.4)."""
+    kind, rows, cols, tokens, groups = key
+    out: list[GemvConfig] = []
+    for block_r, block_k in VEC_TILES:
+        programs = -(-rows // block_r)
+        for split in sorted({1} | {split_for(programs, cols, block_k, t, min_steps=2) for t in (2 * SMS, 4 * SMS)}):
+            cfg = GemvConfig(block_r, block_k, split, warps=4, stages=1, vec=True)
+            if cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups, _scale_block(kind)) is None:
+                out.append(cfg)
     return out
 
 
@@ -89,12 +109,16 @@ def _scale_block(kind: str) -> tuple[int, int] | None:
     return TABLED_BLOCK if kind == "fp8" else None
 
 
-def write(path: Path, moe: bool = False) -> Tables:
+def write(path: Path, moe: bool = False, vec: bool = False) -> Tables:
     """Every GEMV shape's candidates as one-entry tables named ``SHAPE-i`` (with ``moe``: every expert format's
-    MoE candidates, ``moe-FORMAT-NAME``), written to ``path`` as JSON."""
+    MoE candidates, ``moe-FORMAT-NAME``; with ``vec``: every shape's vector tiles, ``SHAPE-vec-i``), written to
+    ``path`` as JSON."""
     if moe:
         tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
                           for name, cfg in moe_candidates(fmt).items()}
+    elif vec:
+        tables = {f"{name}-vec-{i}": {key: cfg} for name, key in SHAPES.items()
+                  for i, cfg in enumerate(vec_candidates(key))}
     else:
         tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items() for i, cfg in enumerate(candidates(key))}
     path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
@@ -114,7 +138,7 @@ def load(path: Path) -> Tables:
                 problem = _moe_problem(key[1], cfg)
             else:
                 key, cfg = table_key(*entry["key"]), GemvConfig(**entry["config"])
-                problem = config_problem(cfg, key[0], key[1], key[3], key[4], _scale_block(key[0]))
+                problem = config_problem(cfg, key[0], key[1], key[2], key[3], key[4], _scale_block(key[0]))
             if problem:
                 raise ValueError(f"table {name!r}, {key}: {problem}")
             table[key] = cfg
@@ -149,9 +173,11 @@ def arm_scope(arm: str, tables: Tables) -> ExitStack:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
+    kind.add_argument("--vec", action="store_true", help="the GEMV's one-token vector tiles")
     args = p.parse_args()
-    tables = write(args.out, args.moe)
+    tables = write(args.out, args.moe, args.vec)
     print(f"{len(tables)} tables: {', '.join(tables)}")
 
 

@@ -77,6 +77,8 @@ FMA_TILES = {1: ((16, 512, 4, 4), (16, 512, 2, 4), (8, 512, 2, 4), (16, 1024, 4,
                  (8, 1024, 2, 4), (16, 1024, 2, 4), (4, 1024, 1, 4)),
              4: ((8, 256, 4, 4), (16, 128, 4, 4), (4, 512, 2, 4))}
 QUICK_FMA_TILES = {1: ((16, 512, 4, 4), (16, 512, 2, 4)), 4: ((8, 256, 4, 4),)}
+# one-token vector tiles (GemvConfig.vec): the fused MoE's FP8 tiles and neighbours, one loop stage as there
+VEC_TILES = ((16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 4, 1), (64, 256, 4, 1))
 
 
 @dataclass
@@ -115,15 +117,16 @@ def candidates(case: Case, quick: bool) -> list[GemvConfig]:
     fma_tiles = (QUICK_FMA_TILES if quick else FMA_TILES)[case.tokens]
     targets = (2 * SMS,) if quick else (SMS, 2 * SMS, 4 * SMS)
     configs = [default_config(case.kind, case.rows, case.cols, case.tokens, case.groups, case.block)]
-    for dot, tiles in ((True, dot_tiles), (False, fma_tiles)):
+    vec_tiles = VEC_TILES if case.tokens == 1 else ()
+    for family, tiles in (({"dot": True}, dot_tiles), ({}, fma_tiles), ({"vec": True}, vec_tiles)):
         for block_r, block_k, warps, stages in tiles:
             if block_r > max(16, case.rows):
                 continue
             programs = -(-case.rows // block_r)
             splits = {1} | {split_for(programs, case.cols, block_k, t, min_steps=2) for t in targets}
             for split in sorted(splits):
-                cfg = GemvConfig(block_r, block_k, split, warps, stages, dot)
-                if cfg not in configs and config_problem(cfg, case.kind, case.rows, case.tokens, case.groups,
+                cfg = GemvConfig(block_r, block_k, split, warps, stages, **family)
+                if cfg not in configs and config_problem(cfg, case.kind, case.rows, case.cols, case.tokens, case.groups,
                                                          case.block) is None:
                     configs.append(cfg)
     return configs
@@ -172,7 +175,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def compile_key(kind: str, tokens: int, cfg: GemvConfig) -> tuple:
     """What Triton specialises on at these shapes (all multiples of 16): the tile, the kernel, whether
     partials are written, and for the CUDA-core kernel the padded token count."""
-    return kind, cfg.block_r, cfg.block_k, cfg.warps, cfg.stages, cfg.dot, cfg.split > 1, \
+    return kind, cfg.block_r, cfg.block_k, cfg.warps, cfg.stages, cfg.dot, cfg.vec, cfg.split > 1, \
         None if cfg.dot else 1 << (tokens - 1).bit_length()
 
 
@@ -196,7 +199,7 @@ def precompile(work: list[tuple[Case, list[GemvConfig]]]) -> dict[tuple, str]:
         return None
 
     items = list(todo.items())
-    firsts = {(cfg.dot, cfg.split > 1): item for _, item in items for cfg in [item[2]]}
+    firsts = {(cfg.dot, cfg.vec, cfg.split > 1): item for _, item in items for cfg in [item[2]]}
     for item in firsts.values():  # each kernel object's first launch alone: its caches are then set up
         build(item)
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:

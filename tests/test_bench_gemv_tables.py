@@ -86,3 +86,21 @@ def test_bad_moe_tables_are_rejected(tmp_path):
                                                                           "down": {**tile, "rows": 48}}}]}))
     with pytest.raises(ValueError, match="table 'y'.*powers of two"):
         gemv_tables.load(path)
+
+
+def test_vec_tables_hold_runnable_vector_tiles_of_every_shape(tmp_path):
+    """``--vec`` tables: for every decode projection, vector tiles (one token, one loop stage) that can run its
+    product, unsplit and, where that leaves fewer than two programs an SM, split too; they load back equal."""
+    from ds4serve.kernels.gemv import SMS, config_problem
+
+    tables = gemv_tables.write(tmp_path / "vec.json", vec=True)
+    assert gemv_tables.load(tmp_path / "vec.json") == tables
+    for name, key in gemv_tables.SHAPES.items():
+        tiles = [cfg for t, table in tables.items() if t.startswith(f"{name}-vec-") for cfg in table.values()]
+        kind, rows, cols, tokens, groups = key
+        block = (128, 128) if kind == "fp8" else None
+        assert tiles and all(cfg.vec and cfg.stages == 1 for cfg in tiles)
+        assert all(config_problem(cfg, kind, rows, cols, tokens, groups, block) is None for cfg in tiles)
+        for cfg in tiles:
+            if cfg.split == 1 and -(-rows // cfg.block_r) < 2 * SMS:  # too few programs: a split tile beside it
+                assert any(o.split > 1 and (o.block_r, o.block_k) == (cfg.block_r, cfg.block_k) for o in tiles)

@@ -49,6 +49,11 @@ def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tu
     ("fp8", 1, 2, GemvConfig(8, 16)),
     ("bf16", 1, 2, GemvConfig(4, 128, split=2)),
     ("fp32", 3, 2, GemvConfig(16, 32, split=3)),
+    ("fp8", 1, 1, GemvConfig(16, 32, stages=1, vec=True)),  # vector tiles: one token, one scale column a step
+    ("fp8", 1, 2, GemvConfig(32, 16, split=3, warps=2, stages=1, vec=True)),  # half a scale column a step, split-K
+    ("fp8", 1, 1, GemvConfig(8, 32, split=2, vec=True)),  # slices of 64 and 32 inputs
+    ("bf16", 1, 1, GemvConfig(8, 32, split=2, stages=1, vec=True)),
+    ("fp32", 1, 2, GemvConfig(16, 16, vec=True)),
 ])
 def test_gemv_matches_reference(kind, rows, groups, config):
     w, scale, block = _weight(kind, 10 * rows + groups)
@@ -70,22 +75,31 @@ def test_gemv_rejects_configs_that_cannot_run():
         gemv(x, w, scale, block, config=GemvConfig(64, 32))  # CUDA cores: one scale row per tile
     with pytest.raises(ValueError, match="rows per group"):
         gemv(x.repeat(1, 4).view(1, 4, K), w, scale, block, groups=4, config=GemvConfig(32, 32))
+    xb = x.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one token"):
+        gemv(xb.repeat(3, 1), w, scale, block, config=GemvConfig(16, 32, vec=True))
+    with pytest.raises(ValueError, match="must divide the matrix"):
+        gemv(xb, w, scale, block, config=GemvConfig(16, 64, vec=True))  # 64-input steps of 96 inputs
+    with pytest.raises(ValueError, match="lie on scale blocks"):
+        gemv(xb, w, scale, block, config=GemvConfig(64, 32, vec=True))  # rows of two scale rows
+    with pytest.raises(ValueError, match="lie on scale blocks"):
+        gemv(xb, w, scale, block, config=GemvConfig(16, 16, split=2, vec=True))  # the second slice starts at 48
 
 
 def test_default_config_fills_the_device_and_table_entries_run():
     """A long input with few output rows is split so that the programs fill the GPU; every table
     entry can run its own shape; FP8 with an unswept scale block still gets a runnable config."""
     cfg = default_config("fp8", 4096, 8192, 1, 1, (256, 256))
-    assert config_problem(cfg, "fp8", 4096, 1, 1, (256, 256)) is None
+    assert config_problem(cfg, "fp8", 4096, 8192, 1, 1, (256, 256)) is None
     assert cfg.split > 1 and -(-4096 // cfg.block_r) * cfg.split >= 2 * SMS
     for (kind, rows, cols, tokens, groups), entry in TABLE.items():
         block = (128, 128) if kind == "fp8" else None
-        assert config_problem(entry, kind, rows, tokens, groups, block) is None, (kind, rows, cols, tokens, groups)
+        assert config_problem(entry, kind, rows, cols, tokens, groups, block) is None, (kind, rows, cols, tokens, groups)
     for kind in ("bf16", "fp8", "fp32"):
         for tokens in (1, 4, 8):
             block = (128, 128) if kind == "fp8" else None
             cfg = default_config(kind, 8192, 4096, tokens, 8, block)
-            assert config_problem(cfg, kind, 8192, tokens, 8, block) is None
+            assert config_problem(cfg, kind, 8192, 4096, tokens, 8, block) is None
     assert weight_kind(torch.float32, torch.float8_e4m3fn, True) == "fp32"
 
 
@@ -128,7 +142,7 @@ def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypat
     for (kind, rows, cols, tokens, groups), entry in TABLE.items():
         block = (128, 128) if kind == "fp8" else None
         wide = default_config(kind, rows, cols, 16, groups, block)
-        assert wide.dot and config_problem(wide, kind, rows, 16, groups, block) is None
+        assert wide.dot and config_problem(wide, kind, rows, cols, 16, groups, block) is None
         assert wide == entry or tokens == 1 or not entry.dot
 
 
@@ -158,12 +172,13 @@ def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows)
     assert launches == [sum(-(-op[0].shape[0] // tiles[kind].block_r) for op, kind in zip((a, b), kinds))]
 
 
-def test_gemv_pair_falls_back_to_two_launches(monkeypatch):
-    """A product whose tiles are tensor-core or split-K tiles runs as its own GEMV."""
+@pytest.mark.parametrize("tiles", [GemvConfig(16, 32, split=2), GemvConfig(16, 32, vec=True)])
+def test_gemv_pair_falls_back_to_two_launches(monkeypatch, tiles):
+    """A product whose tiles are tensor-core, split-K or vector tiles runs as its own GEMV."""
     launches = spy_launches(monkeypatch, gemv_module, "_gemv_fma_pair_kernel")
     calls = []
     monkeypatch.setattr(gemv_module, "gemv", lambda *args: calls.append(args[1].shape) or gemv(*args))
-    monkeypatch.setattr(gemv_module, "default_config", lambda *args: GemvConfig(16, 32, split=2))
+    monkeypatch.setattr(gemv_module, "default_config", lambda *args: tiles)
     a, b = _weight("fp8", 3), _weight("fp32", 4)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     ya, yb = gemv_pair(x, a, b)
@@ -203,3 +218,37 @@ def test_gemv_pair_rejects_weights_of_different_input_widths():
     x = torch.randn(1, K).to(DEVICE, torch.bfloat16)
     with pytest.raises(ValueError, match=f"must take {K} inputs, not {K} and {K // 2}"):
         gemv_pair(x, a, b)
+
+
+_COMPILE_VEC = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds4serve.kernels import gemv
+
+sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16", n_rows="i32", n_in="i32",
+           k_per_split="i32", rows_per_group="i32", s_cols="i32")
+ptx = {}
+for name, kernel, consts in (
+        ("vec", gemv._gemv_vec_kernel, dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, BLOCK_R=32, BLOCK_K=512, STAGES=1,
+                                             PARTIAL=False, PDL=True)),
+        ("fma", gemv._gemv_fma_kernel, dict(SCALED=True, SB_R=128, SB_C=128, N_PAD=1, BLOCK_R=32, BLOCK_K=512,
+                                             SUB_K=128, STAGES=1, PARTIAL=False, PDL=True))):
+    full = dict(sig, **({"x_stride": "i32", "s_cols": "i32", "n_tokens": "i32"} if name == "fma" else {}))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(full) - (2 if name == "fma" else 1))}
+    source = ASTSource(kernel, {**full, **dict.fromkeys(consts, "constexpr")}, consts, attrs=attrs)
+    ptx[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+json.dump(ptx, sys.stdout)
+"""
+
+
+def test_vector_tiles_move_no_data_between_threads_in_the_loop():
+    """Compiled for sm_90 at an FP8 projection's tile (32 rows, 512-input steps, four warps), the vector tile
+    reads its weights as 16-byte vectors and synchronises its threads once (the final sum over the vectors),
+    where the CUDA-core tile of the same shape exchanges data through shared memory at every step."""
+    from tests.helpers import sm90_ptx
+
+    ptx = sm90_ptx(_COMPILE_VEC)
+    assert ptx["vec"].count("bar.sync") <= 1 < ptx["fma"].count("bar.sync")
+    assert "ld.global.v4" in ptx["vec"] and "ld.global.u8" not in ptx["vec"] and "ld.global.b8" not in ptx["vec"]

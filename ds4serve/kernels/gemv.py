@@ -23,7 +23,15 @@ scale column each (the whole step for dense weights), so a block scale is one nu
   tile spans scale rows), exact up to summation order for the power-of-two scales of real
   checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
 
-Both loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
+* vector tiles (``vec=True``, one token): the fused MoE's down-projection product
+  (:func:`ds4serve.kernels.moe._rows_dot`): each thread sums its 16-byte vectors of weights in
+  registers against the activations loaded as a tile of the weight tile's shape (one row repeated,
+  so the two meet with no data moved between threads), no masked load (the tile divides the
+  matrix) and one scale row a program. That product streams FP8 experts at ~3.5-3.7 TB/s inside
+  the decode graph, where the 33.5 MB FP8 projections on the other tiles reach ~2.3-3.1 (twenty-
+  fourth run); not yet timed as a GEMV, so no table entry takes it.
+
+The loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
 issues one tile at a time and waits for it). Split-K (``split > 1``) gives a projection with few
 output rows enough programs: each reads one slice of the input and writes an fp32 partial, and a
@@ -50,6 +58,7 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
+from .moe import DENSE, FP8, _rows_dot
 from .scoped import overridden
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
@@ -65,6 +74,7 @@ class GemvConfig:
     warps: int = 4
     stages: int = 4  # loop steps in flight (cp.async pipeline depth)
     dot: bool = False  # tensor cores: tl.dot with the activations padded to 16 rows
+    vec: bool = False  # one token: the fused MoE's vector product (CUDA cores, unmasked tiles)
 
 
 # (kind, R, K, N bucket (1 or 4), groups) -> config, for DeepSeek-V4-Flash's decode projections; FP8
@@ -272,6 +282,25 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
            n_rows, PARTIAL)
 
 
+@triton.jit(do_not_specialize=["rows_per_group", "s_cols"])
+def _gemv_vec_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, s_cols,
+                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PARTIAL: tl.constexpr,
+                     PDL: tl.constexpr):
+    # One token: program (pid, split) computes rows [first, first + BLOCK_R) over its slice of the input,
+    # whose start is a multiple of the scale block's columns (config_problem), so the slice's scales are
+    # columns [k_lo / SB_C, ...) of the program's scale row.
+    first = tl.program_id(0) * BLOCK_R
+    split = tl.program_id(1)
+    k_lo = split * k_per_split
+    pdl.start(PDL)
+    x = x_ptr + (first // rows_per_group) * n_in + k_lo
+    y = _rows_dot(x, w_ptr + k_lo, s_ptr + k_lo // SB_C, first, tl.minimum(k_per_split, n_in - k_lo), n_in, s_cols,
+                  QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+    rows = first + tl.arange(0, BLOCK_R)
+    _store(out_ptr, y, rows, rows < n_rows, split, 1, n_rows, PARTIAL)
+
+
 @triton.jit(do_not_specialize=["n_split"])
 def _sum_splits_kernel(part_ptr, out_ptr, n, n_split, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
@@ -306,7 +335,7 @@ def table_key(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int) -> 
     return kind, n_rows, n_in, 1 if n_tokens == 1 else 4, groups
 
 
-def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_tokens: int, groups: int,
+def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int,
                    block: tuple[int, int] | None) -> str | None:
     """Why ``cfg`` cannot run this product, or None when it can (``block``: FP8 scale block, None if dense)."""
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_r, cfg.block_k))
@@ -316,6 +345,8 @@ def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_tokens: int, group
         return f"{cfg}: {cfg.block_r}-row tiles must divide the rows per group ({n_rows} / {groups})"
     if block is not None and block[1] % cfg.block_k and cfg.block_k % block[1]:
         return f"{cfg}: block_k must divide the scale block's columns or be a multiple of them ({block})"
+    if cfg.vec:
+        return _vec_problem(cfg, n_rows, n_in, n_tokens, block)
     if cfg.dot:
         if kind == "fp32" or n_tokens > DOT_ROWS:
             return f"{cfg}: tensor cores need bf16 activations and at most {DOT_ROWS} rows"
@@ -324,6 +355,23 @@ def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_tokens: int, group
     elif block is not None and block[0] % cfg.block_r:
         return f"{cfg}: {cfg.block_r}-row tiles must divide the scale block's rows ({block})"
     return None
+
+
+def _vec_problem(cfg: GemvConfig, n_rows: int, n_in: int, n_tokens: int, block: tuple[int, int] | None) -> str | None:
+    """Why the vector tile ``cfg`` cannot run this product, or None: no load is masked, and a step holds whole
+    16-byte vectors of FP8 (scaled) or bf16 weights (fp32 weights' vectors are shorter)."""
+    if cfg.dot or n_tokens != 1:
+        return f"{cfg}: vector tiles take one token on CUDA cores"
+    if n_rows % cfg.block_r or n_in % cfg.block_k or cfg.block_k * (1 if block is not None else 2) < 16:
+        return f"{cfg}: vector tiles must divide the matrix ({n_rows}x{n_in}) and hold 16-byte vectors a step"
+    if block is not None and (block[0] % cfg.block_r or (cfg.split > 1 and _slice_len(n_in, cfg) % block[1])):
+        return f"{cfg}: a vector tile's rows and its input slices' starts must lie on scale blocks ({block})"
+    return None
+
+
+def _slice_len(n_in: int, cfg: GemvConfig) -> int:
+    """Inputs a split-K slice reads: whole steps; the last slice may be shorter."""
+    return triton.cdiv(triton.cdiv(n_in, cfg.split), cfg.block_k) * cfg.block_k
 
 
 TABLED_TOKENS = 8  # the table's four-token entries serve up to this many tokens
@@ -338,7 +386,7 @@ def default_config(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int
     if kind == "bf16" or (kind == "fp8" and block == TABLED_BLOCK):
         hit = TABLE.get(table_key(kind, n_rows, n_in, n_tokens, groups))
         if (hit is not None and (hit.dot or n_tokens <= TABLED_TOKENS)
-                and config_problem(hit, kind, n_rows, n_tokens, groups, block) is None):
+                and config_problem(hit, kind, n_rows, n_in, n_tokens, groups, block) is None):
             return hit
     return _heuristic(kind, n_rows, n_in, n_tokens, groups, block)
 
@@ -365,7 +413,7 @@ def _heuristic(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int,
     if kind != "fp32" and n_tokens <= DOT_ROWS:
         block_r = min(_pow2_divisor(per_group, 64), 64 if n_rows >= 2048 else 32 if n_rows >= 256 else 16)
         cfg = GemvConfig(block_r, _block_k(128, block), warps=block_r // 16, stages=4, dot=True)
-        if config_problem(cfg, kind, n_rows, n_tokens, groups, block) is None:
+        if config_problem(cfg, kind, n_rows, n_in, n_tokens, groups, block) is None:
             return _with_split(cfg, n_rows, n_in)
     block_r = _pow2_divisor(math.gcd(block[0] if block is not None else 0, per_group), 16)
     block_k = _block_k(min(max(64, 512 // triton.next_power_of_2(n_tokens)), triton.next_power_of_2(n_in)), block)
@@ -401,16 +449,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     if out is None:
         out = torch.empty(n_tokens, n_rows, device=x.device, dtype=x.dtype)
     target = out if split == 1 else torch.empty(split, n_tokens, n_rows, device=x.device, dtype=torch.float32)
-    args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0),
-            scale.shape[1] if scale is not None else 0, n_tokens)
-    consts = dict(**_tile_consts(cfg, block), PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
-                  **pdl.launch(x2))
+    s_cols = scale.shape[1] if scale is not None else 0
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
-    if cfg.dot:
-        _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
-                               N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
+    if cfg.vec:
+        sb_r, sb_c = block or (1, 1)
+        _gemv_vec_kernel[grid](x2, weight, weight if scale is None else scale, target, n_rows, n_in, k_per_split,
+                               n_rows // groups, s_cols, QUANT=DENSE if scale is None else FP8, SB_R=sb_r, SB_C=sb_c,
+                               VEC=16 // weight.element_size(), BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+                               STAGES=cfg.stages, PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
+                               **pdl.launch(x2))
     else:
-        _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
+        args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0), s_cols,
+                n_tokens)
+        consts = dict(**_tile_consts(cfg, block), PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
+                      **pdl.launch(x2))
+        if cfg.dot:
+            _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
+                                   N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
+        else:
+            _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
     if split > 1:
         n = n_tokens * n_rows
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
@@ -427,10 +484,10 @@ def _plan(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torc
     block = block if scale is not None else None
     kind = weight_kind(x_dtype, weight.dtype, scale is not None)
     cfg = config or default_config(kind, n_rows, n_in, n_tokens, groups, block)
-    problem = config_problem(cfg, kind, n_rows, n_tokens, groups, block)
+    problem = config_problem(cfg, kind, n_rows, n_in, n_tokens, groups, block)
     if problem:
         raise ValueError(f"gemv: {problem}")
-    k_per_split = triton.cdiv(triton.cdiv(n_in, cfg.split), cfg.block_k) * cfg.block_k
+    k_per_split = _slice_len(n_in, cfg)
     return cfg, block, k_per_split, triton.cdiv(n_in, k_per_split)
 
 
@@ -481,7 +538,7 @@ def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         cfg, _, _, slices = _plan(x2.dtype, x2.shape[0], weight, scale, block, 1, None)
     except ValueError:  # a table entry this product cannot run: gemv says why
         return None
-    return None if cfg.dot or slices > 1 else cfg
+    return None if cfg.dot or cfg.vec or slices > 1 else cfg
 
 
 def _dot_dtype(x: torch.Tensor, scaled: bool) -> tl.dtype:

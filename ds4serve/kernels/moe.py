@@ -210,10 +210,12 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 
 
 @triton.jit
-def _down_rows(h, w2, s2, row0, n_inter, row_len, s_cols,
-               QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """``w2 h`` of one expert's output rows ``[row0, row0 + BLOCK_R)``."""
+def _rows_dot(h, w2, s2, row0, n_inter, row_len, s_cols,
+              QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """``w2 h`` of the rows ``[row0, row0 + BLOCK_R)`` of ``w2`` (rows of ``row_len`` elements, the first
+    ``n_inter`` inputs), ``h`` one vector: an expert's down projection, and a one-token GEMV's vector tiles
+    (:mod:`ds4serve.kernels.gemv`)."""
     if QUANT == 1:
         s2 += (row0 // SB_R) * s_cols
     rows = row0 + tl.arange(0, BLOCK_R)
@@ -280,16 +282,16 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     weight = tl.load(wt_ptr + choice).to(tl.float32)
     if MIXED:
         if slot < top_k:
-            y = _down_rows(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
-                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+            y = _rows_dot(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
+                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
-            y = _down_rows(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
-                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
+            y = _rows_dot(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
+                          SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
-        y = _down_rows(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
-                       tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
-                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+        y = _rows_dot(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
+                      tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
+                      QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
