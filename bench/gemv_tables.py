@@ -13,7 +13,7 @@ field changed; with ``--vec`` the one-token vector tiles, ``gemv.GemvConfig.vec`
 an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=. python3 bench/gemv_tables.py --out $OUT/tables.json [--moe]
+    PYTHONPATH=. python3 bench/gemv_tables.py --out $OUT/tables.json [--moe | --vec] [--shapes wo_b,q_res]
     PYTHONPATH=. python3 bench/bench_gpu.py --out $OUT/tiles.json --variants fp8 --contexts 512 --steps 16 \\
         --no-peer --prefill-variants none --chunks "" --tables $OUT/tables.json --table-arms
 """
@@ -76,15 +76,18 @@ VEC_TILES = ((16, 512), (32, 512), (32, 256), (64, 256))
 
 def vec_candidates(key: Key) -> list[GemvConfig]:
     """One-token vector tiles for ``key``'s product that can run it: each of :data:`VEC_TILES` unsplit and split
-    until the grid holds two and four programs an SM (the fused MoE's launches have ~3.4)."""
+    until the grid holds two and four programs an SM (the fused MoE's launches have ~3.4), each with its first
+    step read after and before the PDL wait (``early``)."""
     kind, rows, cols, tokens, groups = key
     out: list[GemvConfig] = []
     for block_r, block_k in VEC_TILES:
         programs = -(-rows // block_r)
         for split in sorted({1} | {split_for(programs, cols, block_k, t, min_steps=2) for t in (2 * SMS, 4 * SMS)}):
-            cfg = GemvConfig(block_r, block_k, split, warps=4, stages=1, vec=True)
-            if cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups, _scale_block(kind)) is None:
-                out.append(cfg)
+            for early in (False, True):
+                cfg = GemvConfig(block_r, block_k, split, warps=4, stages=1, vec=True, early=early)
+                if cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups,
+                                                     _scale_block(kind)) is None:
+                    out.append(cfg)
     return out
 
 
@@ -109,18 +112,22 @@ def _scale_block(kind: str) -> tuple[int, int] | None:
     return TABLED_BLOCK if kind == "fp8" else None
 
 
-def write(path: Path, moe: bool = False, vec: bool = False) -> Tables:
-    """Every GEMV shape's candidates as one-entry tables named ``SHAPE-i`` (with ``moe``: every expert format's
-    MoE candidates, ``moe-FORMAT-NAME``; with ``vec``: every shape's vector tiles, ``SHAPE-vec-i``), written to
-    ``path`` as JSON."""
+def write(path: Path, moe: bool = False, vec: bool = False, shapes: list[str] | None = None) -> Tables:
+    """Every GEMV shape's candidates (or those of ``shapes``, names of :data:`SHAPES`) as one-entry tables named
+    ``SHAPE-i`` (with ``moe``: every expert format's MoE candidates, ``moe-FORMAT-NAME``; with ``vec``: the
+    shapes' vector tiles, ``SHAPE-vec-i``), written to ``path`` as JSON."""
+    unknown = sorted(set(shapes or ()) - set(SHAPES))
+    if unknown:
+        raise ValueError(f"no shapes {unknown} (shapes: {sorted(SHAPES)})")
+    chosen = {name: key for name, key in SHAPES.items() if not shapes or name in shapes}
     if moe:
         tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
                           for name, cfg in moe_candidates(fmt).items()}
     elif vec:
-        tables = {f"{name}-vec-{i}": {key: cfg} for name, key in SHAPES.items()
+        tables = {f"{name}-vec-{i}": {key: cfg} for name, key in chosen.items()
                   for i, cfg in enumerate(vec_candidates(key))}
     else:
-        tables = {f"{name}-{i}": {key: cfg} for name, key in SHAPES.items() for i, cfg in enumerate(candidates(key))}
+        tables = {f"{name}-{i}": {key: cfg} for name, key in chosen.items() for i, cfg in enumerate(candidates(key))}
     path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
                                 for name, t in tables.items()}, indent=1) + "\n")
     return tables
@@ -176,8 +183,9 @@ def main() -> None:
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
     kind.add_argument("--vec", action="store_true", help="the GEMV's one-token vector tiles")
+    p.add_argument("--shapes", default="", help=f"comma-separated GEMV shapes (default all: {','.join(SHAPES)})")
     args = p.parse_args()
-    tables = write(args.out, args.moe, args.vec)
+    tables = write(args.out, args.moe, args.vec, [n for n in args.shapes.split(",") if n])
     print(f"{len(tables)} tables: {', '.join(tables)}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -90,16 +91,23 @@ def test_bad_moe_tables_are_rejected(tmp_path):
 
 def test_vec_tables_hold_runnable_vector_tiles_of_every_shape(tmp_path):
     """``--vec`` tables: for every decode projection, vector tiles (one token, one loop stage) that can run its
-    product, unsplit and, where that leaves fewer than two programs an SM, split too; they load back equal."""
+    product, unsplit and, where that leaves fewer than two programs an SM, split too, each with its first step read
+    after and before the PDL wait; they load back equal, and ``shapes`` picks some."""
     from ds4serve.kernels.gemv import SMS, config_problem
 
     tables = gemv_tables.write(tmp_path / "vec.json", vec=True)
     assert gemv_tables.load(tmp_path / "vec.json") == tables
+    assert set(gemv_tables.write(tmp_path / "some.json", vec=True, shapes=["wo_b"])) == {
+        name for name in tables if name.startswith("wo_b-vec-")}
+    with pytest.raises(ValueError, match="no shapes"):
+        gemv_tables.write(tmp_path / "bad.json", shapes=["wo_c"])
     for name, key in gemv_tables.SHAPES.items():
         tiles = [cfg for t, table in tables.items() if t.startswith(f"{name}-vec-") for cfg in table.values()]
         kind, rows, cols, tokens, groups = key
         block = (128, 128) if kind == "fp8" else None
         assert tiles and all(cfg.vec and cfg.stages == 1 for cfg in tiles)
+        assert {dataclasses.replace(cfg, early=False) for cfg in tiles if cfg.early} == {
+            cfg for cfg in tiles if not cfg.early}  # every tile both ways
         assert all(config_problem(cfg, kind, rows, cols, tokens, groups, block) is None for cfg in tiles)
         for cfg in tiles:
             if cfg.split == 1 and -(-rows // cfg.block_r) < 2 * SMS:  # too few programs: a split tile beside it

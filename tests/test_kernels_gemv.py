@@ -52,7 +52,9 @@ def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tu
     ("fp8", 1, 1, GemvConfig(16, 32, stages=1, vec=True)),  # vector tiles: one token, one scale column a step
     ("fp8", 1, 2, GemvConfig(32, 16, split=3, warps=2, stages=1, vec=True)),  # half a scale column a step, split-K
     ("fp8", 1, 1, GemvConfig(8, 32, split=2, vec=True)),  # slices of 64 and 32 inputs
+    ("fp8", 1, 2, GemvConfig(16, 32, split=3, stages=1, vec=True, early=True)),  # first step before the wait
     ("bf16", 1, 1, GemvConfig(8, 32, split=2, stages=1, vec=True)),
+    ("bf16", 1, 1, GemvConfig(16, 32, stages=1, vec=True, early=True)),
     ("fp32", 1, 2, GemvConfig(16, 16, vec=True)),
 ])
 def test_gemv_matches_reference(kind, rows, groups, config):
@@ -84,6 +86,8 @@ def test_gemv_rejects_configs_that_cannot_run():
         gemv(xb, w, scale, block, config=GemvConfig(64, 32, vec=True))  # rows of two scale rows
     with pytest.raises(ValueError, match="lie on scale blocks"):
         gemv(xb, w, scale, block, config=GemvConfig(16, 16, split=2, vec=True))  # the second slice starts at 48
+    with pytest.raises(ValueError, match="only vector tiles"):
+        gemv(xb, w, scale, block, config=GemvConfig(16, 32, dot=True, early=True))
 
 
 def test_default_config_fills_the_device_and_table_entries_run():
@@ -229,12 +233,12 @@ from ds4serve.kernels import gemv
 
 sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*bf16", n_rows="i32", n_in="i32",
            k_per_split="i32", rows_per_group="i32", s_cols="i32")
+tile = dict(SB_R=128, SB_C=128, BLOCK_R=32, BLOCK_K=512, STAGES=1, PARTIAL=False, PDL=True)
 ptx = {}
 for name, kernel, consts in (
-        ("vec", gemv._gemv_vec_kernel, dict(QUANT=1, SB_R=128, SB_C=128, VEC=16, BLOCK_R=32, BLOCK_K=512, STAGES=1,
-                                             PARTIAL=False, PDL=True)),
-        ("fma", gemv._gemv_fma_kernel, dict(SCALED=True, SB_R=128, SB_C=128, N_PAD=1, BLOCK_R=32, BLOCK_K=512,
-                                             SUB_K=128, STAGES=1, PARTIAL=False, PDL=True))):
+        ("vec", gemv._gemv_vec_kernel, dict(QUANT=1, VEC=16, EARLY=False, **tile)),
+        ("vec-early", gemv._gemv_vec_kernel, dict(QUANT=1, VEC=16, EARLY=True, **tile)),
+        ("fma", gemv._gemv_fma_kernel, dict(SCALED=True, N_PAD=1, SUB_K=128, **tile))):
     full = dict(sig, **({"x_stride": "i32", "s_cols": "i32", "n_tokens": "i32"} if name == "fma" else {}))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(full) - (2 if name == "fma" else 1))}
     source = ASTSource(kernel, {**full, **dict.fromkeys(consts, "constexpr")}, consts, attrs=attrs)
@@ -243,12 +247,26 @@ json.dump(ptx, sys.stdout)
 """
 
 
-def test_vector_tiles_move_no_data_between_threads_in_the_loop():
+@pytest.fixture(scope="module")
+def vec_ptx() -> dict:
+    from tests.helpers import sm90_ptx
+
+    return sm90_ptx(_COMPILE_VEC)
+
+
+def test_vector_tiles_move_no_data_between_threads_in_the_loop(vec_ptx):
     """Compiled for sm_90 at an FP8 projection's tile (32 rows, 512-input steps, four warps), the vector tile
     reads its weights as 16-byte vectors and synchronises its threads once (the final sum over the vectors),
     where the CUDA-core tile of the same shape exchanges data through shared memory at every step."""
-    from tests.helpers import sm90_ptx
+    for name in ("vec", "vec-early"):
+        assert vec_ptx[name].count("bar.sync") <= 1 < vec_ptx["fma"].count("bar.sync")
+        assert "ld.global.v4" in vec_ptx[name]
+        assert "ld.global.u8" not in vec_ptx[name] and "ld.global.b8" not in vec_ptx[name]
 
-    ptx = sm90_ptx(_COMPILE_VEC)
-    assert ptx["vec"].count("bar.sync") <= 1 < ptx["fma"].count("bar.sync")
-    assert "ld.global.v4" in ptx["vec"] and "ld.global.u8" not in ptx["vec"] and "ld.global.b8" not in ptx["vec"]
+
+def test_early_vector_tiles_read_their_first_step_before_the_pdl_wait(vec_ptx):
+    """With ``early`` the first step's weights and scales are loaded before ``griddepcontrol.wait`` (the
+    activations, the kernel before's output, after it); without it nothing is."""
+    from tests.helpers import loads_before_pdl_wait
+
+    assert loads_before_pdl_wait(vec_ptx["vec-early"]) > 0 == loads_before_pdl_wait(vec_ptx["vec"])

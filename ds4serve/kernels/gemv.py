@@ -27,7 +27,8 @@ scale column each (the whole step for dense weights), so a block scale is one nu
   (:func:`ds4serve.kernels.moe._rows_dot`): each thread sums its 16-byte vectors of weights in
   registers against the activations loaded as a tile of the weight tile's shape (one row repeated,
   so the two meet with no data moved between threads), no masked load (the tile divides the
-  matrix) and one scale row a program. That product streams FP8 experts at ~3.5-3.7 TB/s inside
+  matrix) and one scale row a program. The first step is peeled; with ``early`` its weights and
+  scales are read before the PDL wait (a weight no kernel writes), as the router's gate is. That product streams FP8 experts at ~3.5-3.7 TB/s inside
   the decode graph, where the 33.5 MB FP8 projections on the other tiles reach ~2.3-3.1 (twenty-
   fourth run); not yet timed as a GEMV, so no table entry takes it.
 
@@ -58,7 +59,7 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .moe import DENSE, FP8, _rows_dot
+from .moe import DENSE, FP8, _accumulate, _activations, _rows_dot, _scale_row, _step_scales, _weight_tile
 from .scoped import overridden
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
@@ -75,6 +76,7 @@ class GemvConfig:
     stages: int = 4  # loop steps in flight (cp.async pipeline depth)
     dot: bool = False  # tensor cores: tl.dot with the activations padded to 16 rows
     vec: bool = False  # one token: the fused MoE's vector product (CUDA cores, unmasked tiles)
+    early: bool = False  # vector tiles: the first step's weights read before the PDL wait
 
 
 # (kind, R, K, N bucket (1 or 4), groups) -> config, for DeepSeek-V4-Flash's decode projections; FP8
@@ -282,23 +284,39 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
            n_rows, PARTIAL)
 
 
+@triton.jit
+def _first_step(w, s, first, rows, n_in, s_cols, QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
+                VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A vector tile's first step: its weight tile and their scales.
+    return (_weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
+            _step_scales(_scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K))
+
+
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols"])
 def _gemv_vec_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, s_cols,
                      QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PARTIAL: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr,
+                     PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # One token: program (pid, split) computes rows [first, first + BLOCK_R) over its slice of the input,
     # whose start is a multiple of the scale block's columns (config_problem), so the slice's scales are
-    # columns [k_lo / SB_C, ...) of the program's scale row.
+    # columns [k_lo / SB_C, ...) of the program's scale row. The first step is peeled: with EARLY its weights
+    # (and scales) are read before the PDL wait, their latency overlapping the kernel before.
     first = tl.program_id(0) * BLOCK_R
-    split = tl.program_id(1)
-    k_lo = split * k_per_split
-    pdl.start(PDL)
-    x = x_ptr + (first // rows_per_group) * n_in + k_lo
-    y = _rows_dot(x, w_ptr + k_lo, s_ptr + k_lo // SB_C, first, tl.minimum(k_per_split, n_in - k_lo), n_in, s_cols,
-                  QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+    k_lo = tl.program_id(1) * k_per_split
     rows = first + tl.arange(0, BLOCK_R)
-    _store(out_ptr, y, rows, rows < n_rows, split, 1, n_rows, PARTIAL)
+    w = w_ptr + k_lo
+    s = s_ptr + k_lo // SB_C
+    if EARLY:
+        w_first, s_first = _first_step(w, s, first, rows, n_in, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_K)
+    pdl.start(PDL)
+    if not EARLY:
+        w_first, s_first = _first_step(w, s, first, rows, n_in, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_K)
+    x = x_ptr + (first // rows_per_group) * n_in + k_lo
+    acc = _accumulate(tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32), w_first, s_first,
+                      _activations(x, rows, 0, QUANT, BLOCK_K, 1.0), QUANT, VEC, BLOCK_K)
+    y = _rows_dot(x, w, s, first, BLOCK_K, tl.minimum(k_per_split, n_in - k_lo), n_in, s_cols, acc,
+                  QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+    _store(out_ptr, y, rows, rows < n_rows, tl.program_id(1), 1, n_rows, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["n_split"])
@@ -347,6 +365,8 @@ def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_in: int, n_tokens:
         return f"{cfg}: block_k must divide the scale block's columns or be a multiple of them ({block})"
     if cfg.vec:
         return _vec_problem(cfg, n_rows, n_in, n_tokens, block)
+    if cfg.early:
+        return f"{cfg}: only vector tiles read weights before the PDL wait"
     if cfg.dot:
         if kind == "fp32" or n_tokens > DOT_ROWS:
             return f"{cfg}: tensor cores need bf16 activations and at most {DOT_ROWS} rows"
@@ -437,7 +457,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     """``x [N, K]`` (or ``[N, G, K]`` with ``groups=G``) times ``weight [R, K]`` → ``[N, R]``.
 
     ``scale`` (with its ``block``) makes ``weight`` FP8 e4m3; ``out`` is an optional contiguous
-    ``[N, R]`` destination of ``x``'s dtype."""
+    ``[N, R]`` destination of ``x``'s dtype. A tile with ``early`` reads ``weight`` and ``scale`` before the
+    PDL wait, so they must not be the output of the launch before (the model passes its stored weights)."""
     n_rows, n_in = weight.shape
     x2 = x.reshape(-1, groups * n_in).contiguous()
     n_tokens = x2.shape[0]
@@ -456,8 +477,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         _gemv_vec_kernel[grid](x2, weight, weight if scale is None else scale, target, n_rows, n_in, k_per_split,
                                n_rows // groups, s_cols, QUANT=DENSE if scale is None else FP8, SB_R=sb_r, SB_C=sb_c,
                                VEC=16 // weight.element_size(), BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-                               STAGES=cfg.stages, PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
-                               **pdl.launch(x2))
+                               STAGES=cfg.stages, EARLY=cfg.early, PARTIAL=split > 1, num_warps=cfg.warps,
+                               num_stages=cfg.stages, **pdl.launch(x2))
     else:
         args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0), s_cols,
                 n_tokens)

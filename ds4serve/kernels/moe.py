@@ -158,28 +158,55 @@ def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SC
 
 
 @triton.jit
-def _accumulate(acc, w_ptr, s_ptr, rows, k0, xv, row_len, s_cols,
-                QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight rows ``rows`` and inputs
-    ``[k0, k0 + BLOCK_K)`` with the activations from :func:`_activations`, summed over each thread's
-    16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
-    and a chain of FMAs, in the registers that hold the vector.
-
-    FP8: a program's rows lie in one scale row (the launcher makes sure) and ``s_ptr`` points at
-    it, so the block scales multiply the activations, not every weight.
-    """
-    R: tl.constexpr = rows.shape[0]
+def _weight_tile(w_ptr, rows, k0, row_len, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One step's weights of the rows ``rows`` and inputs ``[k0, k0 + BLOCK_K)`` as stored (MXFP4: their bytes),
+    for :func:`_accumulate`."""
     if QUANT == 2:
-        b = tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-        lo, hi = _e2m1(b)
-        part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
-        e = tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
-        acc += part * _group_scale(e)
+        return tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
     else:
-        w = tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
+        return tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :])
+
+
+@triton.jit
+def _scale_row(s_ptr, row0, s_cols, QUANT: tl.constexpr, SB_R: tl.constexpr):
+    """FP8: the scale row of a program's rows from ``row0`` (they lie in one, the launcher makes sure);
+    ``s_ptr`` itself for the other formats."""
+    if QUANT == 1:
+        return s_ptr + (row0 // SB_R) * s_cols
+    else:
+        return s_ptr
+
+
+@triton.jit
+def _step_scales(s_ptr, rows, k0, s_cols, QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The scales of one step's weights (inputs ``[k0, k0 + BLOCK_K)``), for :func:`_accumulate`: FP8 the block
+    scales of the program's scale row ``s_ptr`` (:func:`_scale_row`), MXFP4 the exponent of each row's scale
+    groups, dense weights none (1)."""
+    if QUANT == 2:
+        return tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
+    elif QUANT == 1:
+        return _fp8_scales(s_ptr, k0, SB_C, BLOCK_K)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _accumulate(acc, w, scales, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight tile ``w`` (:func:`_weight_tile`) and
+    its ``scales`` (:func:`_step_scales`) with the activations from :func:`_activations`, summed over each
+    thread's 16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
+    and a chain of FMAs, in the registers that hold the vector. FP8 block scales multiply the activations
+    (a program's rows lie in one scale row), not every weight."""
+    R: tl.constexpr = w.shape[0]
+    if QUANT == 2:
+        lo, hi = _e2m1(w)
+        part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
+        acc += part * _group_scale(scales)
+    else:
         if QUANT == 1:
-            xv = xv * _fp8_scales(s_ptr, k0, SB_C, BLOCK_K)
-        acc += tl.sum(tl.reshape(w * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
+            xv = xv * scales
+        acc += tl.sum(tl.reshape(w.to(tl.float32) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
     return acc
 
 
@@ -188,16 +215,17 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
                   QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
-    if QUANT == 1:
-        s1 += (row0 // SB_R) * s_cols
-        s3 += (row0 // SB_R) * s_cols
+    s1 = _scale_row(s1, row0, s_cols, QUANT, SB_R)
+    s3 = _scale_row(s3, row0, s_cols, QUANT, SB_R)
     rows = row0 + tl.arange(0, BLOCK_R)
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
         xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
-        acc1 = _accumulate(acc1, w1, s1, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
-        acc3 = _accumulate(acc3, w3, s3, rows, k0, xv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc1 = _accumulate(acc1, _weight_tile(w1, rows, k0, row_len, QUANT, BLOCK_K),
+                           _step_scales(s1, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K), xv, QUANT, VEC, BLOCK_K)
+        acc3 = _accumulate(acc3, _weight_tile(w3, rows, k0, row_len, QUANT, BLOCK_K),
+                           _step_scales(s3, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K), xv, QUANT, VEC, BLOCK_K)
     g = tl.sum(acc1, axis=1)
     u = tl.sum(acc3, axis=1)
     if limit > 0:
@@ -210,19 +238,19 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 
 
 @triton.jit
-def _rows_dot(h, w2, s2, row0, n_inter, row_len, s_cols,
+def _rows_dot(h, w2, s2, row0, k_start, n_inter, row_len, s_cols, acc,
               QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """``w2 h`` of the rows ``[row0, row0 + BLOCK_R)`` of ``w2`` (rows of ``row_len`` elements, the first
-    ``n_inter`` inputs), ``h`` one vector: an expert's down projection, and a one-token GEMV's vector tiles
-    (:mod:`ds4serve.kernels.gemv`)."""
-    if QUANT == 1:
-        s2 += (row0 // SB_R) * s_cols
+    """``w2 h`` of the rows ``[row0, row0 + BLOCK_R)`` of ``w2`` (rows of ``row_len`` elements), ``h`` one
+    vector: ``acc`` (:func:`_accumulate`'s: zeros, or the steps before ``k_start``) plus the steps over inputs
+    ``[k_start, n_inter)``, summed per row. An expert's down projection, and a one-token GEMV's vector tiles
+    (:mod:`ds4serve.kernels.gemv`, which may take its first step's weights before the PDL wait)."""
+    s2 = _scale_row(s2, row0, s_cols, QUANT, SB_R)
     rows = row0 + tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in tl.range(0, n_inter, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_start, n_inter, BLOCK_K, num_stages=STAGES):
         hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
-        acc = _accumulate(acc, w2, s2, rows, k0, hv, row_len, s_cols, QUANT, SB_C, VEC, BLOCK_K)
+        acc = _accumulate(acc, _weight_tile(w2, rows, k0, row_len, QUANT, BLOCK_K),
+                          _step_scales(s2, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K), hv, QUANT, VEC, BLOCK_K)
     return tl.sum(acc, axis=1)
 
 
@@ -280,17 +308,19 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     h = h_ptr + pair * n_inter
     e = tl.load(idx_ptr + choice).to(tl.int64)
     weight = tl.load(wt_ptr + choice).to(tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     if MIXED:
         if slot < top_k:
-            y = _rows_dot(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, n_inter, row_len, s_cols,
+            y = _rows_dot(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, 0, n_inter, row_len, s_cols, acc,
                           QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
         else:
-            y = _rows_dot(h, sw2_ptr, ss2_ptr, row0, n_inter, srow_len, ss_cols,
+            y = _rows_dot(h, sw2_ptr, ss2_ptr, row0, 0, n_inter, srow_len, ss_cols,
+                          tl.zeros([BLOCK_R, BLOCK_K // SVEC], dtype=tl.float32),
                           SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
     else:
         shared = slot >= top_k
         y = _rows_dot(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
-                      tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, n_inter, row_len, s_cols,
+                      tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, 0, n_inter, row_len, s_cols, acc,
                       QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
