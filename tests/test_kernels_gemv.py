@@ -98,7 +98,8 @@ def test_default_config_fills_the_device_and_table_entries_run():
     assert cfg.split > 1 and -(-4096 // cfg.block_r) * cfg.split >= 2 * SMS
     for (kind, rows, cols, tokens, groups), entry in TABLE.items():
         block = (128, 128) if kind == "fp8" else None
-        assert config_problem(entry, kind, rows, cols, tokens, groups, block) is None, (kind, rows, cols, tokens, groups)
+        assert config_problem(entry, kind, rows, cols, tokens, groups, block) is None, (kind, rows, cols, tokens,
+                                                                                        groups)
     for kind in ("bf16", "fp8", "fp32"):
         for tokens in (1, 4, 8):
             block = (128, 128) if kind == "fp8" else None

@@ -127,7 +127,8 @@ def test_top_p_below_the_top_token_keeps_only_it():
 
 
 def test_temperatures_below_the_epsilon_are_greedy():
-    assert Sampler(SamplingParams(temperature=1e-6), 5).greedy and not Sampler(SamplingParams(temperature=1e-5), 5).greedy
+    assert Sampler(SamplingParams(temperature=1e-6), 5).greedy
+    assert not Sampler(SamplingParams(temperature=1e-5), 5).greedy
     assert _dist(temperature=5e-324).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 

@@ -28,9 +28,10 @@ scale column each (the whole step for dense weights), so a block scale is one nu
   registers against the activations loaded as a tile of the weight tile's shape (one row repeated,
   so the two meet with no data moved between threads), no masked load (the tile divides the
   matrix) and one scale row a program. The first step is peeled; with ``early`` its weights and
-  scales are read before the PDL wait (a weight no kernel writes), as the router's gate is. That product streams FP8 experts at ~3.5-3.7 TB/s inside
-  the decode graph, where the 33.5 MB FP8 projections on the other tiles reach ~2.3-3.1 (twenty-
-  fourth run); not yet timed as a GEMV, so no table entry takes it.
+  scales are read before the PDL wait (a weight no kernel writes), as the router's gate is. That
+  product streams FP8 experts at ~3.5-3.7 TB/s inside the decode graph, where the 33.5 MB FP8
+  projections on the other tiles reach ~2.3-3.1 (twenty-fourth run); not yet timed as a GEMV, so
+  no table entry takes it (docs/BENCHMARKS.md, known gaps).
 
 The loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
 ``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
