@@ -10,7 +10,8 @@ writes candidate tiles, one field changed per candidate, as named tables::
 
 (GEMV tiles of the decode projections by default; with ``--moe`` the fused MoE's tiles per expert format, one
 field changed; with ``--vec`` the one-token vector tiles, ``gemv.GemvConfig.vec``, for each projection) and
-``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as an arm ``defaults@NAME`` (the switches of the part before ``@``, the tiles of the named table) in one process.
+``bench_gpu.py --tables FILE --table-arms`` times the defaults and every table as an arm ``defaults@NAME`` (the
+switches of the part before ``@``, the tiles of the named table) in one process.
 Usage (GPU machine, repository root)::
 
     PYTHONPATH=. python3 bench/gemv_tables.py --out $OUT/tables.json [--moe | --vec] [--shapes wo_b,q_res]
