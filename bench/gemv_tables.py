@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -178,14 +179,50 @@ def arm_scope(arm: str, tables: Tables) -> ExitStack:
     return stack
 
 
+def summarize(arms: dict, tables: Tables) -> list[str]:
+    """Per variant of a ``bench_gpu.py --table-arms`` result and per group of tables (a name without its
+    number: ``wo_b``, ``wo_b-vec``, ``moe-fp8-down``...), the fastest arm against the defaults: one line each,
+    ``variant group: defaults X ms, best NAME Y ms (-Z%): config``. A result cut short (the rounds saved so far,
+    no final figures) is read from its rounds."""
+    lines = []
+    for variant, result in arms.items():
+        rows = (result.get("decode_512") or result.get("arms_so_far") or {}) if isinstance(result, dict) else {}
+        base = _arm_ms(rows.get("defaults", {}))
+        groups: dict[str, list[tuple[float, str]]] = {}
+        for arm, row in rows.items():
+            name = arm.partition("@")[2]
+            if name in tables and _arm_ms(row) is not None:
+                groups.setdefault(name.rsplit("-", 1)[0], []).append((_arm_ms(row), name))
+        for group, timed in groups.items():
+            ms, name = min(timed)
+            change = f" ({100 * (ms / base - 1):+.1f}%)" if base else ""
+            base_ms = f"{base:.3f}" if base else "?"
+            configs = "; ".join(f"{list(k)}: {c}" for k, c in tables[name].items())
+            lines.append(f"{variant} {group}: defaults {base_ms} ms, best {name} {ms:.3f} ms{change}: {configs}")
+    return lines
+
+
+def _arm_ms(row: dict) -> float | None:
+    """An arm's ms/token: its final figure, else the median of the rounds it has, else None (it failed)."""
+    if "graph_ms" in row:
+        return row["graph_ms"]
+    return statistics.median(row["rounds_ms"]) if row.get("rounds_ms") else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--summarize", type=Path, default=None,
+                   help="instead of writing tables: read --out's tables and this bench_gpu.py --table-arms result, "
+                        "and print each group's fastest arm against the defaults")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
     kind.add_argument("--vec", action="store_true", help="the GEMV's one-token vector tiles")
     p.add_argument("--shapes", default="", help=f"comma-separated GEMV shapes (default all: {','.join(SHAPES)})")
     args = p.parse_args()
+    if args.summarize is not None:
+        print("\n".join(summarize(json.loads(args.summarize.read_text()), load(args.out))))
+        return
     tables = write(args.out, args.moe, args.vec, [n for n in args.shapes.split(",") if n])
     print(f"{len(tables)} tables: {', '.join(tables)}")
 

@@ -112,3 +112,19 @@ def test_vec_tables_hold_runnable_vector_tiles_of_every_shape(tmp_path):
         for cfg in tiles:
             if cfg.split == 1 and -(-rows // cfg.block_r) < 2 * SMS:  # too few programs: a split tile beside it
                 assert any(o.split > 1 and (o.block_r, o.block_k) == (cfg.block_r, cfg.block_k) for o in tiles)
+
+
+def test_summary_names_each_groups_fastest_arm_against_the_defaults(tmp_path):
+    tables = gemv_tables.write(tmp_path / "t.json", vec=True, shapes=["wo_b", "q_res"])
+    names = sorted(tables)
+    wo_b = [n for n in names if n.startswith("wo_b-")]
+    rows = {"defaults": {"graph_ms": 6.4}, f"defaults@{wo_b[0]}": {"graph_ms": 6.5},
+            f"defaults@{wo_b[1]}": {"graph_ms": 6.2}, f"defaults@{wo_b[2]}": {"error": "failed to capture"}}
+    lines = gemv_tables.summarize({"fp8": {"decode_512": rows}}, tables)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"fp8 wo_b-vec: defaults 6.400 ms, best {wo_b[1]} 6.200 ms (-3.1%)")
+    assert str(tables[wo_b[1]][gemv_tables.SHAPES["wo_b"]]) in lines[0]
+    cut_short = {"defaults": {"rounds_ms": [6.4, 6.5]}, f"defaults@{wo_b[0]}": {"rounds_ms": [6.0, 6.1, 6.3]}}
+    lines = gemv_tables.summarize({"fp8": {"arms_so_far": cut_short}}, tables)  # the rounds saved before a timeout
+    assert lines == [f"fp8 wo_b-vec: defaults 6.450 ms, best {wo_b[0]} 6.100 ms (-5.4%): "
+                     f"{list(gemv_tables.SHAPES['wo_b'])}: {tables[wo_b[0]][gemv_tables.SHAPES['wo_b']]}"]
