@@ -71,6 +71,10 @@ def candidates(key: Key) -> list[GemvConfig]:
     return out
 
 
+# Products that run in one launch (gemv_pair) only when their tiles are of one kind: an FP8 layer's input products
+# (FP8 wq_a + wkv beside the bf16 compressor parts), whose vector tiles are timed together (--vec, "inputs")
+GROUPS: dict[str, tuple[str, ...]] = {"inputs": ("x_fp8", "x_bf16_hca", "x_bf16_csa")}
+
 # (block_r, block_k) of the vector tiles: the fused MoE's FP8 tiles (gate-up 32 x 512, down 64 x 256) and their
 # neighbours, four warps and one loop stage as there
 VEC_TILES = ((16, 512), (32, 512), (32, 256), (64, 256))
@@ -90,6 +94,19 @@ def vec_candidates(key: Key) -> list[GemvConfig]:
                 if cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups,
                                                      _scale_block(kind)) is None:
                     out.append(cfg)
+    return out
+
+
+def vec_group_candidates(group: str) -> list[dict[Key, GemvConfig]]:
+    """Tables that give every product of ``group`` (:data:`GROUPS`) one vector tile, unsplit as the pair kernel
+    takes them, each way of ``early``: the tiles of :data:`VEC_TILES` that can run all of them."""
+    keys = [SHAPES[name] for name in GROUPS[group]]
+    out = []
+    for block_r, block_k in VEC_TILES:
+        for early in (False, True):
+            cfg = GemvConfig(block_r, block_k, 1, warps=4, stages=1, vec=True, early=early)
+            if all(config_problem(cfg, k[0], k[1], k[2], k[3], k[4], _scale_block(k[0])) is None for k in keys):
+                out.append({k: cfg for k in keys})
     return out
 
 
@@ -115,12 +132,13 @@ def _scale_block(kind: str) -> tuple[int, int] | None:
 
 
 def write(path: Path, moe: bool = False, vec: bool = False, shapes: list[str] | None = None) -> Tables:
-    """Every GEMV shape's candidates (or those of ``shapes``, names of :data:`SHAPES`) as one-entry tables named
-    ``SHAPE-i`` (with ``moe``: every expert format's MoE candidates, ``moe-FORMAT-NAME``; with ``vec``: the
-    shapes' vector tiles, ``SHAPE-vec-i``), written to ``path`` as JSON."""
-    unknown = sorted(set(shapes or ()) - set(SHAPES))
+    """Every GEMV shape's candidates (or those of ``shapes``, names of :data:`SHAPES` and :data:`GROUPS`) as
+    one-entry tables named ``SHAPE-i`` (with ``moe``: every expert format's MoE candidates, ``moe-FORMAT-NAME``;
+    with ``vec``: the shapes' vector tiles, ``SHAPE-vec-i``, and the groups', ``GROUP-vec-i``), written to
+    ``path`` as JSON."""
+    unknown = sorted(set(shapes or ()) - set(SHAPES) - set(GROUPS))
     if unknown:
-        raise ValueError(f"no shapes {unknown} (shapes: {sorted(SHAPES)})")
+        raise ValueError(f"no shapes {unknown} (shapes: {sorted(SHAPES)}, groups: {sorted(GROUPS)})")
     chosen = {name: key for name, key in SHAPES.items() if not shapes or name in shapes}
     if moe:
         tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
@@ -128,6 +146,8 @@ def write(path: Path, moe: bool = False, vec: bool = False, shapes: list[str] | 
     elif vec:
         tables = {f"{name}-vec-{i}": {key: cfg} for name, key in chosen.items()
                   for i, cfg in enumerate(vec_candidates(key))}
+        tables.update({f"{group}-vec-{i}": table for group in GROUPS if not shapes or group in shapes
+                       for i, table in enumerate(vec_group_candidates(group))})
     else:
         tables = {f"{name}-{i}": {key: cfg} for name, key in chosen.items() for i, cfg in enumerate(candidates(key))}
     path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
@@ -218,7 +238,8 @@ def main() -> None:
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
     kind.add_argument("--vec", action="store_true", help="the GEMV's one-token vector tiles")
-    p.add_argument("--shapes", default="", help=f"comma-separated GEMV shapes (default all: {','.join(SHAPES)})")
+    p.add_argument("--shapes", default="", help=f"comma-separated GEMV shapes (default all: {','.join(SHAPES)}) and "
+                                               f"--vec groups ({','.join(GROUPS)})")
     args = p.parse_args()
     if args.summarize is not None:
         print("\n".join(summarize(json.loads(args.summarize.read_text()), load(args.out))))

@@ -6,7 +6,7 @@
 #
 #     OUT=$OUT bash bench/tiles_round.sh [gemv_tables.py arguments] [-- extra bench_gpu.py arguments]
 #     OUT=$OUT bash bench/tiles_round.sh --vec --shapes wo_b,wo_a           # the vector tiles of two projections
-#     OUT=$OUT TESTS=0 bash bench/tiles_round.sh --vec --shapes q_res,q_res_csa,x_fp8   # a second call, no tests
+#     OUT=$OUT TESTS=0 bash bench/tiles_round.sh --vec --shapes q_res,q_res_csa,x_fp8,inputs   # no tests
 #
 # Each arm is a capture of the 43-layer decode graph and the compile of its kernels (~3-4 s), so a call holds
 # about 50 tables beside the tests (~5 min) or 100 without them. Results under $OUT, at most seven files (a device

@@ -99,10 +99,15 @@ def test_vec_tables_hold_runnable_vector_tiles_of_every_shape(tmp_path):
     assert gemv_tables.load(tmp_path / "vec.json") == tables
     assert set(gemv_tables.write(tmp_path / "some.json", vec=True, shapes=["wo_b"])) == {
         name for name in tables if name.startswith("wo_b-vec-")}
+    inputs = [table for name, table in tables.items() if name.startswith("inputs-vec-")]
+    members = {gemv_tables.SHAPES[n] for n in gemv_tables.GROUPS["inputs"]}
+    assert inputs and all(set(t) == members and len(set(t.values())) == 1 for t in inputs)  # one tile for the pair
+    assert all(cfg.split == 1 for t in inputs for cfg in t.values())
     with pytest.raises(ValueError, match="no shapes"):
         gemv_tables.write(tmp_path / "bad.json", shapes=["wo_c"])
     for name, key in gemv_tables.SHAPES.items():
         tiles = [cfg for t, table in tables.items() if t.startswith(f"{name}-vec-") for cfg in table.values()]
+        assert all(len(table) == 1 for t, table in tables.items() if t.startswith(f"{name}-vec-"))
         kind, rows, cols, tokens, groups = key
         block = (128, 128) if kind == "fp8" else None
         assert tiles and all(cfg.vec and cfg.stages == 1 for cfg in tiles)

@@ -6,6 +6,8 @@ tests/conftest.py before anything imports Triton), so the shapes are tiny.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -160,13 +162,18 @@ def test_dense_gemv_op_traces_whole():
     assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
 
 
-@pytest.mark.parametrize("kinds,rows", [(("fp8", "bf16"), 1), (("fp8", "bf16"), 3), (("bf16", "fp8"), 2),
-                                        (("fp8", "fp8"), 1)])
-def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows):
+FMA_TILES = {"fp8": GemvConfig(8, 64, warps=1), "bf16": GemvConfig(16, 32, warps=2)}
+VEC_TILES = {"fp8": GemvConfig(16, 32, stages=1, vec=True, early=True), "bf16": GemvConfig(8, 32, warps=2, vec=True)}
+
+
+@pytest.mark.parametrize("kinds,rows,vec", [(("fp8", "bf16"), 1, False), (("fp8", "bf16"), 3, False),
+                                            (("bf16", "fp8"), 2, False), (("fp8", "fp8"), 1, False),
+                                            (("fp8", "bf16"), 1, True), (("bf16", "fp8"), 1, True)])
+def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows, vec):
     """Both products in one launch (CUDA-core tiles without split-K, as the H200 table has for a layer's
-    input products), each equal to its own reference."""
-    launches = spy_launches(monkeypatch, gemv_module, "_gemv_fma_pair_kernel")
-    tiles = {"fp8": GemvConfig(8, 64, warps=1), "bf16": GemvConfig(16, 32, warps=2)}
+    input products, or vector tiles), each equal to its own reference."""
+    launches = spy_launches(monkeypatch, gemv_module, "_gemv_vec_pair_kernel" if vec else "_gemv_fma_pair_kernel")
+    tiles = VEC_TILES if vec else FMA_TILES
     monkeypatch.setattr(gemv_module, "default_config", lambda kind, *args: tiles[kind])
     a, b = _weight(kinds[0], 1), _weight(kinds[1], 2)
     b = (b[0][: R // 2].contiguous(), None if b[1] is None else b[1][: R // 2 // BLOCK[0]].contiguous(), b[2])
@@ -177,17 +184,21 @@ def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows)
     assert launches == [sum(-(-op[0].shape[0] // tiles[kind].block_r) for op, kind in zip((a, b), kinds))]
 
 
-@pytest.mark.parametrize("tiles", [GemvConfig(16, 32, split=2), GemvConfig(16, 32, vec=True)])
+@pytest.mark.parametrize("tiles", [(GemvConfig(16, 32, split=2),) * 2, (GemvConfig(16, 32, vec=True, split=2),) * 2,
+                                   (GemvConfig(16, 32, vec=True), GemvConfig(16, 32))])
 def test_gemv_pair_falls_back_to_two_launches(monkeypatch, tiles):
-    """A product whose tiles are tensor-core, split-K or vector tiles runs as its own GEMV."""
+    """Products whose tiles are tensor-core or split-K tiles, or one a vector tile and the other not, run as
+    GEMVs of their own."""
     launches = spy_launches(monkeypatch, gemv_module, "_gemv_fma_pair_kernel")
+    vec_launches = spy_launches(monkeypatch, gemv_module, "_gemv_vec_pair_kernel")
     calls = []
     monkeypatch.setattr(gemv_module, "gemv", lambda *args: calls.append(args[1].shape) or gemv(*args))
-    monkeypatch.setattr(gemv_module, "default_config", lambda *args: tiles)
+    picks = itertools.cycle(tiles)  # product a's tiles, then b's: for the pair's plans, then for the two GEMVs
+    monkeypatch.setattr(gemv_module, "default_config", lambda *args: next(picks))
     a, b = _weight("fp8", 3), _weight("fp32", 4)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     ya, yb = gemv_pair(x, a, b)
-    assert launches == [] and len(calls) == 2
+    assert launches == vec_launches == [] and len(calls) == 2
     assert _rel(ya, gemv_ref(x, *a)) <= 1e-5 and _rel(yb, gemv_ref(x, *b)) <= 1e-5
 
 

@@ -41,9 +41,9 @@ second launch sums the slices in a fixed order (deterministic, unlike atomics).
 
 :func:`default_config` reads :data:`TABLE`, filled by ``bench/sweep_gemv.py`` on the target GPU,
 and falls back to a heuristic for other shapes. :func:`gemv_pair` runs two products of one input in one
-launch when both tables pick CUDA-core tiles without split-K (an FP8 layer's FP8 and bf16 input
-products): the first programs are the first product's, the rest the second's, each with its own tiles,
-so the results are those of the two launches, bit for bit.
+launch when both tables pick CUDA-core tiles, or both vector tiles, without split-K (an FP8 layer's FP8
+and bf16 input products): the first programs are the first product's, the rest the second's, each with
+its own tiles, so the results are those of the two launches, bit for bit.
 """
 
 from __future__ import annotations
@@ -298,12 +298,39 @@ def _gemv_vec_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                      QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr,
                      PARTIAL: tl.constexpr, PDL: tl.constexpr):
+    _vec_program(tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split,
+                 rows_per_group, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, EARLY, PARTIAL, PDL)
+
+
+@triton.jit(do_not_specialize=["s_cols_a", "s_cols_b"])
+def _gemv_vec_pair_kernel(x_ptr, n_in, programs_a, wa_ptr, sa_ptr, outa_ptr, rows_a, s_cols_a,
+                          wb_ptr, sb_ptr, outb_ptr, rows_b, s_cols_b,
+                          A_QUANT: tl.constexpr, A_SB_R: tl.constexpr, A_SB_C: tl.constexpr, A_VEC: tl.constexpr,
+                          A_BLOCK_R: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
+                          A_EARLY: tl.constexpr, B_QUANT: tl.constexpr, B_SB_R: tl.constexpr, B_SB_C: tl.constexpr,
+                          B_VEC: tl.constexpr, B_BLOCK_R: tl.constexpr, B_BLOCK_K: tl.constexpr,
+                          B_STAGES: tl.constexpr, B_EARLY: tl.constexpr, PDL: tl.constexpr):
+    # gemv_pair on vector tiles: the first programs_a programs are product a's, the rest product b's.
+    pid = tl.program_id(0)
+    if pid < programs_a:
+        _vec_program(pid, 0, x_ptr, wa_ptr, sa_ptr, outa_ptr, rows_a, n_in, n_in, rows_a, s_cols_a, A_QUANT, A_SB_R,
+                     A_SB_C, A_VEC, A_BLOCK_R, A_BLOCK_K, A_STAGES, A_EARLY, False, PDL)
+    else:
+        _vec_program(pid - programs_a, 0, x_ptr, wb_ptr, sb_ptr, outb_ptr, rows_b, n_in, n_in, rows_b, s_cols_b,
+                     B_QUANT, B_SB_R, B_SB_C, B_VEC, B_BLOCK_R, B_BLOCK_K, B_STAGES, B_EARLY, False, PDL)
+
+
+@triton.jit
+def _vec_program(pid, split, x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, s_cols,
+                 QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr,
+                 PARTIAL: tl.constexpr, PDL: tl.constexpr):
     # One token: program (pid, split) computes rows [first, first + BLOCK_R) over its slice of the input,
     # whose start is a multiple of the scale block's columns (config_problem), so the slice's scales are
     # columns [k_lo / SB_C, ...) of the program's scale row. The first step is peeled: with EARLY its weights
     # (and scales) are read before the PDL wait, their latency overlapping the kernel before.
-    first = tl.program_id(0) * BLOCK_R
-    k_lo = tl.program_id(1) * k_per_split
+    first = pid * BLOCK_R
+    k_lo = split * k_per_split
     rows = first + tl.arange(0, BLOCK_R)
     w = w_ptr + k_lo
     s = s_ptr + k_lo // SB_C
@@ -317,7 +344,7 @@ def _gemv_vec_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
                       _activations(x, rows, 0, QUANT, BLOCK_K, 1.0), QUANT, VEC, BLOCK_K)
     y = _rows_dot(x, w, s, first, BLOCK_K, tl.minimum(k_per_split, n_in - k_lo), n_in, s_cols, acc,
                   QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
-    _store(out_ptr, y, rows, rows < n_rows, tl.program_id(1), 1, n_rows, PARTIAL)
+    _store(out_ptr, y, rows, rows < n_rows, split, 1, n_rows, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["n_split"])
@@ -474,12 +501,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     s_cols = scale.shape[1] if scale is not None else 0
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.vec:
-        sb_r, sb_c = block or (1, 1)
         _gemv_vec_kernel[grid](x2, weight, weight if scale is None else scale, target, n_rows, n_in, k_per_split,
-                               n_rows // groups, s_cols, QUANT=DENSE if scale is None else FP8, SB_R=sb_r, SB_C=sb_c,
-                               VEC=16 // weight.element_size(), BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-                               STAGES=cfg.stages, EARLY=cfg.early, PARTIAL=split > 1, num_warps=cfg.warps,
-                               num_stages=cfg.stages, **pdl.launch(x2))
+                               n_rows // groups, s_cols, **_vec_consts(cfg, weight, block), PARTIAL=split > 1,
+                               num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch(x2))
     else:
         args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0), s_cols,
                 n_tokens)
@@ -520,27 +544,45 @@ def gemv_pair(x: torch.Tensor, a: Operand, b: Operand) -> tuple[torch.Tensor, to
     """``(gemv(x, *a), gemv(x, *b))`` for two weights of one input width, each ``(weight, scale, block)``
     as :func:`gemv` takes them (e.g. a layer's FP8 input projections and its bf16 compressor weights).
 
-    When both products' table configurations are CUDA-core tiles without split-K, one launch runs both
-    (the first programs product ``a``'s, the rest product ``b``'s), so the second product's ramp and the
-    gap between them are saved; otherwise two :func:`gemv` launches."""
+    When both products' table configurations are CUDA-core tiles without split-K, or both vector tiles without
+    split-K, one launch runs both (the first programs product ``a``'s, the rest product ``b``'s), so the second
+    product's ramp and the gap between them are saved; otherwise two :func:`gemv` launches."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_tokens, n_in = x2.shape
     if any(op[0].shape[1] != n_in for op in (a, b)):
         raise ValueError(f"gemv_pair: both weights must take {n_in} inputs, not {a[0].shape[1]} and {b[0].shape[1]}")
     plans = [_pair_plan(x2, *op) for op in (a, b)]
-    if any(plan is None for plan in plans):
+    if any(plan is None for plan in plans) or plans[0].vec != plans[1].vec:
         return gemv(x2, *a), gemv(x2, *b)
     outs = [torch.empty(n_tokens, op[0].shape[0], device=x.device, dtype=x.dtype) for op in (a, b)]
-    consts = {f"{prefix}_{name}": value for prefix, (_, scale, block), cfg in zip("AB", (a, b), plans)
-              for name, value in _tile_consts(cfg, block if scale is not None else None).items()}
+    blocks = [block if scale is not None else None for _, scale, block in (a, b)]
     programs = [triton.cdiv(op[0].shape[0], cfg.block_r) for op, cfg in zip((a, b), plans)]
     (wa, sa, _), (wb, sb, _) = a, b
+    launch = dict(num_warps=max(cfg.warps for cfg in plans), num_stages=max(cfg.stages for cfg in plans),
+                  **pdl.launch(x2))
+    if plans[0].vec:
+        consts = {f"{prefix}_{name}": value for prefix, (w, _, _), cfg, block in zip("AB", (a, b), plans, blocks)
+                  for name, value in _vec_consts(cfg, w, block).items()}
+        _gemv_vec_pair_kernel[(sum(programs),)](
+            x2, n_in, programs[0], wa, wa if sa is None else sa, outs[0], wa.shape[0],
+            sa.shape[1] if sa is not None else 0, wb, wb if sb is None else sb, outs[1], wb.shape[0],
+            sb.shape[1] if sb is not None else 0, **consts, **launch)
+        return outs[0], outs[1]
+    consts = {f"{prefix}_{name}": value for prefix, cfg, block in zip("AB", plans, blocks)
+              for name, value in _tile_consts(cfg, block).items()}
     _gemv_fma_pair_kernel[(sum(programs),)](
         x2, x2.stride(0), n_in, n_tokens, programs[0], wa, sa, outs[0], wa.shape[0],
         sa.shape[1] if sa is not None else 0, wb, sb, outs[1], wb.shape[0], sb.shape[1] if sb is not None else 0,
-        N_PAD=triton.next_power_of_2(n_tokens), num_warps=max(cfg.warps for cfg in plans),
-        num_stages=max(cfg.stages for cfg in plans), **consts, **pdl.launch(x2))
+        N_PAD=triton.next_power_of_2(n_tokens), **consts, **launch)
     return outs[0], outs[1]
+
+
+def _vec_consts(cfg: GemvConfig, weight: torch.Tensor, block: tuple[int, int] | None) -> dict:
+    """A vector-tile program's compile-time parameters for ``cfg``, ``weight`` and its FP8 scale ``block``
+    (None: dense)."""
+    sb_r, sb_c = block or (1, 1)
+    return dict(QUANT=DENSE if block is None else FP8, SB_R=sb_r, SB_C=sb_c, VEC=16 // weight.element_size(),
+                BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, STAGES=cfg.stages, EARLY=cfg.early)
 
 
 def _tile_consts(cfg: GemvConfig, block: tuple[int, int] | None) -> dict:
@@ -552,7 +594,7 @@ def _tile_consts(cfg: GemvConfig, block: tuple[int, int] | None) -> dict:
 
 def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                block: tuple[int, int] | None) -> GemvConfig | None:
-    """``weight``'s configuration when it can run inside the pair kernel (CUDA-core tiles, no split-K,
+    """``weight``'s configuration when it can run inside a pair kernel (CUDA-core or vector tiles, no split-K,
     contiguous), else None."""
     if not weight.is_contiguous() or (scale is not None and weight.dtype != torch.float8_e4m3fn):
         return None
@@ -560,7 +602,7 @@ def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         cfg, _, _, slices = _plan(x2.dtype, x2.shape[0], weight, scale, block, 1, None)
     except ValueError:  # a table entry this product cannot run: gemv says why
         return None
-    return None if cfg.dot or cfg.vec or slices > 1 else cfg
+    return None if cfg.dot or slices > 1 else cfg
 
 
 def _dot_dtype(x: torch.Tensor, scaled: bool) -> tl.dtype:
