@@ -65,14 +65,14 @@ class Sampler:
             if seen.numel():
                 vals = x[seen]
                 penalty = min(max(p.repetition_penalty, _FLOAT32_TINY), _FLOAT32_MAX)  # never a factor of 0 or inf
-                x[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+                x[seen] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(max=_FLOAT32_MAX)
         if p.frequency_penalty or p.presence_penalty:
             recent = output[-window:] if window else output
             if recent:
                 ids = torch.tensor(recent, dtype=torch.long, device=self.device)
                 counts = torch.bincount(ids, minlength=x.shape[0]).float()
                 x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        return x.clamp_(max=_FLOAT32_MAX)
+        return x
 
     def distribution(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         """The exact probabilities the sampler draws from (one-hot when greedy)."""
