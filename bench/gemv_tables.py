@@ -98,16 +98,11 @@ def vec_candidates(key: Key) -> list[GemvConfig]:
 
 
 def vec_group_candidates(group: str) -> list[dict[Key, GemvConfig]]:
-    """Tables that give every product of ``group`` (:data:`GROUPS`) one vector tile, unsplit as the pair kernel
-    takes them, each way of ``early``: the tiles of :data:`VEC_TILES` that can run all of them."""
+    """Tables that give every product of ``group`` (:data:`GROUPS`) one vector tile: the unsplit candidates of its
+    first product (the pair kernel takes no split-K) that can run all of them."""
     keys = [SHAPES[name] for name in GROUPS[group]]
-    out = []
-    for block_r, block_k in VEC_TILES:
-        for early in (False, True):
-            cfg = GemvConfig(block_r, block_k, 1, warps=4, stages=1, vec=True, early=early)
-            if all(config_problem(cfg, k[0], k[1], k[2], k[3], k[4], _scale_block(k[0])) is None for k in keys):
-                out.append({k: cfg for k in keys})
-    return out
+    return [{k: cfg for k in keys} for cfg in vec_candidates(keys[0]) if cfg.split == 1
+            and all(config_problem(cfg, k[0], k[1], k[2], k[3], k[4], _scale_block(k[0])) is None for k in keys[1:])]
 
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
