@@ -77,7 +77,7 @@ def ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = cuda_ms(partial(torch.matmul, a, b), 10, warmup=3)
-    rate = 2 * 8192 ** 3 / ms / 1e9  # TFLOP/s
+    rate = 2 * 8192**3 / ms / 1e9  # TFLOP/s
     del a, b
     torch.cuda.empty_cache()
     return {"copy_GBps": copy, "bf16_matmul_TFLOPs": rate}
@@ -85,7 +85,7 @@ def ceilings() -> dict:
 
 def prefill(model, state, ids: list[int], chunk: int) -> None:
     for i in range(0, len(ids), chunk):
-        part = ids[i:i + chunk]
+        part = ids[i : i + chunk]
         state.commit(model.forward(part, state).delta, len(part))
 
 
@@ -106,12 +106,14 @@ def eager_step(model):
         r = model.forward([token], state, logit_rows=slice(0, 1))
         state.commit(r.delta, 1)
         return r.logits[0]
+
     return step
 
 
 def graph_step(graph: DecodeGraph):
     def step(token: int, state):
         return graph.step(token)[0]  # the replay commits the token too
+
     return step
 
 
@@ -119,7 +121,11 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     log(f"building the {variant} proxy ({args.layers} layers)")
     model = build_proxy(variant, layers=args.layers)
     torch.cuda.synchronize()
-    out = {"variant": variant, "weights_GB": model.nbytes() / 1e9, "bytes_per_token_GB": bytes_per_token(model) / 1e9}
+    out = {
+        "variant": variant,
+        "weights_GB": model.nbytes() / 1e9,
+        "bytes_per_token_GB": bytes_per_token(model) / 1e9,
+    }
     log(f"weights {out['weights_GB']:.1f} GB, read per decode token {out['bytes_per_token_GB']:.2f} GB")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -152,14 +158,20 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             row["tokens_per_s"] = 1e3 / ms
             row["GBps"] = out["bytes_per_token_GB"] / ms * 1e3
             row["fraction_of_copy_bw"] = row["GBps"] / ceil["copy_GBps"]
-            row["replay_fraction_of_copy_bw"] = out["bytes_per_token_GB"] / row["graph_replay_gpu_ms"] * 1e3 / ceil["copy_GBps"]
-            log(f"ctx {ctx}: graph {ms:.2f} ms/token ({row['tokens_per_s']:.1f} tok/s, {row['GBps']:.0f} GB/s, "
-                f"{100 * row['fraction_of_copy_bw']:.1f}% of copy); replay alone {row['graph_replay_gpu_ms']:.2f} ms")
+            row["replay_fraction_of_copy_bw"] = (
+                out["bytes_per_token_GB"] / row["graph_replay_gpu_ms"] * 1e3 / ceil["copy_GBps"]
+            )
+            log(
+                f"ctx {ctx}: graph {ms:.2f} ms/token ({row['tokens_per_s']:.1f} tok/s, {row['GBps']:.0f} GB/s, "
+                f"{100 * row['fraction_of_copy_bw']:.1f}% of copy); replay alone {row['graph_replay_gpu_ms']:.2f} ms"
+            )
             for width in args.verify_widths:
                 verify = VerifyGraph(model, state, width)
                 row[f"verify_{width}_replay_gpu_ms"] = cuda_ms(verify.graph.replay, 10)
-                log(f"ctx {ctx}: verify block of {width}: {row[f'verify_{width}_replay_gpu_ms']:.2f} ms per replay "
-                    f"({row[f'verify_{width}_replay_gpu_ms'] / row['graph_replay_gpu_ms']:.2f}x the decode replay)")
+                log(
+                    f"ctx {ctx}: verify block of {width}: {row[f'verify_{width}_replay_gpu_ms']:.2f} ms per replay "
+                    f"({row[f'verify_{width}_replay_gpu_ms'] / row['graph_replay_gpu_ms']:.2f}x the decode replay)"
+                )
                 del verify
             out[f"decode_{ctx}"] = row
             del graph, state
@@ -186,8 +198,10 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
                     tps = chunk / ms * 1e3
                     frac = 2 * active * tps / (ceil["bf16_matmul_TFLOPs"] * 1e12)
                     out[key] = {"ms": ms, "tokens_per_s": tps, "weight_flops_fraction_of_matmul": frac}
-                    log(f"prefill chunk {chunk}{' with ' + arm if arm else ''}: {ms:.0f} ms, {tps:.0f} tok/s, "
-                        f"{100 * frac:.1f}% of the matmul rate")
+                    log(
+                        f"prefill chunk {chunk}{' with ' + arm if arm else ''}: {ms:.0f} ms, {tps:.0f} tok/s, "
+                        f"{100 * frac:.1f}% of the matmul rate"
+                    )
             del state
     del model
     gc.collect()
@@ -244,13 +258,21 @@ def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: d
     for arm, graph in graphs.items():
         ms = statistics.median(rows[arm]["rounds_ms"])
         replay = cuda_ms(graph.graph.replay, 10)
-        rows[arm].update({"graph_ms": ms, "graph_replay_gpu_ms": replay, "tokens_per_s": 1e3 / ms,
-                          "GBps": out["bytes_per_token_GB"] / ms * 1e3,
-                          "fraction_of_copy_bw": out["bytes_per_token_GB"] / ms * 1e3 / ceil["copy_GBps"],
-                          "replay_fraction_of_copy_bw": out["bytes_per_token_GB"] / replay * 1e3 / ceil["copy_GBps"]})
+        rows[arm].update(
+            {
+                "graph_ms": ms,
+                "graph_replay_gpu_ms": replay,
+                "tokens_per_s": 1e3 / ms,
+                "GBps": out["bytes_per_token_GB"] / ms * 1e3,
+                "fraction_of_copy_bw": out["bytes_per_token_GB"] / ms * 1e3 / ceil["copy_GBps"],
+                "replay_fraction_of_copy_bw": out["bytes_per_token_GB"] / replay * 1e3 / ceil["copy_GBps"],
+            }
+        )
         rounds = ", ".join(f"{r:.2f}" for r in rows[arm]["rounds_ms"])
-        log(f"{variant} arm {arm}: graph {ms:.2f} ms/token (rounds {rounds}), replay {replay:.2f} ms "
-            f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {rows[arm]['capture_s']:.0f} s")
+        log(
+            f"{variant} arm {arm}: graph {ms:.2f} ms/token (rounds {rounds}), replay {replay:.2f} ms "
+            f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {rows[arm]['capture_s']:.0f} s"
+        )
     graphs.clear()
     gc.collect()
     return rows
@@ -303,23 +325,39 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="bf16,fp8,fp8+fp4")
     p.add_argument("--prefill-variants", default="bf16")
-    p.add_argument("--prefill-switches", default="",
-                   help="also time each prefill chunk with these kernels.switches on besides the defaults "
-                        "(NAME or NAME+NAME, e.g. dequant_kernel), or with a set such as defaults-chunk_regions")
+    p.add_argument(
+        "--prefill-switches",
+        default="",
+        help="also time each prefill chunk with these kernels.switches on besides the defaults "
+        "(NAME or NAME+NAME, e.g. dequant_kernel), or with a set such as defaults-chunk_regions",
+    )
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunks", default="512,2048,8192")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--peer-steps", type=int, default=6)
     p.add_argument("--no-peer", action="store_true")
-    p.add_argument("--arms", default="", help="A/B arms of kernels.switches (base, all, a name, a+b), "
-                   "graph decode only; SWITCHES@TABLE also uses a GEMV tile table of --tables")
+    p.add_argument(
+        "--arms",
+        default="",
+        help="A/B arms of kernels.switches (base, all, a name, a+b), "
+        "graph decode only; SWITCHES@TABLE also uses a GEMV tile table of --tables",
+    )
     p.add_argument("--tables", type=Path, default=None, help="GEMV tile tables (bench/gemv_tables.py)")
-    p.add_argument("--table-arms", action="store_true", help="arms: the defaults, then defaults@TABLE for every table")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="with --arms or --prefill-switches: rounds that time every arm in turn")
-    p.add_argument("--verify-widths", default="", help="also time a captured verify block of these widths "
-                   "(comma-separated) at each context")
+    p.add_argument(
+        "--table-arms", action="store_true", help="arms: the defaults, then defaults@TABLE for every table"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --arms or --prefill-switches: rounds that time every arm in turn",
+    )
+    p.add_argument(
+        "--verify-widths",
+        default="",
+        help="also time a captured verify block of these widths (comma-separated) at each context",
+    )
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
     args.tables = load(args.tables) if args.tables is not None else {}
@@ -332,10 +370,13 @@ def main() -> None:
     args.prefill_variants = args.prefill_variants.split(",")
     results: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
     }
     try:
         import triton
+
         results["triton"] = triton.__version__
     except ImportError:
         results["triton"] = None
@@ -372,33 +413,44 @@ def main() -> None:
 
 
 def summary(r: dict, layers: int) -> str:
-    lines = ["| variant | ctx | eager torch ms | eager kernels ms | graph ms | tok/s | GB/s | % copy | replay % copy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | ctx | eager torch ms | eager kernels ms | graph ms | tok/s | GB/s | % copy | replay % copy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v in ("bf16", "fp8", "fp8+fp4"):
         for key, arms in sorted((k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_")):
             for arm, row in arms.items() if "graph_ms" not in arms else ():
                 if "graph_ms" in row:
-                    lines.append(f"| {v} [{arm}] | {key[7:]} | - | - | {row['graph_ms']:.2f} | "
-                                 f"{row['tokens_per_s']:.1f} | {row['GBps']:.0f} | "
-                                 f"{100 * row['fraction_of_copy_bw']:.1f} | "
-                                 f"{100 * row['replay_fraction_of_copy_bw']:.1f} |")
+                    lines.append(
+                        f"| {v} [{arm}] | {key[7:]} | - | - | {row['graph_ms']:.2f} | "
+                        f"{row['tokens_per_s']:.1f} | {row['GBps']:.0f} | "
+                        f"{100 * row['fraction_of_copy_bw']:.1f} | "
+                        f"{100 * row['replay_fraction_of_copy_bw']:.1f} |"
+                    )
     for v in ("bf16", "fp8", "fp8+fp4"):
-        for key, row in sorted((k, x) for k, x in r.get(v, {}).items()
-                               if k.startswith("decode_") and "graph_ms" in x):
+        for key, row in sorted(
+            (k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_") and "graph_ms" in x
+        ):
             f = lambda k, fmt="{:.2f}": fmt.format(row[k]) if k in row else "-"  # noqa: E731
-            lines.append(f"| {v} | {key[7:]} | {f('eager_torch_ms')} | {f('eager_kernels_ms')} | {f('graph_ms')} | "
-                         f"{f('tokens_per_s', '{:.1f}')} | {f('GBps', '{:.0f}')} | "
-                         f"{100 * row['fraction_of_copy_bw']:.1f} | {100 * row['replay_fraction_of_copy_bw']:.1f} |")
+            lines.append(
+                f"| {v} | {key[7:]} | {f('eager_torch_ms')} | {f('eager_kernels_ms')} | {f('graph_ms')} | "
+                f"{f('tokens_per_s', '{:.1f}')} | {f('GBps', '{:.0f}')} | "
+                f"{100 * row['fraction_of_copy_bw']:.1f} | {100 * row['replay_fraction_of_copy_bw']:.1f} |"
+            )
     for v in ("bf16", "fp8", "fp8+fp4"):
         for key, row in r.get(v, {}).items():
             if key.startswith("prefill_") and "tokens_per_s" in row:
-                lines.append(f"prefill {v} chunk {key[8:]}: {row['tokens_per_s']:.0f} tok/s, "
-                             f"{100 * row['weight_flops_fraction_of_matmul']:.1f}% of the matmul rate")
+                lines.append(
+                    f"prefill {v} chunk {key[8:]}: {row['tokens_per_s']:.0f} tok/s, "
+                    f"{100 * row['weight_flops_fraction_of_matmul']:.1f}% of the matmul rate"
+                )
     peer = r.get("peer", {})
     if "decode_ms_per_layer" in peer and "graph_ms" in r.get("bf16", {}).get("decode_512", {}):
         ours = r["bf16"]["decode_512"]["graph_ms"] / layers
-        lines.append(f"per-layer decode: peer {peer['decode_ms_per_layer']:.2f} ms, ours {ours:.3f} ms "
-                     f"({peer['decode_ms_per_layer'] / ours:.0f}x)")
+        lines.append(
+            f"per-layer decode: peer {peer['decode_ms_per_layer']:.2f} ms, ours {ours:.3f} ms "
+            f"({peer['decode_ms_per_layer'] / ours:.0f}x)"
+        )
     lines.append(json.dumps(r.get("ceilings", {})))
     return "\n".join(lines)
 

@@ -92,7 +92,7 @@ def check_gemv() -> None:
     a CUDA-core one and for one token a vector tile with split-K. Each timing repeats one weight (L2-warm
     below 50 MB): bench/sweep_gemv.py measures the DRAM rates."""
     for rows, cols, groups in ((32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)):
-        dense_w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols ** 0.5
+        dense_w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols**0.5
         q = quantize_fp8(dense_w)
         for tokens in (1, 4):
             x = torch.randn(tokens, groups, cols, device="cuda", dtype=torch.bfloat16)
@@ -101,18 +101,31 @@ def check_gemv() -> None:
                 ref = gemv_ref(x, w, s, block, groups)
                 default = default_config(kind, rows, cols, tokens, groups, block)
                 vec = (GemvConfig(32, 512, split=2, stages=1, vec=True),) if tokens == 1 else ()
-                for c in (default, GemvConfig(64, 128, split=4, dot=True),
-                          GemvConfig(16, 512 if tokens == 1 else 128, split=2), *vec):
+                for c in (
+                    default,
+                    GemvConfig(64, 128, split=4, dot=True),
+                    GemvConfig(16, 512 if tokens == 1 else 128, split=2),
+                    *vec,
+                ):
                     poison_allocator(tokens * rows * 4 * max(c.split, 1))
                     out = gemv(xin, w, s, block, groups, config=c)
                     ms = timed(lambda: gemv(xin, w, s, block, groups, config=c))
                     err = rel(out, ref)
-                    record(f"kernel gemv {kind} {rows}x{cols} groups={groups} N={tokens} {c}", err <= 1e-2,
-                           rel_err=err, ms=ms, GBps=w.numel() * w.element_size() / ms / 1e6)
+                    record(
+                        f"kernel gemv {kind} {rows}x{cols} groups={groups} N={tokens} {c}",
+                        err <= 1e-2,
+                        rel_err=err,
+                        ms=ms,
+                        GBps=w.numel() * w.element_size() / ms / 1e6,
+                    )
             if groups == 1:
                 ms = timed(lambda: torch.nn.functional.linear(xin, dense_w))
-                record(f"torch bf16 gemv {rows}x{cols} N={tokens} (reference speed)", True, ms=ms,
-                       GBps=2 * rows * cols / ms / 1e6)
+                record(
+                    f"torch bf16 gemv {rows}x{cols} N={tokens} (reference speed)",
+                    True,
+                    ms=ms,
+                    GBps=2 * rows * cols / ms / 1e6,
+                )
 
 
 def check_gemv_pair() -> None:
@@ -129,9 +142,14 @@ def check_gemv_pair() -> None:
         err = max(rel(ya, gemv_ref(x, *a)), rel(yb, gemv_ref(x, *b)))
         two = (gemv(x, *a), gemv(x, *b))
         ms, ms_two = timed(lambda: gemv_pair(x, a, b)), timed(lambda: (gemv(x, *a), gemv(x, *b)))
-        record(f"kernel gemv_pair fp8 1536x4096 + bf16 {dense_rows}x4096 N=1", err <= 1e-2, rel_err=err,
-               equal_to_two_launches=bool(torch.equal(ya, two[0]) and torch.equal(yb, two[1])), ms=ms,
-               ms_two_launches=ms_two)
+        record(
+            f"kernel gemv_pair fp8 1536x4096 + bf16 {dense_rows}x4096 N=1",
+            err <= 1e-2,
+            rel_err=err,
+            equal_to_two_launches=bool(torch.equal(ya, two[0]) and torch.equal(yb, two[1])),
+            ms=ms,
+            ms_two_launches=ms_two,
+        )
 
 
 def check_moe() -> None:
@@ -147,10 +165,14 @@ def check_moe() -> None:
         else:
             mats = [torch.randn(E, *s, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5 for s in shapes]
             routed = [quantize_fp8(m) for m in mats] if quant == "fp8" else mats
-            stacks = [ExpertStack(m) if quant == "bf16" else ExpertStack(m.data, m.scale, m.block) for m in routed]
+            stacks = [
+                ExpertStack(m) if quant == "bf16" else ExpertStack(m.data, m.scale, m.block) for m in routed
+            ]
         shared_mats = [torch.randn(s, device="cuda", dtype=torch.bfloat16) / s[-1] ** 0.5 for s in shapes]
         shared_w = shared_mats if quant == "bf16" else [quantize_fp8(m) for m in shared_mats]
-        shared = tuple(ExpertStack(m) if quant == "bf16" else ExpertStack(m.data, m.scale, m.block) for m in shared_w)
+        shared = tuple(
+            ExpertStack(m) if quant == "bf16" else ExpertStack(m.data, m.scale, m.block) for m in shared_w
+        )
         shared_dense = [m if quant == "bf16" else m.dequantize(torch.float32) for m in shared_w]
         for tokens in (1, 4):
             x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
@@ -163,10 +185,17 @@ def check_moe() -> None:
             out = moe_fused(x, idx, wts, *stacks, 10.0, shared=shared)
             ms = timed(lambda: moe_fused(x, idx, wts, *stacks, 10.0, shared=shared))
             err = rel(out, ref)
-            nbytes = sum(s.data[0].nbytes + (s.scale[0].nbytes if s.quant else 0) for s in stacks) * used.numel()
+            nbytes = (
+                sum(s.data[0].nbytes + (s.scale[0].nbytes if s.quant else 0) for s in stacks) * used.numel()
+            )
             nbytes += sum(s.data.nbytes + (s.scale.nbytes if s.quant else 0) for s in shared)
-            record(f"kernel moe_fused {quant} routed + shared N={tokens} k=6", err <= 1e-2, rel_err=err, ms=ms,
-                   GBps=nbytes / ms / 1e6)
+            record(
+                f"kernel moe_fused {quant} routed + shared N={tokens} k=6",
+                err <= 1e-2,
+                rel_err=err,
+                ms=ms,
+                GBps=nbytes / ms / 1e6,
+            )
             del dense
 
 
@@ -203,8 +232,14 @@ def check_hc_pre() -> None:
             got, same = _run_site(run, S, S * (D + 128 * 25 + 24) * 4)
             errs = [rel(g, w) for g, w in zip(got, want)]
             ok = same and max(errs[:2]) <= 1e-5 and errs[2] <= _x_in_tol(dtype)
-            record(f"kernel hc_pre {str(dtype)[6:]} S={S} hc=4 D=4096", ok, post_comb_rel_err=max(errs[:2]),
-                   x_in_rel_err=errs[2], repeatable=same, ms=timed(run))
+            record(
+                f"kernel hc_pre {str(dtype)[6:]} S={S} hc=4 D=4096",
+                ok,
+                post_comb_rel_err=max(errs[:2]),
+                x_in_rel_err=errs[2],
+                repeatable=same,
+                ms=timed(run),
+            )
 
 
 def check_hc_merge_pre() -> None:
@@ -221,39 +256,61 @@ def check_hc_merge_pre() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for S, terms in cases:
             X = torch.randn(S, hc, D, device="cuda", dtype=dtype)
-            given = torch.randn(S, 7, D, device="cuda") / 4 if terms else torch.randn(S, D, device="cuda", dtype=dtype)
+            given = (
+                torch.randn(S, 7, D, device="cuda") / 4
+                if terms
+                else torch.randn(S, D, device="cuda", dtype=dtype)
+            )
             out = sum_terms(given, dtype) if terms else given
             post = 2 * torch.rand(S, hc, device="cuda")
-            comb = hc_coefficients_ref(torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps)[2]
+            comb = hc_coefficients_ref(
+                torch.randn(S, 24, device="cuda"), site.base, site.scale, hc, iters, eps
+            )[2]
             with kernels.disabled():
                 merged = hc_merge(X, out, post, comb)
                 post_n, comb_n, y = hc_split(merged, site, hc, iters, eps, eps)
                 want = (merged, post_n, comb_n, rms_norm(y, norm_w, eps))
 
             def run(given=given):
-                return hc_merge_pre(X, given, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps,
-                                    eps)
+                return hc_merge_pre(
+                    X, given, post, comb, site.fn, site.base, site.scale, norm_w, hc, iters, eps, eps
+                )
 
             got, same = _run_site(run, S, S * ((hc + 1) * D + 128 * 25 + 24) * 4)
             errs = [rel(g, w) for g, w in zip(got, want)]
             as_summed = not terms or all(torch.equal(g, w) for g, w in zip(got, run(out)))
-            ok = (same and as_summed and errs[0] <= (1e-6 if dtype == torch.float32 else 2 ** -8)
-                  and max(errs[1:3]) <= 1e-5 and errs[3] <= _x_in_tol(dtype))
-            record(f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' slot terms' if terms else ''}", ok,
-                   merged_rel_err=errs[0], post_comb_rel_err=max(errs[1:3]), x_in_rel_err=errs[3], repeatable=same,
-                   as_summed=as_summed, ms=timed(run))
+            ok = (
+                same
+                and as_summed
+                and errs[0] <= (1e-6 if dtype == torch.float32 else 2**-8)
+                and max(errs[1:3]) <= 1e-5
+                and errs[3] <= _x_in_tol(dtype)
+            )
+            record(
+                f"kernel hc_merge_pre {str(dtype)[6:]} S={S} hc=4 D=4096{' slot terms' if terms else ''}",
+                ok,
+                merged_rel_err=errs[0],
+                post_comb_rel_err=max(errs[1:3]),
+                x_in_rel_err=errs[3],
+                repeatable=same,
+                as_summed=as_summed,
+                ms=timed(run),
+            )
 
 
 def _hc_site(hc: int, D: int) -> tuple[HCSite, torch.Tensor]:
     """A random mHC site and sublayer norm weight of the real scale."""
-    site = HCSite(torch.randn(24, hc * D, device="cuda") / (hc * D) ** 0.5, 0.1 * torch.randn(24, device="cuda"),
-                  1 + 0.1 * torch.randn(3, device="cuda"))
+    site = HCSite(
+        torch.randn(24, hc * D, device="cuda") / (hc * D) ** 0.5,
+        0.1 * torch.randn(24, device="cuda"),
+        1 + 0.1 * torch.randn(3, device="cuda"),
+    )
     return site, 1 + 0.1 * torch.randn(D, device="cuda")
 
 
 def _x_in_tol(dtype: torch.dtype) -> float:
     """A fused site's normed sublayer input against the torch code's: fp32 rounding, or bf16's."""
-    return 1e-5 if dtype == torch.float32 else 2 ** -8
+    return 1e-5 if dtype == torch.float32 else 2**-8
 
 
 def _run_site(run, S: int, nbytes: int) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -290,7 +347,7 @@ def _chunked_logits(model: DeepSeekV4, ids: list[int], sizes: tuple[int, ...]) -
         state = model.new_state(len(ids))
         logits = []
         for size in sizes:
-            r = model.forward(ids[state.pos:state.pos + size], state, logit_rows=slice(None))
+            r = model.forward(ids[state.pos : state.pos + size], state, logit_rows=slice(None))
             state.commit(r.delta, size)
             logits.append(r.logits)
         return torch.cat(logits).float().cpu()
@@ -314,14 +371,25 @@ def check_tiny(root: Path) -> None:
             with using(dequant_kernel=True):
                 gpu32 = _chunked_logits(DeepSeekV4.load(ckpt, device="cuda", quantized=True), ids, sizes)
             err32 = float((gpu32 - ref).abs().max() / ref.abs().max())
-            record(f"tiny fp32 GPU, dequant_kernel (one-pass dequantisation, expert groups) vs fp32 CPU logits, "
-                   f"quantize={quant}", err32 <= 1e-4, max_rel=err32)
+            record(
+                f"tiny fp32 GPU, dequant_kernel (one-pass dequantisation, expert groups) vs fp32 CPU logits, "
+                f"quantize={quant}",
+                err32 <= 1e-4,
+                max_rel=err32,
+            )
         cpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16), ids, sizes)
-        gpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda", quantized=kept), ids, sizes)
+        gpu16 = _chunked_logits(
+            DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda", quantized=kept), ids, sizes
+        )
         e_cpu, e_gpu = rel(cpu16, ref), rel(gpu16, ref)
         top1 = float((gpu16.argmax(-1) == ref.argmax(-1)).float().mean())
-        record(f"tiny bf16 GPU vs fp32 CPU logits, quantize={quant}", e_gpu <= 2 * e_cpu + 0.01,
-               rel_err=e_gpu, cpu_bf16_rel_err=e_cpu, top1_agreement=top1)
+        record(
+            f"tiny bf16 GPU vs fp32 CPU logits, quantize={quant}",
+            e_gpu <= 2 * e_cpu + 0.01,
+            rel_err=e_gpu,
+            cpu_bf16_rel_err=e_cpu,
+            top1_agreement=top1,
+        )
 
 
 def check_graphs(root: Path) -> None:
@@ -335,20 +403,34 @@ def check_graphs(root: Path) -> None:
         engine.eager = False
         graph = engine.generate(prompt, params)
         same = sum(a == b for a, b in zip(eager.tokens, graph.tokens))
-        ok = eager.error is None and graph.error is None and (same == len(eager.tokens) or dtype == "bfloat16")
-        record(f"greedy tokens graph == eager ({dtype}, 48 tokens)", ok, matching=same,
-               errors=f"{eager.error_message}/{graph.error_message}")
+        ok = (
+            eager.error is None and graph.error is None and (same == len(eager.tokens) or dtype == "bfloat16")
+        )
+        record(
+            f"greedy tokens graph == eager ({dtype}, 48 tokens)",
+            ok,
+            matching=same,
+            errors=f"{eager.error_message}/{graph.error_message}",
+        )
     model = engine.model
     with torch.inference_mode():
         a, b = model.new_state(128), model.new_state(128)
         for s in (a, b):
             s.commit(model.forward(prompt, s).delta, len(prompt))
         graph = DecodeGraph(model, b)
-        worst, first_logits, first_state = 0.0, None, None  # the first step that differs, to localise a failure
+        worst, first_logits, first_state = (
+            0.0,
+            None,
+            None,
+        )  # the first step that differs, to localise a failure
         for step, t in enumerate(prompt[:30]):
             pos = a.pos
-            ra = model.forward(torch.tensor([t], device="cuda"), a, logit_rows=slice(0, 1),
-                               positions=torch.tensor([pos], device="cuda"))
+            ra = model.forward(
+                torch.tensor([t], device="cuda"),
+                a,
+                logit_rows=slice(0, 1),
+                positions=torch.tensor([pos], device="cuda"),
+            )
             a.commit(delta_at(ra.delta, pos, t), 1)
             rb = graph.step(t)
             diff = float((ra.logits - rb).abs().max())
@@ -357,10 +439,17 @@ def check_graphs(root: Path) -> None:
                 first_logits = step
             if first_state is None and _differing_rows(a, b):
                 first_state = (step, _differing_rows(a, b)[:4])
-        record("graph replay logits == same static step run eagerly (bf16, 30 steps)", worst == 0.0, max_abs=worst,
-               first_step=first_logits)
-        record("state written by the graph == host commit of the same steps", first_state is None,
-               first_step_and_tensors=first_state)
+        record(
+            "graph replay logits == same static step run eagerly (bf16, 30 steps)",
+            worst == 0.0,
+            max_abs=worst,
+            first_step=first_logits,
+        )
+        record(
+            "state written by the graph == host commit of the same steps",
+            first_state is None,
+            first_step_and_tensors=first_state,
+        )
 
 
 def check_verify_graphs(root: Path) -> None:
@@ -377,9 +466,13 @@ def check_verify_graphs(root: Path) -> None:
         worst_eager, worst_chunk, first_state = 0.0, 0.0, None
         ids = plain.tokens
         for step, accepted in enumerate((2, 4, 1, 3, 0, 4, 2, 3)):
-            block = ids[a.pos - len(prompt):a.pos - len(prompt) + 4]
-            ra = model.forward(torch.tensor(block, device="cuda"), a, logit_rows=slice(None),
-                               positions=torch.arange(a.pos, a.pos + 4, device="cuda"))
+            block = ids[a.pos - len(prompt) : a.pos - len(prompt) + 4]
+            ra = model.forward(
+                torch.tensor(block, device="cuda"),
+                a,
+                logit_rows=slice(None),
+                positions=torch.arange(a.pos, a.pos + 4, device="cuda"),
+            )
             rc = model.forward(block, c, logit_rows=slice(None))
             rb = graph.run(block)
             worst_eager = max(worst_eager, float((ra.logits - rb.logits).abs().max()))
@@ -389,21 +482,38 @@ def check_verify_graphs(root: Path) -> None:
             c.commit(rc.delta, accepted)
             if first_state is None and _differing_rows(a, b):
                 first_state = (step, _differing_rows(a, b)[:4])
-        record("verify graph logits == same static block run eagerly (fp32, width 4, 8 steps)", worst_eager == 0.0,
-               max_abs=worst_eager)
+        record(
+            "verify graph logits == same static block run eagerly (fp32, width 4, 8 steps)",
+            worst_eager == 0.0,
+            max_abs=worst_eager,
+        )
         record("verify graph logits == chunk forward (fp32)", worst_chunk <= 1e-5, max_rel=worst_chunk)
-        record("state after commit_static of the graph's block == of the eager block", first_state is None,
-               first_step_and_tensors=first_state)
+        record(
+            "state after commit_static of the graph's block == of the eager block",
+            first_state is None,
+            first_step_and_tensors=first_state,
+        )
         known = prompt + plain.tokens
-        edited = plain.tokens[:10] + [7, 8, 9] + plain.tokens[16:]  # a predicted output with an insert and a cut
-        for spec in (OracleProposer(known, 0.7, 2), OracleProposer(known, 0.7, 6), OracleProposer(known, 0.7, 12),
-                     "mtp:3", PredictionProposer(edited)):
+        edited = (
+            plain.tokens[:10] + [7, 8, 9] + plain.tokens[16:]
+        )  # a predicted output with an insert and a cut
+        for spec in (
+            OracleProposer(known, 0.7, 2),
+            OracleProposer(known, 0.7, 6),
+            OracleProposer(known, 0.7, 12),
+            "mtp:3",
+            PredictionProposer(edited),
+        ):
             _check_speculative(engine, prompt, plain.tokens, spec)
         with using(static_commit=True):  # the accepted prefix written by captured device commits
             for spec in (OracleProposer(known, 0.7, 4), "mtp:3"):
                 _check_speculative(engine, prompt, plain.tokens, spec, "static_commit, ")
-        dspark = Engine.from_pretrained(make_tiny(root / "dspark", TinySpec(seed=7, dspark=True)), device="cuda",
-                                        dtype="float32", max_context=160)
+        dspark = Engine.from_pretrained(
+            make_tiny(root / "dspark", TinySpec(seed=7, dspark=True)),
+            device="cuda",
+            dtype="float32",
+            max_context=160,
+        )
         reference = dspark.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         _check_speculative(dspark, prompt, reference.tokens, "dspark")
 
@@ -417,26 +527,47 @@ def check_split_graphs(root: Path) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     whole = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
     last = f"cuda:{torch.cuda.device_count() - 1}"
-    split = Engine.from_pretrained(path, devices=["cuda:0", last], layer_split=[3, 3], dtype="float32",
-                                   max_context=160)
+    split = Engine.from_pretrained(
+        path, devices=["cuda:0", last], layer_split=[3, 3], dtype="float32", max_context=160
+    )
     plain = whole.generate(prompt, params)
     res = split.generate(prompt, params)
     kind = type(split._graph).__name__
-    record(f"split decode graphs (cuda:0 + {last}) == whole-model graph, greedy (fp32)",
-           res.error is None and res.tokens == plain.tokens and kind == "SplitDecodeGraph",
-           matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)), graph=kind, error=res.error_message)
+    record(
+        f"split decode graphs (cuda:0 + {last}) == whole-model graph, greedy (fp32)",
+        res.error is None and res.tokens == plain.tokens and kind == "SplitDecodeGraph",
+        matching=sum(x == y for x, y in zip(res.tokens, plain.tokens)),
+        graph=kind,
+        error=res.error_message,
+    )
     with using(speculative_graphs=True, split_verify_graphs=True):
-        _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, ")
+        _check_speculative(
+            split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, "
+        )
         with using(static_commit=True):
-            _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 3),
-                               "split, static_commit, ")
+            _check_speculative(
+                split,
+                prompt,
+                plain.tokens,
+                OracleProposer(prompt + plain.tokens, 0.7, 3),
+                "split, static_commit, ",
+            )
         _check_split_drafts(split, prompt, plain.tokens, "mtp:3")
         dspark = make_tiny(root / "split-dspark", TinySpec(seed=7, dspark=True))
         reference = Engine.from_pretrained(dspark, device="cuda", dtype="float32", max_context=160)
         n = reference.cfg.num_layers
-        _check_split_drafts(Engine.from_pretrained(dspark, devices=["cuda:0", last], layer_split=[n // 2, n - n // 2],
-                                                   dtype="float32", max_context=160),
-                            prompt, reference.generate(prompt, params).tokens, "dspark")
+        _check_split_drafts(
+            Engine.from_pretrained(
+                dspark,
+                devices=["cuda:0", last],
+                layer_split=[n // 2, n - n // 2],
+                dtype="float32",
+                max_context=160,
+            ),
+            prompt,
+            reference.generate(prompt, params).tokens,
+            "dspark",
+        )
 
 
 def _check_split_drafts(split: Engine, prompt: list[int], plain: list[int], spec: str) -> None:
@@ -453,13 +584,18 @@ def _check_split_drafts(split: Engine, prompt: list[int], plain: list[int], spec
         for _ in range(2):  # the second run, without the first one's captures and compiles
             drafts = resolve_proposer(split, spec)
             drafts.static_passes = static
-            res = split.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                                 speculative=drafts)
-        ms["graphs" if static else "eager"] = round(res.timings.decode_s * 1e3 / max(len(res.tokens) - 1, 1), 2)
+            res = split.generate(
+                prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=drafts
+            )
+        ms["graphs" if static else "eager"] = round(
+            res.timings.decode_s * 1e3 / max(len(res.tokens) - 1, 1), 2
+        )
     drafted = getattr(graphs, "_step", None) or getattr(graphs, "_block", None)
-    record(f"split: the {spec} drafts ran as graphs on the last GPU",
-           proposer.static_passes and graphs is not None and graphs.graph and drafted is not None,
-           decode_ms_per_token=ms)
+    record(
+        f"split: the {spec} drafts ran as graphs on the last GPU",
+        proposer.static_passes and graphs is not None and graphs.graph and drafted is not None,
+        decode_ms_per_token=ms,
+    )
 
 
 def check_bf16_verify_block(root: Path) -> None:
@@ -479,27 +615,42 @@ def check_bf16_verify_block(root: Path) -> None:
         chunk = model.forward(block, states[0], logit_rows=slice(None)).logits.float().cpu()
         graph = VerifyGraph(model, states[1], len(block)).run(block).logits.float().cpu()
     e_graph, e_chunk = rel(graph, ref), rel(chunk, ref)
-    record("bf16 verify graph (width 6) vs fp32 CPU logits, no further than the bf16 chunk forward",
-           e_graph <= 2 * e_chunk + 0.01, rel_err=e_graph, chunk_rel_err=e_chunk,
-           top1_agreement=float((graph.argmax(-1) == ref.argmax(-1)).float().mean()))
+    record(
+        "bf16 verify graph (width 6) vs fp32 CPU logits, no further than the bf16 chunk forward",
+        e_graph <= 2 * e_chunk + 0.01,
+        rel_err=e_graph,
+        chunk_rel_err=e_chunk,
+        top1_agreement=float((graph.argmax(-1) == ref.argmax(-1)).float().mean()),
+    )
 
 
 def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec, where: str = "") -> None:
     """Greedy speculative decoding with ``spec`` through the graphs (switch on) equals plain decoding."""
-    res = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=spec)
+    res = engine.generate(
+        prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=spec
+    )
     graphs = len(engine._verify_graphs)
     name = spec if isinstance(spec, str) else f"{spec.name} width {spec.max_draft_tokens + 1}"
-    record(f"speculative greedy through the graphs == plain decoding ({where}fp32, {name})",
-           res.error is None and res.tokens == plain and graphs > 0,
-           matching=sum(x == y for x, y in zip(res.tokens, plain)), graphs=graphs,
-           drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None,
-           accepted=res.stats.speculative.get("accepted") if res.stats.speculative else None, error=res.error_message)
+    record(
+        f"speculative greedy through the graphs == plain decoding ({where}fp32, {name})",
+        res.error is None and res.tokens == plain and graphs > 0,
+        matching=sum(x == y for x, y in zip(res.tokens, plain)),
+        graphs=graphs,
+        drafted=res.stats.speculative.get("drafted") if res.stats.speculative else None,
+        accepted=res.stats.speculative.get("accepted") if res.stats.speculative else None,
+        error=res.error_message,
+    )
 
 
 def _differing_rows(a, b) -> list[str]:
     """The committed state tensors (layer.name) where two states differ."""
     sa, sb = a.snapshot(), b.snapshot()  # the committed rows only
-    return [f"{i}.{k}" for i in sa.layers for k in sa.layers[i] if not torch.equal(sa.layers[i][k], sb.layers[i][k])]
+    return [
+        f"{i}.{k}"
+        for i in sa.layers
+        for k in sa.layers[i]
+        if not torch.equal(sa.layers[i][k], sb.layers[i][k])
+    ]
 
 
 def check_constrained(root: Path) -> None:
@@ -515,61 +666,101 @@ def check_constrained(root: Path) -> None:
     from ds4serve.server.output_parser import OutputParser, merged
     from ds4serve.server.tool_grammar import forced_tool_call
 
-    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
-              "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}}}
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "required": ["city", "days"],
-        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
-                                                                            "maximum": 9}}}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["ok", "color"],
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    }
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "required": ["city", "days"],
+                "properties": {
+                    "city": {"type": "string", "maxLength": 8},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+            },
+        },
+    }
     path = make_tiny(root / "constrained", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
     engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_context=512)
     tok = engine.tokenizer
     engine.warm_up()
     for temperature, seed in ((0.0, None), (1.0, 3)):
-        res = engine.generate(prompt, SamplingParams(max_tokens=120, temperature=temperature, seed=seed,
-                                                     json_schema=schema))
+        res = engine.generate(
+            prompt, SamplingParams(max_tokens=120, temperature=temperature, seed=seed, json_schema=schema)
+        )
         try:
             doc = json.loads(tok.decode(res.tokens[:-1]))
             ok = res.ok and set(doc) == {"ok", "color"} and doc["color"] in ("red", "green", "blue")
         except ValueError:
             doc, ok = None, False
-        record(f"json_schema answer through the graph (bf16, temperature {temperature})", ok, document=doc,
-               error=res.error_message)
+        record(
+            f"json_schema answer through the graph (bf16, temperature {temperature})",
+            ok,
+            document=doc,
+            error=res.error_message,
+        )
         grammar = forced_tool_call([tool], tok, name="get_weather")
-        res = engine.generate(prompt, SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
-                                                     grammar=grammar))
+        res = engine.generate(
+            prompt, SamplingParams(max_tokens=200, temperature=temperature, seed=seed, grammar=grammar)
+        )
         parser = OutputParser(thinking=False, tools={"get_weather"})
         delta = merged(parser.feed(tok.decode(res.tokens[:-1])) + parser.finish())
         calls = [json.loads(c.arguments) for c in delta.tool_calls]
         ok = res.ok and len(calls) == 1 and not delta.content and 1 <= calls[0].get("days", 0) <= 9
-        record(f"forced tool call through the graph (bf16, temperature {temperature})", ok, calls=calls,
-               error=res.error_message)
+        record(
+            f"forced tool call through the graph (bf16, temperature {temperature})",
+            ok,
+            calls=calls,
+            error=res.error_message,
+        )
     fp32 = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=512)
     held = SamplingParams(max_tokens=120, temperature=0.0, json_schema=schema)
     plain = fp32.generate(prompt, held)
     for spec in ("mtp", OracleProposer(prompt + plain.tokens, 0.7, 4)):
         res = fp32.generate(prompt, held, speculative=spec)
-        record(f"speculative constrained greedy == plain, through the graphs (fp32, {spec})",
-               res.ok and res.tokens == plain.tokens and bool(res.stats.speculative), tokens=len(res.tokens),
-               error=res.error_message)
+        record(
+            f"speculative constrained greedy == plain, through the graphs (fp32, {spec})",
+            res.ok and res.tokens == plain.tokens and bool(res.stats.speculative),
+            tokens=len(res.tokens),
+            error=res.error_message,
+        )
 
 
-CHECKS = {"kernels": lambda tmp: check_kernels(), "tiny": check_tiny, "graphs": check_graphs,
-          "verify_graphs": check_verify_graphs, "bf16_verify_block": check_bf16_verify_block,
-          "split_graphs": check_split_graphs, "constrained": check_constrained}
+CHECKS = {
+    "kernels": lambda tmp: check_kernels(),
+    "tiny": check_tiny,
+    "graphs": check_graphs,
+    "verify_graphs": check_verify_graphs,
+    "bf16_verify_block": check_bf16_verify_block,
+    "split_graphs": check_split_graphs,
+    "constrained": check_constrained,
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--switches", default="defaults",
-                   help="kernels.switches: base, all, defaults, NAME+NAME, or defaults+NAME (switches.parse)")
-    p.add_argument("--only", default="", help=f"comma-separated checks to run (default: all): {', '.join(CHECKS)}")
+    p.add_argument(
+        "--switches",
+        default="defaults",
+        help="kernels.switches: base, all, defaults, NAME+NAME, or defaults+NAME (switches.parse)",
+    )
+    p.add_argument(
+        "--only", default="", help=f"comma-separated checks to run (default: all): {', '.join(CHECKS)}"
+    )
     args = p.parse_args()
     only = [c for c in args.only.split(",") if c] or list(CHECKS)
     if set(only) - set(CHECKS):
-        raise SystemExit(f"--only: unknown {sorted(set(only) - set(CHECKS))}; expected some of {list(CHECKS)}")
+        raise SystemExit(
+            f"--only: unknown {sorted(set(only) - set(CHECKS))}; expected some of {list(CHECKS)}"
+        )
     for name, value in parse(args.switches).items():
         setattr(SWITCHES, name, value)
     print(f"switches: {SWITCHES}", flush=True)
@@ -583,7 +774,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(RESULTS, indent=2) + "\n")
     failed = [r["check"] for r in RESULTS if not r["ok"]]
-    print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed" + (f"; failed: {failed}" if failed else ""))
+    print(
+        f"{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed"
+        + (f"; failed: {failed}" if failed else "")
+    )
     sys.exit(1 if failed else 0)
 
 

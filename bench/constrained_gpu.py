@@ -30,9 +30,13 @@ from proxy import VARIANTS, build_proxy  # noqa: E402
 from ds4serve import Engine, SamplingParams  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 
-ARMS = {"free": {}, "grammar: any text": {"grammar": "start: /(?s:.*)/"},
-        "json_schema: one string": {"json_schema": {"type": "object", "required": ["s"],
-                                                     "properties": {"s": {"type": "string"}}}}}
+ARMS = {
+    "free": {},
+    "grammar: any text": {"grammar": "start: /(?s:.*)/"},
+    "json_schema: one string": {
+        "json_schema": {"type": "object", "required": ["s"], "properties": {"s": {"type": "string"}}}
+    },
+}
 
 
 def main() -> None:
@@ -43,8 +47,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
-    engine = Engine(build_proxy(args.variant, layers=args.layers), Tokenizer(),
-                    max_context=args.prompt + args.tokens + 8)
+    engine = Engine(
+        build_proxy(args.variant, layers=args.layers), Tokenizer(), max_context=args.prompt + args.tokens + 8
+    )
     engine.warm_up()
     prompt = torch.randint(3, 128000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "arms": {}}
@@ -57,10 +62,16 @@ def main() -> None:
                 raise RuntimeError(f"{name}: {res.error_message}")
         ms = 1e3 * res.timings.decode_s / (len(res.tokens) - 1)
         between = 1e3 * statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-        out["arms"][name] = {"ms_per_token": ms, "median_ms_between_tokens": between, "tokens": len(res.tokens),
-                             "prefill_ms": 1e3 * res.timings.prefill_s}
-        log(f"{args.variant} {args.layers} layers, {name}: {ms:.3f} ms/token ({between:.3f} between tokens) over "
-            f"{len(res.tokens)} tokens; prefill {1e3 * res.timings.prefill_s:.1f} ms")
+        out["arms"][name] = {
+            "ms_per_token": ms,
+            "median_ms_between_tokens": between,
+            "tokens": len(res.tokens),
+            "prefill_ms": 1e3 * res.timings.prefill_s,
+        }
+        log(
+            f"{args.variant} {args.layers} layers, {name}: {ms:.3f} ms/token ({between:.3f} between tokens) over "
+            f"{len(res.tokens)} tokens; prefill {1e3 * res.timings.prefill_s:.1f} ms"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 

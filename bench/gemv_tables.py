@@ -28,8 +28,16 @@ import statistics
 from contextlib import ExitStack
 from pathlib import Path
 
-from ds4serve.kernels.gemv import (SMS, TABLE, TABLED_BLOCK, GemvConfig, config_problem, split_for, table_key,
-                                   table_overrides)
+from ds4serve.kernels.gemv import (
+    SMS,
+    TABLE,
+    TABLED_BLOCK,
+    GemvConfig,
+    config_problem,
+    split_for,
+    table_key,
+    table_overrides,
+)
 from ds4serve.kernels.moe import CONFIGS, MoEConfig, Tile, config_overrides
 from ds4serve.kernels.switches import parse, using
 
@@ -56,17 +64,26 @@ def candidates(key: Key) -> list[GemvConfig]:
     base = TABLE[key]
     block = _scale_block(kind)
     changes = [
-        {"block_r": base.block_r * 2}, {"block_r": max(base.block_r // 2, 1)},
-        {"block_k": base.block_k * 2}, {"block_k": max(base.block_k // 2, 16)},
-        {"split": base.split * 2}, {"split": max(base.split // 2, 1)},
-        {"warps": base.warps * 2}, {"warps": max(base.warps // 2, 1)},
-        {"stages": base.stages + 2}, {"stages": max(base.stages - 2, 2)},
+        {"block_r": base.block_r * 2},
+        {"block_r": max(base.block_r // 2, 1)},
+        {"block_k": base.block_k * 2},
+        {"block_k": max(base.block_k // 2, 16)},
+        {"split": base.split * 2},
+        {"split": max(base.split // 2, 1)},
+        {"warps": base.warps * 2},
+        {"warps": max(base.warps // 2, 1)},
+        {"stages": base.stages + 2},
+        {"stages": max(base.stages - 2, 2)},
         {"dot": not base.dot, "block_r": max(base.block_r, 16), "block_k": 128},
     ]
     out: list[GemvConfig] = []
     for change in changes:
         cfg = dataclasses.replace(base, **change)
-        if cfg != base and cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups, block) is None:
+        if (
+            cfg != base
+            and cfg not in out
+            and config_problem(cfg, kind, rows, cols, tokens, groups, block) is None
+        ):
             out.append(cfg)
     return out
 
@@ -88,11 +105,15 @@ def vec_candidates(key: Key) -> list[GemvConfig]:
     out: list[GemvConfig] = []
     for block_r, block_k in VEC_TILES:
         programs = -(-rows // block_r)
-        for split in sorted({1} | {split_for(programs, cols, block_k, t, min_steps=2) for t in (2 * SMS, 4 * SMS)}):
+        for split in sorted(
+            {1} | {split_for(programs, cols, block_k, t, min_steps=2) for t in (2 * SMS, 4 * SMS)}
+        ):
             for early in (False, True):
                 cfg = GemvConfig(block_r, block_k, split, warps=4, stages=1, vec=True, early=early)
-                if cfg not in out and config_problem(cfg, kind, rows, cols, tokens, groups,
-                                                     _scale_block(kind)) is None:
+                if (
+                    cfg not in out
+                    and config_problem(cfg, kind, rows, cols, tokens, groups, _scale_block(kind)) is None
+                ):
                     out.append(cfg)
     return out
 
@@ -101,8 +122,14 @@ def vec_group_candidates(group: str) -> list[dict[Key, GemvConfig]]:
     """Tables that give every product of ``group`` (:data:`GROUPS`) one vector tile: the unsplit candidates of its
     first product (the pair kernel takes no split-K) that can run all of them."""
     keys = [SHAPES[name] for name in GROUPS[group]]
-    return [{k: cfg for k in keys} for cfg in vec_candidates(keys[0]) if cfg.split == 1
-            and all(config_problem(cfg, k[0], k[1], k[2], k[3], k[4], _scale_block(k[0])) is None for k in keys[1:])]
+    return [
+        {k: cfg for k in keys}
+        for cfg in vec_candidates(keys[0])
+        if cfg.split == 1
+        and all(
+            config_problem(cfg, k[0], k[1], k[2], k[3], k[4], _scale_block(k[0])) is None for k in keys[1:]
+        )
+    ]
 
 
 def moe_candidates(fmt: str) -> dict[str, MoEConfig]:
@@ -136,17 +163,39 @@ def write(path: Path, moe: bool = False, vec: bool = False, shapes: list[str] | 
         raise ValueError(f"no shapes {unknown} (shapes: {sorted(SHAPES)}, groups: {sorted(GROUPS)})")
     chosen = {name: key for name, key in SHAPES.items() if not shapes or name in shapes}
     if moe:
-        tables: Tables = {f"moe-{fmt}-{name}": {(MOE, fmt): cfg} for fmt in ("bf16", "fp8", "fp4")
-                          for name, cfg in moe_candidates(fmt).items()}
+        tables: Tables = {
+            f"moe-{fmt}-{name}": {(MOE, fmt): cfg}
+            for fmt in ("bf16", "fp8", "fp4")
+            for name, cfg in moe_candidates(fmt).items()
+        }
     elif vec:
-        tables = {f"{name}-vec-{i}": {key: cfg} for name, key in chosen.items()
-                  for i, cfg in enumerate(vec_candidates(key))}
-        tables.update({f"{group}-vec-{i}": table for group in GROUPS if not shapes or group in shapes
-                       for i, table in enumerate(vec_group_candidates(group))})
+        tables = {
+            f"{name}-vec-{i}": {key: cfg}
+            for name, key in chosen.items()
+            for i, cfg in enumerate(vec_candidates(key))
+        }
+        tables.update(
+            {
+                f"{group}-vec-{i}": table
+                for group in GROUPS
+                if not shapes or group in shapes
+                for i, table in enumerate(vec_group_candidates(group))
+            }
+        )
     else:
-        tables = {f"{name}-{i}": {key: cfg} for name, key in chosen.items() for i, cfg in enumerate(candidates(key))}
-    path.write_text(json.dumps({name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
-                                for name, t in tables.items()}, indent=1) + "\n")
+        tables = {
+            f"{name}-{i}": {key: cfg} for name, key in chosen.items() for i, cfg in enumerate(candidates(key))
+        }
+    path.write_text(
+        json.dumps(
+            {
+                name: [{"key": list(k), "config": dataclasses.asdict(c)} for k, c in t.items()]
+                for name, t in tables.items()
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return tables
 
 
@@ -175,7 +224,9 @@ def _moe_problem(fmt: str, cfg: MoEConfig) -> str | None:
     if fmt not in CONFIGS:
         return f"no expert format {fmt!r} (formats: {sorted(CONFIGS)})"
     for tile in (cfg.gate_up, cfg.down):
-        if any(v < 1 for v in dataclasses.astuple(tile)) or any(v & (v - 1) for v in (tile.rows, tile.block_k)):
+        if any(v < 1 for v in dataclasses.astuple(tile)) or any(
+            v & (v - 1) for v in (tile.rows, tile.block_k)
+        ):
             return f"tile {tile}: rows and block_k must be powers of two, every field positive"
     return None
 
@@ -201,7 +252,9 @@ def summarize(arms: dict, tables: Tables) -> list[str]:
     no final figures) is read from its rounds."""
     lines = []
     for variant, result in arms.items():
-        rows = (result.get("decode_512") or result.get("arms_so_far") or {}) if isinstance(result, dict) else {}
+        rows = (
+            (result.get("decode_512") or result.get("arms_so_far") or {}) if isinstance(result, dict) else {}
+        )
         base = _arm_ms(rows.get("defaults", {}))
         groups: dict[str, list[tuple[float, str]]] = {}
         for arm, row in rows.items():
@@ -213,7 +266,9 @@ def summarize(arms: dict, tables: Tables) -> list[str]:
             change = f" ({100 * (ms / base - 1):+.1f}%)" if base else ""
             base_ms = f"{base:.3f}" if base else "?"
             configs = "; ".join(f"{list(k)}: {c}" for k, c in tables[name].items())
-            lines.append(f"{variant} {group}: defaults {base_ms} ms, best {name} {ms:.3f} ms{change}: {configs}")
+            lines.append(
+                f"{variant} {group}: defaults {base_ms} ms, best {name} {ms:.3f} ms{change}: {configs}"
+            )
     return lines
 
 
@@ -227,14 +282,22 @@ def _arm_ms(row: dict) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--summarize", type=Path, default=None,
-                   help="instead of writing tables: read --out's tables and this bench_gpu.py --table-arms result, "
-                        "and print each group's fastest arm against the defaults")
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        default=None,
+        help="instead of writing tables: read --out's tables and this bench_gpu.py --table-arms result, "
+        "and print each group's fastest arm against the defaults",
+    )
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--moe", action="store_true", help="the fused MoE's tiles instead of the GEMV's")
     kind.add_argument("--vec", action="store_true", help="the GEMV's one-token vector tiles")
-    p.add_argument("--shapes", default="", help=f"comma-separated GEMV shapes (default all: {','.join(SHAPES)}) and "
-                                               f"--vec groups ({','.join(GROUPS)})")
+    p.add_argument(
+        "--shapes",
+        default="",
+        help=f"comma-separated GEMV shapes (default all: {','.join(SHAPES)}) and "
+        f"--vec groups ({','.join(GROUPS)})",
+    )
     args = p.parse_args()
     if args.summarize is not None:
         print("\n".join(summarize(json.loads(args.summarize.read_text()), load(args.out))))

@@ -77,16 +77,24 @@ def chain_costs(starts: list[float], pdl: bool) -> list[float | None]:
     the end of the kernel *before* it: kernel ``i``'s cost is ``start[i + 2] - start[i + 1]``. None where the
     replay ends first."""
     shift = 2 if pdl else 1
-    return [starts[i + shift] - starts[i + shift - 1] if i + shift < len(starts) else None
-            for i in range(len(starts))]
+    return [
+        starts[i + shift] - starts[i + shift - 1] if i + shift < len(starts) else None
+        for i in range(len(starts))
+    ]
 
 
 def _short(name: str) -> str:
     return name if len(name) <= 90 else name[:87] + "..."
 
 
-def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int = 3,
-               sequence: Path | None = None, pdl: bool = True) -> dict:
+def trace_gaps(
+    graph: DecodeGraph,
+    title: str,
+    kernels_txt: Path,
+    replays: int = 3,
+    sequence: Path | None = None,
+    pdl: bool = True,
+) -> dict:
     """Kernel count, kernel time and inter-kernel gaps per replay, from a profiler trace; the kernel
     table by total GPU time is appended to ``kernels_txt``, the last replay's kernels in order to
     ``sequence``."""
@@ -102,17 +110,23 @@ def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int =
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     if sequence is not None:
-        last = kernels[-len(kernels) // replays:]
+        last = kernels[-len(kernels) // replays :]
         costs = chain_costs([e["ts"] for e in last], pdl)
         with open(sequence, "a") as f:
-            f.write(f"## {title}: one replay, {len(last)} kernels (index, start us, duration us, name, "
-                    f"cost to the chain us{' under PDL' if pdl else ''})\n")
-            f.writelines(f"{i}\t{e['ts'] - last[0]['ts']:.1f}\t{e['dur']:.2f}\t{_short(e['name'])}\t"
-                         f"{'' if c is None else f'{c:.2f}'}\n" for i, (e, c) in enumerate(zip(last, costs)))
+            f.write(
+                f"## {title}: one replay, {len(last)} kernels (index, start us, duration us, name, "
+                f"cost to the chain us{' under PDL' if pdl else ''})\n"
+            )
+            f.writelines(
+                f"{i}\t{e['ts'] - last[0]['ts']:.1f}\t{e['dur']:.2f}\t{_short(e['name'])}\t"
+                f"{'' if c is None else f'{c:.2f}'}\n"
+                for i, (e, c) in enumerate(zip(last, costs))
+            )
     busy = sum(e["dur"] for e in kernels)
     bins = collections.Counter()
     after: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -127,24 +141,34 @@ def trace_gaps(graph: DecodeGraph, title: str, kernels_txt: Path, replays: int =
     top = sorted(after.items(), key=lambda kv: -kv[1][0])[:25]
     cats = collections.Counter(e.get("cat") for e in kernels)
     return {
-        "per_replay": {"nodes": len(kernels) / replays, "span_ms": span / 1e3 / replays,
-                       "kernel_ms": busy / 1e3 / replays, "gap_ms": sum(g for g in gaps if g > 0) / 1e3 / replays},
+        "per_replay": {
+            "nodes": len(kernels) / replays,
+            "span_ms": span / 1e3 / replays,
+            "kernel_ms": busy / 1e3 / replays,
+            "gap_ms": sum(g for g in gaps if g > 0) / 1e3 / replays,
+        },
         "categories": dict(cats),
         "gap_histogram_us": {f"<{b:g}": bins[b] / replays for b in GAP_BINS_US},
         "median_gap_us": statistics.median(gaps),
-        "gap_after_kernel": [{"kernel": k, "total_us_per_replay": v[0] / replays, "count_per_replay": v[1] / replays}
-                             for k, v in top],
+        "gap_after_kernel": [
+            {"kernel": k, "total_us_per_replay": v[0] / replays, "count_per_replay": v[1] / replays}
+            for k, v in top
+        ],
     }
 
 
-_SOURCE_NODES = re.compile(r"#\s*(Topologically Sorted Source Nodes|Source node to ATen node mapping|Original ATen)")
-_LAUNCH = re.compile(r"^\s*(?:\w+ = )?(?:(\w+)\.run\(|(torch\.ops\.\w+\.\w+|extern_kernels\.\w+)|(\w*fused\w*)\()")
+_SOURCE_NODES = re.compile(
+    r"#\s*(Topologically Sorted Source Nodes|Source node to ATen node mapping|Original ATen)"
+)
+_LAUNCH = re.compile(
+    r"^\s*(?:\w+ = )?(?:(\w+)\.run\(|(torch\.ops\.\w+\.\w+|extern_kernels\.\w+)|(\w*fused\w*)\()"
+)
 
 
 def launch_summary(module: str) -> list[str]:
     """The launches of a generated module's ``call`` in order, each after the source-node comments that
     Inductor writes above it: ``["# Topologically Sorted Source Nodes: [...]", "triton_poi_fused_0", ...]``."""
-    body = module[module.find("def call("):]
+    body = module[module.find("def call(") :]
     lines: list[str] = []
     for line in body.splitlines():
         if _SOURCE_NODES.search(line):
@@ -176,14 +200,22 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--switches", default="defaults", help="kernels.switches set (switches.parse)")
     p.add_argument("--sequence", type=Path, help="append one replay's kernels in launch order here")
-    p.add_argument("--inductor-code", type=Path, help="write Inductor's generated modules here (a fresh "
-                   "compile cache for this process, so that every region is compiled and kept)")
+    p.add_argument(
+        "--inductor-code",
+        type=Path,
+        help="write Inductor's generated modules here (a fresh "
+        "compile cache for this process, so that every region is compiled and kept)",
+    )
     args = p.parse_args()
     if args.inductor_code:
         cache = Path(tempfile.mkdtemp(prefix="inductor-code-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": args.variant,
-                    "switches": args.switches}
+    result: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "variant": args.variant,
+        "switches": args.switches,
+    }
     gen = torch.Generator().manual_seed(0)
     graphs = {}
     with torch.inference_mode(), using(**parse(args.switches)):
@@ -193,17 +225,31 @@ def main() -> None:
             state = model.new_state(ctx + 256)
             prefill(model, state, ids, 2048)
             graph = graphs[ctx] = DecodeGraph(model, state)
-            row = result[str(ctx)] = {"host_launch_ms": host_launch_ms(graph),
-                                      "alone_ms": cuda_ms(graph.graph.replay, 10), "queued_ms": queued_ms(graph)}
-            log(f"{args.variant} ctx {ctx}: host launch {row['host_launch_ms']:.2f} ms, "
-                f"alone {row['alone_ms']:.2f} ms, queued {row['queued_ms']:.2f} ms")
+            row = result[str(ctx)] = {
+                "host_launch_ms": host_launch_ms(graph),
+                "alone_ms": cuda_ms(graph.graph.replay, 10),
+                "queued_ms": queued_ms(graph),
+            }
+            log(
+                f"{args.variant} ctx {ctx}: host launch {row['host_launch_ms']:.2f} ms, "
+                f"alone {row['alone_ms']:.2f} ms, queued {row['queued_ms']:.2f} ms"
+            )
         for ctx, graph in graphs.items():
             row = result[str(ctx)]
-            row.update(trace_gaps(graph, f"{args.variant} ctx {ctx} [{args.switches}]", args.kernels,
-                                  sequence=args.sequence, pdl=parse(args.switches)["pdl"]))
+            row.update(
+                trace_gaps(
+                    graph,
+                    f"{args.variant} ctx {ctx} [{args.switches}]",
+                    args.kernels,
+                    sequence=args.sequence,
+                    pdl=parse(args.switches)["pdl"],
+                )
+            )
             pr = row["per_replay"]
-            log(f"{args.variant} ctx {ctx}: {pr['nodes']:.0f} kernels, {pr['kernel_ms']:.2f} ms busy, "
-                f"{pr['gap_ms']:.2f} ms gaps, median gap {row['median_gap_us']:.2f} us")
+            log(
+                f"{args.variant} ctx {ctx}: {pr['nodes']:.0f} kernels, {pr['kernel_ms']:.2f} ms busy, "
+                f"{pr['gap_ms']:.2f} ms gaps, median gap {row['median_gap_us']:.2f} us"
+            )
     args.out.write_text(json.dumps(result, indent=1))
     if args.inductor_code:
         log(f"{write_inductor_code(cache, args.inductor_code)} generated modules in {args.inductor_code}")

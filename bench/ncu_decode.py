@@ -28,7 +28,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-STALL = "issue_stalled_"  # WarpStateStats' per-reason metrics: ..._issue_stalled_<reason>_per_..._active.ratio
+STALL = (
+    "issue_stalled_"  # WarpStateStats' per-reason metrics: ..._issue_stalled_<reason>_per_..._active.ratio
+)
 COLUMNS = {  # printed name -> ncu raw metric
     "us": "gpu__time_duration.sum",
     "DRAM_TB/s": "dram__bytes.sum.per_second",
@@ -41,8 +43,17 @@ COLUMNS = {  # printed name -> ncu raw metric
     "block": "launch__block_size",
 }
 WEIGHT_KERNELS = ("_gemv", "_gate_up", "_down_kernel", "_sum_splits")  # what streams a layer's weights
-UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,  # to us
-         "Gbyte/s": 1e-3, "Tbyte/s": 1.0, "inst": 1e-3}  # to TB/s; warp instructions to thousands
+UNITS = {
+    "nsecond": 1e-3,
+    "ns": 1e-3,
+    "usecond": 1.0,
+    "us": 1.0,
+    "msecond": 1e3,
+    "ms": 1e3,  # to us
+    "Gbyte/s": 1e-3,
+    "Tbyte/s": 1.0,
+    "inst": 1e-3,
+}  # to TB/s; warp instructions to thousands
 
 
 def run(args: argparse.Namespace) -> None:
@@ -120,12 +131,20 @@ def parse(path: Path) -> list[Kernel]:
 
 def summarize(args: argparse.Namespace) -> None:
     kernels = parse(Path(args.csv))
-    print("kernel".ljust(34) + "".join(k.rjust(10) for k in COLUMNS) + "  top stalls (cycles per instruction)")
+    print(
+        "kernel".ljust(34) + "".join(k.rjust(10) for k in COLUMNS) + "  top stalls (cycles per instruction)"
+    )
     for k in kernels:
-        cells = ["-" if v is None else f"{v:.2f}" if label == "DRAM_TB/s" else f"{v:.1f}"
-                 for label, v in k.values.items()]
-        print(k.name[:33].ljust(34) + "".join(c.rjust(10) for c in cells) + "  "
-              + ", ".join(f"{r} {v:.1f}" for v, r in k.stalls[:4]))
+        cells = [
+            "-" if v is None else f"{v:.2f}" if label == "DRAM_TB/s" else f"{v:.1f}"
+            for label, v in k.values.items()
+        ]
+        print(
+            k.name[:33].ljust(34)
+            + "".join(c.rjust(10) for c in cells)
+            + "  "
+            + ", ".join(f"{r} {v:.1f}" for v, r in k.stalls[:4])
+        )
     print("\nby kernel name: launches, us, DRAM MB, TB/s")
     by_name: dict[str, list[float]] = {}
     for k in kernels:
@@ -135,14 +154,18 @@ def summarize(args: argparse.Namespace) -> None:
         row[2] += k.dram_mb
     for name, (n, us, mb) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
         print(f"{name.ljust(34)}{n:6d}{us:10.1f}{mb:10.1f}{mb / us if us else 0.0:8.2f}")
-    print("\nby layer (from one attention pre site to the next; the head's product after the last layer's MoE):")
+    print(
+        "\nby layer (from one attention pre site to the next; the head's product after the last layer's MoE):"
+    )
     for label, group in _layers(kernels):
         weights = [k for k in group if k.streams_weights]
         w_us = sum(k.values["us"] or 0.0 for k in weights)
         w_mb = sum(k.dram_mb for k in weights)
         other = sum(k.values["us"] or 0.0 for k in group) - w_us
-        print(f"{label}: weight kernels {w_us:.1f} us for {w_mb:.0f} MB ({w_mb / w_us if w_us else 0.0:.2f} TB/s), "
-              f"other profiled kernels {other:.1f} us")
+        print(
+            f"{label}: weight kernels {w_us:.1f} us for {w_mb:.0f} MB ({w_mb / w_us if w_us else 0.0:.2f} TB/s), "
+            f"other profiled kernels {other:.1f} us"
+        )
 
 
 def _layers(kernels: list[Kernel]) -> list[tuple[str, list[Kernel]]]:
@@ -151,8 +174,10 @@ def _layers(kernels: list[Kernel]) -> list[tuple[str, list[Kernel]]]:
     last_down = max((i for i, k in enumerate(kernels) if "_down_kernel" in k.name), default=len(kernels) - 1)
     sites = [i for i, k in enumerate(kernels[:last_down]) if k.name.startswith("_hc_pre")]
     starts = sites[::2]
-    groups = [(f"layer {n}", kernels[a:b]) for n, (a, b) in enumerate(zip(starts, starts[1:] + [last_down + 1]))]
-    return groups + [("head", kernels[last_down + 1:])]
+    groups = [
+        (f"layer {n}", kernels[a:b]) for n, (a, b) in enumerate(zip(starts, starts[1:] + [last_down + 1]))
+    ]
+    return groups + [("head", kernels[last_down + 1 :])]
 
 
 def main() -> None:
@@ -163,7 +188,9 @@ def main() -> None:
     r.add_argument("--layers", type=int, default=4)
     r.add_argument("--context", type=int, default=512)
     r.add_argument("--switches", default="defaults")
-    s = sub.add_parser("summarize", help="per kernel, per kernel name and per layer, from ncu's --page raw --csv")
+    s = sub.add_parser(
+        "summarize", help="per kernel, per kernel name and per layer, from ncu's --page raw --csv"
+    )
     s.add_argument("csv")
     args = p.parse_args()
     (run if args.mode == "run" else summarize)(args)

@@ -54,13 +54,20 @@ FULL_PROXY = {"sliding": 2, "csa": 21, "hca": 20}  # layer counts of the 43-laye
 LAYER_KIND = ("sliding", "sliding", "csa", "hca")  # layers 0-3 of the proxy
 
 
-def dense_chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: torch.Tensor | None,
-                          visible: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_chunk_attention(
+    q: torch.Tensor,
+    seq: torch.Tensor,
+    start: int,
+    entries: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The previous chunk attention: every window row in reach and every entry in one masked matrix."""
     S = q.shape[0]
     window = seq.shape[0] - S + 1
     reach = min(start, window - 1)
-    keys = seq[window - 1 - reach:]
+    keys = seq[window - 1 - reach :]
     key_pos = torch.arange(start - reach, start + S, device=q.device)
     q_pos = key_pos[reach:].unsqueeze(-1)
     allowed = (key_pos <= q_pos) & (key_pos > q_pos - window)
@@ -130,8 +137,12 @@ def time_chunk(model, state, ids: list[int], reps: int) -> tuple[float, float, l
         totals.append(begin.elapsed_time(end))
         edges = [begin, *marks]
         layers.append([a.elapsed_time(b) for a, b in zip(edges, edges[1:])])
-    return (statistics.median(totals), statistics.median(hosts), [statistics.median(col) for col in zip(*layers)],
-            logits)
+    return (
+        statistics.median(totals),
+        statistics.median(hosts),
+        [statistics.median(col) for col in zip(*layers)],
+        logits,
+    )
 
 
 def layer_params(model, i: int) -> float:
@@ -143,8 +154,17 @@ def layer_params(model, i: int) -> float:
     return routed * cfg.top_k / cfg.n_routed_experts + sum(t.numel() for t in _tensors_of(rest))
 
 
-def report(name: str, start: int, chunk: int, ms: float, host_ms: float, per_layer: list[float],
-           params: list[float], head_params: float, rate: float) -> None:
+def report(
+    name: str,
+    start: int,
+    chunk: int,
+    ms: float,
+    host_ms: float,
+    per_layer: list[float],
+    params: list[float],
+    head_params: float,
+    rate: float,
+) -> None:
     tps = chunk / ms * 1e3
     frac = 2 * sum(params) * tps / (rate * 1e12)
     layers = " ".join(f"{kind} {t:.2f}" for kind, t in zip(LAYER_KIND, per_layer))
@@ -152,8 +172,10 @@ def report(name: str, start: int, chunk: int, ms: float, host_ms: float, per_lay
     est_ms = sum(n * by_kind[k][0] for k, n in FULL_PROXY.items())
     est_params = sum(n * by_kind[k][1] for k, n in FULL_PROXY.items()) + head_params
     est_frac = 2 * est_params * chunk / est_ms * 1e3 / (rate * 1e12)
-    log(f"{name:>8} start {start:>5}: {ms:7.1f} ms (host {host_ms:5.1f}), {tps:8.0f} tok/s, {100 * frac:5.1f}% of "
-        f"the matmul rate | layer ms: {layers} | est. 43 layers {est_ms:6.0f} ms, {100 * est_frac:4.1f}%")
+    log(
+        f"{name:>8} start {start:>5}: {ms:7.1f} ms (host {host_ms:5.1f}), {tps:8.0f} tok/s, {100 * frac:5.1f}% of "
+        f"the matmul rate | layer ms: {layers} | est. 43 layers {est_ms:6.0f} ms, {100 * est_frac:4.1f}%"
+    )
 
 
 def phase_table(model, state, ids: list[int], reps: int, clock: str = "auto") -> str:
@@ -183,11 +205,14 @@ def op_table(model, state, ids: list[int], top: int = 30) -> str:
     """The torch ops by GPU time, grouped by their Python call site (which line launched the kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True
+    ) as prof:
         model.forward(ids, state)
         torch.cuda.synchronize()
-    return prof.key_averages(group_by_stack_n=4).table(sort_by="device_time_total", row_limit=top,
-                                                       max_name_column_width=40, max_src_column_width=110)
+    return prof.key_averages(group_by_stack_n=4).table(
+        sort_by="device_time_total", row_limit=top, max_name_column_width=40, max_src_column_width=110
+    )
 
 
 def host_table(model, state, ids: list[int], top: int = 40) -> str:
@@ -236,12 +261,19 @@ def launch_table(model, state, ids: list[int], top: int = 60) -> str:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
     work = [e for e in events if e.get("cat") in GPU_WORK]
-    callers = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    frames = sorted((e for e in events if e.get("cat") == "python_function" and "/ds4serve/" in e.get("name", "")),
-                    key=lambda e: e["ts"])
-    calls = sorted(((callers.get(e.get("args", {}).get("correlation")), e["name"]) for e in work),
-                   key=lambda c: c[0]["ts"] if c[0] else -1)
+    callers = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    frames = sorted(
+        (e for e in events if e.get("cat") == "python_function" and "/ds4serve/" in e.get("name", "")),
+        key=lambda e: e["ts"],
+    )
+    calls = sorted(
+        ((callers.get(e.get("args", {}).get("correlation")), e["name"]) for e in work),
+        key=lambda c: c[0]["ts"] if c[0] else -1,
+    )
     sites, names = collections.Counter(), collections.defaultdict(collections.Counter)
     open_frames: list[dict] = []
     i = 0
@@ -254,11 +286,16 @@ def launch_table(model, state, ids: list[int], top: int = 60) -> str:
                 i += 1
             open_frames = [f for f in open_frames if f["ts"] + f.get("dur", 0) >= t]
             inner = open_frames[-2:]
-            site = " < ".join(f["name"].split("/ds4serve/")[-1] for f in reversed(inner)) or "(outside ds4serve)"
+            site = (
+                " < ".join(f["name"].split("/ds4serve/")[-1] for f in reversed(inner)) or "(outside ds4serve)"
+            )
         sites[site] += 1
         names[site][name[:50]] += 1
-    lines = [f"GPU work items of one forward: {len(work)} ({sum(c is not None for c, _ in calls)} with their launch call; "
-             f"{len(frames)} ds4serve frames in the trace)", f"{'items':>6}  site: kernels"]
+    lines = [
+        f"GPU work items of one forward: {len(work)} ({sum(c is not None for c, _ in calls)} with their launch call; "
+        f"{len(frames)} ds4serve frames in the trace)",
+        f"{'items':>6}  site: kernels",
+    ]
     for site, n in sites.most_common(top):
         kinds = ", ".join(f"{k} x{c}" for k, c in names[site].most_common(4 if frames else top))
         lines.append(f"{n:6d}  {site}: {kinds}")
@@ -269,12 +306,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--starts", default="0,512,8192")
-    p.add_argument("--arms", default=",".join(ARMS),
-                   help=f"comma-separated, of {', '.join(ARMS)} and switches:SET")
+    p.add_argument(
+        "--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)} and switches:SET"
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="also the ops by GPU time with their call sites")
     p.add_argument("--host", action="store_true", help="also a cProfile of the host's part of one forward")
-    p.add_argument("--launches", action="store_true", help="also the GPU launches of one forward by call site")
+    p.add_argument(
+        "--launches", action="store_true", help="also the GPU launches of one forward by call site"
+    )
     args = p.parse_args()
     starts = [int(s) for s in args.starts.split(",")]
     arms = args.arms.split(",")
@@ -294,9 +334,9 @@ def main() -> None:
         for n, start in enumerate(starts):
             state = model.new_state(start + args.chunk)
             for i in range(0, start, args.chunk):
-                part = ids[i:min(i + args.chunk, start)]
+                part = ids[i : min(i + args.chunk, start)]
                 state.commit(model.forward(part, state).delta, len(part))
-            chunk = ids[start:start + args.chunk]
+            chunk = ids[start : start + args.chunk]
             first = None
             for name in arms:
                 with arm(name):
@@ -308,21 +348,35 @@ def main() -> None:
             if n == 0:
                 with arm(arms[0]):
                     if args.launches:
-                        print(f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}", flush=True)
-                    print(f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
+                        print(
+                            f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}",
+                            flush=True,
+                        )
+                    print(
+                        f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True
+                    )
                     print(phase_table(model, state, chunk, args.reps), flush=True)
-                    print(f"## kernels of one {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True)
+                    print(
+                        f"## kernels of one {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True
+                    )
                     print(kernel_table(model, state, chunk), flush=True)
                     if args.ops:
-                        print(f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}", flush=True)
+                        print(
+                            f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}",
+                            flush=True,
+                        )
                     if args.host:
-                        print(f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True)
-                        print(f"## the host's time by phase\n\n{phase_table(model, state, chunk, args.reps, 'host')}",
-                              flush=True)
+                        print(
+                            f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True
+                        )
+                        print(
+                            f"## the host's time by phase\n\n{phase_table(model, state, chunk, args.reps, 'host')}",
+                            flush=True,
+                        )
             del state
             gc.collect()
             torch.cuda.empty_cache()
-    log(f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+    log(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def set_arm(arm: str, sink: Path) -> None:
     profiler.configure()  # from the environment, as a CLI does at startup
 
 
-def run_arms(name: str, engine: Engine, prompt: list[int], gen_tokens: int, runs: int, workdir: Path) -> list[int]:
+def run_arms(
+    name: str, engine: Engine, prompt: list[int], gen_tokens: int, runs: int, workdir: Path
+) -> list[int]:
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     decode_ms: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -71,9 +73,13 @@ def run_arms(name: str, engine: Engine, prompt: list[int], gen_tokens: int, runs
             records[arm] += got
     profiler.configure(enabled=False)
 
-    print(f"\n## {name}: {engine.cfg.num_layers} layers, hidden {engine.cfg.hidden_size}, "
-          f"{engine.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"prompt {len(prompt)} tokens, {gen_tokens} generated, {runs} measured runs per arm (interleaved)\n")
+    print(
+        f"\n## {name}: {engine.cfg.num_layers} layers, hidden {engine.cfg.hidden_size}, "
+        f"{engine.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    print(
+        f"prompt {len(prompt)} tokens, {gen_tokens} generated, {runs} measured runs per arm (interleaved)\n"
+    )
     same = all(tokens[arm] == tokens["unset"] for arm in ARMS)
     print(f"identical token ids in every arm: {same}  ({tokens['unset'][:12]} ...)")
     for arm in ARMS:
@@ -87,8 +93,10 @@ def run_arms(name: str, engine: Engine, prompt: list[int], gen_tokens: int, runs
         print(f"| {arm} | {statistics.median(ms):.3f} | {min(ms):.3f} | {max(ms):.3f} |")
     base, off = statistics.median(decode_ms["unset"]), statistics.median(decode_ms["0"])
     on = statistics.median(decode_ms["1"])
-    print(f"\ndisabled (0) vs unset: {100 * (off - base) / base:+.2f}%   enabled (1) vs unset: "
-          f"{100 * (on - base) / base:+.2f}%")
+    print(
+        f"\ndisabled (0) vs unset: {100 * (off - base) / base:+.2f}%   enabled (1) vs unset: "
+        f"{100 * (on - base) / base:+.2f}%"
+    )
     print("\nphase table (profiled arm, all measured runs):\n")
     print(format_table(summarize(records["1"])))
     problems = []
@@ -112,11 +120,15 @@ def run_model(name: str, engine: Engine, prompt: list[int], args: argparse.Names
         engine.eager = eager
         mode = "eager decode" if eager else "CUDA-graph decode"
         generated[mode] = run_arms(f"{name}, {mode}", engine, prompt, args.gen_tokens, args.runs, workdir)
-    print(f"\n{name}: graph and eager decode give the same tokens: {len(set(map(tuple, generated.values()))) == 1}")
+    print(
+        f"\n{name}: graph and eager decode give the same tokens: {len(set(map(tuple, generated.values()))) == 1}"
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=32)

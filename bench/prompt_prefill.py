@@ -52,7 +52,7 @@ def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float
         t0 = time.perf_counter()
         logits = engine.prefill(state, ids).float().cpu()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[1:]), torch.cuda.max_memory_allocated() / 2 ** 30, logits
+    return statistics.median(times[1:]), torch.cuda.max_memory_allocated() / 2**30, logits
 
 
 def kernel_table(engine: Engine, ids: list[int], top: int) -> list[dict]:
@@ -61,10 +61,15 @@ def kernel_table(engine: Engine, ids: list[int], top: int) -> list[dict]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.prefill(state, ids)
         torch.cuda.synchronize()
-    kernels = [(e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = [
+        (e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0
+    ]
     total = sum(ms for _, _, ms in kernels)
     kernels.sort(key=lambda k: -k[2])
-    return [{"kernel": name, "launches": count, "ms": ms, "share": ms / total} for name, count, ms in kernels[:top]]
+    return [
+        {"kernel": name, "launches": count, "ms": ms, "share": ms / total}
+        for name, count, ms in kernels[:top]
+    ]
 
 
 def main() -> None:
@@ -96,25 +101,51 @@ def main() -> None:
                     with using(**parse(arm)):
                         engine = Engine(model, tokenizer=None, chunk_size=c)
                         ms, peak, logits = time_prompt(engine, ids, args.reps)
-                        if args.kernels and first is None:  # the first arm's engine, its graphs captured by now
+                        if (
+                            args.kernels and first is None
+                        ):  # the first arm's engine, its graphs captured by now
                             top = kernel_table(engine, ids, args.kernels)
                     first = logits if first is None else first
                     diff = float((logits - first).abs().max() / first.abs().max())
                     same = int(logits.argmax()) == int(first.argmax())
-                    rows.append({"prompt": n, "chunk": c, "arm": arm, "ms": ms, "tok_s": n / ms * 1e3, "peak_GiB": peak,
-                                 "logits_max_rel_vs_first_arm": diff, "same_greedy_token": same})
-                    log(f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
+                    rows.append(
+                        {
+                            "prompt": n,
+                            "chunk": c,
+                            "arm": arm,
+                            "ms": ms,
+                            "tok_s": n / ms * 1e3,
+                            "peak_GiB": peak,
+                            "logits_max_rel_vs_first_arm": diff,
+                            "same_greedy_token": same,
+                        }
+                    )
+                    log(
+                        f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
                         f"{peak:5.1f} GiB; last logits vs {arms[0]}: max rel {diff:.1e}, "
-                        f"greedy token {'same' if same else 'differs'}")
+                        f"greedy token {'same' if same else 'differs'}"
+                    )
                 if top:
                     rows.append({"prompt": n, "chunk": c, "arm": arms[0], "kernels": top})
                     log(f"prompt {n} in chunks of {c}, {arms[0]}: top kernels by GPU time")
                     for k in top:
-                        print(f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f}% {k['launches']:5d}x  {k['kernel'][:110]}")
+                        print(
+                            f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f}% {k['launches']:5d}x  {k['kernel'][:110]}"
+                        )
     if args.out:
-        args.out.write_text(json.dumps({"variant": args.variant, "experts": args.experts, "layers": args.layers,
-                                        "gpu": torch.cuda.get_device_name(),
-                                        "torch": torch.__version__, "rows": rows}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "variant": args.variant,
+                    "experts": args.experts,
+                    "layers": args.layers,
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -31,14 +31,37 @@ def flash_config(layers: int = 43, experts: int = 32, variant: str = "bf16") -> 
     types = tuple(SLIDING if i < 2 else (CSA if i % 2 == 0 else HCA) for i in range(layers))
     quant = QuantSpec() if variant == "bf16" else QuantSpec(BLOCK, "fp4" if variant == "fp8+fp4" else "fp8")
     return ModelConfig(
-        vocab_size=129280, hidden_size=4096, num_layers=layers, num_heads=64, head_dim=512, rope_dim=64,
-        q_lora_rank=1024, o_lora_rank=1024, o_groups=8, moe_inter=2048, n_routed_experts=experts,
-        n_shared_experts=1, top_k=6, routed_scaling_factor=1.5, swiglu_limit=10.0, sliding_window=128,
-        layer_types=types, mlp_types=tuple(["hash_moe"] * min(3, layers) + ["moe"] * max(0, layers - 3)),
-        csa_rate=4, hca_rate=128, rope_main=RopeSpec(10000.0),
+        vocab_size=129280,
+        hidden_size=4096,
+        num_layers=layers,
+        num_heads=64,
+        head_dim=512,
+        rope_dim=64,
+        q_lora_rank=1024,
+        o_lora_rank=1024,
+        o_groups=8,
+        moe_inter=2048,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        top_k=6,
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        sliding_window=128,
+        layer_types=types,
+        mlp_types=tuple(["hash_moe"] * min(3, layers) + ["moe"] * max(0, layers - 3)),
+        csa_rate=4,
+        hca_rate=128,
+        rope_main=RopeSpec(10000.0),
         rope_compress=RopeSpec(160000.0, yarn_factor=16.0, original_max_position=65536),
-        index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
-        rms_norm_eps=1e-6, max_position_embeddings=1048576, quant=quant,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1048576,
+        quant=quant,
     )
 
 
@@ -66,21 +89,30 @@ class _Maker:
             return self.dense(*shape)
         data = self.randn(*shape).mul_(16).to(torch.float8_e4m3fn)
         blocks = (*shape[:-2], -(-shape[-2] // self.fp8_block[0]), -(-shape[-1] // self.fp8_block[1]))
-        scale = torch.full(blocks, 2.0 ** round(math.log2(1 / (16 * math.sqrt(shape[-1])))), device=self.device)
+        scale = torch.full(
+            blocks, 2.0 ** round(math.log2(1 / (16 * math.sqrt(shape[-1])))), device=self.device
+        )
         return FP8Weight(data, scale, self.fp8_block)
 
     def fp4(self, *shape: int) -> FP4Weight:
         """Random MXFP4 codes; e2m1 codes drawn uniformly have an RMS of about 2.9."""
         *lead, rows, cols = shape
-        data = torch.randint(-128, 128, (*lead, rows, cols // 2), generator=self.gen, device=self.device,
-                             dtype=torch.int8)
+        data = torch.randint(
+            -128, 128, (*lead, rows, cols // 2), generator=self.gen, device=self.device, dtype=torch.int8
+        )
         exp = 127 + round(math.log2(1 / (2.9 * math.sqrt(cols))))
-        return FP4Weight(data, torch.full((*lead, rows, cols // 32), exp, dtype=torch.uint8, device=self.device))
+        return FP4Weight(
+            data, torch.full((*lead, rows, cols // 32), exp, dtype=torch.uint8, device=self.device)
+        )
 
     def compressor(self, width: int, dim: int, rate: int) -> CompressorWeights:
         D = self.cfg.hidden_size
-        return CompressorWeights(wkv=self.dense(width, D), wgate=self.dense(width, D),
-                                 ape=self.f32(rate, width, std=0.5), norm=self.f32(dim, mean=1.0))
+        return CompressorWeights(
+            wkv=self.dense(width, D),
+            wgate=self.dense(width, D),
+            ape=self.f32(rate, width, std=0.5),
+            norm=self.f32(dim, mean=1.0),
+        )
 
     def block(self, layer: int | None) -> BlockWeights:
         """Layer ``layer``'s block; None: an MTP block (sliding window, score-routed)."""
@@ -89,54 +121,99 @@ class _Maker:
         fp8 = self.variant != "bf16"
         kind = SLIDING if layer is None else c.layer_types[layer]
         attn = AttentionWeights(
-            layer_type=kind, wq_a=self.proj(q, D, fp8=fp8), q_norm=self.f32(q, mean=1.0),
-            wq_b=self.proj(H * hd, q, fp8=fp8), wkv=self.proj(hd, D, fp8=fp8), kv_norm=self.f32(hd, mean=1.0),
+            layer_type=kind,
+            wq_a=self.proj(q, D, fp8=fp8),
+            q_norm=self.f32(q, mean=1.0),
+            wq_b=self.proj(H * hd, q, fp8=fp8),
+            wkv=self.proj(hd, D, fp8=fp8),
+            kv_norm=self.f32(hd, mean=1.0),
             wo_a=self.proj(c.o_groups * c.o_lora_rank, H * hd // c.o_groups, fp8=fp8),
-            wo_b=self.proj(D, c.o_groups * c.o_lora_rank, fp8=fp8), sinks=self.f32(H, std=0.5))
+            wo_b=self.proj(D, c.o_groups * c.o_lora_rank, fp8=fp8),
+            sinks=self.f32(H, std=0.5),
+        )
         if kind != SLIDING:
             overlap = kind == CSA
-            attn.compressor = self.compressor(2 * hd if overlap else hd, hd, c.csa_rate if overlap else c.hca_rate)
+            attn.compressor = self.compressor(
+                2 * hd if overlap else hd, hd, c.csa_rate if overlap else c.hca_rate
+            )
         if kind == CSA:
             ih, ihd = c.index_n_heads, c.index_head_dim
-            attn.indexer = IndexerWeights(wq_b=self.proj(ih * ihd, q, fp8=fp8), weights_proj=self.dense(ih, D),
-                                          compressor=self.compressor(2 * ihd, ihd, c.csa_rate))
+            attn.indexer = IndexerWeights(
+                wq_b=self.proj(ih * ihd, q, fp8=fp8),
+                weights_proj=self.dense(ih, D),
+                compressor=self.compressor(2 * ihd, ihd, c.csa_rate),
+            )
         concatenate_projections(attn)
         E, inter = c.n_routed_experts, c.moe_inter
         hashed = layer is not None and c.is_hash_layer(layer)
         if self.variant == "fp8+fp4":
             w1, w3, w2 = self.fp4(E, inter, D), self.fp4(E, inter, D), self.fp4(E, D, inter)
         else:
-            w1, w3, w2 = (self.proj(E, inter, D, fp8=fp8), self.proj(E, inter, D, fp8=fp8),
-                          self.proj(E, D, inter, fp8=fp8))
+            w1, w3, w2 = (
+                self.proj(E, inter, D, fp8=fp8),
+                self.proj(E, inter, D, fp8=fp8),
+                self.proj(E, D, inter, fp8=fp8),
+            )
         tid2eid = None
         if hashed:
-            tid2eid = torch.rand(c.vocab_size, E, generator=self.gen, device=self.device).argsort(-1)[:, :c.top_k]
-        moe = MoEWeights(gate=self.dense(E, D), bias=None if hashed else self.f32(E), tid2eid=tid2eid,
-                         w1=w1, w3=w3, w2=w2, shared_w1=self.proj(inter, D, fp8=fp8),
-                         shared_w3=self.proj(inter, D, fp8=fp8), shared_w2=self.proj(D, inter, fp8=fp8))
+            tid2eid = torch.rand(c.vocab_size, E, generator=self.gen, device=self.device).argsort(-1)[
+                :, : c.top_k
+            ]
+        moe = MoEWeights(
+            gate=self.dense(E, D),
+            bias=None if hashed else self.f32(E),
+            tid2eid=tid2eid,
+            w1=w1,
+            w3=w3,
+            w2=w2,
+            shared_w1=self.proj(inter, D, fp8=fp8),
+            shared_w3=self.proj(inter, D, fp8=fp8),
+            shared_w2=self.proj(D, inter, fp8=fp8),
+        )
         mix = (2 + hc) * hc
-        site = lambda: HCSite(self.f32(mix, hc * D, std=0.5 / math.sqrt(hc * D)), self.f32(mix),  # noqa: E731
-                              self.f32(3, mean=1.0))
-        return BlockWeights(attn_norm=self.f32(D, mean=1.0), ffn_norm=self.f32(D, mean=1.0), hc_attn=site(),
-                            hc_ffn=site(), attn=attn, moe=moe)
+        site = lambda: HCSite(
+            self.f32(mix, hc * D, std=0.5 / math.sqrt(hc * D)),
+            self.f32(mix),  # noqa: E731
+            self.f32(3, mean=1.0),
+        )
+        return BlockWeights(
+            attn_norm=self.f32(D, mean=1.0),
+            ffn_norm=self.f32(D, mean=1.0),
+            hc_attn=site(),
+            hc_ffn=site(),
+            attn=attn,
+            moe=moe,
+        )
 
     def mtp(self) -> MTPWeights:
         """An MTP draft block (its projections dense, as the official checkpoint stores them)."""
         D, hc = self.cfg.hidden_size, self.cfg.hc_mult
-        return MTPWeights(e_proj=self.dense(D, D), h_proj=self.dense(D, D), enorm=self.f32(D, mean=1.0),
-                          hnorm=self.f32(D, mean=1.0), block=self.block(None),
-                          hc_fn=self.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)), hc_base=self.f32(hc),
-                          hc_scale=self.f32(1, mean=1.0), norm=self.f32(D, mean=1.0))
+        return MTPWeights(
+            e_proj=self.dense(D, D),
+            h_proj=self.dense(D, D),
+            enorm=self.f32(D, mean=1.0),
+            hnorm=self.f32(D, mean=1.0),
+            block=self.block(None),
+            hc_fn=self.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)),
+            hc_base=self.f32(hc),
+            hc_scale=self.f32(1, mean=1.0),
+            norm=self.f32(D, mean=1.0),
+        )
 
     def head(self) -> HeadWeights:
         D, hc = self.cfg.hidden_size, self.cfg.hc_mult
-        return HeadWeights(hc_fn=self.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)), hc_base=self.f32(hc),
-                           hc_scale=self.f32(1, mean=1.0), norm=self.f32(D, mean=1.0),
-                           head=self.dense(self.cfg.vocab_size, D))
+        return HeadWeights(
+            hc_fn=self.f32(hc, hc * D, std=0.5 / math.sqrt(hc * D)),
+            hc_base=self.f32(hc),
+            hc_scale=self.f32(1, mean=1.0),
+            norm=self.f32(D, mean=1.0),
+            head=self.dense(self.cfg.vocab_size, D),
+        )
 
 
-def build_proxy(variant: str = "bf16", layers: int = 43, experts: int = 32, device: str = "cuda",
-                seed: int = 0) -> DeepSeekV4:
+def build_proxy(
+    variant: str = "bf16", layers: int = 43, experts: int = 32, device: str = "cuda", seed: int = 0
+) -> DeepSeekV4:
     """The proxy model with random weights created on ``device``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")

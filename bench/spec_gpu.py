@@ -35,8 +35,11 @@ from ds4serve.engine.drafts import OracleProposer, PredictionProposer  # noqa: E
 from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 
-MODES = {"eager": {"speculative_graphs": False}, "graphs": {"speculative_graphs": True, "static_commit": False},
-         "graphs+static_commit": {"speculative_graphs": True, "static_commit": True}}
+MODES = {
+    "eager": {"speculative_graphs": False},
+    "graphs": {"speculative_graphs": True, "static_commit": False},
+    "graphs+static_commit": {"speculative_graphs": True, "static_commit": True},
+}
 
 
 def timed(engine: Engine, prompt: list[int], params: SamplingParams, speculative=None):
@@ -48,8 +51,9 @@ def timed(engine: Engine, prompt: list[int], params: SamplingParams, speculative
     return result, (len(result.tokens) - 1) / result.timings.decode_s
 
 
-def verifier_sequence(engine: Engine, prompt: list[int], params: SamplingParams, width: int,
-                      tokens: list[int], rounds: int = 3) -> tuple[list[int], int]:
+def verifier_sequence(
+    engine: Engine, prompt: list[int], params: SamplingParams, width: int, tokens: list[int], rounds: int = 3
+) -> tuple[list[int], int]:
     """The continuation the verify path itself emits at ``width``, for the oracle to draft from.
 
     In bf16 a verify block rounds differently from a decode step (other kernel shapes), and on random
@@ -69,12 +73,18 @@ def verifier_sequence(engine: Engine, prompt: list[int], params: SamplingParams,
 def prediction_drafts(engine: Engine, prompt: list[int], params: SamplingParams, tokens: list[int]) -> list:
     """``(name, make proposer)`` of two predicted outputs: the verify path's own continuation at the widest
     block a prediction drafts (9 rows), and that continuation with tokens 16-19 cut and 40-43 replaced."""
-    known, runs = verifier_sequence(engine, prompt, params, PredictionProposer([]).max_draft_tokens + 1, tokens)
+    known, runs = verifier_sequence(
+        engine, prompt, params, PredictionProposer([]).max_draft_tokens + 1, tokens
+    )
     log(f"prediction: the verify path's own continuation after {runs} run(s)")
-    answer = known[len(prompt):]
-    edited = answer[:16] + answer[20:40] + [(t + 1) % engine.cfg.vocab_size for t in answer[40:44]] + answer[44:]
-    return [("prediction exact", lambda: PredictionProposer(answer)),
-            ("prediction 4 cut, 4 replaced", lambda: PredictionProposer(edited))]
+    answer = known[len(prompt) :]
+    edited = (
+        answer[:16] + answer[20:40] + [(t + 1) % engine.cfg.vocab_size for t in answer[40:44]] + answer[44:]
+    )
+    return [
+        ("prediction exact", lambda: PredictionProposer(answer)),
+        ("prediction 4 cut, 4 replaced", lambda: PredictionProposer(edited)),
+    ]
 
 
 def main() -> None:
@@ -88,8 +98,9 @@ def main() -> None:
     p.add_argument("--accept", default="0.5,0.9")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--modes", default="eager,graphs,graphs+static_commit",
-                   help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument(
+        "--modes", default="eager,graphs,graphs+static_commit", help=f"comma-separated, of {', '.join(MODES)}"
+    )
     p.add_argument("--predictions", action="store_true", help="also time predicted outputs, exact and edited")
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
@@ -102,24 +113,32 @@ def main() -> None:
         dtype = "bfloat16" if args.device != "cpu" else "float32"
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, max_context=context)
     else:
-        engine = Engine(build_proxy(args.variant, layers=args.layers), Tokenizer(), max_context=context,
-                        chunk_size=2048)
+        engine = Engine(
+            build_proxy(args.variant, layers=args.layers), Tokenizer(), max_context=context, chunk_size=2048
+        )
     prompt = torch.randint(3, 128000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     timed(engine, prompt, params)  # compiles and captures the decode graph
     plain, plain_tps = timed(engine, prompt, params)
     log(f"plain decoding: {plain_tps:.1f} tok/s")
     device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
-    out = {"device": device, "command": " ".join(sys.argv), "model": str(args.model or
-           f"proxy {args.variant} {args.layers} layers"), "plain_tokens_per_s": plain_tps, "runs": []}
+    out = {
+        "device": device,
+        "command": " ".join(sys.argv),
+        "model": str(args.model or f"proxy {args.variant} {args.layers} layers"),
+        "plain_tokens_per_s": plain_tps,
+        "runs": [],
+    }
     for mode in modes:
         with using(**MODES[mode]):
             drafts = []
             for w in widths:
                 known, runs = verifier_sequence(engine, prompt, params, w, plain.tokens)
                 log(f"{mode:>6} width {w}: the verify path's own continuation after {runs} run(s)")
-                drafts += [(f"oracle width {w} p {a}", lambda known=known, w=w, a=a: OracleProposer(known, a, w))
-                           for a in accepts]
+                drafts += [
+                    (f"oracle width {w} p {a}", lambda known=known, w=w, a=a: OracleProposer(known, a, w))
+                    for a in accepts
+                ]
             if args.predictions:
                 drafts += prediction_drafts(engine, prompt, params, plain.tokens)
             if args.model is not None and engine.cfg.n_mtp_layers:
@@ -130,13 +149,22 @@ def main() -> None:
                 first_s = time.perf_counter() - t0
                 res, tps = timed(engine, prompt, params, make())
                 spec = res.stats.speculative
-                row = {"mode": mode, "draft": name, "tokens_per_s": tps, "speedup": tps / plain_tps,
-                       "tokens_per_verify": spec["tokens_per_forward"], "acceptance": spec["acceptance_rate"],
-                       "equal_to_plain": res.tokens == plain.tokens, "first_run_s": first_s}
+                row = {
+                    "mode": mode,
+                    "draft": name,
+                    "tokens_per_s": tps,
+                    "speedup": tps / plain_tps,
+                    "tokens_per_verify": spec["tokens_per_forward"],
+                    "acceptance": spec["acceptance_rate"],
+                    "equal_to_plain": res.tokens == plain.tokens,
+                    "first_run_s": first_s,
+                }
                 out["runs"].append(row)
-                log(f"{mode:>6} {name}: {tps:.1f} tok/s ({row['speedup']:.2f}x plain), "
+                log(
+                    f"{mode:>6} {name}: {tps:.1f} tok/s ({row['speedup']:.2f}x plain), "
                     f"{row['tokens_per_verify']:.2f} tokens/verify, equal to plain: {row['equal_to_plain']}, "
-                    f"first run {first_s:.1f} s")
+                    f"first run {first_s:.1f} s"
+                )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -35,7 +35,9 @@ def tiny_checkpoint(out: Path, layers: int) -> Path:
         return out
 
 
-def greedy(engine: Engine, prompt: list[int], steps: int, chunks: list[int]) -> tuple[torch.Tensor, list[int]]:
+def greedy(
+    engine: Engine, prompt: list[int], steps: int, chunks: list[int]
+) -> tuple[torch.Tensor, list[int]]:
     """Chunked-prefill logits at every prompt position, then ``steps`` greedy tokens."""
     state = engine.new_sequence(len(prompt) + steps)
     logits = engine.prefill(state, prompt, chunks, all_logits=True)
@@ -77,16 +79,22 @@ def main() -> int:
     same_logits = torch.equal(logits, ref_logits)
     diff = (logits - ref_logits).abs().max().item()
     first_bad = next((i for i, (x, y) in enumerate(zip(tokens, ref_tokens)) if x != y), None)
-    print(f"device {a.device}, {a.dtype}, {a.layers} layers split {cut}+{a.layers - cut}, "
-          f"prompt {a.prompt_tokens} tokens in chunks {chunks}, {a.steps} greedy steps")
+    print(
+        f"device {a.device}, {a.dtype}, {a.layers} layers split {cut}+{a.layers - cut}, "
+        f"prompt {a.prompt_tokens} tokens in chunks {chunks}, {a.steps} greedy steps"
+    )
     print(f"prefill logits identical at every position: {same_logits} (max |diff| {diff:.3g})")
-    print(f"greedy tokens match token for token: {first_bad is None}"
-          + ("" if first_bad is None else f" (first mismatch at step {first_bad})"))
+    print(
+        f"greedy tokens match token for token: {first_bad is None}"
+        + ("" if first_bad is None else f" (first mismatch at step {first_bad})")
+    )
     for shard in split.model.shards:
         r, tokens_held = shard.layers, a.prompt_tokens + a.steps
-        print(f"shard layers {r.start}-{r.stop - 1}: weights {shard.nbytes() / 2**20:.2f} MiB "
-              f"(planner: {shard_weight_bytes(ckpt.cfg, r, dtype) / 2**20:.2f} MiB), state for {tokens_held} "
-              f"tokens {shard_state_bytes(ckpt.cfg, r, tokens_held, dtype) / 2**20:.3f} MiB")
+        print(
+            f"shard layers {r.start}-{r.stop - 1}: weights {shard.nbytes() / 2**20:.2f} MiB "
+            f"(planner: {shard_weight_bytes(ckpt.cfg, r, dtype) / 2**20:.2f} MiB), state for {tokens_held} "
+            f"tokens {shard_state_bytes(ckpt.cfg, r, tokens_held, dtype) / 2**20:.3f} MiB"
+        )
     if loaded:
         print(f"allocated on {a.device} by loading the split model: {loaded / 2**20:.2f} MiB")
     return 0 if same_logits and first_bad is None else 1

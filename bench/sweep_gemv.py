@@ -30,8 +30,16 @@ from typing import Callable
 
 import torch
 
-from ds4serve.kernels.gemv import (SMS, GemvConfig, config_problem, default_config, gemv, gemv_ref, split_for,
-                                   table_key)
+from ds4serve.kernels.gemv import (
+    SMS,
+    GemvConfig,
+    config_problem,
+    default_config,
+    gemv,
+    gemv_ref,
+    split_for,
+    table_key,
+)
 
 L2_BYTES = 50 << 20
 TOUCH = 4 * L2_BYTES  # bytes each timed graph replay streams at least
@@ -68,14 +76,37 @@ PROJECTIONS = (
 )
 
 # (block_r, block_k, warps, stages); tensor-core tiles use 16 rows per warp (no replicated operands)
-DOT_TILES = ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4),
-             (32, 128, 2, 4), (32, 256, 2, 4), (16, 256, 1, 4), (16, 128, 1, 8), (64, 64, 4, 8),
-             # longer steps for FP8's one-byte weights: the same bytes per step as the bf16 tiles above
-             (16, 512, 1, 4), (32, 512, 2, 3), (64, 512, 4, 3), (32, 256, 2, 6))
+DOT_TILES = (
+    (64, 128, 4, 4),
+    (64, 128, 4, 6),
+    (64, 256, 4, 3),
+    (128, 128, 8, 3),
+    (128, 128, 4, 4),
+    (32, 128, 2, 4),
+    (32, 256, 2, 4),
+    (16, 256, 1, 4),
+    (16, 128, 1, 8),
+    (64, 64, 4, 8),
+    # longer steps for FP8's one-byte weights: the same bytes per step as the bf16 tiles above
+    (16, 512, 1, 4),
+    (32, 512, 2, 3),
+    (64, 512, 4, 3),
+    (32, 256, 2, 6),
+)
 QUICK_DOT_TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (32, 256, 2, 4), (16, 256, 1, 4))
-FMA_TILES = {1: ((16, 512, 4, 4), (16, 512, 2, 4), (8, 512, 2, 4), (16, 1024, 4, 3), (32, 256, 4, 4),
-                 (8, 1024, 2, 4), (16, 1024, 2, 4), (4, 1024, 1, 4)),
-             4: ((8, 256, 4, 4), (16, 128, 4, 4), (4, 512, 2, 4))}
+FMA_TILES = {
+    1: (
+        (16, 512, 4, 4),
+        (16, 512, 2, 4),
+        (8, 512, 2, 4),
+        (16, 1024, 4, 3),
+        (32, 256, 4, 4),
+        (8, 1024, 2, 4),
+        (16, 1024, 2, 4),
+        (4, 1024, 1, 4),
+    ),
+    4: ((8, 256, 4, 4), (16, 128, 4, 4), (4, 512, 2, 4)),
+}
 QUICK_FMA_TILES = {1: ((16, 512, 4, 4), (16, 512, 2, 4)), 4: ((8, 256, 4, 4),)}
 # one-token vector tiles (GemvConfig.vec): the fused MoE's FP8 tiles and neighbours, one loop stage as there
 VEC_TILES = ((16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 4, 1), (64, 256, 4, 1))
@@ -126,18 +157,25 @@ def candidates(case: Case, quick: bool) -> list[GemvConfig]:
             splits = {1} | {split_for(programs, case.cols, block_k, t, min_steps=2) for t in targets}
             for split in sorted(splits):
                 cfg = GemvConfig(block_r, block_k, split, warps, stages, **family)
-                if cfg not in configs and config_problem(cfg, case.kind, case.rows, case.cols, case.tokens, case.groups,
-                                                         case.block) is None:
+                if (
+                    cfg not in configs
+                    and config_problem(
+                        cfg, case.kind, case.rows, case.cols, case.tokens, case.groups, case.block
+                    )
+                    is None
+                ):
                     configs.append(cfg)
     return configs
 
 
 def make_weight(case: Case) -> tuple[torch.Tensor, torch.Tensor | None]:
     if case.kind == "bf16":
-        return torch.randn(case.rows, case.cols, device="cuda", dtype=torch.bfloat16) / case.cols ** 0.5, None
-    data = (torch.randn(case.rows, case.cols, device="cuda", dtype=torch.bfloat16) * 16).to(torch.float8_e4m3fn)
+        return torch.randn(case.rows, case.cols, device="cuda", dtype=torch.bfloat16) / case.cols**0.5, None
+    data = (torch.randn(case.rows, case.cols, device="cuda", dtype=torch.bfloat16) * 16).to(
+        torch.float8_e4m3fn
+    )
     blocks = (-(-case.rows // BLOCK[0]), -(-case.cols // BLOCK[1]))
-    exps = torch.randint(-3, 2, blocks, device="cuda") - round(math.log2(16 * case.cols ** 0.5))
+    exps = torch.randint(-3, 2, blocks, device="cuda") - round(math.log2(16 * case.cols**0.5))
     return data, torch.exp2(exps.float())
 
 
@@ -175,8 +213,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def compile_key(kind: str, tokens: int, cfg: GemvConfig) -> tuple:
     """What Triton specialises on at these shapes (all multiples of 16): the tile, the kernel, whether
     partials are written, and for the CUDA-core kernel the padded token count."""
-    return kind, cfg.block_r, cfg.block_k, cfg.warps, cfg.stages, cfg.dot, cfg.vec, cfg.split > 1, \
-        None if cfg.dot else 1 << (tokens - 1).bit_length()
+    return (
+        kind,
+        cfg.block_r,
+        cfg.block_k,
+        cfg.warps,
+        cfg.stages,
+        cfg.dot,
+        cfg.vec,
+        cfg.split > 1,
+        None if cfg.dot else 1 << (tokens - 1).bit_length(),
+    )
 
 
 def precompile(work: list[tuple[Case, list[GemvConfig]]]) -> dict[tuple, str]:
@@ -228,7 +275,9 @@ def cublas_seconds(case: Case, x: torch.Tensor) -> float:
     return graph_seconds([lambda w=dense[i % len(dense)]: call(w) for i in range(max(MIN_CALLS, len(dense)))])
 
 
-def run_case(case: Case, configs: list[GemvConfig], errors: dict[tuple, str], cublas: dict[tuple, float]) -> dict:
+def run_case(
+    case: Case, configs: list[GemvConfig], errors: dict[tuple, str], cublas: dict[tuple, float]
+) -> dict:
     weights = copies_of(case)
     (w0, s0), copies = weights[0], len(weights)
     size = nbytes(w0, s0)
@@ -253,8 +302,10 @@ def run_case(case: Case, configs: list[GemvConfig], errors: dict[tuple, str], cu
         except Exception as exc:  # noqa: BLE001 - recorded and skipped
             err = f"{type(exc).__name__}: {exc}"[:200]
         if err is None:
-            calls = [lambda w=w, s=s: gemv(xin, w, s, case.block, case.groups, cfg)
-                     for w, s in (weights[i % copies] for i in range(n_calls))]
+            calls = [
+                lambda w=w, s=s: gemv(xin, w, s, case.block, case.groups, cfg)
+                for w, s in (weights[i % copies] for i in range(n_calls))
+            ]
             seconds = graph_seconds(calls)
             entry.update(us=seconds * 1e6, GBps=size / seconds / 1e9)
         else:
@@ -264,18 +315,33 @@ def run_case(case: Case, configs: list[GemvConfig], errors: dict[tuple, str], cu
     torch.cuda.empty_cache()
     timed = [r for r in results if "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
-    return {"names": case.names, "rows": case.rows, "cols": case.cols, "groups": case.groups, "kind": case.kind,
-            "tokens": case.tokens, "bytes": size, "copies": copies, "calls": n_calls,
-            "cublas_bf16_us": cublas_s * 1e6, "cublas_bf16_GBps": 2 * case.rows * case.cols / cublas_s / 1e9,
-            "default": results[0], "best": best, "configs": results}
+    return {
+        "names": case.names,
+        "rows": case.rows,
+        "cols": case.cols,
+        "groups": case.groups,
+        "kind": case.kind,
+        "tokens": case.tokens,
+        "bytes": size,
+        "copies": copies,
+        "calls": n_calls,
+        "cublas_bf16_us": cublas_s * 1e6,
+        "cublas_bf16_GBps": 2 * case.rows * case.cols / cublas_s / 1e9,
+        "default": results[0],
+        "best": best,
+        "configs": results,
+    }
 
 
 def report(case: Case, r: dict) -> None:
     d, b = r["default"], r["best"]
     fmt = lambda e: f"{e['GBps']:6.0f} GB/s {e['us']:8.2f} us" if e and "us" in e else "  failed"  # noqa: E731
     speedup = f" | {r['cublas_bf16_us'] / b['us']:.2f}x vs cuBLAS bf16" if b else ""
-    print(f"{case.label}\n    cuBLAS bf16 {r['cublas_bf16_GBps']:6.0f} GB/s {r['cublas_bf16_us']:8.2f} us"
-          f" | default {fmt(d)} | best {fmt(b)} {GemvConfig(**b['config']) if b else ''}{speedup}", flush=True)
+    print(
+        f"{case.label}\n    cuBLAS bf16 {r['cublas_bf16_GBps']:6.0f} GB/s {r['cublas_bf16_us']:8.2f} us"
+        f" | default {fmt(d)} | best {fmt(b)} {GemvConfig(**b['config']) if b else ''}{speedup}",
+        flush=True,
+    )
 
 
 def totals(records: list[dict]) -> dict:
@@ -283,8 +349,11 @@ def totals(records: list[dict]) -> dict:
     out = {}
     for r in records:
         n = len(r["names"])
-        for key, us in (("cublas_bf16", r["cublas_bf16_us"]), ("default", r["default"].get("us")),
-                        ("best", r["best"]["us"] if r["best"] else None)):
+        for key, us in (
+            ("cublas_bf16", r["cublas_bf16_us"]),
+            ("default", r["default"].get("us")),
+            ("best", r["best"]["us"] if r["best"] else None),
+        ):
             slot = out.setdefault(f"{r['kind']} N={r['tokens']}", {})
             slot[key] = slot.get(key, 0.0) + (math.nan if us is None else us * n)
     return out
@@ -295,7 +364,9 @@ def table_literal(records: list[dict]) -> str:
     for r in sorted(records, key=lambda r: (r["kind"], r["rows"], r["cols"], r["tokens"], r["groups"])):
         if r["best"]:
             kind, *dims = table_key(r["kind"], r["rows"], r["cols"], r["tokens"], r["groups"])
-            lines.append(f"    (\"{kind}\", {', '.join(map(str, dims))}): {GemvConfig(**r['best']['config'])!r},")
+            lines.append(
+                f'    ("{kind}", {", ".join(map(str, dims))}): {GemvConfig(**r["best"]["config"])!r},'
+            )
     return "\n".join(lines + ["}"])
 
 
@@ -308,11 +379,17 @@ def main() -> None:
     args = p.parse_args()
     start = time.time()
     print(f"device: {torch.cuda.get_device_name()}, {'quick' if args.quick else 'full'} sweep", flush=True)
-    work = [(case, candidates(case, args.quick)) for case in cases()
-            if any(args.only in name for name in case.names) and case.kind in args.kinds.split(",")]
+    work = [
+        (case, candidates(case, args.quick))
+        for case in cases()
+        if any(args.only in name for name in case.names) and case.kind in args.kinds.split(",")
+    ]
     errors = precompile(work)
-    print(f"compiled {len({compile_key(c.kind, c.tokens, g) for c, gs in work for g in gs})} kernels "
-          f"({len(errors)} failed) in {time.time() - start:.0f} s", flush=True)
+    print(
+        f"compiled {len({compile_key(c.kind, c.tokens, g) for c, gs in work for g in gs})} kernels "
+        f"({len(errors)} failed) in {time.time() - start:.0f} s",
+        flush=True,
+    )
     records, cublas = [], {}
     for case, configs in work:
         records.append(run_case(case, configs, errors, cublas))
@@ -322,9 +399,19 @@ def main() -> None:
     print(f"\n{table}\n\nwall time {time.time() - start:.0f} s", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "quick": args.quick,
-                                        "results": records, "totals": totals(records), "table": table},
-                                       indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "quick": args.quick,
+                    "results": records,
+                    "totals": totals(records),
+                    "table": table,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,13 @@ from typing import Callable
 import torch
 
 from ds4serve import kernels
-from ds4serve.kernels.indexer import ScoresConfig, SelectConfig, default_scores_config, index_scores, select_top
+from ds4serve.kernels.indexer import (
+    ScoresConfig,
+    SelectConfig,
+    default_scores_config,
+    index_scores,
+    select_top,
+)
 from ds4serve.model.attention import _index_top
 from ds4serve.model.rope import Rope
 
@@ -33,14 +39,22 @@ from bench_gpu import cuda_ms  # noqa: E402
 IH, DIM, ROPE, K = 64, 128, 64, 512
 SCORES_DECODE = [ScoresConfig(1, 16), ScoresConfig(1, 32), ScoresConfig(1, 64), ScoresConfig(1, 128, 8)]
 SCORES_PREFILL = [ScoresConfig(1, 64), ScoresConfig(2, 64), ScoresConfig(2, 128, 8), ScoresConfig(4, 64, 8)]
-SELECTS = [SelectConfig(1024, 8, 8), SelectConfig(1024, 8, 4), SelectConfig(1024, 4, 8), SelectConfig(1024, 4, 4),
-           SelectConfig(1024, 2, 8), SelectConfig(256, 8, 4)]
+SELECTS = [
+    SelectConfig(1024, 8, 8),
+    SelectConfig(1024, 8, 4),
+    SelectConfig(1024, 4, 8),
+    SelectConfig(1024, 4, 4),
+    SelectConfig(1024, 2, 8),
+    SelectConfig(256, 8, 4),
+]
 RESULTS: list[dict] = []
 
 
 def record(**row) -> None:
     RESULTS.append(row)
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    print(
+        " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+    )
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float:
@@ -66,11 +80,15 @@ def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> flo
 
 
 def inputs(S: int, T: int, visible: torch.Tensor) -> dict:
-    return dict(q=torch.randn(S, IH, DIM, device="cuda", dtype=torch.bfloat16),
-                cos=torch.rand(S, ROPE // 2, device="cuda", dtype=torch.bfloat16),
-                sin=torch.rand(S, ROPE // 2, device="cuda", dtype=torch.bfloat16),
-                keys=torch.randn(T, DIM, device="cuda", dtype=torch.bfloat16),
-                head_w=torch.randn(S, IH, device="cuda", dtype=torch.bfloat16), visible=visible, k=K)
+    return dict(
+        q=torch.randn(S, IH, DIM, device="cuda", dtype=torch.bfloat16),
+        cos=torch.rand(S, ROPE // 2, device="cuda", dtype=torch.bfloat16),
+        sin=torch.rand(S, ROPE // 2, device="cuda", dtype=torch.bfloat16),
+        keys=torch.randn(T, DIM, device="cuda", dtype=torch.bfloat16),
+        head_w=torch.randn(S, IH, device="cuda", dtype=torch.bfloat16),
+        visible=visible,
+        k=K,
+    )
 
 
 def torch_path(a: dict) -> torch.Tensor:
@@ -84,13 +102,17 @@ def kernel_path(a: dict) -> torch.Tensor:
 
 def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
     top = scores.topk(k, dim=-1).indices
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True) \
-        & (scores > float("-inf"))
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True) & (
+        scores > float("-inf")
+    )
 
 
 def agreement(got: torch.Tensor, want: torch.Tensor) -> dict:
-    return {"rows_equal": int((got == want).all(dim=-1).sum()), "rows": got.shape[0],
-            "entries_differing": int((got != want).sum())}
+    return {
+        "rows_equal": int((got == want).all(dim=-1).sum()),
+        "rows": got.shape[0],
+        "entries_differing": int((got != want).sum()),
+    }
 
 
 def roped(a: dict) -> torch.Tensor:
@@ -99,8 +121,8 @@ def roped(a: dict) -> torch.Tensor:
 
 def scores_err(q: torch.Tensor, a: dict, scores: torch.Tensor) -> float:
     """Max |kernel - torch fp32| over the visible scores, relative to their largest magnitude."""
-    ref = torch.relu(torch.matmul(q.float(), a["keys"].float().t())) * DIM ** -0.5
-    ref = (ref * (a["head_w"].float() * IH ** -0.5).unsqueeze(-1)).sum(dim=1)
+    ref = torch.relu(torch.matmul(q.float(), a["keys"].float().t())) * DIM**-0.5
+    ref = (ref * (a["head_w"].float() * IH**-0.5).unsqueeze(-1)).sum(dim=1)
     vis = a["visible"]
     return float((scores[vis] - ref[vis]).abs().max() / ref[vis].abs().max())
 
@@ -111,8 +133,12 @@ def decode(T: int, n_visible: int) -> None:
     a = inputs(1, T, visible)
     shape = dict(phase="decode", T=T, visible=n_visible, k=K)
     record(**shape, path="torch fp32 matmul + topk", us=graph_us(lambda: torch_path(a)))
-    record(**shape, path="kernels (op)", us=graph_us(lambda: kernel_path(a)),
-           **agreement(kernel_path(a), torch_path(a)))
+    record(
+        **shape,
+        path="kernels (op)",
+        us=graph_us(lambda: kernel_path(a)),
+        **agreement(kernel_path(a), torch_path(a)),
+    )
     q = roped(a)
     for cfg in SCORES_DECODE:
         us = graph_us(lambda: index_scores(q, a["keys"], a["head_w"], visible, cfg))
@@ -121,8 +147,12 @@ def decode(T: int, n_visible: int) -> None:
     record(**shape, path="scores accuracy", rel_err=scores_err(q, a, scores))
     record(**shape, path="torch.topk + scatter on kernel scores", us=graph_us(lambda: topk_select(scores, K)))
     for cfg in SELECTS:
-        record(**shape, path=f"select {cfg}", us=graph_us(lambda: select_top(scores, K, cfg)),
-               **agreement(select_top(scores, K, cfg), topk_select(scores, K)))
+        record(
+            **shape,
+            path=f"select {cfg}",
+            us=graph_us(lambda: select_top(scores, K, cfg)),
+            **agreement(select_top(scores, K, cfg), topk_select(scores, K)),
+        )
 
 
 def prefill(S: int, T: int) -> None:
@@ -132,21 +162,40 @@ def prefill(S: int, T: int) -> None:
     shape = dict(phase="prefill", S=S, T=T, k=K)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    record(**shape, path="torch fp32 matmul + topk", ms=cuda_ms(lambda: torch_path(a), 5, warmup=1),
-           peak_GB=(torch.cuda.max_memory_allocated() - base) / 1e9)
-    record(**shape, path="kernels (op)", ms=cuda_ms(lambda: kernel_path(a), 5, warmup=1),
-           **agreement(kernel_path(a), torch_path(a)))
+    record(
+        **shape,
+        path="torch fp32 matmul + topk",
+        ms=cuda_ms(lambda: torch_path(a), 5, warmup=1),
+        peak_GB=(torch.cuda.max_memory_allocated() - base) / 1e9,
+    )
+    record(
+        **shape,
+        path="kernels (op)",
+        ms=cuda_ms(lambda: kernel_path(a), 5, warmup=1),
+        **agreement(kernel_path(a), torch_path(a)),
+    )
     q = roped(a)
     scores = index_scores(q, a["keys"], a["head_w"], visible)
     record(**shape, path="scores accuracy", rel_err=scores_err(q, a, scores))
-    record(**shape, path=f"scores default {default_scores_config(S)}",
-           ms=cuda_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible), 5, warmup=1))
+    record(
+        **shape,
+        path=f"scores default {default_scores_config(S)}",
+        ms=cuda_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible), 5, warmup=1),
+    )
     for cfg in SCORES_PREFILL:
         ms = cuda_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible, cfg), 5, warmup=1)
         record(**shape, path=f"scores {cfg}", ms=ms)
-    record(**shape, path="torch.topk + scatter on kernel scores", ms=cuda_ms(lambda: topk_select(scores, K), 5, warmup=1))
-    record(**shape, path="select default", ms=cuda_ms(lambda: select_top(scores, K), 5, warmup=1),
-           **agreement(select_top(scores, K), topk_select(scores, K)))
+    record(
+        **shape,
+        path="torch.topk + scatter on kernel scores",
+        ms=cuda_ms(lambda: topk_select(scores, K), 5, warmup=1),
+    )
+    record(
+        **shape,
+        path="select default",
+        ms=cuda_ms(lambda: select_top(scores, K), 5, warmup=1),
+        **agreement(select_top(scores, K), topk_select(scores, K)),
+    )
 
 
 def main() -> None:

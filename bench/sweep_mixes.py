@@ -26,8 +26,11 @@ from ds4serve.kernels.hc_streams import MixTile, hc_mixes  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
-TILES = [MixTile(r, n, w, s) for r, n, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))
-         if not (r == 64 and w == 2)]
+TILES = [
+    MixTile(r, n, w, s)
+    for r, n, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))
+    if not (r == 64 and w == 2)
+]
 
 
 def cuda_us(fn) -> float:

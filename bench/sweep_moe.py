@@ -41,18 +41,69 @@ DEVICE = "cuda"
 # (gate-up tiles, down tiles) per format, the most promising first (--quick takes the first 3). One loop stage
 # only: 2-4 stages (cp.async) ran 1.3-3x slower on the H200 (2026-11-30, bench/RESULTS.md).
 CANDIDATES = {
-    "bf16": ([Tile(16, 512), Tile(16, 256), Tile(32, 512, 8), Tile(8, 1024), Tile(32, 256), Tile(32, 512),
-              Tile(8, 512)],
-             [Tile(16, 512), Tile(16, 256), Tile(4, 2048), Tile(32, 512, 8), Tile(32, 256), Tile(8, 2048),
-              Tile(16, 1024, 8)]),
-    "fp8": ([Tile(32, 512), Tile(64, 512, 8), Tile(32, 256), Tile(16, 512), Tile(64, 256), Tile(32, 1024, 8),
-             Tile(128, 256, 8)],
-            [Tile(64, 256), Tile(128, 128), Tile(128, 256), Tile(32, 512), Tile(64, 512, 8), Tile(128, 256, 8),
-             Tile(32, 256), Tile(8, 2048), Tile(16, 2048), Tile(16, 1024)]),
-    "fp4": ([Tile(8, 1024), Tile(4, 1024), Tile(8, 2048), Tile(4, 2048), Tile(16, 1024), Tile(16, 2048, 8),
-             Tile(8, 512)],
-            [Tile(16, 2048), Tile(16, 2048, 8), Tile(8, 2048), Tile(32, 1024), Tile(16, 1024), Tile(32, 2048, 8),
-             Tile(4, 2048)]),
+    "bf16": (
+        [
+            Tile(16, 512),
+            Tile(16, 256),
+            Tile(32, 512, 8),
+            Tile(8, 1024),
+            Tile(32, 256),
+            Tile(32, 512),
+            Tile(8, 512),
+        ],
+        [
+            Tile(16, 512),
+            Tile(16, 256),
+            Tile(4, 2048),
+            Tile(32, 512, 8),
+            Tile(32, 256),
+            Tile(8, 2048),
+            Tile(16, 1024, 8),
+        ],
+    ),
+    "fp8": (
+        [
+            Tile(32, 512),
+            Tile(64, 512, 8),
+            Tile(32, 256),
+            Tile(16, 512),
+            Tile(64, 256),
+            Tile(32, 1024, 8),
+            Tile(128, 256, 8),
+        ],
+        [
+            Tile(64, 256),
+            Tile(128, 128),
+            Tile(128, 256),
+            Tile(32, 512),
+            Tile(64, 512, 8),
+            Tile(128, 256, 8),
+            Tile(32, 256),
+            Tile(8, 2048),
+            Tile(16, 2048),
+            Tile(16, 1024),
+        ],
+    ),
+    "fp4": (
+        [
+            Tile(8, 1024),
+            Tile(4, 1024),
+            Tile(8, 2048),
+            Tile(4, 2048),
+            Tile(16, 1024),
+            Tile(16, 2048, 8),
+            Tile(8, 512),
+        ],
+        [
+            Tile(16, 2048),
+            Tile(16, 2048, 8),
+            Tile(8, 2048),
+            Tile(32, 1024),
+            Tile(16, 1024),
+            Tile(32, 2048, 8),
+            Tile(4, 2048),
+        ],
+    ),
 }
 VARIANTS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp4": ("fp4", "fp8")}  # routed, shared format
 GOALS_TBPS = {"bf16": 3.6, "fp8": 3.0, "fp4": 1.5}
@@ -93,11 +144,15 @@ def make(fmt: str, *shape: int) -> Matrix:
     """Random weights of the model's scale on the GPU; FP8 and MXFP4 with random power-of-two scales."""
     *lead, rows, cols = shape
     if fmt == "bf16":
-        return Matrix(torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) / cols ** 0.5, None, fmt)
+        return Matrix(torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) / cols**0.5, None, fmt)
     if fmt == "fp8":
-        data = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        data = (
+            (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 64)
+            .clamp_(-448, 448)
+            .to(torch.float8_e4m3fn)
+        )
         blocks = (*lead, -(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-        exps = torch.randint(-3, 1, blocks, device=DEVICE) - round(math.log2(64 * cols ** 0.5))
+        exps = torch.randint(-3, 1, blocks, device=DEVICE) - round(math.log2(64 * cols**0.5))
         return Matrix(data, torch.exp2(exps.float()), fmt)
     data = torch.randint(-128, 128, (*lead, rows, cols // 2), device=DEVICE, dtype=torch.int8)
     exps = torch.randint(115, 121, (*lead, rows, cols // 32), device=DEVICE, dtype=torch.uint8)
@@ -112,16 +167,31 @@ class Layer:
     @staticmethod
     def random(routed_fmt: str, shared_fmt: str) -> "Layer":
         shapes = ((INTER, D), (INTER, D), (D, INTER))
-        return Layer(tuple(make(routed_fmt, E, *s) for s in shapes), tuple(make(shared_fmt, *s) for s in shapes))
+        return Layer(
+            tuple(make(routed_fmt, E, *s) for s in shapes), tuple(make(shared_fmt, *s) for s in shapes)
+        )
 
     def call(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, configs: dict) -> torch.Tensor:
-        return moe_fused(x, idx, wts, *(m.stack() for m in self.routed), LIMIT,
-                         shared=tuple(m.stack() for m in self.shared), configs=configs)
+        return moe_fused(
+            x,
+            idx,
+            wts,
+            *(m.stack() for m in self.routed),
+            LIMIT,
+            shared=tuple(m.stack() for m in self.shared),
+            configs=configs,
+        )
 
     def reference(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
         used, local = torch.unique(idx, return_inverse=True)
-        return moe_ref(x, local, wts, *(m.dense(used) for m in self.routed), LIMIT,
-                       shared=tuple(m.dense(None) for m in self.shared))
+        return moe_ref(
+            x,
+            local,
+            wts,
+            *(m.dense(used) for m in self.routed),
+            LIMIT,
+            shared=tuple(m.dense(None) for m in self.shared),
+        )
 
     def nbytes(self, idx: torch.Tensor) -> int:
         """Bytes one call reads: each selected expert once, plus the shared expert."""
@@ -161,7 +231,7 @@ class Bench:
     def ms(self, configs: dict) -> float:
         """Milliseconds per layer call: the batch captured as one graph, median of 5 timed replays."""
         calls = [(self.layers[i % len(self.layers)], inp) for i, inp in enumerate(self.inputs)]
-        for layer, (x, idx, wts) in calls[:len(self.layers)]:
+        for layer, (x, idx, wts) in calls[: len(self.layers)]:
             layer.call(x, idx, wts, configs)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -195,10 +265,16 @@ def copy_bandwidth() -> float:
     return 2 * 5 * src.numel() * 2 / (a.elapsed_time(b) * 1e-3) / 1e12
 
 
-def evaluate(name: str, benches: dict[int, Bench], fmt: str, config: MoEConfig, rows: list[dict]) -> dict | None:
+def evaluate(
+    name: str, benches: dict[int, Bench], fmt: str, config: MoEConfig, rows: list[dict]
+) -> dict | None:
     """Check and time one config of ``fmt`` at every token count; None when it fails the check."""
     configs = {fmt: config}
-    row = {"format": name, "gate_up": dataclasses.asdict(config.gate_up), "down": dataclasses.asdict(config.down)}
+    row = {
+        "format": name,
+        "gate_up": dataclasses.asdict(config.gate_up),
+        "down": dataclasses.asdict(config.down),
+    }
     try:
         for N, bench in benches.items():
             err = bench.error(configs)
@@ -213,8 +289,11 @@ def evaluate(name: str, benches: dict[int, Bench], fmt: str, config: MoEConfig, 
         log(f"  SKIP {config}: {row['error']}")
         rows.append(row)
         return None
-    log("  " + " ".join(f"N={N}: {row[f'ms_N{N}']:.4f} ms {row[f'TBps_N{N}']:.2f} TB/s" for N in benches)
-        + f"  gate_up={config.gate_up} down={config.down}")
+    log(
+        "  "
+        + " ".join(f"N={N}: {row[f'ms_N{N}']:.4f} ms {row[f'TBps_N{N}']:.2f} TB/s" for N in benches)
+        + f"  gate_up={config.gate_up} down={config.down}"
+    )
     rows.append(row)
     return row
 
@@ -272,8 +351,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write every candidate's numbers as JSON")
     p.add_argument("--quick", action="store_true", help="3 gate-up and 3 down tiles per format")
     p.add_argument("--formats", default="bf16,fp8,fp4", help="bf16, fp8 (FP8 shared) and fp4 (FP8 shared)")
-    p.add_argument("--switches", default="defaults", help="the switch set the kernels run under "
-                   "(kernels.switches.parse, e.g. defaults+moe_fp4_words)")
+    p.add_argument(
+        "--switches",
+        default="defaults",
+        help="the switch set the kernels run under (kernels.switches.parse, e.g. defaults+moe_fp4_words)",
+    )
     args = p.parse_args()
     for name, value in parse(args.switches).items():
         setattr(SWITCHES, name, value)
@@ -296,15 +378,26 @@ def main() -> None:
         if r.get("best"):
             goal = GOALS_TBPS[r["format"]]
             met = "met" if min(r[f"TBps_N{N}"] for N in TOKENS) >= goal else "NOT met"
-            print(f"  {r['format']:5s} " + "  ".join(f"N={N}: {r[f'ms_N{N}']:.4f} ms {r[f'TBps_N{N}']:.2f} TB/s"
-                                                   for N in TOKENS)
-                  + f"  (goal {goal} TB/s {met})  gate_up={r['gate_up']} down={r['down']}")
+            print(
+                f"  {r['format']:5s} "
+                + "  ".join(f"N={N}: {r[f'ms_N{N}']:.4f} ms {r[f'TBps_N{N}']:.2f} TB/s" for N in TOKENS)
+                + f"  (goal {goal} TB/s {met})  gate_up={r['gate_up']} down={r['down']}"
+            )
     print("\n" + literal(best))
     log(f"done in {time.perf_counter() - t0:.0f} s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"copy_TBps": ceiling, "rows": rows,
-                                        "best": {k: dataclasses.asdict(v) for k, v in best.items()}}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "copy_TBps": ceiling,
+                    "rows": rows,
+                    "best": {k: dataclasses.asdict(v) for k, v in best.items()},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
 from ds4serve.engine.drafts import MTPProposer, OracleProposer, target_parts
-from ds4serve.kernels.switches import NAMES, SWITCHES, parse as parse_switches, using
+from ds4serve.kernels.switches import NAMES, SWITCHES, using
+from ds4serve.kernels.switches import parse as parse_switches
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
 from ds4serve.parallel.split_model import SplitModel, handoff
@@ -88,7 +89,7 @@ from bench_gpu import ceilings, decode_ms, eager_step, log  # noqa: E402
 from proxy import VARIANTS, _Maker, bytes_per_token, flash_config  # noqa: E402
 from spec_gpu import timed, verifier_sequence  # noqa: E402
 
-GiB = 2 ** 30
+GiB = 2**30
 TINY_QUANT = {"bf16": "none", "fp8": "fp8", "fp8+fp4": "fp8+fp4"}  # proxy variant -> ds4serve.tiny mode
 Save = Callable[[], None]
 
@@ -97,7 +98,9 @@ Save = Callable[[], None]
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """Flash dims (:func:`proxy.flash_config`), or ``ds4serve.tiny``'s dims for a CPU smoke run."""
     if args.dims == "tiny":
-        return tiny_config(TinySpec(layers=args.layers, experts=args.experts, quantize=TINY_QUANT[args.variant]))
+        return tiny_config(
+            TinySpec(layers=args.layers, experts=args.experts, quantize=TINY_QUANT[args.variant])
+        )
     return flash_config(args.layers, args.experts, args.variant)
 
 
@@ -123,20 +126,31 @@ def build_shard(cfg: ModelConfig, variant: str, k: int, layers: range, device: t
     head = mk.head() if layers.stop == cfg.num_layers else None
     shard = DeepSeekV4(cfg, layers, blocks, embed, head, torch.bfloat16, device)
     sync([device])
-    log(f"shard {k}: layers {layers.start}..{layers.stop - 1} on {device}, {shard.nbytes() / GiB:.1f} GiB of weights")
+    log(
+        f"shard {k}: layers {layers.start}..{layers.stop - 1} on {device}, {shard.nbytes() / GiB:.1f} GiB of weights"
+    )
     return shard
 
 
 def shard_report(shard: DeepSeekV4) -> dict:
     """What one shard holds and reads per decode token, and its device's memory now."""
-    return {"layers": [shard.layers.start, shard.layers.stop - 1], "device": str(shard.device),
-            "weights_GiB": shard.nbytes() / GiB, "bytes_per_token": bytes_per_token(shard), **memory(shard.device)}
+    return {
+        "layers": [shard.layers.start, shard.layers.stop - 1],
+        "device": str(shard.device),
+        "weights_GiB": shard.nbytes() / GiB,
+        "bytes_per_token": bytes_per_token(shard),
+        **memory(shard.device),
+    }
 
 
 def describe_shards(name: str, reports: list[dict], copy_GBps: list[float]) -> dict:
     """The start of a placement's JSON section."""
-    return {"placement": name, "shards": reports, "copy_GBps": copy_GBps,
-            "bytes_per_token_GB": sum(r["bytes_per_token"] for r in reports) / 1e9}
+    return {
+        "placement": name,
+        "shards": reports,
+        "copy_GBps": copy_GBps,
+        "bytes_per_token_GB": sum(r["bytes_per_token"] for r in reports) / 1e9,
+    }
 
 
 # ---- measuring ---------------------------------------------------------------------------------------
@@ -173,9 +187,11 @@ def memory(device: torch.device) -> dict:
     """The CUDA allocator's figures for ``device`` (none on the CPU)."""
     if device.type != "cuda":
         return {}
-    return {"allocated_GiB": torch.cuda.memory_allocated(device) / GiB,
-            "peak_GiB": torch.cuda.max_memory_allocated(device) / GiB,
-            "reserved_GiB": torch.cuda.memory_reserved(device) / GiB}
+    return {
+        "allocated_GiB": torch.cuda.memory_allocated(device) / GiB,
+        "peak_GiB": torch.cuda.max_memory_allocated(device) / GiB,
+        "reserved_GiB": torch.cuda.memory_reserved(device) / GiB,
+    }
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -186,7 +202,7 @@ def timed_prefill(model, state, ids: list[int], chunk: int, devices: list[torch.
     """Prefill ``ids`` in ``chunk``-token pieces; wall ms of each piece (forward and commit)."""
     times = []
     for i in range(0, len(ids), chunk):
-        part = ids[i:i + chunk]
+        part = ids[i : i + chunk]
         t0 = time.perf_counter()
         state.commit(model.forward(part, state).delta, len(part))
         sync(devices)
@@ -223,7 +239,9 @@ def greedy(engine: Engine, new_tokens: int) -> dict:
     return {"prompt": prompt, "tokens": res.tokens}
 
 
-def decode_context(model, ctx: int, args: argparse.Namespace, devices: list[torch.device], section: dict) -> dict:
+def decode_context(
+    model, ctx: int, args: argparse.Namespace, devices: list[torch.device], section: dict
+) -> dict:
     """Prefill ``ctx`` tokens (chunks timed), eager decode, and decode again after a restore."""
     ids = random_ids(ctx, seed=ctx)
     state = model.new_state(ctx + 2 * args.steps + 8)
@@ -234,14 +252,22 @@ def decode_context(model, ctx: int, args: argparse.Namespace, devices: list[torc
     _, again = decode_ms(eager_step(model), state, args.steps, ids[-1])
     GBps = section["bytes_per_token_GB"] / ms * 1e3
     row = graph_decode(model, state, snap, ids[-1], args.steps, section)
-    row |= {"prefill_chunk_ms": chunk_ms, "prefill_tokens_per_s": ctx / sum(chunk_ms) * 1e3,
-           "eager_decode_ms": ms, "tokens_per_s": 1e3 / ms, "GBps": GBps,
-           "fraction_of_two_gpus_copy": GBps / sum(section["copy_GBps"]),
-           "boundary_fraction_of_step": section["boundary"]["decode_ms"] / ms,
-           "tokens": tokens, "same_tokens_after_restore": tokens == again}
-    log(f"{section['placement']} ctx {ctx}: prefill {row['prefill_tokens_per_s']:.0f} tok/s, eager decode "
+    row |= {
+        "prefill_chunk_ms": chunk_ms,
+        "prefill_tokens_per_s": ctx / sum(chunk_ms) * 1e3,
+        "eager_decode_ms": ms,
+        "tokens_per_s": 1e3 / ms,
+        "GBps": GBps,
+        "fraction_of_two_gpus_copy": GBps / sum(section["copy_GBps"]),
+        "boundary_fraction_of_step": section["boundary"]["decode_ms"] / ms,
+        "tokens": tokens,
+        "same_tokens_after_restore": tokens == again,
+    }
+    log(
+        f"{section['placement']} ctx {ctx}: prefill {row['prefill_tokens_per_s']:.0f} tok/s, eager decode "
         f"{ms:.1f} ms/token ({row['tokens_per_s']:.1f} tok/s, {100 * row['fraction_of_two_gpus_copy']:.2f}% of "
-        f"the two GPUs' copy), same tokens after restore {row['same_tokens_after_restore']}")
+        f"the two GPUs' copy), same tokens after restore {row['same_tokens_after_restore']}"
+    )
     return row
 
 
@@ -256,18 +282,29 @@ def graph_decode(model, state, snap, token: int, steps: int, section: dict) -> d
         graph = model.decode_graph(state, graph=on_gpu)
     ms, tokens = decode_ms(lambda t, _: graph.step(t)[0], state, steps, token)
     GBps = section["bytes_per_token_GB"] / ms * 1e3
-    log(f"{section['placement']}: graph decode {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s, "
-        f"{100 * GBps / sum(section['copy_GBps']):.1f}% of the two GPUs' copy)")
-    return {"graph_decode_ms": ms, "graph_tokens_per_s": 1e3 / ms, "graph_GBps": GBps,
-            "graph_fraction_of_two_gpus_copy": GBps / sum(section["copy_GBps"]), "graph_tokens": tokens}
+    log(
+        f"{section['placement']}: graph decode {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s, "
+        f"{100 * GBps / sum(section['copy_GBps']):.1f}% of the two GPUs' copy)"
+    )
+    return {
+        "graph_decode_ms": ms,
+        "graph_tokens_per_s": 1e3 / ms,
+        "graph_GBps": GBps,
+        "graph_fraction_of_two_gpus_copy": GBps / sum(section["copy_GBps"]),
+        "graph_tokens": tokens,
+    }
 
 
 def prefill_summary(section: dict, ctx: int, chunk: int) -> dict:
     """Prefill tokens/s of the longest context's prompt, over all its chunks and after the first."""
     ms = section[f"ctx_{ctx}"]["prefill_chunk_ms"]
     later = (ctx - chunk) / sum(ms[1:]) * 1e3 if len(ms) > 1 else None
-    return {"context": ctx, "chunk": chunk, "tokens_per_s": ctx / sum(ms) * 1e3,
-            "tokens_per_s_after_first_chunk": later}
+    return {
+        "context": ctx,
+        "chunk": chunk,
+        "tokens_per_s": ctx / sum(ms) * 1e3,
+        "tokens_per_s_after_first_chunk": later,
+    }
 
 
 def speculative(engine: Engine, args: argparse.Namespace, section: dict, save: Save) -> None:
@@ -276,8 +313,12 @@ def speculative(engine: Engine, args: argparse.Namespace, section: dict, save: S
     params = SamplingParams(max_tokens=args.spec_tokens, temperature=0.0, ignore_eos=True)
     timed(engine, prompt, params)  # the split's decode graphs are captured in the first run
     plain, plain_tps = timed(engine, prompt, params)
-    out = section["speculative"] = {"prompt_tokens": len(prompt), "new_tokens": args.spec_tokens,
-                                    "plain_tokens_per_s": plain_tps, "runs": []}
+    out = section["speculative"] = {
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.spec_tokens,
+        "plain_tokens_per_s": plain_tps,
+        "runs": [],
+    }
     log(f"{section['placement']}: plain decoding through the engine {plain_tps:.2f} tok/s")
     save()
     for width in args.spec_widths:
@@ -286,36 +327,62 @@ def speculative(engine: Engine, args: argparse.Namespace, section: dict, save: S
         for p in args.accept:
             res, tps = timed(engine, prompt, params, OracleProposer(known, p, width))
             spec = res.stats.speculative
-            row = {"width": width, "p": p, "tokens_per_s": tps, "speedup": tps / plain_tps,
-                   "tokens_per_verify": spec["tokens_per_forward"], "acceptance": spec["acceptance_rate"],
-                   "equal_to_plain": res.tokens == plain.tokens}
+            row = {
+                "width": width,
+                "p": p,
+                "tokens_per_s": tps,
+                "speedup": tps / plain_tps,
+                "tokens_per_verify": spec["tokens_per_forward"],
+                "acceptance": spec["acceptance_rate"],
+                "equal_to_plain": res.tokens == plain.tokens,
+            }
             out["runs"].append(row)
             save()
-            log(f"{section['placement']} speculative width {width} p {p}: {tps:.2f} tok/s "
+            log(
+                f"{section['placement']} speculative width {width} p {p}: {tps:.2f} tok/s "
                 f"({row['speedup']:.2f}x plain), {row['tokens_per_verify']:.2f} tokens/verify, "
-                f"equal to plain {row['equal_to_plain']}")
+                f"equal to plain {row['equal_to_plain']}"
+            )
     if args.mtp and isinstance(engine.model, SplitModel):
         mtp_drafts(engine, args, prompt, params, plain_tps, out, save)
 
 
-def mtp_drafts(engine: Engine, args: argparse.Namespace, prompt: list[int], params: SamplingParams,
-               plain_tps: float, out: dict, save: Save) -> None:
+def mtp_drafts(
+    engine: Engine,
+    args: argparse.Namespace,
+    prompt: list[int],
+    params: SamplingParams,
+    plain_tps: float,
+    out: dict,
+    save: Save,
+) -> None:
     """Random MTP drafts of ``args.mtp`` tokens per step, the draft passes eager and as graphs."""
     target = target_parts(engine.model)
     weights = _Maker(target.cfg, args.variant, target.device, seed=99).mtp()
     out["mtp"] = []
     for static in (False, True):
         for _ in range(2):  # the second run: the first one compiles and captures
-            res, tps = timed(engine, prompt, params, MTPProposer(weights, target, args.mtp, static_passes=static,
-                                                                 adaptive=False))
+            res, tps = timed(
+                engine,
+                prompt,
+                params,
+                MTPProposer(weights, target, args.mtp, static_passes=static, adaptive=False),
+            )
         spec = res.stats.speculative
-        row = {"drafts_per_step": args.mtp, "draft_passes": "graphs" if static else "eager", "tokens_per_s": tps,
-               "vs_plain": tps / plain_tps, "tokens_per_verify": spec["tokens_per_forward"],
-               "acceptance": spec["acceptance_rate"]}
+        row = {
+            "drafts_per_step": args.mtp,
+            "draft_passes": "graphs" if static else "eager",
+            "tokens_per_s": tps,
+            "vs_plain": tps / plain_tps,
+            "tokens_per_verify": spec["tokens_per_forward"],
+            "acceptance": spec["acceptance_rate"],
+        }
         out["mtp"].append(row)
         save()
-        log(f"split MTP drafts ({args.mtp} per step, passes {row['draft_passes']}): {tps:.2f} tok/s "
-            f"({row['vs_plain']:.2f}x plain), {row['tokens_per_verify']:.2f} tokens/verify")
+        log(
+            f"split MTP drafts ({args.mtp} per step, passes {row['draft_passes']}): {tps:.2f} tok/s "
+            f"({row['vs_plain']:.2f}x plain), {row['tokens_per_verify']:.2f} tokens/verify"
+        )
 
 
 # ---- the split: both shards in this process ----------------------------------------------------------
@@ -324,14 +391,24 @@ def run_split(args: argparse.Namespace, cfg: ModelConfig, results: dict, save: S
     for d in devices:
         if d.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)  # the copy measurement's buffers are not the model's
-    model = SplitModel([build_shard(cfg, args.variant, k, r, d)
-                        for k, (r, d) in enumerate(zip(layer_ranges(cfg, args.split), devices))])
-    section = results["split"] = describe_shards("split", [shard_report(s) for s in model.shards], args.copy_gbps)
-    section["boundary"] = {"method": "hand-off copy shard 0 -> shard 1, host wall time with both devices synced",
-                           "decode_ms": split_handoff_ms(model, 1, args.reps),
-                           "prefill_chunk_ms": split_handoff_ms(model, args.chunk, args.reps)}
-    log(f"split: boundary {section['boundary']['decode_ms']:.3f} ms per decode step, "
-        f"{section['boundary']['prefill_chunk_ms']:.3f} ms per {args.chunk}-token chunk")
+    model = SplitModel(
+        [
+            build_shard(cfg, args.variant, k, r, d)
+            for k, (r, d) in enumerate(zip(layer_ranges(cfg, args.split), devices))
+        ]
+    )
+    section = results["split"] = describe_shards(
+        "split", [shard_report(s) for s in model.shards], args.copy_gbps
+    )
+    section["boundary"] = {
+        "method": "hand-off copy shard 0 -> shard 1, host wall time with both devices synced",
+        "decode_ms": split_handoff_ms(model, 1, args.reps),
+        "prefill_chunk_ms": split_handoff_ms(model, args.chunk, args.reps),
+    }
+    log(
+        f"split: boundary {section['boundary']['decode_ms']:.3f} ms per decode step, "
+        f"{section['boundary']['prefill_chunk_ms']:.3f} ms per {args.chunk}-token chunk"
+    )
     save()
     measure(model, args, devices, section, save)
     if all(d.type == "cuda" for d in devices) and args.prompts:
@@ -341,8 +418,9 @@ def run_split(args: argparse.Namespace, cfg: ModelConfig, results: dict, save: S
     save()
 
 
-def first_chunks(model: SplitModel | PipelineModel, args: argparse.Namespace, devices: list[torch.device],
-                 switch: str) -> list[dict]:
+def first_chunks(
+    model: SplitModel | PipelineModel, args: argparse.Namespace, devices: list[torch.device], switch: str
+) -> list[dict]:
     """Whole prompts of ``--prompts`` tokens (one chunk each) through ``Engine.prefill``, eagerly and through
     one first-chunk graph per shard or rank (``switch``: ``split_prefill_graphs`` or
     ``pipeline_prefill_graphs``): median wall ms of 3 after a warm-up (which captures), and how far the
@@ -364,17 +442,27 @@ def first_chunks(model: SplitModel | PipelineModel, args: argparse.Namespace, de
                     times.append((time.perf_counter() - t0) * 1e3)
             arms[name] = (statistics.median(times[1:]), logits)
         (eager_ms, eager), (graph_ms, graph) = arms["eager"], arms["graphs"]
-        rows.append({"prompt": n, "eager_ms": eager_ms, "graphs_ms": graph_ms,
-                     "logits_max_rel": float((graph - eager).abs().max() / eager.abs().max()),
-                     "same_greedy_token": int(graph.argmax()) == int(eager.argmax())})
-        log(f"{switch}: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
-            f"(logits max rel {rows[-1]['logits_max_rel']:.1e})")
+        rows.append(
+            {
+                "prompt": n,
+                "eager_ms": eager_ms,
+                "graphs_ms": graph_ms,
+                "logits_max_rel": float((graph - eager).abs().max() / eager.abs().max()),
+                "same_greedy_token": int(graph.argmax()) == int(eager.argmax()),
+            }
+        )
+        log(
+            f"{switch}: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
+            f"(logits max rel {rows[-1]['logits_max_rel']:.1e})"
+        )
     return rows
 
 
 def split_handoff_ms(model: SplitModel, tokens: int, reps: int) -> float:
     first, second = model.shards
-    hidden = torch.randn(tokens, model.cfg.hc_mult, model.cfg.hidden_size, dtype=first.dtype, device=first.device)
+    hidden = torch.randn(
+        tokens, model.cfg.hc_mult, model.cfg.hidden_size, dtype=first.dtype, device=first.device
+    )
     return wall_ms(lambda: handoff(hidden, second.device), model.devices, reps)
 
 
@@ -385,8 +473,10 @@ def release(devices: list[torch.device]) -> None:
         if d.type == "cuda":
             with torch.cuda.device(d):
                 torch.cuda.empty_cache()
-            log(f"{d} after freeing the split: {torch.cuda.memory_allocated(d) / GiB:.2f} GiB allocated, "
-                f"{torch.cuda.memory_reserved(d) / GiB:.2f} GiB reserved")
+            log(
+                f"{d} after freeing the split: {torch.cuda.memory_allocated(d) / GiB:.2f} GiB allocated, "
+                f"{torch.cuda.memory_reserved(d) / GiB:.2f} GiB reserved"
+            )
 
 
 # ---- the pipeline: one process per shard ---------------------------------------------------------------
@@ -397,9 +487,26 @@ def launch_pipeline(args: argparse.Namespace, results: dict, save: Save) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(Path(__file__).resolve()), *args.argv, "--placement", "pipeline",
-           "--out", str(side), "--copy-gbps", ",".join(map(str, args.copy_gbps)), "--pipeline-rank"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(Path(__file__).resolve()),
+        *args.argv,
+        "--placement",
+        "pipeline",
+        "--out",
+        str(side),
+        "--copy-gbps",
+        ",".join(map(str, args.copy_gbps)),
+        "--pipeline-rank",
+    ]
     log("starting the pipeline: " + " ".join(cmd))
     rc = subprocess.run(cmd).returncode  # the ranks inherit this environment unchanged
     results["pipeline"] = json.loads(side.read_text())["pipeline"] if side.is_file() else {}
@@ -423,13 +530,20 @@ def pipeline_rank(args: argparse.Namespace, cfg: ModelConfig) -> None:
             raise SystemExit(f"the pipeline runs on 2 ranks, got {groups.world}")
         shard = build_shard(cfg, args.variant, rank, layer_ranges(cfg, args.split)[rank], device)
         table = shard_handshake(shard, groups)
-        boundary = {"method": "NCCL/gloo send + recv rank 0 -> 1 -> 0, half the round trip, timed on rank 0",
-                    "decode_ms": pipeline_boundary_ms(groups, shard, 1, args.reps),
-                    "prefill_chunk_ms": pipeline_boundary_ms(groups, shard, args.chunk, args.reps)}
+        boundary = {
+            "method": "NCCL/gloo send + recv rank 0 -> 1 -> 0, half the round trip, timed on rank 0",
+            "decode_ms": pipeline_boundary_ms(groups, shard, 1, args.reps),
+            "prefill_chunk_ms": pipeline_boundary_ms(groups, shard, args.chunk, args.reps),
+        }
         reports = gather(groups, shard_report(shard))
         if rank == 0:
-            measure_pipeline(args, shard, groups, table, describe_shards("pipeline", reports, args.copy_gbps) |
-                             {"boundary": boundary})
+            measure_pipeline(
+                args,
+                shard,
+                groups,
+                table,
+                describe_shards("pipeline", reports, args.copy_gbps) | {"boundary": boundary},
+            )
         else:
             serve_shard(shard, groups, table)
             gather(groups, memory(device))
@@ -437,15 +551,19 @@ def pipeline_rank(args: argparse.Namespace, cfg: ModelConfig) -> None:
         dist.destroy_process_group()
 
 
-def measure_pipeline(args: argparse.Namespace, shard: DeepSeekV4, groups: Groups, table: list, section: dict) -> None:
+def measure_pipeline(
+    args: argparse.Namespace, shard: DeepSeekV4, groups: Groups, table: list, section: dict
+) -> None:
     """Rank 0: drive the pipeline through :func:`measure`, stop the workers, gather their memory."""
     results = {"command": " ".join(sys.argv), "pipeline": section}
 
     def save() -> None:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
-    log(f"pipeline: boundary {section['boundary']['decode_ms']:.3f} ms per decode step, "
-        f"{section['boundary']['prefill_chunk_ms']:.3f} ms per {args.chunk}-token chunk")
+    log(
+        f"pipeline: boundary {section['boundary']['decode_ms']:.3f} ms per decode step, "
+        f"{section['boundary']['prefill_chunk_ms']:.3f} ms per {args.chunk}-token chunk"
+    )
     save()
     model = PipelineModel(shard, groups, table)
     try:
@@ -461,7 +579,9 @@ def measure_pipeline(args: argparse.Namespace, shard: DeepSeekV4, groups: Groups
 
 def pipeline_boundary_ms(groups: Groups, shard: DeepSeekV4, tokens: int, reps: int) -> float | None:
     """Half the round trip of ``[tokens, hc, D]`` streams rank 0 -> 1 -> 0 (rank 0's figure; collective)."""
-    buf = torch.zeros(tokens, shard.cfg.hc_mult, shard.cfg.hidden_size, dtype=shard.dtype, device=shard.device)
+    buf = torch.zeros(
+        tokens, shard.cfg.hc_mult, shard.cfg.hidden_size, dtype=shard.dtype, device=shard.device
+    )
 
     def round_trip() -> None:
         if groups.rank == 0:
@@ -487,16 +607,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--placement", default="both", choices=("split", "pipeline", "both"))
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (use --dims tiny)")
-    p.add_argument("--dims", default="flash", choices=("flash", "tiny"), help="tiny: ds4serve.tiny's dimensions")
+    p.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (use --dims tiny)"
+    )
+    p.add_argument(
+        "--dims", default="flash", choices=("flash", "tiny"), help="tiny: ds4serve.tiny's dimensions"
+    )
     p.add_argument("--variant", default="fp8+fp4", choices=VARIANTS)
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--split", type=int, default=None, help="first layer of shard 1 (default: half, rounded up)")
+    p.add_argument(
+        "--split", type=int, default=None, help="first layer of shard 1 (default: half, rounded up)"
+    )
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
-    p.add_argument("--prompts", default="512,2048", help="on GPUs: whole prompts through Engine.prefill, eagerly "
-                   "and through the first-chunk graphs (switch split_prefill_graphs or pipeline_prefill_graphs)")
+    p.add_argument(
+        "--prompts",
+        default="512,2048",
+        help="on GPUs: whole prompts through Engine.prefill, eagerly "
+        "and through the first-chunk graphs (switch split_prefill_graphs or pipeline_prefill_graphs)",
+    )
     p.add_argument("--steps", type=int, default=8, help="decode steps per context")
     p.add_argument("--reps", type=int, default=20, help="repetitions of each boundary timing")
     p.add_argument("--greedy-tokens", type=int, default=16)
@@ -504,12 +634,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--accept", default="0.5,0.9")
     p.add_argument("--spec-prompt", type=int, default=64)
     p.add_argument("--spec-tokens", type=int, default=32)
-    p.add_argument("--oracle-rounds", type=int, default=2,
-                   help="perfect-oracle runs per width that find the verify path's own continuation")
-    p.add_argument("--mtp", type=int, default=0, help="split: also time K random MTP drafts per step, eager and as "
-                   "graphs (0: not)")
+    p.add_argument(
+        "--oracle-rounds",
+        type=int,
+        default=2,
+        help="perfect-oracle runs per width that find the verify path's own continuation",
+    )
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        help="split: also time K random MTP drafts per step, eager and as graphs (0: not)",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="pipeline: longest wait for a peer")
-    p.add_argument("--switches", default="", help="kernels.switches to turn on besides the defaults (NAME+NAME)")
+    p.add_argument(
+        "--switches", default="", help="kernels.switches to turn on besides the defaults (NAME+NAME)"
+    )
     p.add_argument("--copy-gbps", default=None, help=argparse.SUPPRESS)  # measured once, handed to the ranks
     p.add_argument("--pipeline-rank", action="store_true", help=argparse.SUPPRESS)  # set by launch_pipeline
     args = p.parse_args(argv)
@@ -541,10 +681,16 @@ def main(argv: list[str] | None = None) -> int:
     devices = placement_devices(args.device)
     results: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
         "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in devices],
-        "dims": args.dims, "variant": args.variant, "layers": args.layers, "experts": args.experts,
-        "split_at_layer": args.split, "switches": {n: getattr(SWITCHES, n) for n in NAMES}}
+        "dims": args.dims,
+        "variant": args.variant,
+        "layers": args.layers,
+        "experts": args.experts,
+        "split_at_layer": args.split,
+        "switches": {n: getattr(SWITCHES, n) for n in NAMES},
+    }
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

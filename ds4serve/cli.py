@@ -37,8 +37,9 @@ def at_least(low: float, kind: type = int) -> Callable[[str], float]:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
-                from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected at least {low}, got {text}")
         return value
@@ -98,9 +99,18 @@ def _make_tiny_args(p: argparse.ArgumentParser) -> Handler:
     def run(a: argparse.Namespace) -> int:
         from .tiny import make_tiny
 
-        spec = TinySpec(seed=a.seed, layers=a.layers, experts=a.experts, fmt=a.format, quantize=a.quantize,
-                        mtp=a.mtp, dspark=a.dspark, window=a.window, hca_rate=a.hca_rate,
-                        index_topk=a.index_topk)
+        spec = TinySpec(
+            seed=a.seed,
+            layers=a.layers,
+            experts=a.experts,
+            fmt=a.format,
+            quantize=a.quantize,
+            mtp=a.mtp,
+            dspark=a.dspark,
+            window=a.window,
+            hca_rate=a.hca_rate,
+            index_topk=a.index_topk,
+        )
         out = make_tiny(a.out_dir, spec)
         print(f"wrote {out}")
         return 0
@@ -117,15 +127,25 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
 
         ckpt = Checkpoint(a.model_dir)
         cfg = ckpt.cfg
-        abbrev = {"sliding_attention": "S", "compressed_sparse_attention": "C", "heavily_compressed_attention": "H"}
+        abbrev = {
+            "sliding_attention": "S",
+            "compressed_sparse_attention": "C",
+            "heavily_compressed_attention": "H",
+        }
         print(f"checkpoint   {ckpt.path} ({ckpt.layout} layout)")
-        print(f"layers       {cfg.num_layers}: {''.join(abbrev[t] for t in cfg.layer_types)} "
-              f"(S sliding, C CSA ratio {cfg.csa_rate}, H HCA ratio {cfg.hca_rate})")
+        print(
+            f"layers       {cfg.num_layers}: {''.join(abbrev[t] for t in cfg.layer_types)} "
+            f"(S sliding, C CSA ratio {cfg.csa_rate}, H HCA ratio {cfg.hca_rate})"
+        )
         print(f"hash layers  {[i for i in range(cfg.num_layers) if cfg.is_hash_layer(i)]}")
-        print(f"dims         hidden {cfg.hidden_size}, heads {cfg.num_heads}x{cfg.head_dim} (rope {cfg.rope_dim}), "
-              f"q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}")
-        print(f"moe          {cfg.n_routed_experts} experts x {cfg.moe_inter}, top-{cfg.top_k}, "
-              f"{cfg.n_shared_experts} shared")
+        print(
+            f"dims         hidden {cfg.hidden_size}, heads {cfg.num_heads}x{cfg.head_dim} (rope {cfg.rope_dim}), "
+            f"q_lora {cfg.q_lora_rank}, o {cfg.o_groups}x{cfg.o_lora_rank}, window {cfg.sliding_window}"
+        )
+        print(
+            f"moe          {cfg.n_routed_experts} experts x {cfg.moe_inter}, top-{cfg.top_k}, "
+            f"{cfg.n_shared_experts} shared"
+        )
         print(f"indexer      {cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk}")
         print(f"drafts       mtp blocks {cfg.n_mtp_layers}, dspark {'yes' if cfg.dspark else 'no'}")
         print(f"quant        fp8 block {cfg.quant.fp8_block}, experts {cfg.quant.expert_dtype}")
@@ -144,18 +164,34 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     """The options that choose and place the model (``generate`` and ``serve``; see :func:`load_engine`)."""
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny random model)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the built-in tiny random model)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--devices", default=None, help="split the layers over these devices, e.g. cuda:0,cuda:1")
-    p.add_argument("--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)")
+    p.add_argument(
+        "--layer-split", default=None, help="layers per device, e.g. 22,21 (default: by free memory)"
+    )
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    p.add_argument("--max-context", type=at_least(1), default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--chunk-size", type=at_least(1), default=None, help="longest prefill chunk (default: 4096 on "
-                   "CUDA, 512 elsewhere)")
-    p.add_argument("--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)")
+    p.add_argument(
+        "--max-context", type=at_least(1), default=None, help="tokens per sequence (default: the model's)"
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=at_least(1),
+        default=None,
+        help="longest prefill chunk (default: 4096 on CUDA, 512 elsewhere)",
+    )
+    p.add_argument(
+        "--gpu-profile", action="store_true", help="log per-phase profiler records (DS4SERVE_GPU_PROFILE)"
+    )
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
-    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
-                   "(default on GPU: kept quantized and read in place by the kernels)")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="load FP8 / MXFP4 weights as dense tensors "
+        "(default on GPU: kept quantized and read in place by the kernels)",
+    )
 
 
 def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
@@ -170,10 +206,17 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
         _check_device(device)
     first = devices[0] if devices else a.device
     dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
-    engine = Engine.from_pretrained(model, device=a.device, dtype=dtype, max_context=a.max_context,
-                                    chunk_size=a.chunk_size, devices=devices,
-                                    layer_split=_int_list("--layer-split", a.layer_split),
-                                    quantized=False if a.dequantize else None, eager=a.eager)
+    engine = Engine.from_pretrained(
+        model,
+        device=a.device,
+        dtype=dtype,
+        max_context=a.max_context,
+        chunk_size=a.chunk_size,
+        devices=devices,
+        layer_split=_int_list("--layer-split", a.layer_split),
+        quantized=False if a.dequantize else None,
+        eager=a.eager,
+    )
     return engine, model, dtype
 
 
@@ -203,8 +246,12 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
-    p.add_argument("--speculative", type=speculative, default=None, help="speculative decoding draft: mtp, dspark "
-                   "or ngram (NAME:K for at most K drafts per step)")
+    p.add_argument(
+        "--speculative",
+        type=speculative,
+        default=None,
+        help="speculative decoding draft: mtp, dspark or ngram (NAME:K for at most K drafts per step)",
+    )
 
     def run(a: argparse.Namespace) -> int:
         from .engine import SamplingParams
@@ -214,8 +261,9 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
         tok: Tokenizer = engine.tokenizer
         text = a.prompt if a.raw else f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>"
         prompt = tok.encode(text)
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                seed=a.seed)
+        params = SamplingParams(
+            max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed
+        )
         printed = ""
         out: list[int] = []
 
@@ -224,7 +272,7 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
             out.append(token)
             text = tok.decode(out)
             if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed):])
+                sys.stdout.write(text[len(printed) :])
                 sys.stdout.flush()
                 printed = text
 
@@ -236,13 +284,19 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
             print(f"error: {result.error.value}: {result.error_message}", file=sys.stderr)
             return 1
         n = len(result.tokens)
-        print(f"[{len(prompt)} prompt tokens, prefill {result.timings.prefill_tps(result.stats.prefilled_tokens):.1f} "
-              f"tok/s, {n} generated, decode {result.timings.decode_tps(max(n - 1, 0)):.1f} tok/s, "
-              f"finish {result.finish_reason}, {wall:.2f} s]", file=sys.stderr)
+        print(
+            f"[{len(prompt)} prompt tokens, prefill {result.timings.prefill_tps(result.stats.prefilled_tokens):.1f} "
+            f"tok/s, {n} generated, decode {result.timings.decode_tps(max(n - 1, 0)):.1f} tok/s, "
+            f"finish {result.finish_reason}, {wall:.2f} s]",
+            file=sys.stderr,
+        )
         spec = result.stats.speculative
         if spec:
-            print(f"[speculative {spec['method']}: {spec['steps']} verify steps, {spec['tokens_per_forward']:.2f} "
-                  f"tokens per target forward, acceptance {spec['acceptance_rate']:.0%}]", file=sys.stderr)
+            print(
+                f"[speculative {spec['method']}: {spec['steps']} verify steps, {spec['tokens_per_forward']:.2f} "
+                f"tokens per target forward, acceptance {spec['acceptance_rate']:.0%}]",
+                file=sys.stderr,
+            )
         return 0
 
     return run
@@ -270,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A ValueError (a bad option, model directory, checkpoint or environment variable: the
     message names it) is one line on stderr and exit status 2; with the log level at DEBUG, its traceback."""
     try:
-        logging.basicConfig(level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        )
         _load_optional_commands()
         args = build_parser().parse_args(argv)
         return args._handler(args)

@@ -267,8 +267,12 @@ class ModelConfig:
         """The transformers-layout config.json for this config."""
         compress: dict[str, Any] = {"rope_theta": self.rope_compress.theta, "rope_type": "default"}
         if self.rope_compress.is_yarn:
-            compress = {**_yarn_dict(self.rope_compress), "rope_theta": self.rope_compress.theta,
-                        "rope_type": "yarn", "attention_factor": 1.0}
+            compress = {
+                **_yarn_dict(self.rope_compress),
+                "rope_theta": self.rope_compress.theta,
+                "rope_type": "yarn",
+                "attention_factor": 1.0,
+            }
         factor = self.rope_dim / self.head_dim
         compress["partial_rotary_factor"] = factor
         out: dict[str, Any] = {
@@ -282,7 +286,11 @@ class ModelConfig:
             "rope_theta": self.rope_main.theta,
             "compress_rope_theta": self.rope_compress.theta,
             "rope_parameters": {
-                "main": {"rope_type": "default", "rope_theta": self.rope_main.theta, "partial_rotary_factor": factor},
+                "main": {
+                    "rope_type": "default",
+                    "rope_theta": self.rope_main.theta,
+                    "partial_rotary_factor": factor,
+                },
                 "compress": compress,
             },
             "num_nextn_predict_layers": self.n_mtp_layers,
@@ -344,7 +352,9 @@ class _Reader:
             raise ConfigError(f"{name}: missing from config.json")
         return default
 
-    def int(self, name: str, *, minimum: int | None = None, default: Any = None, alias: str | None = None) -> int:
+    def int(
+        self, name: str, *, minimum: int | None = None, default: Any = None, alias: str | None = None
+    ) -> int:
         value = self._get(name, _MISSING if default is None else default, alias)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{name}: expected an integer, got {value!r}")
@@ -370,7 +380,9 @@ def _rope_dim(raw: dict[str, Any], head_dim: int) -> int:
     else:
         dim = head_dim // 8
     if not isinstance(dim, int) or dim <= 0 or dim % 2 or dim > head_dim:
-        raise ConfigError(f"qk_rope_head_dim: expected an even integer in (0, head_dim={head_dim}], got {dim!r}")
+        raise ConfigError(
+            f"qk_rope_head_dim: expected an even integer in (0, head_dim={head_dim}], got {dim!r}"
+        )
     return dim
 
 
@@ -400,7 +412,9 @@ def _layer_pattern(raw: dict[str, Any], n_layers: int) -> tuple[tuple[str, ...],
         hca_seen: set[int] = set()
         for i, ratio in enumerate(ratios[:n_layers]):
             if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0 or ratio == 1:
-                raise ConfigError(f"compress_ratios[{i}]: expected 0, 4 (CSA) or another ratio > 1 (HCA), got {ratio!r}")
+                raise ConfigError(
+                    f"compress_ratios[{i}]: expected 0, 4 (CSA) or another ratio > 1 (HCA), got {ratio!r}"
+                )
             if ratio == 0:
                 types.append(SLIDING)
             elif ratio == 4:  # the official code gives ratio-4 layers the overlap and the indexer
@@ -448,7 +462,11 @@ def _yarn_from(d: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _rope_specs(raw: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+    if (
+        isinstance(params, dict)
+        and isinstance(params.get("main"), dict)
+        and isinstance(params.get("compress"), dict)
+    ):
         main, comp = params["main"], params["compress"]
         if "rope_theta" not in main or "rope_theta" not in comp:
             raise ConfigError("rope_parameters.main/compress.rope_theta: missing")

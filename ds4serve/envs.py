@@ -82,22 +82,34 @@ def _declare(name: str, kind: str, default: Any, doc: str) -> EnvVar:
 
 
 CACHE_DIR = _declare(
-    "DS4SERVE_CACHE_DIR", "path", Path.home() / ".cache" / "ds4serve",
-    "Where the built-in default tiny model (and other generated artefacts) are cached.")
+    "DS4SERVE_CACHE_DIR",
+    "path",
+    Path.home() / ".cache" / "ds4serve",
+    "Where the built-in default tiny model (and other generated artefacts) are cached.",
+)
 GPU_PROFILE = _declare(
-    "DS4SERVE_GPU_PROFILE", "bool", False,
-    "Enable the per-phase GPU profiler (same as --gpu-profile). Off means no events, no syncs, no output.")
+    "DS4SERVE_GPU_PROFILE",
+    "bool",
+    False,
+    "Enable the per-phase GPU profiler (same as --gpu-profile). Off means no events, no syncs, no output.",
+)
 GPU_PROFILE_FILE = _declare(
-    "DS4SERVE_GPU_PROFILE_FILE", "path", None,
-    "Also write profiler records as JSON lines to this file.")
+    "DS4SERVE_GPU_PROFILE_FILE", "path", None, "Also write profiler records as JSON lines to this file."
+)
 LOG_LEVEL = _declare(
-    "DS4SERVE_LOG_LEVEL", "str", "INFO",
+    "DS4SERVE_LOG_LEVEL",
+    "str",
+    "INFO",
     "Python logging level for ds4serve's loggers (DEBUG, INFO, WARNING, ...). At DEBUG the command line also "
-    "prints the traceback of a bad option or input, which it otherwise reports in one line.")
+    "prints the traceback of a bad option or input, which it otherwise reports in one line.",
+)
 TIMING = _declare(
-    "DS4SERVE_TIMING", "bool", False,
+    "DS4SERVE_TIMING",
+    "bool",
+    False,
     "Log one line of host wall times and tokens/s per request (prefill, decode, verify, draft) and put the "
-    "same numbers in the result's stats.host_timing.")
+    "same numbers in the result's stats.host_timing.",
+)
 
 
 def get(var: EnvVar) -> Any:
@@ -131,4 +143,3 @@ def _shown_default(default: Any) -> str:
     if isinstance(default, Path) and default.is_relative_to(Path.home()):
         return f"`~/{default.relative_to(Path.home()).as_posix()}`"
     return f"`{default}`"
-

@@ -29,8 +29,19 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
     for r in records:
         key = f"{r['mode']}/{r['scope']}/{r['layers']}"
-        g = groups.setdefault(key, {"mode": r["mode"], "scope": r["scope"], "layers": r["layers"],
-                                    "clock": r["clock"], "steps": 0, "tokens": 0, "ms": {}, "calls": {}})
+        g = groups.setdefault(
+            key,
+            {
+                "mode": r["mode"],
+                "scope": r["scope"],
+                "layers": r["layers"],
+                "clock": r["clock"],
+                "steps": 0,
+                "tokens": 0,
+                "ms": {},
+                "calls": {},
+            },
+        )
         if r["phase"] == profiler.STEP:
             g["steps"] += 1
             g["tokens"] += r["tokens"]
@@ -48,9 +59,16 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         other = max(step_ms - sum(phases[p]["ms"] for p in TOP_PHASES if p in phases), 0.0)
         if phases:
             phases[OTHER] = {"ms": other, "calls": 0.0, "share": _share(other, step_ms)}
-        summary[key] = {"mode": g["mode"], "scope": g["scope"], "layers": g["layers"], "clock": g["clock"],
-                        "steps": g["steps"], "tokens_per_step": g["tokens"] / steps, "step_ms": step_ms,
-                        "phases": phases}
+        summary[key] = {
+            "mode": g["mode"],
+            "scope": g["scope"],
+            "layers": g["layers"],
+            "clock": g["clock"],
+            "steps": g["steps"],
+            "tokens_per_step": g["tokens"] / steps,
+            "step_ms": step_ms,
+            "phases": phases,
+        }
     return summary
 
 
@@ -64,8 +82,10 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
     out: list[str] = []
     for key in sorted(summary, key=lambda k: (order.get(summary[k]["mode"], len(order)), k)):
         g = summary[key]
-        out.append(f"{g['mode']}  scope={g['scope']}  layers={g['layers']}  clock={g['clock']}  "
-                   f"{g['steps']} steps of {g['tokens_per_step']:.1f} tokens, {g['step_ms']:.3f} ms per step")
+        out.append(
+            f"{g['mode']}  scope={g['scope']}  layers={g['layers']}  clock={g['clock']}  "
+            f"{g['steps']} steps of {g['tokens_per_step']:.1f} tokens, {g['step_ms']:.3f} ms per step"
+        )
         out.append(f"  {'phase':<22}{'mean ms':>11}{'calls':>9}{'share':>9}")
         for name, p in g["phases"].items():
             label = f"  {name}" if name in profiler.SUB_PHASES else name
@@ -85,7 +105,16 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     keys = list(summary)
-    segments = ("hc_pre", "attention", "compressor", "indexer", "hc_post", "moe_ffn", "output_projection", OTHER)
+    segments = (
+        "hc_pre",
+        "attention",
+        "compressor",
+        "indexer",
+        "hc_post",
+        "moe_ffn",
+        "output_projection",
+        OTHER,
+    )
     fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(keys) + 2), 4.5))
     bottoms = [0.0] * len(keys)
     for seg in segments:
@@ -115,8 +144,12 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=None, help="longest prefill chunk (default: the engine's, "
-                   "2048 on CUDA, 512 elsewhere)")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="longest prefill chunk (default: the engine's, 2048 on CUDA, 512 elsewhere)",
+    )
     p.add_argument("--speculative", default=None, help="speculative decoding spec, as for generate")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the measured one")
@@ -132,14 +165,21 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
 
         for name in ("prompt_tokens", "gen_tokens", "chunk_size"):
             if getattr(a, name) is not None and getattr(a, name) < 1:
-                raise SystemExit(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}")
+                raise SystemExit(
+                    f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}"
+                )
         if a.warmup < 0:
             raise SystemExit(f"--warmup: expected an integer >= 0, got {a.warmup}")
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = a.dtype or ("float32" if device == "cpu" else "bfloat16")
         model = Path(a.model) if a.model else default_model_dir()
-        engine = Engine.from_pretrained(model, device=device, dtype=dtype, chunk_size=a.chunk_size,
-                                        max_context=a.prompt_tokens + a.gen_tokens)
+        engine = Engine.from_pretrained(
+            model,
+            device=device,
+            dtype=dtype,
+            chunk_size=a.chunk_size,
+            max_context=a.prompt_tokens + a.gen_tokens,
+        )
         g = torch.Generator().manual_seed(a.seed)
         prompt = torch.randint(3, engine.cfg.vocab_size, (a.prompt_tokens,), generator=g).tolist()
         params = SamplingParams(max_tokens=a.gen_tokens, temperature=0.0, ignore_eos=True)
@@ -151,14 +191,25 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
         with profiler.collect() as records:
             result = _check(engine.generate(prompt, params, speculative=a.speculative))
         summary = summarize(records)
-        print(f"model {model}  device {device}  dtype {dtype}  prompt {a.prompt_tokens} tokens  "
-              f"generated {len(result.tokens)} tokens\n")
+        print(
+            f"model {model}  device {device}  dtype {dtype}  prompt {a.prompt_tokens} tokens  "
+            f"generated {len(result.tokens)} tokens\n"
+        )
         print(format_table(summary))
-        workload = {"model": str(model), "device": device, "dtype": dtype, "prompt_tokens": a.prompt_tokens,
-                    "gen_tokens": a.gen_tokens, "chunk_size": engine.chunk_size, "speculative": a.speculative,
-                    "seed": a.seed, "generated": result.tokens}
-        Path(a.json).write_text(json.dumps({"workload": workload, "summary": summary, "records": records},
-                                           indent=1) + "\n")
+        workload = {
+            "model": str(model),
+            "device": device,
+            "dtype": dtype,
+            "prompt_tokens": a.prompt_tokens,
+            "gen_tokens": a.gen_tokens,
+            "chunk_size": engine.chunk_size,
+            "speculative": a.speculative,
+            "seed": a.seed,
+            "generated": result.tokens,
+        }
+        Path(a.json).write_text(
+            json.dumps({"workload": workload, "summary": summary, "records": records}, indent=1) + "\n"
+        )
         print(f"wrote {a.json}")
         if a.plot:
             plot(summary, Path(a.plot))

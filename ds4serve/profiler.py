@@ -66,8 +66,9 @@ _configured = False
 _collectors: list[list[dict[str, Any]]] = []
 
 
-def configure(enabled: bool | None = None, file: Path | None = None, *, timing: bool | None = None,
-              clock: str = "auto") -> None:
+def configure(
+    enabled: bool | None = None, file: Path | None = None, *, timing: bool | None = None, clock: str = "auto"
+) -> None:
     """Turn the profiler and host timing on or off; ``None`` takes the value from the environment.
 
     ``enabled``: the GPU phase profiler (``DS4SERVE_GPU_PROFILE``); ``file``: its JSON-lines sink
@@ -98,8 +99,15 @@ def phase(name: str) -> AbstractContextManager:
     return _NOOP if _active is None else _active.phase(name)
 
 
-def step(mode: str, tokens: int, kv_start: int, layers: range | None, *, scope: str | None = None,
-         graph: bool = False) -> AbstractContextManager:
+def step(
+    mode: str,
+    tokens: int,
+    kv_start: int,
+    layers: range | None,
+    *,
+    scope: str | None = None,
+    graph: bool = False,
+) -> AbstractContextManager:
     """Scope of a whole step: a prefill chunk, a decode step, a verify step or a draft forward."""
     if not _configured:
         configure()
@@ -180,8 +188,12 @@ class _RequestTiming:
         for mode in MODES:
             t = self.modes.get(mode)
             if t is not None:
-                out[mode] = {"steps": t.steps, "tokens": t.tokens, "ms": t.seconds * 1e3,
-                             "tok_s": t.tokens / t.seconds if t.seconds > 0 else 0.0}
+                out[mode] = {
+                    "steps": t.steps,
+                    "tokens": t.tokens,
+                    "ms": t.seconds * 1e3,
+                    "tok_s": t.tokens / t.seconds if t.seconds > 0 else 0.0,
+                }
         out["profiler_ms"] = self.profiler_s * 1e3
         return out
 
@@ -216,8 +228,9 @@ class Profiler:
             self._sink = None
 
     # ---- scopes --------------------------------------------------------------------------------
-    def step(self, mode: str, tokens: int, kv_start: int, layers: range | None, scope: str | None,
-             graph: bool) -> AbstractContextManager:
+    def step(
+        self, mode: str, tokens: int, kv_start: int, layers: range | None, scope: str | None, graph: bool
+    ) -> AbstractContextManager:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
         clock = self._clock()
@@ -245,9 +258,16 @@ class Profiler:
     def begin_phase(self, name: str) -> None:
         """Open ``name`` in the innermost step (no-op outside a step or for an unknown phase)."""
         steps = self._local.steps
-        if (not self.gpu or not steps or steps[-1].graph or name not in PHASES
-                or any(o.name == name for o in steps[-1].open)):
-            log.debug("begin_phase(%r) ignored: no phase-timed step open, an unknown phase, or already open", name)
+        if (
+            not self.gpu
+            or not steps
+            or steps[-1].graph
+            or name not in PHASES
+            or any(o.name == name for o in steps[-1].open)
+        ):
+            log.debug(
+                "begin_phase(%r) ignored: no phase-timed step open, an unknown phase, or already open", name
+            )
             return
         self._begin(steps[-1], name)
 
@@ -333,8 +353,14 @@ class Profiler:
         if s.clock == "cuda_event":
             for stop in s.last_stop.values():
                 stop.synchronize()  # one wait per device and step, after the host timer stopped
-        base = {"clock": s.clock, "scope": s.scope, "mode": s.mode, "tokens": s.tokens,
-                "kv_start": s.kv_start, "layers": s.layers}
+        base = {
+            "clock": s.clock,
+            "scope": s.scope,
+            "mode": s.mode,
+            "tokens": s.tokens,
+            "kv_start": s.kv_start,
+            "layers": s.layers,
+        }
         records = []
         for name in (STEP, *PHASES):
             if name not in s.calls:
@@ -396,7 +422,9 @@ class _RequestScope:
         for mode in MODES:
             if mode in summary:
                 m = summary[mode]
-                parts.append(f"{mode}_steps={m['steps']} {mode}_tokens={m['tokens']} {mode}_ms={m['ms']:.3f} "
-                             f"{mode}_tok_s={m['tok_s']:.1f}")
+                parts.append(
+                    f"{mode}_steps={m['steps']} {mode}_tokens={m['tokens']} {mode}_ms={m['ms']:.3f} "
+                    f"{mode}_tok_s={m['tok_s']:.1f}"
+                )
         parts.append(f"profiler_ms={summary['profiler_ms']:.3f}")
         timing_log.info("[ds4-timing] " + " ".join(parts))

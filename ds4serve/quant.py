@@ -27,7 +27,9 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
         scale = scale.view(torch.uint8)
     if scale.dtype != torch.uint8:
         return scale.float()
-    return torch.ldexp(torch.ones(scale.shape, dtype=torch.float32, device=scale.device), scale.to(torch.int32) - 127)
+    return torch.ldexp(
+        torch.ones(scale.shape, dtype=torch.float32, device=scale.device), scale.to(torch.int32) - 127
+    )
 
 
 def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -42,15 +44,18 @@ def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int
     return expanded[:rows, :cols]
 
 
-def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequant_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """FP8 e4m3 weight ``[..., out, in]`` times its block scales ``[..., ceil(out/b0), ceil(in/b1)]``."""
     if weight.dim() == 3:
         return torch.stack([dequant_fp8(w, s, block, dtype) for w, s in zip(weight, scale)])
     expected = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
     if tuple(scale.shape) != expected:
-        raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
-                         f"with block {block}: expected {expected}")
+        raise ValueError(
+            f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+            f"with block {block}: expected {expected}"
+        )
     return (weight.float() * _expand_blocks(e8m0_to_float(scale), weight.shape, block)).to(dtype)
 
 
@@ -73,7 +78,9 @@ def _fp4_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
 
 
-def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequant_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """MXFP4 ``[..., out, in/2]`` int8 with scales ``[..., out, in/32]`` to ``[..., out, in]``."""
     raw = packed.view(torch.uint8)
     lut = _fp4_table(packed.device)
@@ -81,8 +88,10 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     values = torch.stack([low, high], dim=-1).flatten(-2)
     expected = (*values.shape[:-1], values.shape[-1] // FP4_BLOCK)
     if tuple(scale.shape) != expected:
-        raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match weight of {values.shape[-1]} "
-                         f"inputs per row: expected {expected}")
+        raise ValueError(
+            f"MXFP4 scale shape {tuple(scale.shape)} does not match weight of {values.shape[-1]} "
+            f"inputs per row: expected {expected}"
+        )
     factors = e8m0_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)
     return (values * factors).to(dtype)
 

@@ -38,8 +38,9 @@ class CompressorState:
     entries: torch.Tensor  # [capacity, dim] compressed entries
 
     @classmethod
-    def allocate(cls, rate: int, overlap: bool, dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "CompressorState":
+    def allocate(
+        cls, rate: int, overlap: bool, dim: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "CompressorState":
         width = 2 * dim if overlap else dim
         return cls(
             rate=rate,
@@ -52,7 +53,9 @@ class CompressorState:
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate, self.entries) if t is not None]
+        return [
+            t for t in (self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate, self.entries) if t is not None
+        ]
 
 
 @dataclass
@@ -79,8 +82,9 @@ class SequenceState:
     _reserved: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, layers: range, max_context: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "SequenceState":
+    def allocate(
+        cls, cfg: ModelConfig, layers: range, max_context: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "SequenceState":
         out: dict[int, LayerState] = {}
         for layer in layers:
             out[layer] = allocate_layer(cfg, cfg.layer_types[layer], max_context, dtype, device)
@@ -90,8 +94,12 @@ class SequenceState:
         """The state of ``layers`` only: the same tensors, its own commit plan. A shard's share of a
         layer split's state, for the shard's decode graph (one commit launch per device); its host
         counters are not advanced, the whole state's are."""
-        return SequenceState(layers={i: self.layers[i] for i in layers}, max_context=self.max_context,
-                             window=self.window, pos=self.pos)
+        return SequenceState(
+            layers={i: self.layers[i] for i in layers},
+            max_context=self.max_context,
+            window=self.window,
+            pos=self.pos,
+        )
 
     def commit(self, delta: "ChunkDelta", n: int) -> None:
         """Append the first ``n`` tokens of a forward's chunk (verify-then-commit)."""
@@ -105,7 +113,7 @@ class SequenceState:
             ls = self.layers[idx]
             slots = torch.arange(self.pos, self.pos + n, device=ls.window.device) % self.window
             if n > self.window:  # only the last `window` rows survive; write those once
-                slots, rows = slots[-self.window:], ld.window_rows[n - self.window:n]
+                slots, rows = slots[-self.window :], ld.window_rows[n - self.window : n]
             else:
                 rows = ld.window_rows[:n]
             ls.window[slots] = rows
@@ -176,8 +184,13 @@ class SequenceState:
         for dsts, srcs in copies.values():  # one dtype per call: the multi-tensor kernel, not a memcpy each
             torch._foreach_copy_(dsts, srcs)
 
-    def write_block(self, delta: "ChunkDelta", positions: torch.Tensor, n: int,
-                    plans: "list[tuple[CommitPlan, CommitPlan | None]] | None" = None) -> None:
+    def write_block(
+        self,
+        delta: "ChunkDelta",
+        positions: torch.Tensor,
+        n: int,
+        plans: "list[tuple[CommitPlan, CommitPlan | None]] | None" = None,
+    ) -> None:
         """The device half of :meth:`commit_static` of the first ``n`` tokens of a static block whose
         positions are the device tensor ``positions`` (captured once per accepted count in a verify
         graph; the caller then calls :meth:`advance_block`). Token by token, as :meth:`write_token`
@@ -189,7 +202,7 @@ class SequenceState:
                 self._write_token_rows(delta, positions[:1])
             return
         for i in range(n):
-            pos = positions[i:i + 1]
+            pos = positions[i : i + 1]
             if plans is None:
                 self._write_block_row(delta, i, pos)
                 continue
@@ -204,23 +217,24 @@ class SequenceState:
         per_rate: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for idx, ld in delta.layers.items():
             ls = self.layers[idx]
-            ls.window.index_copy_(0, slot, ld.window_rows[i:i + 1])
+            ls.window.index_copy_(0, slot, ld.window_rows[i : i + 1])
             for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
                 if cd is None:
                     continue
                 if c.rate not in per_rate:
                     per_rate[c.rate] = (pos % c.rate, pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
                 row, entry, closing = per_rate[c.rate]
-                c.buf_kv.index_copy_(0, row, cd.rows_kv[i:i + 1])
-                c.buf_gate.index_copy_(0, row, cd.rows_gate[i:i + 1])
-                c.entries.index_copy_(0, entry, cd.entries[i:i + 1])
+                c.buf_kv.index_copy_(0, row, cd.rows_kv[i : i + 1])
+                c.buf_gate.index_copy_(0, row, cd.rows_gate[i : i + 1])
+                c.entries.index_copy_(0, entry, cd.entries[i : i + 1])
                 if c.overlap:  # after the row: a closing token finds its whole window in the buffer
                     half = c.ov_kv.shape[-1]
                     torch.where(closing, c.buf_kv[:, :half], c.ov_kv, out=c.ov_kv)
                     torch.where(closing, c.buf_gate[:, :half], c.ov_gate, out=c.ov_gate)
 
-    def block_plans(self, delta: "ChunkDelta", n: int, positions: torch.Tensor
-                    ) -> "list[tuple[CommitPlan, CommitPlan | None]] | None":
+    def block_plans(
+        self, delta: "ChunkDelta", n: int, positions: torch.Tensor
+    ) -> "list[tuple[CommitPlan, CommitPlan | None]] | None":
         """The commit kernel's launches of :meth:`write_block` (two per token), their tables already on
         the device so that a capture can take them; None for the torch code."""
         if not self._commit_kernel_on() or _block_width(delta) == 1:
@@ -244,8 +258,9 @@ class SequenceState:
         """The host half of committing the tokens whose rows :meth:`write_block` (or, for one token,
         :meth:`write_token`) wrote."""
         if self.pos + len(tokens) > self.max_context:
-            raise ValueError(f"committing {len(tokens)} token(s) at {self.pos} exceeds the context of "
-                             f"{self.max_context}")
+            raise ValueError(
+                f"committing {len(tokens)} token(s) at {self.pos} exceeds the context of {self.max_context}"
+            )
         self.pos += len(tokens)
         self.tokens.extend(tokens)
 
@@ -360,8 +375,14 @@ class SequenceState:
                 indexer=_clone_comp(ls.indexer),
             )
         logits = None if self.last_logits is None else self.last_logits.clone()
-        return SequenceState(layers=layers, max_context=self.max_context, window=self.window, pos=self.pos,
-                             last_logits=logits, tokens=list(self.tokens))
+        return SequenceState(
+            layers=layers,
+            max_context=self.max_context,
+            window=self.window,
+            pos=self.pos,
+            last_logits=logits,
+            tokens=list(self.tokens),
+        )
 
 
 @dataclass
@@ -429,7 +450,7 @@ def _chunk_form(c: CompressorState, cd: CompressorDelta, pos: int, length: int) 
     buffered = pos % c.rate
     closing = [i for i in range(length) if (pos + i + 1) % c.rate == 0]
     if length == 1:
-        rows_kv, rows_gate = cd.rows_kv[:buffered + 1], cd.rows_gate[:buffered + 1]
+        rows_kv, rows_gate = cd.rows_kv[: buffered + 1], cd.rows_gate[: buffered + 1]
     elif buffered:
         rows_kv = torch.cat([c.buf_kv[:buffered], cd.rows_kv])
         rows_gate = torch.cat([c.buf_gate[:buffered], cd.rows_gate])
@@ -442,19 +463,20 @@ def _commit_compressor(c: CompressorState, cd: CompressorDelta, pos: int, n: int
     end = pos + n
     closed = end // c.rate - cd.first_entry  # windows closed within the committed tokens
     if closed > 0:
-        c.entries[cd.first_entry:cd.first_entry + closed] = cd.entries[:closed]
+        c.entries[cd.first_entry : cd.first_entry + closed] = cd.entries[:closed]
         if c.overlap:
             half = c.ov_kv.shape[-1]
             last = slice((closed - 1) * c.rate, closed * c.rate)
             c.ov_kv.copy_(cd.rows_kv[last, :half])
             c.ov_gate.copy_(cd.rows_gate[last, :half])
     keep, start = end % c.rate, closed * c.rate
-    c.buf_kv[:keep] = cd.rows_kv[start:start + keep]
-    c.buf_gate[:keep] = cd.rows_gate[start:start + keep]
+    c.buf_kv[:keep] = cd.rows_kv[start : start + keep]
+    c.buf_gate[:keep] = cd.rows_gate[start : start + keep]
 
 
-def allocate_layer(cfg: ModelConfig, layer_type: str, max_context: int, dtype: torch.dtype,
-                   device: torch.device | str) -> LayerState:
+def allocate_layer(
+    cfg: ModelConfig, layer_type: str, max_context: int, dtype: torch.dtype, device: torch.device | str
+) -> LayerState:
     window = torch.zeros(cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
     if layer_type == SLIDING:
         return LayerState(window=window)
@@ -479,7 +501,10 @@ def _clone_comp(c: CompressorState | None) -> CompressorState | None:
     if c is None:
         return None
     return CompressorState(
-        rate=c.rate, overlap=c.overlap, buf_kv=c.buf_kv.clone(), buf_gate=c.buf_gate.clone(),
+        rate=c.rate,
+        overlap=c.overlap,
+        buf_kv=c.buf_kv.clone(),
+        buf_gate=c.buf_gate.clone(),
         ov_kv=None if c.ov_kv is None else c.ov_kv.clone(),
         ov_gate=None if c.ov_gate is None else c.ov_gate.clone(),
         entries=c.entries.clone(),

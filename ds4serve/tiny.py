@@ -64,24 +64,50 @@ def tiny_config(spec: TinySpec) -> ModelConfig:
         targets = tuple(sorted({max(0, spec.layers - 3), max(0, spec.layers - 2), spec.layers - 1}))
         dspark = DSparkSpec(block_size=5, noise_token_id=128799, target_layer_ids=targets, markov_rank=16)
     return ModelConfig(
-        vocab_size=129280, hidden_size=spec.hidden, num_layers=spec.layers, num_heads=spec.heads,
-        head_dim=spec.head_dim, rope_dim=spec.rope_dim, q_lora_rank=32, o_lora_rank=16, o_groups=2,
-        moe_inter=32, n_routed_experts=spec.experts, n_shared_experts=1, top_k=spec.top_k,
-        routed_scaling_factor=1.5, swiglu_limit=1.5, sliding_window=spec.window,
-        layer_types=tuple(types), mlp_types=tuple(["hash_moe"] * n_hash + ["moe"] * (spec.layers - n_hash)),
-        csa_rate=4, hca_rate=spec.hca_rate,
+        vocab_size=129280,
+        hidden_size=spec.hidden,
+        num_layers=spec.layers,
+        num_heads=spec.heads,
+        head_dim=spec.head_dim,
+        rope_dim=spec.rope_dim,
+        q_lora_rank=32,
+        o_lora_rank=16,
+        o_groups=2,
+        moe_inter=32,
+        n_routed_experts=spec.experts,
+        n_shared_experts=1,
+        top_k=spec.top_k,
+        routed_scaling_factor=1.5,
+        swiglu_limit=1.5,
+        sliding_window=spec.window,
+        layer_types=tuple(types),
+        mlp_types=tuple(["hash_moe"] * n_hash + ["moe"] * (spec.layers - n_hash)),
+        csa_rate=4,
+        hca_rate=spec.hca_rate,
         rope_main=RopeSpec(10000.0),
         rope_compress=RopeSpec(160000.0, yarn_factor=16.0, original_max_position=65536),
-        index_n_heads=spec.index_heads, index_head_dim=spec.index_head_dim, index_topk=spec.index_topk,
-        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, max_position_embeddings=65536,
-        n_mtp_layers=spec.mtp, quant=quant, dspark=dspark,
+        index_n_heads=spec.index_heads,
+        index_head_dim=spec.index_head_dim,
+        index_topk=spec.index_topk,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=65536,
+        n_mtp_layers=spec.mtp,
+        quant=quant,
+        dspark=dspark,
     )
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
     """A random tensor whose scale keeps activations O(1) through the tiny network."""
     if name.endswith("tid2eid"):
-        return torch.rand(shape[0], cfg.n_routed_experts, generator=gen).argsort(-1)[:, : shape[1]].to(torch.int32)
+        return (
+            torch.rand(shape[0], cfg.n_routed_experts, generator=gen)
+            .argsort(-1)[:, : shape[1]]
+            .to(torch.int32)
+        )
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(("_fn", "hc_head_fn")):
@@ -105,9 +131,18 @@ def draft_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for k in range(cfg.n_mtp_layers):
         p = f"mtp.{k}."
-        shapes.update({p + "e_proj.weight": (D, D), p + "h_proj.weight": (D, D), p + "enorm.weight": (D,),
-                       p + "hnorm.weight": (D,), p + "norm.weight": (D,), p + "hc_head_fn": (hc, hc * D),
-                       p + "hc_head_base": (hc,), p + "hc_head_scale": (1,)})
+        shapes.update(
+            {
+                p + "e_proj.weight": (D, D),
+                p + "h_proj.weight": (D, D),
+                p + "enorm.weight": (D,),
+                p + "hnorm.weight": (D,),
+                p + "norm.weight": (D,),
+                p + "hc_head_fn": (hc, hc * D),
+                p + "hc_head_base": (hc,),
+                p + "hc_head_scale": (1,),
+            }
+        )
         shapes.update({p + n: s for n, s in block_shapes(cfg, 0, SLIDING, hash_moe=False).items()})
     return shapes
 
@@ -152,8 +187,9 @@ def _to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
-def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], fmt: str,
-                     shards: int = 2) -> Path:
+def write_checkpoint(
+    out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], fmt: str, shards: int = 2
+) -> Path:
     """Write ``config.json``, safetensors shards + index and the tokenizer files."""
     if fmt not in FORMATS:
         raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
@@ -161,7 +197,9 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, t
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         if cfg.quant.fp8_block is not None:
-            raise ValueError("--format hf: only --quantize none is supported (quantized checkpoints are official)")
+            raise ValueError(
+                "--format hf: only --quantize none is supported (quantized checkpoints are official)"
+            )
         tensors = _to_hf(tensors, cfg)
         config = cfg.to_hf_dict()
     else:

@@ -76,9 +76,17 @@ _HF_TO_OFFICIAL_TOP = {v: k for k, v in _TOP_NAMES.items()}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 
 # Dense projections stored as FP8 in official checkpoints (``make-tiny --quantize`` mirrors this).
-FP8_LAYER_WEIGHTS = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
-                     "attn.wo_b.weight", "attn.indexer.wq_b.weight", "ffn.shared_experts.w1.weight",
-                     "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight")
+FP8_LAYER_WEIGHTS = (
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "attn.indexer.wq_b.weight",
+    "ffn.shared_experts.w1.weight",
+    "ffn.shared_experts.w2.weight",
+    "ffn.shared_experts.w3.weight",
+)
 
 
 def official_to_hf(name: str) -> str:
@@ -107,8 +115,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def block_shapes(cfg: ModelConfig, layer: int, layer_type: str | None = None,
-                 hash_moe: bool | None = None) -> dict[str, tuple[int, ...]]:
+def block_shapes(
+    cfg: ModelConfig, layer: int, layer_type: str | None = None, hash_moe: bool | None = None
+) -> dict[str, tuple[int, ...]]:
     """Shapes of one transformer block's tensors (names relative to the block prefix)."""
     D, H, hd, q, hc = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
     E, inter = cfg.n_routed_experts, cfg.moe_inter
@@ -118,8 +127,12 @@ def block_shapes(cfg: ModelConfig, layer: int, layer_type: str | None = None,
     s: dict[str, tuple[int, ...]] = {
         "attn_norm.weight": (D,),
         "ffn_norm.weight": (D,),
-        "hc_attn_fn": (mix, hc * D), "hc_attn_base": (mix,), "hc_attn_scale": (3,),
-        "hc_ffn_fn": (mix, hc * D), "hc_ffn_base": (mix,), "hc_ffn_scale": (3,),
+        "hc_attn_fn": (mix, hc * D),
+        "hc_attn_base": (mix,),
+        "hc_attn_scale": (3,),
+        "hc_ffn_fn": (mix, hc * D),
+        "hc_ffn_base": (mix,),
+        "hc_ffn_scale": (3,),
         "attn.wq_a.weight": (q, D),
         "attn.q_norm.weight": (q,),
         "attn.wq_b.weight": (H * hd, q),
@@ -136,22 +149,26 @@ def block_shapes(cfg: ModelConfig, layer: int, layer_type: str | None = None,
     if kind != SLIDING:
         width = 2 * hd if kind == CSA else hd
         rate = cfg.csa_rate if kind == CSA else cfg.hca_rate
-        s.update({
-            "attn.compressor.wkv.weight": (width, D),
-            "attn.compressor.wgate.weight": (width, D),
-            "attn.compressor.ape": (rate, width),
-            "attn.compressor.norm.weight": (hd,),
-        })
+        s.update(
+            {
+                "attn.compressor.wkv.weight": (width, D),
+                "attn.compressor.wgate.weight": (width, D),
+                "attn.compressor.ape": (rate, width),
+                "attn.compressor.norm.weight": (hd,),
+            }
+        )
     if kind == CSA:
         ihd = cfg.index_head_dim
-        s.update({
-            "attn.indexer.wq_b.weight": (cfg.index_n_heads * ihd, q),
-            "attn.indexer.weights_proj.weight": (cfg.index_n_heads, D),
-            "attn.indexer.compressor.wkv.weight": (2 * ihd, D),
-            "attn.indexer.compressor.wgate.weight": (2 * ihd, D),
-            "attn.indexer.compressor.ape": (cfg.csa_rate, 2 * ihd),
-            "attn.indexer.compressor.norm.weight": (ihd,),
-        })
+        s.update(
+            {
+                "attn.indexer.wq_b.weight": (cfg.index_n_heads * ihd, q),
+                "attn.indexer.weights_proj.weight": (cfg.index_n_heads, D),
+                "attn.indexer.compressor.wkv.weight": (2 * ihd, D),
+                "attn.indexer.compressor.wgate.weight": (2 * ihd, D),
+                "attn.indexer.compressor.ape": (cfg.csa_rate, 2 * ihd),
+                "attn.indexer.compressor.norm.weight": (ihd,),
+            }
+        )
     if is_hash:
         s["ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.top_k)
     else:
@@ -180,7 +197,9 @@ class Checkpoint:
         self.cfg = cfg if cfg is not None else ModelConfig.from_dir(self.path)
         self._handles: dict[Path, object] = {}
         stored = self._scan()
-        self.layout = "hf" if any(k.startswith("model.") or k == "lm_head.weight" for k in stored) else "official"
+        self.layout = (
+            "hf" if any(k.startswith("model.") or k == "lm_head.weight" for k in stored) else "official"
+        )
         self.sources: dict[str, _Source] = (
             self._hf_sources(stored) if self.layout == "hf" else {k: _Source(p, k) for k, p in stored.items()}
         )
@@ -193,7 +212,9 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index.name}: expected a JSON object with 'weight_map' ({exc})") from exc
+                raise CheckpointError(
+                    f"{index.name}: expected a JSON object with 'weight_map' ({exc})"
+                ) from exc
             return {k: self.path / v for k, v in weight_map.items()}
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
@@ -313,7 +334,9 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.sources
 
-    def dense(self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
+    def dense(
+        self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
         """The tensor dequantized exactly to ``dtype`` (integer tensors keep their values as int64)."""
         t = self.raw(name)
         if t.dtype == torch.float8_e4m3fn:
@@ -336,12 +359,16 @@ class Checkpoint:
             return t, self.raw(_scale_name(name)), None
         return None
 
-    def experts(self, prefix: str, which: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    def experts(
+        self, prefix: str, which: str, dtype: torch.dtype, device: str | torch.device
+    ) -> torch.Tensor:
         """Routed experts' ``which`` (w1 / w2 / w3) weights of block ``prefix`` stacked: ``[E, out, in]``."""
-        return torch.stack([
-            self.dense(f"{prefix}.ffn.experts.{e}.{which}.weight", dtype, device)
-            for e in range(self.cfg.n_routed_experts)
-        ])
+        return torch.stack(
+            [
+                self.dense(f"{prefix}.ffn.experts.{e}.{which}.weight", dtype, device)
+                for e in range(self.cfg.n_routed_experts)
+            ]
+        )
 
     def tensors_with_prefix(self, prefix: str) -> list[str]:
         return [n for n in self.sources if n.startswith(prefix)]
@@ -355,5 +382,12 @@ def _infer_block(weight_shape: torch.Size, scale_shape: torch.Size) -> tuple[int
     return (-(-weight_shape[0] // scale_shape[0]), -(-weight_shape[1] // scale_shape[1]))
 
 
-__all__ = ["Checkpoint", "CheckpointError", "expected_shapes", "block_shapes", "official_to_hf",
-           "FP8_LAYER_WEIGHTS", "FP4_BLOCK"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "expected_shapes",
+    "block_shapes",
+    "official_to_hf",
+    "FP8_LAYER_WEIGHTS",
+    "FP4_BLOCK",
+]

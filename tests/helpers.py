@@ -17,8 +17,14 @@ def sm90_ptx(script: str) -> dict:
     """Run ``script`` (which compiles kernels for sm_90 and prints a JSON object of their PTX) in a process
     without Triton's interpreter, and return that object; skip when this machine cannot compile for sm_90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=600,
+    )
     if done.returncode != 0:
         if "ptxas" in done.stderr or "No module named" in done.stderr:
             pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-300:]}")
@@ -36,8 +42,9 @@ def random_prompt(n: int, seed: int, vocab: int = 128000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def static_decode_setup(tiny_factory, seed: int, prompt_seed: int, length: int, prefilled: int,
-                        capacity: int):
+def static_decode_setup(
+    tiny_factory, seed: int, prompt_seed: int, length: int, prefilled: int, capacity: int
+):
     """A tiny model whose static steps close CSA and HCA windows and wrap the ring (window 8, HCA
     ratio 8, indexer top-5), a random prompt of ``length``, and two states with its first
     ``prefilled`` tokens committed: ``(model, ids, (state_a, state_b))``."""
@@ -59,14 +66,24 @@ def static_step(model, state, token: int):
 
 
 # A tool definition and the DSML completion that calls it (chat-format and server tool tests).
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
-CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
-        '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
 
 
 def spy_launches(monkeypatch, module, name: str) -> list[int]:

@@ -30,8 +30,9 @@ def free_port() -> int:
 def running(app) -> Iterator[str]:
     """Serve ``app`` until the block ends; yields the base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -118,7 +119,9 @@ class ScriptedEngine:
         tokens = self.inner.tokenizer.encode(text)
         if hold:
             self.released.clear()
-        self.scripts.append(([HOLD] if hold else []) + tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id]))
+        self.scripts.append(
+            ([HOLD] if hold else []) + tokens + ([FAIL] if fail else [self.inner.cfg.eos_token_id])
+        )
 
     def release(self) -> None:
         self.released.set()

@@ -25,7 +25,7 @@ def test_written_tables_load_and_change_one_shape_each(tmp_path):
     assert gemv_tables.load(tmp_path / "t.json") == tables
     assert {name.rsplit("-", 1)[0] for name in tables} == set(gemv_tables.SHAPES)
     for name, table in tables.items():
-        (key, cfg), = table.items()
+        ((key, cfg),) = table.items()
         assert key == gemv_tables.SHAPES[name.rsplit("-", 1)[0]] and cfg != TABLE[key]
 
 
@@ -43,8 +43,9 @@ def test_arm_scope_sets_switches_and_tiles_then_restores_them():
 
 def test_bad_tables_and_arms_are_rejected(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"x": [{"key": ["fp8", 4096, 8192, 1, 1],
-                                       "config": {"block_r": 24, "block_k": 128}}]}))
+    path.write_text(
+        json.dumps({"x": [{"key": ["fp8", 4096, 8192, 1, 1], "config": {"block_r": 24, "block_k": 128}}]})
+    )
     with pytest.raises(ValueError, match="table 'x'.*powers of two"):
         gemv_tables.load(path)
     with pytest.raises(ValueError, match="no table 'missing'"):
@@ -61,7 +62,7 @@ def test_moe_tables_change_one_field_of_one_launch(tmp_path):
     assert gemv_tables.load(tmp_path / "moe.json") == tables
     assert len(tables) >= 3 * 2 * 5  # three formats, two launches, at least five neighbours each
     for name, table in tables.items():
-        ((kind, fmt), cfg), = table.items()
+        (((kind, fmt), cfg),) = table.items()
         base = moe.CONFIGS[fmt]
         part = "gate_up" if "-gate_up-" in name else "down"
         other = "down" if part == "gate_up" else "gate_up"
@@ -72,8 +73,15 @@ def test_moe_tables_change_one_field_of_one_launch(tmp_path):
         assert len(diff) == 1 and diff[0] != "stages" and name.endswith(f"{diff[0]}{getattr(tile, diff[0])}")
     before = moe.CONFIGS["fp8"]
     with gemv_tables.arm_scope("defaults@moe-fp8-down-rows128", tables):
-        assert moe._config(moe.ExpertStack(torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn),
-                                           torch.ones(1, 1, 1), (128, 128)), None).down.rows == 128
+        assert (
+            moe._config(
+                moe.ExpertStack(
+                    torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1, 1), (128, 128)
+                ),
+                None,
+            ).down.rows
+            == 128
+        )
     assert moe.CONFIGS["fp8"] == before
 
 
@@ -83,8 +91,11 @@ def test_bad_moe_tables_are_rejected(tmp_path):
     path.write_text(json.dumps({"x": [{"key": ["moe", "fp6"], "config": {"gate_up": tile, "down": tile}}]}))
     with pytest.raises(ValueError, match="table 'x'.*no expert format 'fp6'"):
         gemv_tables.load(path)
-    path.write_text(json.dumps({"y": [{"key": ["moe", "fp8"], "config": {"gate_up": tile,
-                                                                          "down": {**tile, "rows": 48}}}]}))
+    path.write_text(
+        json.dumps(
+            {"y": [{"key": ["moe", "fp8"], "config": {"gate_up": tile, "down": {**tile, "rows": 48}}}]}
+        )
+    )
     with pytest.raises(ValueError, match="table 'y'.*powers of two"):
         gemv_tables.load(path)
 
@@ -98,10 +109,13 @@ def test_vec_tables_hold_runnable_vector_tiles_of_every_shape(tmp_path):
     tables = gemv_tables.write(tmp_path / "vec.json", vec=True)
     assert gemv_tables.load(tmp_path / "vec.json") == tables
     assert set(gemv_tables.write(tmp_path / "some.json", vec=True, shapes=["wo_b"])) == {
-        name for name in tables if name.startswith("wo_b-vec-")}
+        name for name in tables if name.startswith("wo_b-vec-")
+    }
     inputs = [table for name, table in tables.items() if name.startswith("inputs-vec-")]
     members = {gemv_tables.SHAPES[n] for n in gemv_tables.GROUPS["inputs"]}
-    assert inputs and all(set(t) == members and len(set(t.values())) == 1 for t in inputs)  # one tile for the pair
+    assert inputs and all(
+        set(t) == members and len(set(t.values())) == 1 for t in inputs
+    )  # one tile for the pair
     assert all(cfg.split == 1 for t in inputs for cfg in t.values())
     with pytest.raises(ValueError, match="no shapes"):
         gemv_tables.write(tmp_path / "bad.json", shapes=["wo_c"])
@@ -112,24 +126,37 @@ def test_vec_tables_hold_runnable_vector_tiles_of_every_shape(tmp_path):
         block = (128, 128) if kind == "fp8" else None
         assert tiles and all(cfg.vec and cfg.stages == 1 for cfg in tiles)
         assert {dataclasses.replace(cfg, early=False) for cfg in tiles if cfg.early} == {
-            cfg for cfg in tiles if not cfg.early}  # every tile both ways
+            cfg for cfg in tiles if not cfg.early
+        }  # every tile both ways
         assert all(config_problem(cfg, kind, rows, cols, tokens, groups, block) is None for cfg in tiles)
         for cfg in tiles:
-            if cfg.split == 1 and -(-rows // cfg.block_r) < 2 * SMS:  # too few programs: a split tile beside it
-                assert any(o.split > 1 and (o.block_r, o.block_k) == (cfg.block_r, cfg.block_k) for o in tiles)
+            if (
+                cfg.split == 1 and -(-rows // cfg.block_r) < 2 * SMS
+            ):  # too few programs: a split tile beside it
+                assert any(
+                    o.split > 1 and (o.block_r, o.block_k) == (cfg.block_r, cfg.block_k) for o in tiles
+                )
 
 
 def test_summary_names_each_groups_fastest_arm_against_the_defaults(tmp_path):
     tables = gemv_tables.write(tmp_path / "t.json", vec=True, shapes=["wo_b", "q_res"])
     names = sorted(tables)
     wo_b = [n for n in names if n.startswith("wo_b-")]
-    rows = {"defaults": {"graph_ms": 6.4}, f"defaults@{wo_b[0]}": {"graph_ms": 6.5},
-            f"defaults@{wo_b[1]}": {"graph_ms": 6.2}, f"defaults@{wo_b[2]}": {"error": "failed to capture"}}
+    rows = {
+        "defaults": {"graph_ms": 6.4},
+        f"defaults@{wo_b[0]}": {"graph_ms": 6.5},
+        f"defaults@{wo_b[1]}": {"graph_ms": 6.2},
+        f"defaults@{wo_b[2]}": {"error": "failed to capture"},
+    }
     lines = gemv_tables.summarize({"fp8": {"decode_512": rows}}, tables)
     assert len(lines) == 1
     assert lines[0].startswith(f"fp8 wo_b-vec: defaults 6.400 ms, best {wo_b[1]} 6.200 ms (-3.1%)")
     assert str(tables[wo_b[1]][gemv_tables.SHAPES["wo_b"]]) in lines[0]
     cut_short = {"defaults": {"rounds_ms": [6.4, 6.5]}, f"defaults@{wo_b[0]}": {"rounds_ms": [6.0, 6.1, 6.3]}}
-    lines = gemv_tables.summarize({"fp8": {"arms_so_far": cut_short}}, tables)  # the rounds saved before a timeout
-    assert lines == [f"fp8 wo_b-vec: defaults 6.450 ms, best {wo_b[0]} 6.100 ms (-5.4%): "
-                     f"{list(gemv_tables.SHAPES['wo_b'])}: {tables[wo_b[0]][gemv_tables.SHAPES['wo_b']]}"]
+    lines = gemv_tables.summarize(
+        {"fp8": {"arms_so_far": cut_short}}, tables
+    )  # the rounds saved before a timeout
+    assert lines == [
+        f"fp8 wo_b-vec: defaults 6.450 ms, best {wo_b[0]} 6.100 ms (-5.4%): "
+        f"{list(gemv_tables.SHAPES['wo_b'])}: {tables[wo_b[0]][gemv_tables.SHAPES['wo_b']]}"
+    ]

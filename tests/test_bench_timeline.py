@@ -43,9 +43,11 @@ def call(self, args):
 def test_launch_summary_lists_launches_in_order_with_their_sources():
     assert launch_summary(_MODULE) == [
         "# Topologically Sorted Source Nodes: [rope, cat], Original ATen: [aten.mul, aten.cat]",
-        "-> triton_poi_fused_0", "-> torch.ops.ds4serve.gemv",
+        "-> triton_poi_fused_0",
+        "-> torch.ops.ds4serve.gemv",
         "# Topologically Sorted Source Nodes: [norm], Original ATen: [aten.pow, aten.mean]",
-        "-> triton_per_fused_1"]
+        "-> triton_per_fused_1",
+    ]
 
 
 def test_write_inductor_code_keeps_only_modules_with_a_call(tmp_path):

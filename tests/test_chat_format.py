@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
-from ds4serve.server.chat_format import (BOS, EOS, REASONING_EFFORT_MAX, encode_messages, render_tools,
-                                         shared_prefix_length)
+from ds4serve.server.chat_format import (
+    BOS,
+    EOS,
+    REASONING_EFFORT_MAX,
+    encode_messages,
+    render_tools,
+    shared_prefix_length,
+)
 from tests.helpers import CALL, WEATHER
 
 HISTORY = [
     {"role": "system", "content": "You are helpful."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "reasoning_content": "Need the tool.", "content": "",
-     "tool_calls": [{"id": "c1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+    {
+        "role": "assistant",
+        "reasoning_content": "Need the tool.",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 18}'},
     {"role": "assistant", "reasoning_content": "Got 18.", "content": "It is 18°C."},
 ]
@@ -20,8 +35,10 @@ HISTORY = [
 def test_tools_block_lists_each_function_schema_on_its_own_line():
     text = render_tools([WEATHER])
     assert text.startswith("## Tools\n\nYou have access to a set of tools")
-    schema = ('{"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", "properties": '
-              '{"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}')
+    schema = (
+        '{"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", "properties": '
+        '{"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}'
+    )
     assert f"### Available Tool Schemas\n\n{schema}\n\nYou MUST strictly follow" in text
     assert text.endswith("parameter schemas to invoke tool calls.\n")
 
@@ -29,10 +46,17 @@ def test_tools_block_lists_each_function_schema_on_its_own_line():
 def test_worked_example_thinking_mode_keeps_all_reasoning_with_tools():
     tools_text = render_tools([WEATHER])
     out = encode_messages(HISTORY, thinking=True, tools=[WEATHER]).text
-    assert out == (BOS + "You are helpful.\n\n" + tools_text
-                   + "<｜User｜>Weather in Paris?<｜Assistant｜><think>Need the tool.</think>" + CALL + EOS
-                   + '<｜User｜><tool_result>{"temp": 18}</tool_result><｜Assistant｜><think>Got 18.</think>'
-                   + "It is 18°C." + EOS)
+    assert out == (
+        BOS
+        + "You are helpful.\n\n"
+        + tools_text
+        + "<｜User｜>Weather in Paris?<｜Assistant｜><think>Need the tool.</think>"
+        + CALL
+        + EOS
+        + '<｜User｜><tool_result>{"temp": 18}</tool_result><｜Assistant｜><think>Got 18.</think>'
+        + "It is 18°C."
+        + EOS
+    )
 
 
 def test_worked_example_chat_mode_ignores_reasoning():
@@ -43,11 +67,16 @@ def test_worked_example_chat_mode_ignores_reasoning():
 
 
 def test_generation_prompt_and_dropped_reasoning_without_tools():
-    msgs = [{"role": "user", "content": "Hi"},
-            {"role": "assistant", "reasoning_content": "greet", "content": "Hello!"},
-            {"role": "user", "content": "2+2?"}]
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "reasoning_content": "greet", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ]
     enc = encode_messages(msgs, thinking=True)
-    assert enc.text == BOS + "<｜User｜>Hi<｜Assistant｜></think>Hello!" + EOS + "<｜User｜>2+2?<｜Assistant｜><think>"
+    assert (
+        enc.text
+        == BOS + "<｜User｜>Hi<｜Assistant｜></think>Hello!" + EOS + "<｜User｜>2+2?<｜Assistant｜><think>"
+    )
     assert enc.reasoning_dropped
     # the next turn repeats this prompt up to (not including) its final <think>
     assert shared_prefix_length(10, enc, ends_with_think=True) == 9
@@ -58,36 +87,64 @@ def test_generation_prompt_and_dropped_reasoning_without_tools():
 
 def test_max_effort_paragraph_follows_bos_only_in_thinking_mode():
     msgs = [{"role": "user", "content": "Hi"}]
-    assert encode_messages(msgs, thinking=True, reasoning_effort="max").text.startswith(BOS + REASONING_EFFORT_MAX)
+    assert encode_messages(msgs, thinking=True, reasoning_effort="max").text.startswith(
+        BOS + REASONING_EFFORT_MAX
+    )
     assert REASONING_EFFORT_MAX not in encode_messages(msgs, thinking=False, reasoning_effort="max").text
-    assert encode_messages(msgs, thinking=True, reasoning_effort="high").text == BOS + "<｜User｜>Hi<｜Assistant｜><think>"
+    assert (
+        encode_messages(msgs, thinking=True, reasoning_effort="high").text
+        == BOS + "<｜User｜>Hi<｜Assistant｜><think>"
+    )
 
 
 def test_tool_results_merge_with_user_text_in_call_order():
-    msgs = [{"role": "user", "content": "both"},
-            {"role": "assistant", "content": "", "tool_calls": [
+    msgs = [
+        {"role": "user", "content": "both"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
                 {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-                {"id": "b", "type": "function", "function": {"name": "g", "arguments": {"x": [1, 2]}}}]},
-            {"role": "tool", "tool_call_id": "b", "content": "B"},
-            {"role": "tool", "tool_call_id": "a", "content": "A"},
-            {"role": "user", "content": "thanks"}]
+                {"id": "b", "type": "function", "function": {"name": "g", "arguments": {"x": [1, 2]}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "b", "content": "B"},
+        {"role": "tool", "tool_call_id": "a", "content": "A"},
+        {"role": "user", "content": "thanks"},
+    ]
     out = encode_messages(msgs, thinking=False).text
     assert '<｜DSML｜parameter name="x" string="false">[1, 2]</｜DSML｜parameter>' in out
     assert '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>' in out
-    assert out.endswith("<｜User｜><tool_result>A</tool_result>\n\n<tool_result>B</tool_result>\n\nthanks"
-                        "<｜Assistant｜></think>")
+    assert out.endswith(
+        "<｜User｜><tool_result>A</tool_result>\n\n<tool_result>B</tool_result>\n\nthanks"
+        "<｜Assistant｜></think>"
+    )
 
 
 def test_unparseable_history_arguments_become_one_parameter():
-    msgs = [{"role": "user", "content": "x"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]
+    msgs = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+            ],
+        },
+    ]
     out = encode_messages(msgs, thinking=False).text
     assert '<｜DSML｜parameter name="arguments" string="true">not json</｜DSML｜parameter>' in out
 
 
 def test_tools_without_system_message_insert_one_and_response_format_follows():
-    out = encode_messages([{"role": "user", "content": "x"}], thinking=False, tools=[WEATHER],
-                          response_format={"type": "object"}).text
+    out = encode_messages(
+        [{"role": "user", "content": "x"}],
+        thinking=False,
+        tools=[WEATHER],
+        response_format={"type": "object"},
+    ).text
     assert out.startswith(BOS + "\n\n## Tools")
-    assert '## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{"type": "object"}' in out
+    assert (
+        '## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{"type": "object"}'
+        in out
+    )

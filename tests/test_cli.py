@@ -12,14 +12,22 @@ from ds4serve.cli import main
 
 def test_make_tiny_inspect_generate(tmp_path, capsys, monkeypatch):
     out = tmp_path / "tiny"
-    assert main(["make-tiny", str(out), "--seed", "3", "--layers", "4", "--quantize", "fp8+fp4", "--mtp", "1"]) == 0
+    assert (
+        main(["make-tiny", str(out), "--seed", "3", "--layers", "4", "--quantize", "fp8+fp4", "--mtp", "1"])
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["compress_ratios"] == [0, 0, 4, 16, 0]
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors.index.json").is_file()
 
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "SSCH" in text and "official layout" in text and "torch.float8_e4m3fn" in text and "torch.int8" in text
+    assert (
+        "SSCH" in text
+        and "official layout" in text
+        and "torch.float8_e4m3fn" in text
+        and "torch.int8" in text
+    )
 
     assert main(["generate", "--model", str(out), "--max-tokens", "5", "Hello"]) == 0
     captured = capsys.readouterr()
@@ -33,26 +41,32 @@ def test_generate_uses_the_cached_default_model(tmp_path, capsys, monkeypatch):
     assert "2 generated" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,says", [
-    (["serve", "--port", "99999"], "--port: expected a port in 0..65535"),
-    (["serve", "--max-context", "0"], "--max-context: expected at least 1"),
-    (["serve", "--max-queue", "many"], "--max-queue: expected an integer"),
-    (["serve", "--speculative", "bogus"], "--speculative: expected one of"),
-    (["generate", "--speculative", "ngram:99", "hi"], "--speculative: K in 'ngram:99' must be in"),
-    (["generate", "--temperature", "-1", "hi"], "--temperature: expected at least 0"),
-])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["serve", "--port", "99999"], "--port: expected a port in 0..65535"),
+        (["serve", "--max-context", "0"], "--max-context: expected at least 1"),
+        (["serve", "--max-queue", "many"], "--max-queue: expected an integer"),
+        (["serve", "--speculative", "bogus"], "--speculative: expected one of"),
+        (["generate", "--speculative", "ngram:99", "hi"], "--speculative: K in 'ngram:99' must be in"),
+        (["generate", "--temperature", "-1", "hi"], "--temperature: expected at least 0"),
+    ],
+)
 def test_bad_options_are_refused_before_anything_loads(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,says", [
-    (["generate", "--model", "{missing}", "hi"], "config.json: not found at"),
-    (["generate", "--device", "cuda:99", "hi"], "device 'cuda:99'"),
-    (["generate", "--dtype", "float64", "hi"], "dtype: expected one of"),
-    (["make-tiny", "{missing}", "--layers", "0"], "--layers: expected at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["generate", "--model", "{missing}", "hi"], "config.json: not found at"),
+        (["generate", "--device", "cuda:99", "hi"], "device 'cuda:99'"),
+        (["generate", "--dtype", "float64", "hi"], "dtype: expected one of"),
+        (["make-tiny", "{missing}", "--layers", "0"], "--layers: expected at least 1"),
+    ],
+)
 def test_bad_inputs_are_one_line_and_status_2(argv, says, tmp_path, capsys, monkeypatch):
     """A bad model directory, device or option value: one line naming it on stderr, exit status 2, no traceback
     (the log level below DEBUG)."""

@@ -16,9 +16,16 @@ from ds4serve.engine.request import ErrorCode  # noqa: E402
 
 from .helpers import random_prompt  # noqa: E402
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "tag"],
-          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
-                         "tag": {"type": "string", "maxLength": 6}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["ok", "color", "tag"],
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tag": {"type": "string", "maxLength": 6},
+    },
+}
 
 
 def _answer(engine, result) -> str:
@@ -34,8 +41,10 @@ def _check(document: dict) -> None:
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 7), (1.0, 8)])
 def test_the_answer_is_a_document_of_the_schema(engine, temperature, seed):
-    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=120, temperature=temperature,
-                                                                     seed=seed, json_schema=SCHEMA))
+    res = engine.generate(
+        random_prompt(12, seed=40),
+        SamplingParams(max_tokens=120, temperature=temperature, seed=seed, json_schema=SCHEMA),
+    )
     assert res.ok and res.finish_reason == "stop", res.error_message
     assert res.tokens[-1] == engine.tokenizer.eos_id
     _check(json.loads(_answer(engine, res)))
@@ -71,8 +80,13 @@ def test_speculative_constrained_decoding_equals_plain(engine, speculative):
     _check(json.loads(_answer(engine, res)))
 
 
-@pytest.mark.parametrize("schema,says", [({"type": "object", "properties": {"a": {"type": "nonsense"}}}, "json_schema"),
-                                         ("not a schema", "json_schema")])
+@pytest.mark.parametrize(
+    "schema,says",
+    [
+        ({"type": "object", "properties": {"a": {"type": "nonsense"}}}, "json_schema"),
+        ("not a schema", "json_schema"),
+    ],
+)
 def test_a_bad_schema_is_an_invalid_request(engine, schema, says):
     res = engine.generate(random_prompt(8, seed=42), SamplingParams(max_tokens=4, json_schema=schema))
     assert res.error is ErrorCode.INVALID_REQUEST and says in res.error_message and not res.tokens
@@ -90,8 +104,9 @@ def test_warm_up_builds_the_vocabulary_for_the_first_schema(engine):
 
 def test_ignoring_eos_after_a_complete_document_repeats_eos(engine):
     """With ``ignore_eos`` the document's end does not stop generation; the mask then leaves only that token."""
-    res = engine.generate(random_prompt(12, seed=40), SamplingParams(max_tokens=60, json_schema=SCHEMA,
-                                                                     ignore_eos=True))
+    res = engine.generate(
+        random_prompt(12, seed=40), SamplingParams(max_tokens=60, json_schema=SCHEMA, ignore_eos=True)
+    )
     eos = engine.tokenizer.eos_id
     first = res.tokens.index(eos)
     assert res.ok and res.finish_reason == "length" and set(res.tokens[first:]) == {eos}

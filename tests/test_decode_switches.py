@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 from ds4serve import kernels  # noqa: E402
 from ds4serve.config import CSA  # noqa: E402
 from ds4serve.kernels import regions  # noqa: E402
@@ -26,10 +25,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _router(experts: int = 16, dim: int = 64) -> MoEWeights:
     g = torch.Generator().manual_seed(3)
-    gate = (torch.randn(experts, dim, generator=g) / dim ** 0.5).to(torch.bfloat16).to(DEVICE)
+    gate = (torch.randn(experts, dim, generator=g) / dim**0.5).to(torch.bfloat16).to(DEVICE)
     bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE)
-    return MoEWeights(gate=gate, bias=bias, tid2eid=None, w1=None, w3=None, w2=None, shared_w1=None,
-                      shared_w3=None, shared_w2=None)
+    return MoEWeights(
+        gate=gate,
+        bias=bias,
+        tid2eid=None,
+        w1=None,
+        w3=None,
+        w2=None,
+        shared_w1=None,
+        shared_w3=None,
+        shared_w2=None,
+    )
 
 
 def test_router_gemv_matches_cublas_path(monkeypatch):
@@ -72,13 +80,20 @@ def test_merge_product_sum_matches_matmul(dtype, rows, monkeypatch):
     assert got.dtype == dtype and got.shape == X.shape
 
 
-def _static_step_error(tiny_factory, switch: str, calls: list, seed: int, prompt_seed: int, length: int,
-                       capacity: int) -> tuple[float, object]:
+def _static_step_error(
+    tiny_factory, switch: str, calls: list, seed: int, prompt_seed: int, length: int, capacity: int
+) -> tuple[float, object]:
     """One static decode step of the tiny model with ``switch`` off, then on (kernels in Triton's interpreter on
     CPU, regions as written, so the switch is the only difference): the relative difference of the logits and
     the model. ``calls`` (filled by the caller's spy on the switched kernel) must stay empty while it is off."""
-    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=seed, prompt_seed=prompt_seed, length=length,
-                                                prefilled=length - 1, capacity=capacity)
+    model, ids, (off, on) = static_decode_setup(
+        tiny_factory,
+        seed=seed,
+        prompt_seed=prompt_seed,
+        length=length,
+        prefilled=length - 1,
+        capacity=capacity,
+    )
     with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
         with using(**{switch: False}):
             ref, _ = static_step(model, off, ids[-1])
@@ -88,8 +103,10 @@ def _static_step_error(tiny_factory, switch: str, calls: list, seed: int, prompt
     return float((out.logits - ref.logits).abs().max() / ref.logits.abs().max()), model
 
 
-_INTERPRETER_ONLY = ("the tiny model is on the CPU, its kernels need Triton's interpreter; on a GPU "
-                     "bench/check_gpu.py --switches defaults+<switch> checks the model")
+_INTERPRETER_ONLY = (
+    "the tiny model is on the CPU, its kernels need Triton's interpreter; on a GPU "
+    "bench/check_gpu.py --switches defaults+<switch> checks the model"
+)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
@@ -104,7 +121,9 @@ def test_hc_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
     for name in ("hc_pre", "hc_merge_pre"):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
-    err, model = _static_step_error(tiny_factory, "hc_fused", calls, seed=2, prompt_seed=5, length=15, capacity=24)
+    err, model = _static_step_error(
+        tiny_factory, "hc_fused", calls, seed=2, prompt_seed=5, length=15, capacity=24
+    )
     assert calls == ["hc_pre"] + ["hc_merge_pre"] * (2 * model.cfg.num_layers - 1)
     assert err <= 1e-5, f"relative error {err:.3g}"
 
@@ -115,13 +134,20 @@ def test_hc_fused_static_verify_block_matches_unfused(tiny_factory, rows):
     """A static block of three tokens (a verify step), and one wider than the mixes' product-sum (whose unfused
     sites multiply matrices), through the fused sites gives the unfused logits."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernel")
-    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=24, prefilled=24 - rows,
-                                                capacity=32)
+    model, ids, (off, on) = static_decode_setup(
+        tiny_factory, seed=3, prompt_seed=8, length=24, prefilled=24 - rows, capacity=32
+    )
     logits = []
     for state, fused in ((off, False), (on, True)):
         with torch.inference_mode(), regions.disabled(), kernels.on_any_device(), using(hc_fused=fused):
-            logits.append(model.forward(torch.tensor(ids[-rows:]), state, logit_rows=slice(0, rows),
-                                        positions=torch.arange(state.pos, state.pos + rows)).logits)
+            logits.append(
+                model.forward(
+                    torch.tensor(ids[-rows:]),
+                    state,
+                    logit_rows=slice(0, rows),
+                    positions=torch.arange(state.pos, state.pos + rows),
+                ).logits
+            )
     err = float((logits[1] - logits[0]).abs().max() / logits[0].abs().max())
     assert err <= 1e-5, f"relative error {err:.3g}"
 
@@ -131,14 +157,22 @@ def test_hc_fused_keeps_captured_layers_merged(tiny_factory):
     """A layer whose streams are captured (the MTP / DSpark inputs) closes its own merge: the captured streams
     and the logits equal the unfused step's."""
     pytest.importorskip("triton", reason="the switch calls the Triton kernel")
-    model, ids, (off, on) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=15, prefilled=14,
-                                                capacity=24)
+    model, ids, (off, on) = static_decode_setup(
+        tiny_factory, seed=2, prompt_seed=5, length=15, prefilled=14, capacity=24
+    )
     layer = model.cfg.num_layers // 2
     results = []
     for state, fused in ((off, False), (on, True)):
         with torch.inference_mode(), regions.disabled(), kernels.on_any_device(), using(hc_fused=fused):
-            results.append(model.forward(torch.tensor([ids[-1]]), state, logit_rows=slice(0, 1), capture=(layer,),
-                                         positions=torch.tensor([state.pos])))
+            results.append(
+                model.forward(
+                    torch.tensor([ids[-1]]),
+                    state,
+                    logit_rows=slice(0, 1),
+                    capture=(layer,),
+                    positions=torch.tensor([state.pos]),
+                )
+            )
     (ref, got) = results
     assert torch.allclose(got.captured[layer], ref.captured[layer], rtol=1e-5, atol=1e-5)
     assert torch.allclose(got.logits, ref.logits, rtol=1e-4, atol=1e-5)
@@ -154,8 +188,9 @@ def test_gather_entries_static_step_matches_the_mask(tiny_factory, monkeypatch):
     calls = []
     real = ops.index_top_indices
     monkeypatch.setattr(ops, "index_top_indices", lambda *a: calls.append(a[3].sum().item()) or real(*a))
-    err, model = _static_step_error(tiny_factory, "gather_entries", calls, seed=3, prompt_seed=6, length=41,
-                                    capacity=64)
+    err, model = _static_step_error(
+        tiny_factory, "gather_entries", calls, seed=3, prompt_seed=6, length=41, capacity=64
+    )
     assert len(calls) == sum(t == CSA for t in model.cfg.layer_types) and min(calls) > model.cfg.index_topk
     assert err <= 1e-5, f"relative error {err:.3g}"
 
@@ -170,7 +205,8 @@ def test_attention_inputs_static_step_matches_torch_code(tiny_factory, monkeypat
     calls = []
     real = ops.attention_inputs
     monkeypatch.setattr(ops, "attention_inputs", lambda *a: calls.append(int(a[6])) or real(*a))
-    err, model = _static_step_error(tiny_factory, "attention_inputs", calls, seed=4, prompt_seed=3, length=21,
-                                    capacity=32)
+    err, model = _static_step_error(
+        tiny_factory, "attention_inputs", calls, seed=4, prompt_seed=3, length=21, capacity=32
+    )
     assert calls == [20] * model.cfg.num_layers
     assert err <= 1e-5, f"relative error {err:.3g}"

@@ -21,7 +21,7 @@ def _greedy_chain(engine: Engine, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(engine.score(seq)[-1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_greedy_generate_is_the_argmax_chain(engine):
@@ -122,8 +122,11 @@ def test_prefill_chunks_default_by_device(engine, tiny_dir):
 def test_cancel_from_callback_after_k_tokens(engine):
     prompt = random_prompt(20, seed=28)
     seen: list[int] = []
-    result = engine.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True),
-                             on_token=lambda t: seen.append(t) or len(seen) < 4)
+    result = engine.generate(
+        prompt,
+        SamplingParams(max_tokens=30, ignore_eos=True),
+        on_token=lambda t: seen.append(t) or len(seen) < 4,
+    )
     assert len(result.tokens) == 4 and seen == result.tokens
     assert result.finish_reason == "cancelled" and result.error == ErrorCode.CANCELLED
     assert result.error_message
@@ -149,7 +152,9 @@ def test_seeded_sampling_is_reproducible_and_tiny_temperature_is_greedy(engine):
     engine.generate(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=7))
     assert engine.generate(prompt, seeded).tokens == first
     greedy = engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)).tokens
-    cold = engine.generate(prompt, SamplingParams(max_tokens=8, temperature=1e-6, seed=1, ignore_eos=True)).tokens
+    cold = engine.generate(
+        prompt, SamplingParams(max_tokens=8, temperature=1e-6, seed=1, ignore_eos=True)
+    ).tokens
     assert cold == greedy
 
 
@@ -164,8 +169,9 @@ def test_reasoning_budget_inserts_one_think_end_and_continues(engine):
     tok = engine.tokenizer
     prompt = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Why?<｜Assistant｜><think>")
     think_end = tok.think_end_id
-    params = SamplingParams(max_tokens=12, reasoning_budget=5, ignore_eos=True,
-                            logit_bias={think_end: -100.0})  # the random model must not close on its own
+    params = SamplingParams(
+        max_tokens=12, reasoning_budget=5, ignore_eos=True, logit_bias={think_end: -100.0}
+    )  # the random model must not close on its own
     result = engine.generate(prompt, params)
     assert result.tokens.count(think_end) == 1
     assert result.tokens.index(think_end) == 5
@@ -181,20 +187,27 @@ def test_reasoning_budget_inserts_one_think_end_and_continues(engine):
 def test_no_budget_outside_thinking_mode(engine):
     tok = engine.tokenizer
     prompt = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>")
-    result = engine.generate(prompt, SamplingParams(max_tokens=6, reasoning_budget=0, ignore_eos=True,
-                                                    logit_bias={tok.think_end_id: -100.0}))
+    result = engine.generate(
+        prompt,
+        SamplingParams(
+            max_tokens=6, reasoning_budget=0, ignore_eos=True, logit_bias={tok.think_end_id: -100.0}
+        ),
+    )
     assert tok.think_end_id not in result.tokens and not result.stats.budget_forced_close
 
 
-@pytest.mark.parametrize("prompt,params,code,fragment", [
-    ([], SamplingParams(), ErrorCode.INVALID_REQUEST, "prompt"),
-    ([5, 200000], SamplingParams(), ErrorCode.INVALID_REQUEST, "outside the vocabulary"),
-    ([5], SamplingParams(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
-    ([5], SamplingParams(temperature=-1.0), ErrorCode.INVALID_REQUEST, "temperature"),
-    ([5], SamplingParams(top_p=0.0), ErrorCode.INVALID_REQUEST, "top_p"),
-    ([5], SamplingParams(logit_bias={-3: 1.0}), ErrorCode.INVALID_REQUEST, "logit_bias"),
-    ([5] * 10, SamplingParams(max_tokens=10**9), ErrorCode.CONTEXT_OVERFLOW, "exceeds the context"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,code,fragment",
+    [
+        ([], SamplingParams(), ErrorCode.INVALID_REQUEST, "prompt"),
+        ([5, 200000], SamplingParams(), ErrorCode.INVALID_REQUEST, "outside the vocabulary"),
+        ([5], SamplingParams(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
+        ([5], SamplingParams(temperature=-1.0), ErrorCode.INVALID_REQUEST, "temperature"),
+        ([5], SamplingParams(top_p=0.0), ErrorCode.INVALID_REQUEST, "top_p"),
+        ([5], SamplingParams(logit_bias={-3: 1.0}), ErrorCode.INVALID_REQUEST, "logit_bias"),
+        ([5] * 10, SamplingParams(max_tokens=10**9), ErrorCode.CONTEXT_OVERFLOW, "exceeds the context"),
+    ],
+)
 def test_invalid_requests_return_structured_errors(engine, prompt, params, code, fragment):
     calls = engine.forward_calls
     result = engine.generate(prompt, params)

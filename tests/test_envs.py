@@ -21,30 +21,44 @@ def env_reads(source: str) -> list[str]:
         if isinstance(node, ast.Attribute) and node.attr in ENV_ACCESS:
             found.append(f"{node.lineno}: .{node.attr}")
         elif isinstance(node, ast.ImportFrom) and node.module in ("os", "posix", "nt"):
-            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
-                      if a.name in ENV_ACCESS or a.name == "*"]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-              and any(isinstance(a, ast.Constant) and a.value in ENV_ACCESS for a in node.args)):
+            found += [
+                f"{node.lineno}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name in ENV_ACCESS or a.name == "*"
+            ]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and any(isinstance(a, ast.Constant) and a.value in ENV_ACCESS for a in node.args)
+        ):
             found.append(f"{node.lineno}: getattr(..., environ)")
     return found
 
 
 def declarations(source: str) -> list[int]:
     """Lines that call ``_declare`` (registering a variable)."""
-    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
-            and (getattr(n.func, "id", None) == "_declare" or getattr(n.func, "attr", None) == "_declare")]
+    return [
+        n.lineno
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call)
+        and (getattr(n.func, "id", None) == "_declare" or getattr(n.func, "attr", None) == "_declare")
+    ]
 
 
-@pytest.mark.parametrize("snippet", [
-    "import os\nx = os.environ['A']",
-    "import os\nx = os.environ.get('A')",
-    "import os\nx = os.getenv('A')",
-    "import os as o\nx = o.environ",
-    "from os import environ\nx = environ.get('A')",
-    "from os import getenv",
-    "import os\nx = getattr(os, 'environ')",
-    "import os\nos.environ['A'] = '1'",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import os\nx = os.environ['A']",
+        "import os\nx = os.environ.get('A')",
+        "import os\nx = os.getenv('A')",
+        "import os as o\nx = o.environ",
+        "from os import environ\nx = environ.get('A')",
+        "from os import getenv",
+        "import os\nx = getattr(os, 'environ')",
+        "import os\nos.environ['A'] = '1'",
+    ],
+)
 def test_scanner_finds_every_form_of_env_access(snippet):
     assert env_reads(snippet)
 
@@ -65,8 +79,11 @@ def test_no_module_reads_the_environment_outside_the_registry():
 
 
 def test_variables_are_declared_only_in_the_registry_module():
-    elsewhere = {str(p.relative_to(PACKAGE.parent)): declarations(p.read_text(encoding="utf-8"))
-                 for p in PACKAGE.rglob("*.py") if p != PACKAGE / "envs.py"}
+    elsewhere = {
+        str(p.relative_to(PACKAGE.parent)): declarations(p.read_text(encoding="utf-8"))
+        for p in PACKAGE.rglob("*.py")
+        if p != PACKAGE / "envs.py"
+    }
     assert {k: v for k, v in elsewhere.items() if v} == {}
 
 

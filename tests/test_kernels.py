@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve.kernels import ops  # noqa: E402
@@ -29,7 +28,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _experts(gen: torch.Generator, E: int, out: int, inp: int) -> torch.Tensor:
-    return (torch.randn(E, out, inp, generator=gen) / inp ** 0.5).to(DEVICE)
+    return (torch.randn(E, out, inp, generator=gen) / inp**0.5).to(DEVICE)
 
 
 def test_hc_coefficients_match_reference():
@@ -48,7 +47,7 @@ def test_kernel_ops_trace_as_single_nodes():
     """The custom ops compile whole (fullgraph) around torch code and give the launchers' results."""
     gen = torch.Generator().manual_seed(8)
     R, K, E, D, inter = 64, 96, 4, 64, 32
-    w = quantize_fp8((torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE), (32, 32))
+    w = quantize_fp8((torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE), (32, 32))
     x = torch.randn(1, K, generator=gen).to(DEVICE, torch.bfloat16)
     mats = [_experts(gen, E, inter, D), _experts(gen, E, inter, D), _experts(gen, E, D, inter)]
     shared = [_experts(gen, 1, inter, D)[0], _experts(gen, 1, inter, D)[0], _experts(gen, 1, D, inter)[0]]
@@ -60,16 +59,35 @@ def test_kernel_ops_trace_as_single_nodes():
 
     def fn(x, xm, mixes):
         y = ops.gemv(x * 2, w.data, w.scale, 32, 32, 1) + 1
-        m = ops.moe_decode(xm + 0, idx, wts, mats[0], None, mats[1], None, mats[2], None, [1, 1],
-                           shared[0], None, shared[1], None, shared[2], None, [1, 1], 1.5)
+        m = ops.moe_decode(
+            xm + 0,
+            idx,
+            wts,
+            mats[0],
+            None,
+            mats[1],
+            None,
+            mats[2],
+            None,
+            [1, 1],
+            shared[0],
+            None,
+            shared[1],
+            None,
+            shared[2],
+            None,
+            [1, 1],
+            1.5,
+        )
         pre, post, comb = ops.hc_coefficients(mixes * 1, base, scale, 4, 20, 1e-6)
         return y, m * 3, comb.sum()
 
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x, xm, mixes)
     ref_y = gemv_ref(x * 2, w.data, w.scale, w.block) + 1
     shared_idx, shared_wt = torch.zeros_like(idx[:, :1]), torch.ones(1, 1, device=DEVICE)
-    ref_m = moe_ref(xm, idx, wts, *mats, 1.5) + moe_ref(xm, shared_idx, shared_wt,
-                                                         *[s.unsqueeze(0) for s in shared], 1.5)
+    ref_m = moe_ref(xm, idx, wts, *mats, 1.5) + moe_ref(
+        xm, shared_idx, shared_wt, *[s.unsqueeze(0) for s in shared], 1.5
+    )
     ref_c = hc_coefficients_ref(mixes, base, scale, 4, 20, 1e-6)[2].sum()
     assert _rel(got[0], ref_y) <= 1e-2
     assert _rel(got[1], 3 * ref_m) <= 1e-5

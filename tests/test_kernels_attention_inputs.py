@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve.kernels import ops  # noqa: E402
@@ -29,8 +28,14 @@ def _inputs(seed: int, H: int, D: int, rope: int, W: int, dtype: torch.dtype):
     kv_norm = torch.rand(D, generator=g) + 0.5
     angle = torch.rand(1, rope // 2, generator=g) * 6.3
     ring = torch.randn(W, D, generator=g)
-    return (qr.to(DEVICE, dtype), kv.to(DEVICE, dtype), kv_norm.to(DEVICE), angle.cos().to(DEVICE, dtype),
-            angle.sin().to(DEVICE, dtype), ring.to(DEVICE, dtype))
+    return (
+        qr.to(DEVICE, dtype),
+        kv.to(DEVICE, dtype),
+        kv_norm.to(DEVICE),
+        angle.cos().to(DEVICE, dtype),
+        angle.sin().to(DEVICE, dtype),
+        ring.to(DEVICE, dtype),
+    )
 
 
 def _reference(qr, kv, kv_norm, cos, sin, ring, pos):
@@ -40,11 +45,14 @@ def _reference(qr, kv, kv_norm, cos, sin, ring, pos):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H,D,rope,W,pos", [
-    (6, 32, 16, 24, 5),  # a partial head block; the ring not yet full: slots past the position are masked
-    (8, 48, 16, 16, 37),  # a head dim not a power of two; the ring wrapped: the row overwrites slot 5
-    (4, 64, 64, 40, 40),  # every channel rotated; the first wrap, slot 0; a partial block of window rows
-])
+@pytest.mark.parametrize(
+    "H,D,rope,W,pos",
+    [
+        (6, 32, 16, 24, 5),  # a partial head block; the ring not yet full: slots past the position are masked
+        (8, 48, 16, 16, 37),  # a head dim not a power of two; the ring wrapped: the row overwrites slot 5
+        (4, 64, 64, 40, 40),  # every channel rotated; the first wrap, slot 0; a partial block of window rows
+    ],
+)
 def test_matches_the_torch_code(dtype, H, D, rope, W, pos):
     qr, kv, kv_norm, cos, sin, ring = _inputs(H + D + pos, H, D, rope, W, dtype)
     position = torch.tensor([pos], device=DEVICE)
@@ -65,8 +73,16 @@ def test_matches_the_torch_code(dtype, H, D, rope, W, pos):
 def test_rejects_more_than_one_token():
     qr, kv, kv_norm, cos, sin, ring = _inputs(1, 4, 32, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="one token"):
-        attention_inputs(qr.expand(2, -1, -1), kv.expand(2, -1), kv_norm, cos, sin, ring,
-                         torch.tensor([3, 4], device=DEVICE), EPS)
+        attention_inputs(
+            qr.expand(2, -1, -1),
+            kv.expand(2, -1),
+            kv_norm,
+            cos,
+            sin,
+            ring,
+            torch.tensor([3, 4], device=DEVICE),
+            EPS,
+        )
 
 
 def test_op_fake_shapes_and_one_traced_node():
@@ -77,8 +93,9 @@ def test_op_fake_shapes_and_one_traced_node():
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = ops.attention_inputs(*(mode.from_tensor(a) for a in args), mode.from_tensor(position), EPS)
     assert [(f.shape, f.dtype) for f in fake] == [(r.shape, r.dtype) for r in real]
-    got = torch.compile(lambda qr, *rest: ops.attention_inputs(qr * 1, *rest, EPS), backend="aot_eager",
-                        fullgraph=True)(*args, position)
+    got = torch.compile(
+        lambda qr, *rest: ops.attention_inputs(qr * 1, *rest, EPS), backend="aot_eager", fullgraph=True
+    )(*args, position)
     assert all(torch.equal(g, r) for g, r in zip(got, real))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -36,11 +35,14 @@ def _inputs(n: int, block: int, H: int, K: int, dtype: torch.dtype, broadcast: b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,block,H,K,broadcast", [
-    (3, 4, 5, 96, True),  # one mask row for every block; a partial head group
-    (2, 3, 4, 288, False),  # a mask per block; K not a power of two
-    (1, 2, 3, 1056, False),  # two key tiles: the online max and sum across tiles
-])
+@pytest.mark.parametrize(
+    "n,block,H,K,broadcast",
+    [
+        (3, 4, 5, 96, True),  # one mask row for every block; a partial head group
+        (2, 3, 4, 288, False),  # a mask per block; K not a power of two
+        (1, 2, 3, 1056, False),  # two key tiles: the online max and sum across tiles
+    ],
+)
 def test_attn_softmax_matches_the_torch_code(dtype, n, block, H, K, broadcast):
     scores, allowed, sinks = _inputs(n, block, H, K, dtype, broadcast, seed=K)
     got = attn_softmax(scores, allowed, sinks, 0.3, dtype)
@@ -54,7 +56,7 @@ def test_attn_softmax_matches_the_torch_code(dtype, n, block, H, K, broadcast):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=1e-30)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-30)
 
 
 def test_a_mask_of_the_wrong_shape_is_refused():
@@ -73,7 +75,7 @@ def test_chunk_attention_with_the_kernel_equals_without(S, window, start, E):
     visible = (torch.rand(S, E, generator=gen) < 0.5).to(DEVICE) if E else None
     seq = ca.window_sequence(kv, ring, start)
     with kernels.disabled():
-        want = ca.chunk_attention(q, seq, start, entries, visible, sinks, d ** -0.5)
+        want = ca.chunk_attention(q, seq, start, entries, visible, sinks, d**-0.5)
     with kernels.on_any_device():
-        got = ca.chunk_attention(q, seq, start, entries, visible, sinks, d ** -0.5)
+        got = ca.chunk_attention(q, seq, start, entries, visible, sinks, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

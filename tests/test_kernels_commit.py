@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -40,7 +39,9 @@ def _at(pos: int) -> torch.Tensor:
     return torch.tensor([pos], device=DEVICE)
 
 
-def _write_both(reference: SequenceState, state: SequenceState, delta: ChunkDelta, pos: int, token: int) -> None:
+def _write_both(
+    reference: SequenceState, state: SequenceState, delta: ChunkDelta, pos: int, token: int
+) -> None:
     """The torch ``write_token`` on ``reference``, the kernel's on ``state``."""
     where = _at(pos)
     with using(commit_kernel=False):
@@ -57,8 +58,9 @@ def test_kernel_commit_of_static_steps_equals_torch_commit(tiny_factory):
     step gives both states its delta, since they are equal before it."""
     if torch.cuda.is_available():
         pytest.skip("runs the kernel in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
-    model, ids, (reference, state) = static_decode_setup(tiny_factory, seed=4, prompt_seed=9, length=26,
-                                                         prefilled=2, capacity=32)
+    model, ids, (reference, state) = static_decode_setup(
+        tiny_factory, seed=4, prompt_seed=9, length=26, prefilled=2, capacity=32
+    )
     with torch.inference_mode():
         for t in ids[2:]:
             pos = reference.pos
@@ -78,15 +80,22 @@ def _random_delta(state: SequenceState, g: torch.Generator, pos: int) -> ChunkDe
         for name in ("compressor", "indexer"):
             c = getattr(ls, name)
             if c is not None:
-                setattr(ld, name, CompressorDelta(rand(c.buf_kv, c.rate), rand(c.buf_gate, c.rate),
-                                                  rand(c.entries, 1), pos // c.rate))
+                setattr(
+                    ld,
+                    name,
+                    CompressorDelta(
+                        rand(c.buf_kv, c.rate), rand(c.buf_gate, c.rate), rand(c.entries, 1), pos // c.rate
+                    ),
+                )
         layers[idx] = ld
     return ChunkDelta(start=pos, tokens=[0], layers=layers)
 
 
 def _bf16_states() -> tuple[SequenceState, SequenceState]:
     cfg = tiny_config(TinySpec(window=8, hca_rate=16))  # 16 rows: two programs per HCA buffer
-    return tuple(SequenceState.allocate(cfg, range(cfg.num_layers), 40, torch.bfloat16, DEVICE) for _ in range(2))
+    return tuple(
+        SequenceState.allocate(cfg, range(cfg.num_layers), 40, torch.bfloat16, DEVICE) for _ in range(2)
+    )
 
 
 def test_kernel_commit_of_bf16_rows_at_every_position():
@@ -141,7 +150,9 @@ def test_plan_is_reused_and_a_capture_fills_its_reserved_table_afterwards(monkey
             state.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
         reserved = state.prepare_capture(_at(0))
         state.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
-    assert state._commit is not plan and launched[-1] is reserved  # after the warm-up launch of prepare_capture
+    assert (
+        state._commit is not plan and launched[-1] is reserved
+    )  # after the warm-up launch of prepare_capture
     reserved.zero_()
     state.finish_capture()
     assert torch.equal(reserved.cpu(), state._commit.host)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -23,7 +22,9 @@ SMALL = DecodeAttentionConfig(block_n=16, programs=4)  # several tiles per chunk
 
 
 def _reference(q, keys, allowed, sinks, scale):
-    return _core(q, torch.cat(keys), torch.cat([a.expand(q.shape[0], -1) for a in allowed], dim=-1), sinks, scale)
+    return _core(
+        q, torch.cat(keys), torch.cat([a.expand(q.shape[0], -1) for a in allowed], dim=-1), sinks, scale
+    )
 
 
 def _inputs(seed: int, S: int, H: int, D: int, sizes: list[int], sink_scale: float, dtype=torch.float32):
@@ -38,19 +39,26 @@ def _inputs(seed: int, S: int, H: int, D: int, sizes: list[int], sink_scale: flo
         visible[:, 16:32] = False  # a whole key tile masked: skipped
         allowed.append(visible)
     sinks = sink_scale * torch.randn(H, generator=g)
-    return (q.to(DEVICE, dtype), [k.to(DEVICE, dtype) for k in keys], [a.to(DEVICE) for a in allowed],
-            sinks.to(DEVICE))
+    return (
+        q.to(DEVICE, dtype),
+        [k.to(DEVICE, dtype) for k in keys],
+        [a.to(DEVICE) for a in allowed],
+        sinks.to(DEVICE),
+    )
 
 
-@pytest.mark.parametrize("S,H,D,sizes,sink_scale,config", [
-    (1, 16, 64, [8], 1.0, None),  # a sliding layer: the window only
-    (1, 32, 128, [16, 40], 3.0, SMALL),  # window and entries, chunks of several tiles
-    (1, 20, 72, [16, 5], 30.0, SMALL),  # a partial head block, head dim not a power of two, large sinks
-    (3, 16, 64, [12, 45], 0.1, None),  # several query rows, each with its own entry mask
-])
+@pytest.mark.parametrize(
+    "S,H,D,sizes,sink_scale,config",
+    [
+        (1, 16, 64, [8], 1.0, None),  # a sliding layer: the window only
+        (1, 32, 128, [16, 40], 3.0, SMALL),  # window and entries, chunks of several tiles
+        (1, 20, 72, [16, 5], 30.0, SMALL),  # a partial head block, head dim not a power of two, large sinks
+        (3, 16, 64, [12, 45], 0.1, None),  # several query rows, each with its own entry mask
+    ],
+)
 def test_matches_reference(S, H, D, sizes, sink_scale, config):
     q, keys, allowed, sinks = _inputs(S + D, S, H, D, sizes, sink_scale)
-    scale = D ** -0.5
+    scale = D**-0.5
     got = decode_attention(q, keys, allowed, sinks, scale, config)
     want = _reference(q, keys, allowed, sinks, scale)
     assert got.shape == want.shape and got.dtype == q.dtype
@@ -89,8 +97,13 @@ def test_op_fake_shape_and_one_traced_node():
     """The op's fake result has the real one's shape and dtype, and it compiles whole (fullgraph)."""
     q, keys, allowed, sinks = _inputs(3, 1, 16, 32, [8, 20], 1.0)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = ops.decode_attention(mode.from_tensor(q), [mode.from_tensor(k) for k in keys],
-                                    [mode.from_tensor(a) for a in allowed], mode.from_tensor(sinks), 0.125)
+        fake = ops.decode_attention(
+            mode.from_tensor(q),
+            [mode.from_tensor(k) for k in keys],
+            [mode.from_tensor(a) for a in allowed],
+            mode.from_tensor(sinks),
+            0.125,
+        )
     assert fake.shape == q.shape and fake.dtype == q.dtype
 
     def fn(q, window, entries):
@@ -121,7 +134,7 @@ def _slots(mask: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.full((mask.shape[0], k), -1, dtype=torch.int32, device=mask.device)
     for s, row in enumerate(mask):
         idx = row.nonzero().flatten()[:k]
-        out[s, :idx.numel()] = idx.to(torch.int32)
+        out[s, : idx.numel()] = idx.to(torch.int32)
     return out
 
 

@@ -30,9 +30,11 @@ def test_fp4_dequant_equals_reference(shape, dtype):
     assert torch.equal(torch.signbit(got), torch.signbit(ref))  # -0 stays -0
 
 
-@pytest.mark.parametrize("shape,block", [((40, 96), (16, 32)), ((37, 80), (16, 32)), ((2, 32, 64), (16, 32)),
-                                         ((2, 20, 64), (16, 32))],
-                         ids=["matrix", "partial-blocks", "stacked", "stacked-partial-blocks"])
+@pytest.mark.parametrize(
+    "shape,block",
+    [((40, 96), (16, 32)), ((37, 80), (16, 32)), ((2, 32, 64), (16, 32)), ((2, 20, 64), (16, 32))],
+    ids=["matrix", "partial-blocks", "stacked", "stacked-partial-blocks"],
+)
 @pytest.mark.parametrize("scale_kind", ["fp32", "e8m0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_dequant_equals_reference(shape, block, scale_kind, dtype):
@@ -49,6 +51,10 @@ def test_fp8_dequant_equals_reference(shape, block, scale_kind, dtype):
 
 def test_shape_mismatches_are_refused():
     with pytest.raises(ValueError, match="MXFP4 scale shape"):
-        dequant.dequant_fp4(torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, 2, dtype=torch.uint8), torch.float32)
+        dequant.dequant_fp4(
+            torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, 2, dtype=torch.uint8), torch.float32
+        )
     with pytest.raises(ValueError, match="FP8 scale shape"):
-        dequant.dequant_fp8(torch.zeros(4, 64).to(torch.float8_e4m3fn), torch.ones(1, 1), (16, 32), torch.float32)
+        dequant.dequant_fp8(
+            torch.zeros(4, 64).to(torch.float8_e4m3fn), torch.ones(1, 1), (16, 32), torch.float32
+        )

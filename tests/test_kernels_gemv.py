@@ -11,15 +11,23 @@ import itertools
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import gemv as gemv_module  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.gemv import (  # noqa: E402
-    SMS, TABLE, GemvConfig, config_problem, default_config, gemv, gemv_pair, gemv_ref, weight_kind)
+    SMS,
+    TABLE,
+    GemvConfig,
+    config_problem,
+    default_config,
+    gemv,
+    gemv_pair,
+    gemv_ref,
+    weight_kind,
+)
 from ds4serve.kernels.switches import using  # noqa: E402
-from ds4serve.kernels import gemv as gemv_module  # noqa: E402
 from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
 from tests.helpers import spy_launches  # noqa: E402
 
@@ -33,32 +41,61 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
-    w = torch.randn(R, K, generator=torch.Generator().manual_seed(seed)) / K ** 0.5
+    w = torch.randn(R, K, generator=torch.Generator().manual_seed(seed)) / K**0.5
     if kind == "fp8":
         q = quantize_fp8(w.to(DEVICE), BLOCK)
         return q.data, q.scale, q.block
     return w.to(DEVICE, torch.bfloat16 if kind == "bf16" else torch.float32), None, None
 
 
-@pytest.mark.parametrize("kind,rows,groups,config", [
-    ("bf16", 1, 1, None), ("bf16", 3, 2, None), ("fp32", 1, 2, None), ("fp32", 3, 1, None),
-    ("fp8", 1, 1, None), ("fp8", 3, 1, None), ("fp8", 1, 2, None), ("fp8", 3, 2, None),
-    ("fp8", 3, 1, GemvConfig(16, 64, split=2, dot=True)),  # split-K, two scale columns per step
-    ("fp8", 3, 1, GemvConfig(64, 32, warps=4, dot=True)),  # a tile spans two scale rows: scales per row
-    ("fp8", 1, 2, GemvConfig(32, 16, split=3, dot=True)),  # one scale per program, half a scale column per step
-    ("bf16", 3, 1, GemvConfig(16, 32, split=2, dot=True)),
-    ("fp8", 3, 1, GemvConfig(16, 64, split=2)),  # CUDA cores: split-K, two scale columns per step
-    ("fp8", 1, 2, GemvConfig(8, 16)),
-    ("bf16", 1, 2, GemvConfig(4, 128, split=2)),
-    ("fp32", 3, 2, GemvConfig(16, 32, split=3)),
-    ("fp8", 1, 1, GemvConfig(16, 32, stages=1, vec=True)),  # vector tiles: one token, one scale column a step
-    ("fp8", 1, 2, GemvConfig(32, 16, split=3, warps=2, stages=1, vec=True)),  # half a scale column a step, split-K
-    ("fp8", 1, 1, GemvConfig(8, 32, split=2, vec=True)),  # slices of 64 and 32 inputs
-    ("fp8", 1, 2, GemvConfig(16, 32, split=3, stages=1, vec=True, early=True)),  # first step before the wait
-    ("bf16", 1, 1, GemvConfig(8, 32, split=2, stages=1, vec=True)),
-    ("bf16", 1, 1, GemvConfig(16, 32, stages=1, vec=True, early=True)),
-    ("fp32", 1, 2, GemvConfig(16, 16, vec=True)),
-])
+@pytest.mark.parametrize(
+    "kind,rows,groups,config",
+    [
+        ("bf16", 1, 1, None),
+        ("bf16", 3, 2, None),
+        ("fp32", 1, 2, None),
+        ("fp32", 3, 1, None),
+        ("fp8", 1, 1, None),
+        ("fp8", 3, 1, None),
+        ("fp8", 1, 2, None),
+        ("fp8", 3, 2, None),
+        ("fp8", 3, 1, GemvConfig(16, 64, split=2, dot=True)),  # split-K, two scale columns per step
+        ("fp8", 3, 1, GemvConfig(64, 32, warps=4, dot=True)),  # a tile spans two scale rows: scales per row
+        (
+            "fp8",
+            1,
+            2,
+            GemvConfig(32, 16, split=3, dot=True),
+        ),  # one scale per program, half a scale column per step
+        ("bf16", 3, 1, GemvConfig(16, 32, split=2, dot=True)),
+        ("fp8", 3, 1, GemvConfig(16, 64, split=2)),  # CUDA cores: split-K, two scale columns per step
+        ("fp8", 1, 2, GemvConfig(8, 16)),
+        ("bf16", 1, 2, GemvConfig(4, 128, split=2)),
+        ("fp32", 3, 2, GemvConfig(16, 32, split=3)),
+        (
+            "fp8",
+            1,
+            1,
+            GemvConfig(16, 32, stages=1, vec=True),
+        ),  # vector tiles: one token, one scale column a step
+        (
+            "fp8",
+            1,
+            2,
+            GemvConfig(32, 16, split=3, warps=2, stages=1, vec=True),
+        ),  # half a scale column a step, split-K
+        ("fp8", 1, 1, GemvConfig(8, 32, split=2, vec=True)),  # slices of 64 and 32 inputs
+        (
+            "fp8",
+            1,
+            2,
+            GemvConfig(16, 32, split=3, stages=1, vec=True, early=True),
+        ),  # first step before the wait
+        ("bf16", 1, 1, GemvConfig(8, 32, split=2, stages=1, vec=True)),
+        ("bf16", 1, 1, GemvConfig(16, 32, stages=1, vec=True, early=True)),
+        ("fp32", 1, 2, GemvConfig(16, 16, vec=True)),
+    ],
+)
 def test_gemv_matches_reference(kind, rows, groups, config):
     w, scale, block = _weight(kind, 10 * rows + groups)
     x = torch.randn(rows, groups, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
@@ -87,7 +124,9 @@ def test_gemv_rejects_configs_that_cannot_run():
     with pytest.raises(ValueError, match="lie on scale blocks"):
         gemv(xb, w, scale, block, config=GemvConfig(64, 32, vec=True))  # rows of two scale rows
     with pytest.raises(ValueError, match="lie on scale blocks"):
-        gemv(xb, w, scale, block, config=GemvConfig(16, 16, split=2, vec=True))  # the second slice starts at 48
+        gemv(
+            xb, w, scale, block, config=GemvConfig(16, 16, split=2, vec=True)
+        )  # the second slice starts at 48
     with pytest.raises(ValueError, match="only vector tiles"):
         gemv(xb, w, scale, block, config=GemvConfig(16, 32, dot=True, early=True))
 
@@ -100,8 +139,13 @@ def test_default_config_fills_the_device_and_table_entries_run():
     assert cfg.split > 1 and -(-4096 // cfg.block_r) * cfg.split >= 2 * SMS
     for (kind, rows, cols, tokens, groups), entry in TABLE.items():
         block = (128, 128) if kind == "fp8" else None
-        assert config_problem(entry, kind, rows, cols, tokens, groups, block) is None, (kind, rows, cols, tokens,
-                                                                                        groups)
+        assert config_problem(entry, kind, rows, cols, tokens, groups, block) is None, (
+            kind,
+            rows,
+            cols,
+            tokens,
+            groups,
+        )
     for kind in ("bf16", "fp8", "fp32"):
         for tokens in (1, 4, 8):
             block = (128, 128) if kind == "fp8" else None
@@ -116,13 +160,17 @@ def test_linear_dispatches_to_the_gemv(monkeypatch, dense_on):
     op = ops.gemv
     monkeypatch.setattr(ops, "gemv", lambda *args: calls.append(args[2] is None) or op(*args))
     gen = torch.Generator().manual_seed(3)
-    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE, torch.bfloat16)
     q = quantize_fp8(w.float(), BLOCK)
     x = torch.randn(2, 2, K, generator=gen).to(DEVICE, torch.bfloat16)
     with kernels.on_any_device(), using(gemv_dense=dense_on):
         got = [linear(x[:, 0], w), linear(x[:, 0], q), grouped_linear(x, w, 2), grouped_linear(x, q, 2)]
-    want = [gemv_ref(x[:, 0], w), gemv_ref(x[:, 0], q.data, q.scale, q.block),
-            gemv_ref(x, w, groups=2), gemv_ref(x, q.data, q.scale, q.block, 2)]
+    want = [
+        gemv_ref(x[:, 0], w),
+        gemv_ref(x[:, 0], q.data, q.scale, q.block),
+        gemv_ref(x, w, groups=2),
+        gemv_ref(x, q.data, q.scale, q.block, 2),
+    ]
     for g, r in zip(got, want):
         assert g.shape == r.shape and _rel(g, r) <= 1e-2
     assert calls == ([True, False, True, False] if dense_on else [False, False])
@@ -136,12 +184,16 @@ def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypat
     op = ops.gemv
     monkeypatch.setattr(ops, "gemv", lambda *args: calls.append(args[0].shape[0]) or op(*args))
     gen = torch.Generator().manual_seed(5)
-    q = quantize_fp8(torch.randn(R, K, generator=gen) / K ** 0.5, BLOCK)
+    q = quantize_fp8(torch.randn(R, K, generator=gen) / K**0.5, BLOCK)
     q = type(q)(q.data.to(DEVICE), q.scale.to(DEVICE), q.block)
     x = torch.randn(12, 2, K, generator=gen).to(DEVICE, torch.bfloat16)
     with kernels.on_any_device(), using(gemv_dense=True):
-        got = [linear(x[:, 0], q), grouped_linear(x, q, 2), linear(x[:9, 0], q.dequantize(torch.bfloat16)),
-               linear(x[:, 0].float(), q)]
+        got = [
+            linear(x[:, 0], q),
+            grouped_linear(x, q, 2),
+            linear(x[:9, 0], q.dequantize(torch.bfloat16)),
+            linear(x[:, 0].float(), q),
+        ]
     want = [gemv_ref(x[:, 0], q.data, q.scale, q.block), gemv_ref(x, q.data, q.scale, q.block, 2)]
     for g, r in zip(got, want):
         assert g.shape == r.shape and _rel(g, r) <= 1e-2
@@ -156,23 +208,38 @@ def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypat
 def test_dense_gemv_op_traces_whole():
     """The op with no scale (dense weights) compiles as one node around torch code."""
     gen = torch.Generator().manual_seed(4)
-    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE, torch.bfloat16)
     x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
-    got = torch.compile(lambda x: ops.gemv(x * 2, w, None, 0, 0, 1) + 1, backend="aot_eager", fullgraph=True)(x)
+    got = torch.compile(lambda x: ops.gemv(x * 2, w, None, 0, 0, 1) + 1, backend="aot_eager", fullgraph=True)(
+        x
+    )
     assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
 
 
 FMA_TILES = {"fp8": GemvConfig(8, 64, warps=1), "bf16": GemvConfig(16, 32, warps=2)}
-VEC_TILES = {"fp8": GemvConfig(16, 32, stages=1, vec=True, early=True), "bf16": GemvConfig(8, 32, warps=2, vec=True)}
+VEC_TILES = {
+    "fp8": GemvConfig(16, 32, stages=1, vec=True, early=True),
+    "bf16": GemvConfig(8, 32, warps=2, vec=True),
+}
 
 
-@pytest.mark.parametrize("kinds,rows,vec", [(("fp8", "bf16"), 1, False), (("fp8", "bf16"), 3, False),
-                                            (("bf16", "fp8"), 2, False), (("fp8", "fp8"), 1, False),
-                                            (("fp8", "bf16"), 1, True), (("bf16", "fp8"), 1, True)])
+@pytest.mark.parametrize(
+    "kinds,rows,vec",
+    [
+        (("fp8", "bf16"), 1, False),
+        (("fp8", "bf16"), 3, False),
+        (("bf16", "fp8"), 2, False),
+        (("fp8", "fp8"), 1, False),
+        (("fp8", "bf16"), 1, True),
+        (("bf16", "fp8"), 1, True),
+    ],
+)
 def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows, vec):
     """Both products in one launch (CUDA-core tiles without split-K, as the H200 table has for a layer's
     input products, or vector tiles), each equal to its own reference."""
-    launches = spy_launches(monkeypatch, gemv_module, "_gemv_vec_pair_kernel" if vec else "_gemv_fma_pair_kernel")
+    launches = spy_launches(
+        monkeypatch, gemv_module, "_gemv_vec_pair_kernel" if vec else "_gemv_fma_pair_kernel"
+    )
     tiles = VEC_TILES if vec else FMA_TILES
     monkeypatch.setattr(gemv_module, "default_config", lambda kind, *args: tiles[kind])
     a, b = _weight(kinds[0], 1), _weight(kinds[1], 2)
@@ -184,8 +251,14 @@ def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows,
     assert launches == [sum(-(-op[0].shape[0] // tiles[kind].block_r) for op, kind in zip((a, b), kinds))]
 
 
-@pytest.mark.parametrize("tiles", [(GemvConfig(16, 32, split=2),) * 2, (GemvConfig(16, 32, vec=True, split=2),) * 2,
-                                   (GemvConfig(16, 32, vec=True), GemvConfig(16, 32))])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        (GemvConfig(16, 32, split=2),) * 2,
+        (GemvConfig(16, 32, vec=True, split=2),) * 2,
+        (GemvConfig(16, 32, vec=True), GemvConfig(16, 32)),
+    ],
+)
 def test_gemv_pair_falls_back_to_two_launches(monkeypatch, tiles):
     """Products whose tiles are tensor-core or split-K tiles, or one a vector tile and the other not, run as
     GEMVs of their own."""
@@ -193,7 +266,9 @@ def test_gemv_pair_falls_back_to_two_launches(monkeypatch, tiles):
     vec_launches = spy_launches(monkeypatch, gemv_module, "_gemv_vec_pair_kernel")
     calls = []
     monkeypatch.setattr(gemv_module, "gemv", lambda *args: calls.append(args[1].shape) or gemv(*args))
-    picks = itertools.cycle(tiles)  # product a's tiles, then b's: for the pair's plans, then for the two GEMVs
+    picks = itertools.cycle(
+        tiles
+    )  # product a's tiles, then b's: for the pair's plans, then for the two GEMVs
     monkeypatch.setattr(gemv_module, "default_config", lambda *args: next(picks))
     a, b = _weight("fp8", 3), _weight("fp32", 4)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
@@ -208,8 +283,8 @@ def test_linear_pair_uses_the_pair_op_with_the_switch(monkeypatch, pair_on):
     op = ops.gemv_pair
     monkeypatch.setattr(ops, "gemv_pair", lambda *args: calls.append(len(args)) or op(*args))
     gen = torch.Generator().manual_seed(6)
-    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
-    q = quantize_fp8(torch.randn(R // 2, K, generator=gen).to(DEVICE) / K ** 0.5, BLOCK)
+    w = (torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE, torch.bfloat16)
+    q = quantize_fp8(torch.randn(R // 2, K, generator=gen).to(DEVICE) / K**0.5, BLOCK)
     x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
     with kernels.on_any_device(), using(gemv_pair=pair_on):
         ya, yb = linear_pair(x, q, w)
@@ -219,13 +294,19 @@ def test_linear_pair_uses_the_pair_op_with_the_switch(monkeypatch, pair_on):
 
 def test_pair_op_traces_as_one_node():
     gen = torch.Generator().manual_seed(7)
-    w = (torch.randn(R, K, generator=gen) / K ** 0.5).to(DEVICE, torch.bfloat16)
-    q = quantize_fp8(torch.randn(R, K, generator=gen).to(DEVICE) / K ** 0.5, BLOCK)
+    w = (torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE, torch.bfloat16)
+    q = quantize_fp8(torch.randn(R, K, generator=gen).to(DEVICE) / K**0.5, BLOCK)
     x = torch.randn(1, K, generator=gen).to(DEVICE, torch.bfloat16)
-    fn = torch.compile(lambda x: [y + 1 for y in ops.gemv_pair(x * 2, q.data, q.scale, *q.block, w, None, 0, 0)],
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda x: [y + 1 for y in ops.gemv_pair(x * 2, q.data, q.scale, *q.block, w, None, 0, 0)],
+        backend="aot_eager",
+        fullgraph=True,
+    )
     ya, yb = fn(x)
-    assert _rel(ya, gemv_ref(x * 2, q.data, q.scale, q.block) + 1) <= 1e-2 and _rel(yb, gemv_ref(x * 2, w) + 1) <= 1e-2
+    assert (
+        _rel(ya, gemv_ref(x * 2, q.data, q.scale, q.block) + 1) <= 1e-2
+        and _rel(yb, gemv_ref(x * 2, w) + 1) <= 1e-2
+    )
 
 
 def test_gemv_pair_rejects_weights_of_different_input_widths():

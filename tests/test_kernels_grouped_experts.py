@@ -47,17 +47,21 @@ def poisoned(monkeypatch):
 
 def _fp4(w: torch.Tensor) -> FP4Weight:
     codes, scales = zip(*(quant_fp4(m.cpu()) for m in w))
-    return FP4Weight(torch.stack(codes).to(w.device), torch.stack([s.view(torch.uint8) for s in scales]).to(w.device))
+    return FP4Weight(
+        torch.stack(codes).to(w.device), torch.stack([s.view(torch.uint8) for s in scales]).to(w.device)
+    )
 
 
 def _experts(fmt: str, E: int, N: int, K: int, seed: int) -> FP8Weight | FP4Weight:
-    w = torch.randn(E, N, K, generator=torch.Generator().manual_seed(seed)) / K ** 0.5
+    w = torch.randn(E, N, K, generator=torch.Generator().manual_seed(seed)) / K**0.5
     if fmt == "fp4":
         return _fp4(w.to(DEVICE))
     return quantize_fp8(w.to(DEVICE), {"fp8": (32, 32), "fp8-16": (16, 16), "fp8-128": (128, 128)}[fmt])
 
 
-def _rows(counts: list[int], extra: int, K: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(
+    counts: list[int], extra: int, K: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     ends = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     a = torch.randn(int(ends[-1]) + extra, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
     return a.to(DEVICE), ends.to(DEVICE)
@@ -69,7 +73,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, end: int) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.isnan(got[end:]).all(), "a row past ends[-1] was written"
     assert torch.isfinite(got[:end]).all(), "a row of an expert was not written"
-    tol = dict(rtol=1e-5, atol=1e-5) if got.dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    tol = dict(rtol=1e-5, atol=1e-5) if got.dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(got[:end].cpu(), want[:end].cpu(), **tol)
 
 
@@ -106,8 +110,10 @@ def test_mxfp4_tiles_decode_every_code_exactly(poisoned, bits, dtype):
     experts give the dequantised weights exactly."""
     N, K = 16, 64
     codes = torch.arange(N * K // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(torch.int8)
-    exponents = torch.tensor([0, 1, 64, 100, 120, 127, 128, 150, 170, 192][2 if dtype == torch.bfloat16 else 0:],
-                             dtype=torch.uint8)
+    exponents = torch.tensor(
+        [0, 1, 64, 100, 120, 127, 128, 150, 170, 192][2 if dtype == torch.bfloat16 else 0 :],
+        dtype=torch.uint8,
+    )
     scale = exponents[torch.arange(N * K // 32) % len(exponents)]
     w = FP4Weight(codes.reshape(1, N, K // 2).to(DEVICE), scale.reshape(1, N, K // 32).to(DEVICE))
     a, ends = torch.eye(K, dtype=dtype, device=DEVICE), torch.tensor([K], dtype=torch.int32, device=DEVICE)
@@ -122,8 +128,11 @@ def test_default_tiles_and_no_rows(poisoned):
     w = _experts("fp8", len(COUNTS), 48, 64, seed=5)
     a, ends = _rows(COUNTS, 0, 64, torch.float32, seed=6)
     _check(ge.grouped_quant_mm(a, w, ends), ge.grouped_quant_mm_ref(a, w, ends), a.shape[0])
-    _check(ge.grouped_quant_gate_up(a, w, w, ends, LIMIT), ge.grouped_quant_gate_up_ref(a, w, w, ends, LIMIT),
-           a.shape[0])
+    _check(
+        ge.grouped_quant_gate_up(a, w, w, ends, LIMIT),
+        ge.grouped_quant_gate_up_ref(a, w, w, ends, LIMIT),
+        a.shape[0],
+    )
     none = ge.grouped_quant_mm(a[:0], w, torch.zeros_like(ends))
     assert none.shape == (0, 48)
 
@@ -135,8 +144,11 @@ def test_long_groups_take_the_long_tiles(poisoned, fmt):
     a, ends = _rows([300, 240], 0, 64, torch.float32, seed=22)
     assert ge.tiles_for(w1, a.shape[0]) == ge.TILES[fmt, True] and ge.TILES[fmt, True].gate_up.rows == 128
     _check(ge.grouped_quant_mm(a, w1, ends), ge.grouped_quant_mm_ref(a, w1, ends), a.shape[0])
-    _check(ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT), ge.grouped_quant_gate_up_ref(a, w1, w3, ends, LIMIT),
-           a.shape[0])
+    _check(
+        ge.grouped_quant_gate_up(a, w1, w3, ends, LIMIT),
+        ge.grouped_quant_gate_up_ref(a, w1, w3, ends, LIMIT),
+        a.shape[0],
+    )
 
 
 def test_unsupported_operands_are_refused():
@@ -160,8 +172,11 @@ def test_unsupported_operands_are_refused():
         ge.grouped_quant_gate_up(a, fp8, fp4, ends, LIMIT)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter, which runs only "
-                    "without a GPU; test_chunk_routed_experts_never_synchronise_on_cuda covers the GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU tensors through Triton's interpreter, which runs only "
+    "without a GPU; test_chunk_routed_experts_never_synchronise_on_cuda covers the GPU",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_routed_experts_with_the_switch_equal_the_quantized_path(monkeypatch, fmt, dtype):
@@ -194,8 +209,12 @@ def test_first_chunk_graphs_take_quantized_experts_with_the_switch():
 
     def model(experts, dtype=torch.bfloat16):
         moe = SimpleNamespace(w1=experts[0], w3=experts[1], w2=experts[2])
-        return SimpleNamespace(device=torch.device("cuda"), embed=torch.zeros(2, 64, dtype=dtype), head=object(),
-                               blocks={0: SimpleNamespace(moe=moe)})
+        return SimpleNamespace(
+            device=torch.device("cuda"),
+            embed=torch.zeros(2, 64, dtype=dtype),
+            head=object(),
+            blocks={0: SimpleNamespace(moe=moe)},
+        )
 
     with kernels.on_any_device():
         assert graphs_apply(model([w.bfloat16()] * 3))
@@ -213,15 +232,22 @@ def test_long_groups_keep_the_dequantised_path_unless_captured(monkeypatch):
     gen = torch.Generator().manual_seed(21)
     N, D, inter, E, k = 12, 64, 32, 4, 2
     x = torch.randn(N, D, generator=gen)
-    w1, w3, w2 = _experts("fp8", E, inter, D, seed=22), _experts("fp8", E, inter, D, seed=23), \
-        _experts("fp8", E, D, inter, seed=24)
+    w1, w3, w2 = (
+        _experts("fp8", E, inter, D, seed=22),
+        _experts("fp8", E, inter, D, seed=23),
+        _experts("fp8", E, D, inter, seed=24),
+    )
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
     weights = torch.rand(N, k, generator=gen)
     calls = []
-    monkeypatch.setattr(ge, "grouped_quant_mm", lambda *a, **kw: calls.append("in place") or torch.zeros(N * k, D))
+    monkeypatch.setattr(
+        ge, "grouped_quant_mm", lambda *a, **kw: calls.append("in place") or torch.zeros(N * k, D)
+    )
     monkeypatch.setattr(moe_grouped, "IN_PLACE_MAX_ROWS_PER_EXPERT", {"fp8": 0, "fp4": 0})
     for path in ("_expert_groups", "_expert_by_expert"):
-        monkeypatch.setattr(moe_grouped, path, lambda *a: calls.append("dequantised") or torch.zeros(N * k, D))
+        monkeypatch.setattr(
+            moe_grouped, path, lambda *a: calls.append("dequantised") or torch.zeros(N * k, D)
+        )
     with kernels.on_any_device(), using(quant_grouped_mm=True):
         routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
         assert calls == ["dequantised"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -26,8 +25,11 @@ def _inputs(S: int, D: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(S, HC, D, generator=g).to(DEVICE, dtype)
     fn = (torch.randn((2 + HC) * HC, HC * D, generator=g) / (HC * D) ** 0.5).to(DEVICE)
-    site = hyper.HCSite(fn, (0.1 * torch.randn((2 + HC) * HC, generator=g)).to(DEVICE),
-                        (1 + 0.1 * torch.randn(3, generator=g)).to(DEVICE))
+    site = hyper.HCSite(
+        fn,
+        (0.1 * torch.randn((2 + HC) * HC, generator=g)).to(DEVICE),
+        (1 + 0.1 * torch.randn(3, generator=g)).to(DEVICE),
+    )
     return X, site, (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE)
 
 
@@ -49,7 +51,9 @@ def _merge_inputs(S: int, D: int, dtype: torch.dtype, seed: int):
     return X, out, post, comb, site, norm_w
 
 
-def _reference_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def _reference_merge(
+    X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """hc_merge as written, on its decode-sized branch (the product-sum)."""
     with using(merge_product_sum=True):
         return hyper.hc_merge.eager(X, out, post, comb)
@@ -60,7 +64,7 @@ def _check_merged(got: torch.Tensor, want: torch.Tensor) -> None:
     each of the merge's three roundings)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     err = (got.float() - want.float()).abs().max()
-    assert err <= (1e-6 if got.dtype == torch.float32 else 2.0 ** -5) * want.float().abs().max()
+    assert err <= (1e-6 if got.dtype == torch.float32 else 2.0**-5) * want.float().abs().max()
 
 
 def _check(got, want, dtype: torch.dtype) -> None:
@@ -73,7 +77,7 @@ def _check(got, want, dtype: torch.dtype) -> None:
     # x_in: fp32 up to the same; bf16 rounds where the torch code rounds (the collapse, the output), but
     # Triton's CPU interpreter truncates each cast to bf16: a few ulps of the largest value
     err = (x_in.float() - want_x.float()).abs().max()
-    assert err <= (1e-5 if dtype == torch.float32 else 2.0 ** -5) * want_x.float().abs().max()
+    assert err <= (1e-5 if dtype == torch.float32 else 2.0**-5) * want_x.float().abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,10 +120,20 @@ def test_op_traces_as_one_node():
     result."""
     X, site, norm_w = _inputs(2, 64, torch.bfloat16, seed=1)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = ops.hc_pre(mode.from_tensor(X), *(mode.from_tensor(t) for t in (site.fn, site.base, site.scale)),
-                          mode.from_tensor(norm_w), HC, ITERS, EPS, NORM_EPS)
-    assert [(t.shape, t.dtype) for t in fake] == [((2, HC), torch.float32), ((2, HC, HC), torch.float32),
-                                                   ((2, 64), torch.bfloat16)]
+        fake = ops.hc_pre(
+            mode.from_tensor(X),
+            *(mode.from_tensor(t) for t in (site.fn, site.base, site.scale)),
+            mode.from_tensor(norm_w),
+            HC,
+            ITERS,
+            EPS,
+            NORM_EPS,
+        )
+    assert [(t.shape, t.dtype) for t in fake] == [
+        ((2, HC), torch.float32),
+        ((2, HC, HC), torch.float32),
+        ((2, 64), torch.bfloat16),
+    ]
 
     def fn(X):
         post, comb, x_in = ops.hc_pre(X * 1, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
@@ -172,8 +186,12 @@ def test_merge_op_traces_as_one_node():
     args = (site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = ops.hc_merge_pre(*(mode.from_tensor(t) for t in (X, out, post, comb, *args[:4])), *args[4:])
-    assert [(t.shape, t.dtype) for t in fake] == [((2, HC, 64), torch.bfloat16), ((2, HC), torch.float32),
-                                                   ((2, HC, HC), torch.float32), ((2, 64), torch.bfloat16)]
+    assert [(t.shape, t.dtype) for t in fake] == [
+        ((2, HC, 64), torch.bfloat16),
+        ((2, HC), torch.float32),
+        ((2, HC, HC), torch.float32),
+        ((2, 64), torch.bfloat16),
+    ]
 
     def fn(X):
         X_new, post_new, comb_new, x_in = ops.hc_merge_pre(X * 1, out, post, comb, *args)

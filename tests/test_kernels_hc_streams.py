@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -39,7 +38,7 @@ def test_merge_and_collapse_match_the_torch_code(dtype, D):
     for got, want in ((got_merge, want_merge), (got_collapse, want_collapse)):
         err = (got.float() - want.float()).abs().max()
         scale = want.float().abs().max()
-        assert err <= (1e-5 if dtype == torch.float32 else 2.0 ** -5) * scale
+        assert err <= (1e-5 if dtype == torch.float32 else 2.0**-5) * scale
 
 
 @pytest.mark.parametrize("tile", [None, MIX_TILE_LONG])  # the short chunks' tile; the long chunks' tile
@@ -63,8 +62,10 @@ def test_mixes_match_the_torch_code(S, tile):
 def test_model_functions_use_the_kernels_for_long_chunks_only(monkeypatch):
     calls = []
     monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_merge", lambda *a: calls.append("merge") or a[0])
-    monkeypatch.setattr("ds4serve.kernels.hc_streams.hc_mixes",
-                        lambda X, fn, eps, tile=None: calls.append("mixes") or hyper._hc_mixes.eager(X, fn, eps))
+    monkeypatch.setattr(
+        "ds4serve.kernels.hc_streams.hc_mixes",
+        lambda X, fn, eps, tile=None: calls.append("mixes") or hyper._hc_mixes.eager(X, fn, eps),
+    )
     S_long = hyper.MIX_REDUCE_MAX_ROWS + 1
     site = hyper.HCSite(torch.randn(24, 128).to(DEVICE), torch.zeros(24).to(DEVICE), torch.ones(3).to(DEVICE))
     with kernels.on_any_device():

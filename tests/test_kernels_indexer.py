@@ -9,27 +9,37 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.indexer import (  # noqa: E402
-    ScoresConfig, SelectConfig, index_scores, index_top, index_top_indices, select_top, select_top_indices)
+    ScoresConfig,
+    SelectConfig,
+    index_scores,
+    index_top,
+    index_top_indices,
+    select_top,
+    select_top_indices,
+)
 from ds4serve.model.attention import _index_top  # noqa: E402
 from ds4serve.model.rope import Rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IH, DIM, ROPE = 16, 64, 8  # dim^-0.5 and ih^-0.5 are powers of two: small integer inputs score exactly
-SMALL_SELECT = SelectConfig(block=16, bits=4, warps=1, one_tile_max=16)  # several steps per pass over 40 entries
+SMALL_SELECT = SelectConfig(
+    block=16, bits=4, warps=1, one_tile_max=16
+)  # several steps per pass over 40 entries
 ONE_TILE_SELECT = SelectConfig(block=16, bits=4, warps=1)  # a 40-entry row read once, as one 64-wide tile
 
 
-def _scores_ref(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def _scores_ref(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
     """The reference's math (model.attention._index_top) on already rotated queries."""
     ih, dim = q.shape[1], q.shape[2]
-    scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * dim ** -0.5
-    scores = (scores * (head_w.float() * ih ** -0.5).unsqueeze(-1)).sum(dim=1)
+    scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * dim**-0.5
+    scores = (scores * (head_w.float() * ih**-0.5).unsqueeze(-1)).sum(dim=1)
     return scores.masked_fill(~visible, float("-inf"))
 
 
@@ -56,13 +66,23 @@ def _inputs(gen: torch.Generator, S: int, T: int, integer: bool, dtype=torch.bfl
         keys = torch.randint(-2, 3, (T, DIM), generator=gen).float()
         head_w = torch.randint(-3, 4, (S, IH), generator=gen).float()
     else:
-        q, keys, head_w = torch.randn(S, IH, DIM, generator=gen), torch.randn(T, DIM, generator=gen), \
-            torch.randn(S, IH, generator=gen)
+        q, keys, head_w = (
+            torch.randn(S, IH, DIM, generator=gen),
+            torch.randn(T, DIM, generator=gen),
+            torch.randn(S, IH, generator=gen),
+        )
     return q.to(DEVICE, dtype), keys.to(DEVICE, dtype), head_w.to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("S,dtype,config", [(1, torch.bfloat16, None), (3, torch.bfloat16, ScoresConfig(2, 16)),
-                                            (3, torch.float32, ScoresConfig(1, 32)), (10, torch.bfloat16, None)])
+@pytest.mark.parametrize(
+    "S,dtype,config",
+    [
+        (1, torch.bfloat16, None),
+        (3, torch.bfloat16, ScoresConfig(2, 16)),
+        (3, torch.float32, ScoresConfig(1, 32)),
+        (10, torch.bfloat16, None),
+    ],
+)
 def test_scores_match_reference(S, dtype, config):
     gen = torch.Generator().manual_seed(S)
     T = 45  # not a multiple of the entry tile
@@ -104,7 +124,9 @@ def test_select_top_radix_widths(bits, one_tile):
     gen = torch.Generator().manual_seed(bits)
     scores = torch.randn(2, 37, generator=gen).to(DEVICE)
     scores[1, ::3] = float("-inf")
-    got = select_top(scores, 9, SelectConfig(block=16, bits=bits, warps=1, one_tile_max=64 if one_tile else 16))
+    got = select_top(
+        scores, 9, SelectConfig(block=16, bits=bits, warps=1, one_tile_max=64 if one_tile else 16)
+    )
     assert torch.equal(got, _lowest_index_top(scores, 9))
 
 
@@ -125,16 +147,22 @@ def _hard_rows(gen: torch.Generator, T: int, k: int) -> torch.Tensor:
     """``[11, T]`` rows that a wrong radix digit, carry or tie count would get wrong (see the comments)."""
     rows = torch.randn(11, T, generator=gen)
     rows[0] = torch.randint(0, 8, (T,), generator=gen).float()  # hundreds of exact ties at the k-th score
-    rows[1] = _near_one(gen, T, torch.randint(0, 16, (T,), generator=gen, dtype=torch.int32))  # last digit only
-    digits = torch.randint(0, 3, (3, T), generator=gen, dtype=torch.int32)  # each of the three low digits 0..2
+    rows[1] = _near_one(
+        gen, T, torch.randint(0, 16, (T,), generator=gen, dtype=torch.int32)
+    )  # last digit only
+    digits = torch.randint(
+        0, 3, (3, T), generator=gen, dtype=torch.int32
+    )  # each of the three low digits 0..2
     rows[2] = _near_one(gen, T, digits[0] | (digits[1] << 8) | (digits[2] << 16))
     rows[3] = _near_one(gen, T)  # 22 random low bits: distinct keys under one long common prefix
     rows[4] = -rows[2]  # negative scores under one prefix: the key order reverses the magnitudes
-    rows[5] = torch.where(torch.rand(T, generator=gen) < 0.5, -0.0, 0.0)  # the threshold is zero, of both signs
-    rows[5, torch.randperm(T, generator=gen)[:k // 2]] = torch.rand(k // 2, generator=gen) + 1
-    rows[5, torch.randperm(T, generator=gen)[:T // 3]] = -torch.rand(T // 3, generator=gen) - 1
-    rows[6, torch.randperm(T, generator=gen)[:T // 3]] = float("-inf")  # masked entries and a padded tail
-    rows[6, T - T // 5:] = float("-inf")
+    rows[5] = torch.where(
+        torch.rand(T, generator=gen) < 0.5, -0.0, 0.0
+    )  # the threshold is zero, of both signs
+    rows[5, torch.randperm(T, generator=gen)[: k // 2]] = torch.rand(k // 2, generator=gen) + 1
+    rows[5, torch.randperm(T, generator=gen)[: T // 3]] = -torch.rand(T // 3, generator=gen) - 1
+    rows[6, torch.randperm(T, generator=gen)[: T // 3]] = float("-inf")  # masked entries and a padded tail
+    rows[6, T - T // 5 :] = float("-inf")
     rows[6, 1] = float("inf")
     for r, finite in ((7, k), (8, k + 1), (9, k // 2), (10, 0)):  # exactly k, one more, fewer, none finite
         keep = torch.zeros(T, dtype=torch.bool)
@@ -143,13 +171,21 @@ def _hard_rows(gen: torch.Generator, T: int, k: int) -> torch.Tensor:
     return rows
 
 
-@pytest.mark.parametrize("T,k,config", [
-    (2048, 512, None),  # a decode row of an 8K context: one 2048-wide tile, the default configuration
-    (3001, 512, None),  # one 4096-wide tile, T not a power of two
-    (4096, 512, None),  # the widest single tile of the default configuration
-    (300, 37, SelectConfig(block=64, bits=8, warps=1, one_tile_max=64)),  # tiles: 8-bit digit histograms summed per pass
-    (300, 37, SelectConfig(block=64, bits=4, warps=1, one_tile_max=64)),
-], ids=["one_tile_2048", "one_tile_3001", "one_tile_4096", "tiles_bits8", "tiles_bits4"])
+@pytest.mark.parametrize(
+    "T,k,config",
+    [
+        (2048, 512, None),  # a decode row of an 8K context: one 2048-wide tile, the default configuration
+        (3001, 512, None),  # one 4096-wide tile, T not a power of two
+        (4096, 512, None),  # the widest single tile of the default configuration
+        (
+            300,
+            37,
+            SelectConfig(block=64, bits=8, warps=1, one_tile_max=64),
+        ),  # tiles: 8-bit digit histograms summed per pass
+        (300, 37, SelectConfig(block=64, bits=4, warps=1, one_tile_max=64)),
+    ],
+    ids=["one_tile_2048", "one_tile_3001", "one_tile_4096", "tiles_bits8", "tiles_bits4"],
+)
 def test_select_top_hard_rows(T, k, config):
     """Ties at the k-th score, keys that differ only in their last digits, negative scores, -0.0
     with +0.0, -inf (masked and padding), +inf, and rows with exactly k, k+1, fewer than k and no
@@ -163,21 +199,24 @@ def test_select_top_hard_rows(T, k, config):
     assert got.sum(dim=1).tolist() == [k] * 9 + [k // 2, 0]
 
 
-
 def _mask_positions(mask: torch.Tensor, k: int) -> torch.Tensor:
     """int32 ``[S, k]``: each row's True positions, ascending, then -1."""
     out = torch.full((mask.shape[0], k), -1, dtype=torch.int32)
     for r, row in enumerate(mask.cpu()):
         where = row.nonzero().flatten()
-        out[r, :where.numel()] = where.to(torch.int32)
+        out[r, : where.numel()] = where.to(torch.int32)
     return out
 
 
-@pytest.mark.parametrize("T,k,config", [
-    (2048, 512, None),
-    (3001, 512, None),
-    (300, 37, SelectConfig(block=128, warps=1, one_tile_max=128)),  # three tiles, the last one partial
-], ids=["one_tile_2048", "one_tile_3001", "tiles"])
+@pytest.mark.parametrize(
+    "T,k,config",
+    [
+        (2048, 512, None),
+        (3001, 512, None),
+        (300, 37, SelectConfig(block=128, warps=1, one_tile_max=128)),  # three tiles, the last one partial
+    ],
+    ids=["one_tile_2048", "one_tile_3001", "tiles"],
+)
 def test_select_top_indices_match_the_mask(T, k, config):
     """The index output of the hard rows (11 rows in one call: ties at the k-th score, shared high
     bits, +/-0, -inf padding, exactly k, fewer than k and no finite scores) lists the positions of

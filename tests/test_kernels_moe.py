@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -46,8 +45,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _mats(gen: torch.Generator, lead: tuple[int, ...]) -> list[torch.Tensor]:
     """w1, w3 ``[*lead, INTER, D]`` and w2 ``[*lead, D, INTER]``."""
-    return [(torch.randn(*lead, o, i, generator=gen) / i ** 0.5).to(DEVICE)
-            for o, i in ((INTER, D), (INTER, D), (D, INTER))]
+    return [
+        (torch.randn(*lead, o, i, generator=gen) / i**0.5).to(DEVICE)
+        for o, i in ((INTER, D), (INTER, D), (D, INTER))
+    ]
 
 
 def _fp4(w: torch.Tensor) -> FP4Weight:
@@ -76,7 +77,14 @@ def _case(fmt: str, N: int):
     routed = _weights(routed_fmt, _mats(gen, (E,)))
     shared = _weights(shared_fmt, _mats(gen, ()))
     w = MoEWeights(None, None, None, *routed, *shared)
-    return x, idx, weights, w, [dense(m, torch.float32) for m in routed], [dense(m, torch.float32) for m in shared]
+    return (
+        x,
+        idx,
+        weights,
+        w,
+        [dense(m, torch.float32) for m in routed],
+        [dense(m, torch.float32) for m in shared],
+    )
 
 
 @pytest.mark.parametrize("N", [1, 3])
@@ -116,7 +124,9 @@ def test_the_widest_verify_block_stays_on_the_fused_kernel():
 
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64
     "fp32": MoEConfig(Tile(8, 32, warps=2, stages=2), Tile(16, 16, warps=1, stages=1)),
-    "fp8": MoEConfig(Tile(64, 64, stages=3), Tile(8, 32, stages=2)),  # 64 rows: lowered to the 32-row scale block
+    "fp8": MoEConfig(
+        Tile(64, 64, stages=3), Tile(8, 32, stages=2)
+    ),  # 64 rows: lowered to the 32-row scale block
     "fp4": MoEConfig(Tile(8, 64, stages=2), Tile(32, 32, warps=2)),
 }
 
@@ -128,8 +138,12 @@ def test_moe_fused_tiles_and_routed_only(fmt, poisoned):
     x, idx, weights, w, routed, shared = _case(fmt, 3)
     if fmt == "fp4":
         x = x.half()
-    stacks = [ExpertStack(m.data, m.scale, getattr(m, "block", (1, 1))) if not isinstance(m, torch.Tensor)
-              else ExpertStack(m) for m in (w.w1, w.w3, w.w2)]
+    stacks = [
+        ExpertStack(m.data, m.scale, getattr(m, "block", (1, 1)))
+        if not isinstance(m, torch.Tensor)
+        else ExpertStack(m)
+        for m in (w.w1, w.w3, w.w2)
+    ]
     ref = moe_ref(x, idx, weights, *routed, LIMIT)
     out = moe_fused(x, idx, weights, *stacks, LIMIT, configs=SMALL)
     assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
@@ -143,14 +157,16 @@ def test_mxfp4_decode_is_exact(poisoned):
 
     def fp4(rows: int, cols: int, every_byte: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if every_byte:
-            data = torch.stack([torch.randperm(256, generator=gen) for _ in range(2 * rows)]).view(2, rows, 256)
+            data = torch.stack([torch.randperm(256, generator=gen) for _ in range(2 * rows)]).view(
+                2, rows, 256
+            )
         else:
             data = torch.randint(0, 256, (2, rows, cols // 2), generator=gen)
         exps = torch.randint(96, 136, (2, rows, cols // 32), generator=gen, dtype=torch.int32)
         return data.to(torch.uint8).view(torch.int8).to(DEVICE), exps.to(torch.uint8).to(DEVICE)
 
     mats = [fp4(inter, d, True), fp4(inter, d, True), fp4(d, inter, False)]
-    x = (torch.randn(1, d, generator=gen) / 2 ** 16).to(DEVICE)
+    x = (torch.randn(1, d, generator=gen) / 2**16).to(DEVICE)
     idx, weights = torch.tensor([[1]], device=DEVICE), torch.tensor([[0.75]], device=DEVICE)
     ref = moe_ref(x, idx, weights, *(dequant_fp4(q, e) for q, e in mats), 0.0)
     out = moe_fused(x, idx, weights, *(ExpertStack(q, e) for q, e in mats), 0.0)
@@ -159,12 +175,17 @@ def test_mxfp4_decode_is_exact(poisoned):
 
 def test_moe_ref_shared_expert_is_one_more_slot():
     gen = torch.Generator().manual_seed(7)
-    x, idx, weights = torch.randn(2, D, generator=gen), torch.tensor([[0, 3], [4, 1]]), torch.rand(2, K, generator=gen)
+    x, idx, weights = (
+        torch.randn(2, D, generator=gen),
+        torch.tensor([[0, 3], [4, 1]]),
+        torch.rand(2, K, generator=gen),
+    )
     x, idx, weights = x.to(DEVICE), idx.to(DEVICE), weights.to(DEVICE)
     routed, shared = _mats(gen, (E,)), _mats(gen, ())
     ones = torch.ones(2, 1, device=DEVICE)
-    want = moe_ref(x, idx, weights, *routed, LIMIT) + moe_ref(x, torch.zeros_like(idx[:, :1]), ones,
-                                                              *[s.unsqueeze(0) for s in shared], LIMIT)
+    want = moe_ref(x, idx, weights, *routed, LIMIT) + moe_ref(
+        x, torch.zeros_like(idx[:, :1]), ones, *[s.unsqueeze(0) for s in shared], LIMIT
+    )
     got = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
     assert torch.allclose(got, want, atol=1e-6)
 

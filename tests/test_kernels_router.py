@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
@@ -34,14 +33,21 @@ def _inputs(N: int, E: int, D: int, dtype: torch.dtype, seed: int, dyadic: bool 
     g = torch.Generator().manual_seed(seed)
     if dyadic:
         x = torch.randint(-12, 13, (N, D), generator=g) / 8
-        gate = torch.randint(-12, 13, (E, D), generator=g) / (8 * D ** 0.5)
+        gate = torch.randint(-12, 13, (E, D), generator=g) / (8 * D**0.5)
     else:
-        x, gate = torch.randn(N, D, generator=g), torch.randn(E, D, generator=g) / D ** 0.5
+        x, gate = torch.randn(N, D, generator=g), torch.randn(E, D, generator=g) / D**0.5
     bias = torch.randn(E, generator=g).to(DEVICE)
-    return x.to(DEVICE, dtype), gate.to(DEVICE, dtype), bias, torch.randint(0, 100, (N,), generator=g).to(DEVICE)
+    return (
+        x.to(DEVICE, dtype),
+        gate.to(DEVICE, dtype),
+        bias,
+        torch.randint(0, 100, (N,), generator=g).to(DEVICE),
+    )
 
 
-def _check(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], ulps: int = 1) -> None:
+def _check(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], ulps: int = 1
+) -> None:
     """Same expert ids and dtypes; weights within 1e-6 (fp32) or ``ulps`` units in the last place (bf16: the
     logits' summation order and the softplus's exp / log1p may round the other way at a bf16 boundary)."""
     (w, idx), (want_w, want_idx) = got, want
@@ -76,7 +82,9 @@ def test_bf16_rounds_where_torch_rounds(N, E, D, k, scaling):
     _check(got, route_ref(x, gate, bias, None, ids, k, scaling), ulps=int(x.is_cuda))
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on log1p's unused branch where 1 + u rounds to 1
+@pytest.mark.filterwarnings(
+    "ignore::RuntimeWarning"
+)  # numpy, on log1p's unused branch where 1 + u rounds to 1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_softplus_tails(dtype):
     """Logits far below zero (where ``1 + exp(x)`` rounds to 1 but log1p does not), on both sides of softplus's
@@ -88,10 +96,11 @@ def test_softplus_tails(dtype):
     gate = torch.zeros(len(logits), D, dtype=dtype, device=DEVICE)
     gate[:, 0] = logits.to(DEVICE)
     ids = torch.zeros(1, dtype=torch.long, device=DEVICE)
-    (w, idx), (want_w, want_idx) = (f(x, gate, None, None, ids, len(logits), SCALING)
-                                    for f in (route_decode, route_ref))
+    (w, idx), (want_w, want_idx) = (
+        f(x, gate, None, None, ids, len(logits), SCALING) for f in (route_decode, route_ref)
+    )
     assert torch.equal(idx, want_idx)
-    torch.testing.assert_close(w, want_w, rtol=1e-6 if dtype == torch.float32 else 2.0 ** -8, atol=0)
+    torch.testing.assert_close(w, want_w, rtol=1e-6 if dtype == torch.float32 else 2.0**-8, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -167,8 +176,9 @@ def test_op_traces_as_one_node():
     """The custom op has a fake (shapes and dtypes) and compiles whole around torch code."""
     x, gate, bias, ids = _inputs(2, 16, 64, torch.bfloat16, seed=12)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = ops.route_decode(*(mode.from_tensor(t) for t in (x, gate, bias)), None, mode.from_tensor(ids), 4,
-                                SCALING)
+        fake = ops.route_decode(
+            *(mode.from_tensor(t) for t in (x, gate, bias)), None, mode.from_tensor(ids), 4, SCALING
+        )
     assert [(t.shape, t.dtype) for t in fake] == [((2, 4), torch.bfloat16), ((2, 4), torch.int64)]
 
     def fn(x):
@@ -181,8 +191,17 @@ def test_op_traces_as_one_node():
 
 
 def _weights(gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None) -> MoEWeights:
-    return MoEWeights(gate=gate, bias=bias, tid2eid=tid2eid, w1=None, w3=None, w2=None, shared_w1=None,
-                      shared_w3=None, shared_w2=None)
+    return MoEWeights(
+        gate=gate,
+        bias=bias,
+        tid2eid=tid2eid,
+        w1=None,
+        w3=None,
+        w2=None,
+        shared_w1=None,
+        shared_w3=None,
+        shared_w2=None,
+    )
 
 
 def test_route_uses_the_kernel_for_decode_rows_with_the_switch_on(monkeypatch):
@@ -208,8 +227,9 @@ def test_router_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
     calls = []
     real = ops.route_decode
     monkeypatch.setattr(ops, "route_decode", lambda *a: calls.append(a[3] is not None) or real(*a))
-    err, model = _static_step_error(tiny_factory, "router_fused", calls, seed=4, prompt_seed=7, length=12,
-                                    capacity=24)
+    err, model = _static_step_error(
+        tiny_factory, "router_fused", calls, seed=4, prompt_seed=7, length=12, capacity=24
+    )
     assert calls == [t == "hash_moe" for t in model.cfg.mlp_types]
     assert err <= 1e-5, f"relative error {err:.3g}"
 

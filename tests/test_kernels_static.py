@@ -11,8 +11,9 @@ from tests.helpers import static_decode_setup, static_step
 def test_static_decode_matches_eager(tiny_factory):
     """Decode 40 tokens after a 30-token prompt both ways: HCA (ratio 8) and CSA windows close in
     the static path, the indexer becomes selective (top-5), and the ring wraps (window 8)."""
-    model, ids, (eager, static) = static_decode_setup(tiny_factory, seed=2, prompt_seed=7, length=70,
-                                                     prefilled=30, capacity=80)
+    model, ids, (eager, static) = static_decode_setup(
+        tiny_factory, seed=2, prompt_seed=7, length=70, prefilled=30, capacity=80
+    )
     with torch.inference_mode():
         for t in ids[30:]:
             ref = model.forward([t], eager, logit_rows=slice(0, 1))
@@ -29,8 +30,9 @@ def test_device_commit_of_static_steps_equals_host_commit(tiny_factory):
     """``write_token`` + ``advance`` (the commit the decode graph captures) leaves the same committed
     state as ``commit`` of the same static deltas, across ring wraps and closing CSA/HCA windows,
     and the following static steps give the same logits."""
-    model, ids, (host, device) = static_decode_setup(tiny_factory, seed=4, prompt_seed=9, length=60,
-                                                     prefilled=13, capacity=64)
+    model, ids, (host, device) = static_decode_setup(
+        tiny_factory, seed=4, prompt_seed=9, length=60, prefilled=13, capacity=64
+    )
     with torch.inference_mode():
         for t in ids[13:]:
             pos = host.pos

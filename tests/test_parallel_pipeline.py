@@ -43,7 +43,9 @@ def _join(rank: int, port: int, path: str):
     from ds4serve.parallel.worker import init_pipeline
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=TIMEOUT
+    )
     return init_pipeline(path, layer_split=SPLIT, max_context=256, timeout=TIMEOUT)
 
 
@@ -85,7 +87,9 @@ def _exact(engine) -> dict:
     cont = engine.generate(snap.tokens + [17], GREEDY)
     out["restored"], out["restored_cached"] = cont.tokens, cont.stats.cached_tokens
     seen: list[int] = []
-    out["cancelled"] = engine.generate(PROMPT, GREEDY, on_token=lambda t: seen.append(t) or len(seen) < 2).finish_reason
+    out["cancelled"] = engine.generate(
+        PROMPT, GREEDY, on_token=lambda t: seen.append(t) or len(seen) < 2
+    ).finish_reason
     out["after_cancel"] = engine.generate(PROMPT, GREEDY).tokens
     state = model.new_state(64)
     engine.prefill(state, PROMPT[:30])
@@ -108,12 +112,17 @@ def _speculative_through_graphs(engine, plain: list[int]) -> dict:
     engine would otherwise run eagerly): the decode and verify graphs of every rank, plain's tokens."""
     from ds4serve.engine.drafts import OracleProposer
 
-    engine._graph_kinds = lambda model: (lambda m, s: m.decode_graph(s, graph=False),
-                                         lambda m, s, width, capture: m.verify_graph(s, width, capture, graph=False))
+    engine._graph_kinds = lambda model: (
+        lambda m, s: m.decode_graph(s, graph=False),
+        lambda m, s, width, capture: m.verify_graph(s, width, capture, graph=False),
+    )
     res = engine.generate(PROMPT, GREEDY, speculative=OracleProposer(PROMPT + plain, 0.7, 4))
     del engine._graph_kinds
-    return {"tokens": res.tokens, "drafted": res.stats.speculative["drafted"],
-            "graphs": sorted({type(g).__name__ for g in engine._verify_graphs.values()})}
+    return {
+        "tokens": res.tokens,
+        "drafted": res.stats.speculative["drafted"],
+        "graphs": sorted({type(g).__name__ for g in engine._verify_graphs.values()}),
+    }
 
 
 def _graph_steps(engine, state, graph) -> torch.Tensor:
@@ -152,7 +161,7 @@ def _first_chunk_steps(engine, graphs) -> torch.Tensor:
             state = engine.model.new_state(64)
             rows.append(engine.prefill(state, PROMPT[:n])[None].clone())
             assert state.pos == n and state.tokens == PROMPT[:n]
-            rows.append(engine.model.forward(PROMPT[n:n + 3], state, logit_rows=slice(None)).logits)
+            rows.append(engine.model.forward(PROMPT[n : n + 3], state, logit_rows=slice(None)).logits)
     finally:
         del engine._prefill_graphs
     return torch.cat(rows)
@@ -161,7 +170,10 @@ def _first_chunk_steps(engine, graphs) -> torch.Tensor:
 def _after_peer_loss(engine) -> dict:
     first = engine.generate(PROMPT, GREEDY)
     second = engine.generate(PROMPT, GREEDY)
-    return {"first": (first.finish_reason, first.error_message), "second": (second.finish_reason, second.error_message)}
+    return {
+        "first": (first.finish_reason, first.error_message),
+        "second": (second.finish_reason, second.error_message),
+    }
 
 
 SCENARIOS = {"exact": _exact, "peer_loss": _after_peer_loss, "idle": lambda engine: {}}
@@ -171,7 +183,9 @@ def _start(tmp_path: Path, path: Path, scenario: str):
     ctx = mp.get_context("spawn")
     ready, go = ctx.Queue(), ctx.Event()
     port, out = _free_port(), str(tmp_path / "result.pt")
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(path), scenario, out, ready, go)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, str(path), scenario, out, ready, go)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     pids = dict(ready.get(timeout=JOIN_S) for _ in procs)
@@ -216,7 +230,9 @@ def _reference(engine) -> dict:
     state = engine.new_sequence(64)
     out["graph_steps"] = _graph_steps(engine, state, DecodeGraph(engine.model, state, graph=False))
     state = engine.new_sequence(64)
-    out["verify_graph_steps"] = _verify_graph_steps(engine, state, VerifyGraph(engine.model, state, 4, graph=False))
+    out["verify_graph_steps"] = _verify_graph_steps(
+        engine, state, VerifyGraph(engine.model, state, 4, graph=False)
+    )
     out["first_chunks"] = _first_chunk_steps(engine, FirstChunkGraphs(engine.model, 96, graph=False))
     return out
 
@@ -227,8 +243,15 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     go.set()
     assert _stop(procs) == [0, 0]  # rank 0 closed the pipeline and the worker returned cleanly
     got = torch.load(out)
-    for key in ("score", "verify", "tail", "tail_hidden", "graph_steps", "verify_graph_steps",  # graphs: one per rank
-                "first_chunks"):
+    for key in (
+        "score",
+        "verify",
+        "tail",
+        "tail_hidden",
+        "graph_steps",
+        "verify_graph_steps",  # graphs: one per rank
+        "first_chunks",
+    ):
         assert torch.equal(got[key], reference[key]), key
     assert got["generate"] == reference["generate"]
     assert got["restored"] == reference["restored"] and got["restored_cached"] == reference["restored_cached"]
@@ -265,10 +288,31 @@ def test_worker_exits_with_an_error_when_rank0_dies(tmp_path, tiny_dir):
 
 @pytest.mark.timeout(180)
 def test_torchrun_launcher_generates_the_single_device_tokens(tiny_dir, reference):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "ds4serve.parallel.worker", "--model", str(tiny_dir),
-           "--layer-split", "3,3", "--max-context", "256", "--timeout-s", "20", "--max-tokens", str(GREEDY.max_tokens),
-           "--prompt-ids", ",".join(map(str, PROMPT))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "ds4serve.parallel.worker",
+        "--model",
+        str(tiny_dir),
+        "--layer-split",
+        "3,3",
+        "--max-context",
+        "256",
+        "--timeout-s",
+        "20",
+        "--max-tokens",
+        str(GREEDY.max_tokens),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

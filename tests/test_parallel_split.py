@@ -118,10 +118,12 @@ def test_hidden_handoff_never_aliases(tiny_dir):
     model = SplitModel.load(ckpt, [range(0, 2), range(2, 4), range(4, 6)], ["cpu"] * 3)
     seen: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     for shard in model.shards:
+
         def traced(ids, state, *, _fwd=shard.forward, **kw):
             out = _fwd(ids, state, **kw)
             seen.append((kw.get("hidden"), out.hidden))
             return out
+
         shard.forward = traced
     model.forward(random_prompt(9, seed=10), model.new_state(16), logit_rows=slice(None))
     for (_, out), (nxt, _) in zip(seen, seen[1:]):
@@ -149,7 +151,11 @@ def test_from_pretrained_rejects_bad_splits(tiny_dir):
 def test_automatic_split_covers_every_layer(tiny_dir, engine):
     e = Engine.from_pretrained(tiny_dir, devices=["cpu"] * 3, max_context=256)
     ranges = [s.layers for s in e.model.shards]
-    assert ranges[0].start == 0 and ranges[-1].stop == 6 and all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+    assert (
+        ranges[0].start == 0
+        and ranges[-1].stop == 6
+        and all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+    )
     prompt = random_prompt(25, seed=11)
     assert torch.equal(e.score(prompt), engine.score(prompt))
 
@@ -172,8 +178,10 @@ def test_split_decode_graph_steps_equal_the_whole_model_graph(engine, split_engi
     prompt = random_prompt(40, seed=6)
     states = [e.new_sequence(64) for e in (engine, split_engine)]
     last = [e.prefill(s, prompt, [9, 31]) for e, s in zip((engine, split_engine), states)]
-    graphs = [DecodeGraph(engine.model, states[0], graph=False),
-              SplitDecodeGraph(split_engine.model, states[1], graph=False)]
+    graphs = [
+        DecodeGraph(engine.model, states[0], graph=False),
+        SplitDecodeGraph(split_engine.model, states[1], graph=False),
+    ]
     assert len(graphs[1].parts) == len(split_engine.model.shards)
     for step in range(12):  # crosses compressor windows (ratio 4 and 16) from position 40
         token = int(last[0].argmax())
@@ -192,8 +200,10 @@ def test_split_verify_graph_equals_the_whole_model_graph(engine, split_engine, a
     for e, s in zip((engine, split_engine), states):
         e.prefill(s, prompt)
     capture = (1, 4)
-    graphs = [VerifyGraph(engine.model, states[0], 5, capture, graph=False),
-              SplitVerifyGraph(split_engine.model, states[1], 5, capture, graph=False)]
+    graphs = [
+        VerifyGraph(engine.model, states[0], 5, capture, graph=False),
+        SplitVerifyGraph(split_engine.model, states[1], 5, capture, graph=False),
+    ]
     outs = [g.run(block) for g in graphs]
     assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
     assert outs[0].captured.keys() == outs[1].captured.keys() == set(capture)
@@ -205,7 +215,9 @@ def test_split_verify_graph_equals_the_whole_model_graph(engine, split_engine, a
 
 
 @pytest.mark.parametrize("static_commit", [False, True], ids=["commit_static", "device_commit"])
-def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_engine, monkeypatch, static_commit):
+def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(
+    split_engine, monkeypatch, static_commit
+):
     """The engine verifies on a split through SplitVerifyGraph (uncaptured on CPU) and stays lossless,
     committing on the host or (``static_commit``) by each shard's device writes."""
     made = []
@@ -221,8 +233,9 @@ def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_eng
     monkeypatch.setattr(split_engine, "_decode_graph", lambda model, state: None)  # plain steps stay eager
     monkeypatch.setattr(split_engine, "_verify_graphs", {})
     monkeypatch.setattr(SWITCHES, "static_commit", static_commit)
-    res = split_engine.generate(prompt, SamplingParams(max_tokens=20),
-                                speculative=OracleProposer(prompt + plain.tokens, 0.7, 4))
+    res = split_engine.generate(
+        prompt, SamplingParams(max_tokens=20), speculative=OracleProposer(prompt + plain.tokens, 0.7, 4)
+    )
     assert res.ok, res.error_message
     assert res.tokens == plain.tokens
     assert made and res.stats.speculative["accepted"] > 0

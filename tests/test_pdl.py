@@ -28,12 +28,15 @@ def test_parse_switch_sets():
     assert parse("pdl+static_commit") == {n: n in ("pdl", "static_commit") for n in NAMES}
     assert defaults.pdl and not parse("defaults-pdl")["pdl"]
     assert parse("defaults+gather_entries-pdl") == {
-        n: (getattr(defaults, n) or n == "gather_entries") and n != "pdl" for n in NAMES}
+        n: (getattr(defaults, n) or n == "gather_entries") and n != "pdl" for n in NAMES
+    }
     with pytest.raises(ValueError, match="unknown switches.*'pdll'"):
         parse("defaults+pdll")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs only on machines without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="Triton's interpreter runs only on machines without a GPU"
+)
 def test_cpu_launches_ignore_pdl():
     """Triton's interpreter takes neither the launch option nor the instructions."""
     from ds4serve.kernels.gemv import gemv, gemv_ref

@@ -18,7 +18,17 @@ from tests.helpers import random_prompt
 
 def test_buckets():
     assert [bucket_of(n) for n in (1, 64, 65, 96, 97, 128, 129, 1500, 1537, 2048)] == [
-        64, 64, 96, 96, 128, 128, 192, 1536, 2048, 2048]
+        64,
+        64,
+        96,
+        96,
+        128,
+        128,
+        192,
+        1536,
+        2048,
+        2048,
+    ]
     assert bucket_of(0) is None and bucket_of(2049) is None
     assert bucket_of(100, limit=100) == 100  # the engine's chunk below a bucket caps it
     assert buckets(256) == [64, 96, 128, 192, 256] and buckets(100) == [64, 96, 100]
@@ -31,7 +41,11 @@ def model(tiny_factory):
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
-    return [t for ls in state.layers.values() for t in [ls.window, *(x for c in ls.compressors() for x in c.tensors())]]
+    return [
+        t
+        for ls in state.layers.values()
+        for t in [ls.window, *(x for c in ls.compressors() for x in c.tensors())]
+    ]
 
 
 @pytest.mark.parametrize("n", [5, 70, 96])  # within a window; closing windows, padded to 96; a whole bucket
@@ -147,8 +161,11 @@ def _assert_first_chunks_match_eager(graphs: FirstChunkGraphs, model: DeepSeekV4
 def test_captured_first_chunks_match_the_eager_forward(tiny_factory):
     """On the GPU: two prompts of one bucket through its captured graph (the second replay must not keep
     the first prompt's rows) and one of another bucket, against the eager chunk forward in bf16."""
-    model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5)),
-                            dtype=torch.bfloat16, device="cuda")
+    model = DeepSeekV4.load(
+        Checkpoint(tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5)),
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     graphs = FirstChunkGraphs(model)
     _assert_first_chunks_match_eager(graphs, model, ((70, 1), (80, 2), (20, 3)))
     assert sorted(graphs._graphs) == [64, 96]
@@ -163,5 +180,7 @@ def test_captured_split_first_chunks_match_the_eager_forward(tiny_factory):
     model = DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda")
     devices = ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
     half = model.cfg.num_layers // 2
-    split = SplitModel.load(ckpt, [range(0, half), range(half, model.cfg.num_layers)], devices, dtype=torch.bfloat16)
+    split = SplitModel.load(
+        ckpt, [range(0, half), range(half, model.cfg.num_layers)], devices, dtype=torch.bfloat16
+    )
     _assert_first_chunks_match_eager(FirstChunkGraphs(split), model, ((70, 1), (80, 2)))

@@ -68,8 +68,8 @@ def test_chunk_attention_equals_dense(S, window, start, E, kind):
     ring, sinks = torch.randn(window, d, generator=gen), torch.randn(H, generator=gen)
     entries = torch.randn(E, d, generator=gen) if E else None
     visible = _entries_mask(kind, S, start, E, 4, gen) if E else None
-    got = ca.chunk_attention(q, ca.window_sequence(kv, ring, start), start, entries, visible, sinks, d ** -0.5)
-    want = _dense_attention(q, kv, ring, start, entries, visible, sinks, d ** -0.5)
+    got = ca.chunk_attention(q, ca.window_sequence(kv, ring, start), start, entries, visible, sinks, d**-0.5)
+    want = _dense_attention(q, kv, ring, start, entries, visible, sinks, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -84,8 +84,9 @@ def test_chunk_attention_in_several_runs_equals_one(monkeypatch):
     whole = ca.chunk_attention(q, seq, start, entries, visible, sinks, 0.25)
     monkeypatch.setattr(ca, "SCORES_BUDGET", 3 * window * H * (2 * window + E))
     assert torch.equal(ca.chunk_attention(q, seq, start, entries, visible, sinks, 0.25), whole)
-    torch.testing.assert_close(whole, _dense_attention(q, kv, ring, start, entries, visible, sinks, 0.25),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        whole, _dense_attention(q, kv, ring, start, entries, visible, sinks, 0.25), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_chunk_attention_bf16_matches_dense():
@@ -93,10 +94,13 @@ def test_chunk_attention_bf16_matches_dense():
     S, window, start, E, H, d = 50, 16, 40, 12, 4, 32
     q = torch.randn(S, H, d, generator=gen).bfloat16()
     kv, ring = torch.randn(S, d, generator=gen).bfloat16(), torch.randn(window, d, generator=gen).bfloat16()
-    entries, visible = torch.randn(E, d, generator=gen).bfloat16(), _entries_mask("selected", S, start, E, 4, gen)
+    entries, visible = (
+        torch.randn(E, d, generator=gen).bfloat16(),
+        _entries_mask("selected", S, start, E, 4, gen),
+    )
     sinks = torch.randn(H, generator=gen)
-    got = ca.chunk_attention(q, ca.window_sequence(kv, ring, start), start, entries, visible, sinks, d ** -0.5)
-    want = _dense_attention(q, kv, ring, start, entries, visible, sinks, d ** -0.5)
+    got = ca.chunk_attention(q, ca.window_sequence(kv, ring, start), start, entries, visible, sinks, d**-0.5)
+    want = _dense_attention(q, kv, ring, start, entries, visible, sinks, d**-0.5)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
@@ -154,7 +158,9 @@ def test_slot_sum_equals_putting_the_rows_back_then_summing(traced):
     weighted = (y * weights.flatten()[order].unsqueeze(-1)).to(torch.bfloat16)
     want = torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, k, -1).sum(1)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(N * k))
-    sum_slots = regions.region(moe_grouped.slot_sum.eager, chunks=True) if traced else moe_grouped.slot_sum.eager
+    sum_slots = (
+        regions.region(moe_grouped.slot_sum.eager, chunks=True) if traced else moe_grouped.slot_sum.eager
+    )
     with regions.forced("aot_eager"), using(chunk_regions=True):
         got = sum_slots(y, inverse, weights, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -186,8 +192,12 @@ def test_routed_fp8_experts_equal_the_expert_loop():
     w1, w3, w2 = (quantize_fp8(w, (16, 16)) for w in _experts(E, D, inter, torch.float32, gen))
     idx = _routing(N, E, k, gen, unused=0)
     weights = torch.rand(N, k, generator=gen)
-    torch.testing.assert_close(routed_experts(x, idx, weights, w1, w3, w2, 1.5),
-                               _expert_loop(x, idx, weights, w1, w3, w2, 1.5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        routed_experts(x, idx, weights, w1, w3, w2, 1.5),
+        _expert_loop(x, idx, weights, w1, w3, w2, 1.5),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def _fp4_experts(experts: torch.Tensor) -> FP4Weight:
@@ -195,8 +205,11 @@ def _fp4_experts(experts: torch.Tensor) -> FP4Weight:
     return FP4Weight(torch.stack(codes), torch.stack(scales))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter, which runs only "
-                    "without a GPU; on a GPU bench/check_gpu.py's tiny FP8+MXFP4 check runs this path")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU tensors through Triton's interpreter, which runs only "
+    "without a GPU; on a GPU bench/check_gpu.py's tiny FP8+MXFP4 check runs this path",
+)
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("group_experts", [1, 3, 8])
 def test_quantized_experts_in_dequantised_groups_equal_the_expert_loop(monkeypatch, fmt, group_experts):
@@ -242,4 +255,6 @@ def test_bf16_chunk_paths_never_synchronise_on_cuda():
         routed_experts(x, idx, weights, w1, w3, w2, 1.5)
         ca.chunk_attention(q, ca.window_sequence(q[:, 0], ring, 40), 40, entries, visible, sinks, 0.125)
 
-    without_host_sync(chunk_paths)  # Inductor's compile of the chunk regions synchronises, their runs must not
+    without_host_sync(
+        chunk_paths
+    )  # Inductor's compile of the chunk regions synchronises, their runs must not

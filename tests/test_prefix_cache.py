@@ -15,8 +15,12 @@ from .helpers import random_prompt
 def snap(tokens: list[int], logits: bool = True, rows: int = 4) -> Snapshot:
     """A synthetic snapshot whose tensor contents encode its length (to check what comes back)."""
     n = len(tokens)
-    return Snapshot(pos=n, tokens=list(tokens), layers={0: {"window": torch.full((rows, 8), float(n))}},
-                    last_logits=torch.full((16,), float(n)) if logits else None)
+    return Snapshot(
+        pos=n,
+        tokens=list(tokens),
+        layers={0: {"window": torch.full((rows, 8), float(n))}},
+        last_logits=torch.full((16,), float(n)) if logits else None,
+    )
 
 
 SIZE = snap([1]).nbytes()

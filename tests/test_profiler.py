@@ -111,16 +111,29 @@ def test_prefill_and_decode_records_carry_every_field(engine, caplog):
         assert r["gpu_ms"] >= 0 and r["calls"] >= 1
     steps = steps_of(records)
     assert [(s[0]["mode"], s[0]["tokens"], s[0]["kv_start"]) for s in steps] == [
-        ("prefill", 20, 0), ("decode", 1, 20), ("decode", 1, 21)]
+        ("prefill", 20, 0),
+        ("decode", 1, 20),
+        ("decode", 1, 21),
+    ]
     layers = engine.cfg.num_layers
     compressed, csa = layer_counts(engine.cfg)
     calls = {r["phase"]: r["calls"] for r in steps[1]}
-    assert calls == {"step": 1, "hc_pre": 2 * layers, "attention": layers, "compressor": compressed,
-                     "indexer": csa, "hc_post": layers, "moe_ffn": layers, "output_projection": 1}
+    assert calls == {
+        "step": 1,
+        "hc_pre": 2 * layers,
+        "attention": layers,
+        "compressor": compressed,
+        "indexer": csa,
+        "hc_post": layers,
+        "moe_ffn": layers,
+        "output_projection": 1,
+    }
     lines = [m for m in caplog.messages if m.startswith("[ds4-gpu-profile]")]
     assert lines == [profiler.format_record(r) for r in records]
-    assert lines[0].startswith("[ds4-gpu-profile] clock=host scope=forward mode=prefill tokens=20 kv_start=0 "
-                               "layers=0-5 phase=step gpu_ms=")
+    assert lines[0].startswith(
+        "[ds4-gpu-profile] clock=host scope=forward mode=prefill tokens=20 kv_start=0 "
+        "layers=0-5 phase=step gpu_ms="
+    )
 
 
 def test_phase_times_nest_inside_their_step(engine):
@@ -154,7 +167,8 @@ def test_verify_and_draft_steps_are_recorded_under_their_mode_and_scope(engine, 
             with profiler.step(mode, 4, state.pos, model.layers, scope=scope):
                 model.forward(PROMPT[:4], state, logit_rows=slice(None))
     assert {(r["mode"], r["scope"], r["tokens"], r["kv_start"]) for r in records} == {
-        (mode, scope or "forward", 4, len(PROMPT))}
+        (mode, scope or "forward", 4, len(PROMPT))
+    }
     assert {r["phase"] for r in records} >= {"step", *TOP_PHASES}
 
 
@@ -166,7 +180,9 @@ def test_a_graph_step_is_one_whole_graph_record(engine):
         with profiler.collect() as records:
             with profiler.step("decode", 1, state.pos, engine.model.layers, graph=True):
                 engine.model.forward([5], state, logit_rows=slice(0, 1))
-    assert [(r["scope"], r["mode"], r["phase"], r["calls"]) for r in records] == [("decode_graph", "decode", "step", 1)]
+    assert [(r["scope"], r["mode"], r["phase"], r["calls"]) for r in records] == [
+        ("decode_graph", "decode", "step", 1)
+    ]
 
 
 def test_layer_range_names_the_shard():
@@ -252,8 +268,9 @@ def test_unwritable_sink_is_a_clear_error(tmp_path):
 
 # ---- disabled means free, and the CUDA path --------------------------------------------------
 @pytest.mark.parametrize("value", [None, "0"])
-def test_disabled_profiler_creates_no_events_syncs_or_output(engine, fake_cuda, monkeypatch, tmp_path, caplog,
-                                                             value):
+def test_disabled_profiler_creates_no_events_syncs_or_output(
+    engine, fake_cuda, monkeypatch, tmp_path, caplog, value
+):
     if value is not None:
         monkeypatch.setenv("DS4SERVE_GPU_PROFILE", value)
     sink = tmp_path / "records.jsonl"
@@ -317,7 +334,9 @@ def test_host_timing_logs_one_line_and_fills_the_stats(engine, caplog, monkeypat
         result = engine.generate(PROMPT, GREEDY3)
     timing = result.stats.host_timing
     assert {k: (v["steps"], v["tokens"]) for k, v in timing.items() if k != "profiler_ms"} == {
-        "prefill": (1, 20), "decode": (2, 2)}
+        "prefill": (1, 20),
+        "decode": (2, 2),
+    }
     assert timing["decode"]["tok_s"] == pytest.approx(2 / (timing["decode"]["ms"] / 1e3))
     assert timing["profiler_ms"] == 0.0
     lines = [m for m in caplog.messages if m.startswith("[ds4-timing]")]
@@ -328,13 +347,22 @@ def test_host_timing_logs_one_line_and_fills_the_stats(engine, caplog, monkeypat
 
 # ---- ds4serve profile --------------------------------------------------------------------------
 def test_summary_means_shares_and_other():
-    base = {"clock": "host", "scope": "forward", "mode": "decode", "tokens": 1, "kv_start": 0, "layers": "0-1"}
+    base = {
+        "clock": "host",
+        "scope": "forward",
+        "mode": "decode",
+        "tokens": 1,
+        "kv_start": 0,
+        "layers": "0-1",
+    }
     records = []
     for step_ms in (10.0, 14.0):
-        records += [{**base, "phase": "step", "gpu_ms": step_ms, "calls": 1},
-                    {**base, "phase": "attention", "gpu_ms": 4.0, "calls": 2},
-                    {**base, "phase": "indexer", "gpu_ms": 1.0, "calls": 1},
-                    {**base, "phase": "moe_ffn", "gpu_ms": 5.0, "calls": 2}]
+        records += [
+            {**base, "phase": "step", "gpu_ms": step_ms, "calls": 1},
+            {**base, "phase": "attention", "gpu_ms": 4.0, "calls": 2},
+            {**base, "phase": "indexer", "gpu_ms": 1.0, "calls": 1},
+            {**base, "phase": "moe_ffn", "gpu_ms": 5.0, "calls": 2},
+        ]
     g = summarize(records)["decode/forward/0-1"]
     assert (g["steps"], g["step_ms"], g["tokens_per_step"]) == (2, 12.0, 1.0)
     assert g["phases"]["attention"] == {"ms": 4.0, "calls": 2.0, "share": pytest.approx(1 / 3)}
@@ -348,13 +376,36 @@ def test_profile_command_prints_tables_and_writes_json_and_plot(tiny_dir, tmp_pa
     """With the MTP draft, the workload has prefill, verify and draft steps (the draft numbered after the target)."""
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
-    code = cli.main(["profile", "--model", str(tiny_dir), "--device", "cpu", "--prompt-tokens", "12",
-                     "--gen-tokens", "4", "--chunk-size", "8", "--warmup", "0", "--speculative", "mtp",
-                     "--json", str(out), "--plot", str(png)])
+    code = cli.main(
+        [
+            "profile",
+            "--model",
+            str(tiny_dir),
+            "--device",
+            "cpu",
+            "--prompt-tokens",
+            "12",
+            "--gen-tokens",
+            "4",
+            "--chunk-size",
+            "8",
+            "--warmup",
+            "0",
+            "--speculative",
+            "mtp",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
-    for header in ("prefill  scope=forward  layers=0-5", "verify  scope=forward  layers=0-5",
-                   "draft  scope=forward  layers=6-6"):
+    for header in (
+        "prefill  scope=forward  layers=0-5",
+        "verify  scope=forward  layers=0-5",
+        "draft  scope=forward  layers=6-6",
+    ):
         assert header in text
     assert "moe_ffn" in text and "  compressor" in text
     data = json.loads(out.read_text())

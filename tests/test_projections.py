@@ -10,8 +10,14 @@ from ds4serve.model.projections import Projections, concatenate
 def _parts() -> dict:
     g = torch.Generator().manual_seed(0)
     w = lambda rows: torch.randn(rows, 256, generator=g)  # noqa: E731
-    return {"a": quantize_fp8(w(256)), "b": w(64), "c": quantize_fp8(w(128)), "d": w(32),
-            "e": quantize_fp8(w(96)), "f": torch.randn(256, 16, generator=g).t()}  # not contiguous: stays alone
+    return {
+        "a": quantize_fp8(w(256)),
+        "b": w(64),
+        "c": quantize_fp8(w(128)),
+        "d": w(32),
+        "e": quantize_fp8(w(96)),
+        "f": torch.randn(256, 16, generator=g).t(),
+    }  # not contiguous: stays alone
 
 
 def test_groups_by_format_and_alignment():
@@ -47,8 +53,11 @@ def test_separate_runs_one_product_per_part():
     assert [g.names for g in proj.groups] == [(n,) for n in parts]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter, which runs only "
-                    "without a GPU; on a GPU tests/test_kernels_gemv.py checks gemv_pair itself")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU tensors through Triton's interpreter, which runs only "
+    "without a GPU; on a GPU tests/test_kernels_gemv.py checks gemv_pair itself",
+)
 def test_two_groups_go_through_one_pair_product(monkeypatch):
     """A layer's FP8 group and bf16 group (decode GEMVs) are one gemv_pair call with the switch on."""
     pytest.importorskip("triton")
@@ -57,9 +66,11 @@ def test_two_groups_go_through_one_pair_product(monkeypatch):
     from ds4serve.kernels.switches import using
 
     g = torch.Generator().manual_seed(2)
-    parts = {"q": quantize_fp8(torch.randn(128, 256, generator=g) / 16),
-             "kv": quantize_fp8(torch.randn(128, 256, generator=g) / 16),
-             "gate": (torch.randn(32, 256, generator=g) / 16).bfloat16()}
+    parts = {
+        "q": quantize_fp8(torch.randn(128, 256, generator=g) / 16),
+        "kv": quantize_fp8(torch.randn(128, 256, generator=g) / 16),
+        "gate": (torch.randn(32, 256, generator=g) / 16).bfloat16(),
+    }
     proj, _ = concatenate(parts)
     x = torch.randn(1, 256, generator=g).bfloat16()
     calls = []

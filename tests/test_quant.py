@@ -12,7 +12,7 @@ def _e8m0(exponents: list[int]) -> torch.Tensor:
 
 
 def test_e8m0_is_a_power_of_two():
-    assert e8m0_to_float(_e8m0([127, 128, 120, 0])).tolist() == [1.0, 2.0, 2.0 ** -7, 2.0 ** -127]
+    assert e8m0_to_float(_e8m0([127, 128, 120, 0])).tolist() == [1.0, 2.0, 2.0**-7, 2.0**-127]
 
 
 def test_fp8_block_scales_hand_values():
@@ -21,7 +21,7 @@ def test_fp8_block_scales_hand_values():
     weight = bits.view(torch.float8_e4m3fn)
     scale = _e8m0([127, 129, 126, 127]).view(2, 2)  # block scales 1, 4 / 0.5, 1
     out = dequant_fp8(weight, scale, block=(2, 2))
-    expected = torch.tensor([[1.0, -1.0, 448.0 * 4], [-0.0, 2.0 ** -9, 4.0], [0.5, 0.5, 1.0]])
+    expected = torch.tensor([[1.0, -1.0, 448.0 * 4], [-0.0, 2.0**-9, 4.0], [0.5, 0.5, 1.0]])
     assert torch.equal(out, expected)
     assert torch.signbit(out[1, 0])  # negative zero survives
 

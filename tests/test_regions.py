@@ -8,12 +8,12 @@ functionalised as Inductor would receive them) must reproduce the plain static s
 from __future__ import annotations
 
 import contextlib
+
 import pytest
 import torch
 
-
-from ds4serve.engine.cuda_graphs import delta_at
 from ds4serve import kernels
+from ds4serve.engine.cuda_graphs import delta_at
 from ds4serve.kernels import regions
 from ds4serve.kernels.switches import using
 from ds4serve.model.norms import rms_norm
@@ -83,8 +83,9 @@ def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_reg
         pytest.importorskip("triton", reason="the block regions call the Triton kernels")
         if torch.cuda.is_available():
             pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
-    model, ids, (plain, traced) = static_decode_setup(tiny_factory, seed=2, prompt_seed=5, length=30,
-                                                      prefilled=14, capacity=40)
+    model, ids, (plain, traced) = static_decode_setup(
+        tiny_factory, seed=2, prompt_seed=5, length=30, prefilled=14, capacity=40
+    )
     with torch.inference_mode():
         for t in ids[14:]:
             pos = plain.pos

@@ -9,8 +9,11 @@ from ds4serve.server.response_store import ResponseStore, StoredResponse
 
 
 def _stored(rid: str, previous: str | None = None, text: str = "x") -> StoredResponse:
-    return StoredResponse({"id": rid, "output": [{"type": "message", "id": f"out_{rid}", "text": text}]},
-                          [{"type": "message", "id": f"in_{rid}", "text": text}], previous)
+    return StoredResponse(
+        {"id": rid, "output": [{"type": "message", "id": f"out_{rid}", "text": text}]},
+        [{"type": "message", "id": f"in_{rid}", "text": text}],
+        previous,
+    )
 
 
 def test_a_chain_s_conversation_is_its_items_oldest_first():
@@ -47,7 +50,11 @@ def test_reading_a_conversation_keeps_its_chain_and_a_broken_chain_is_named():
     with pytest.raises(APIError) as err:
         store.conversation("b")
     assert err.value.status == 400 and err.value.code == "previous_response_not_found"
-    assert err.value.param == "previous_response_id" and "'b'" in err.value.message and "'a'" in err.value.message
+    assert (
+        err.value.param == "previous_response_id"
+        and "'b'" in err.value.message
+        and "'a'" in err.value.message
+    )
 
 
 def test_a_response_larger_than_the_budget_is_not_kept():

@@ -96,9 +96,19 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     assert [t for t, _ in entry.top] == [0, 1]
 
 
-@pytest.mark.parametrize("field,value", [("top_k", -1), ("min_p", 1.5), ("repetition_penalty", 0.0),
-                                         ("frequency_penalty", 3.0), ("logprobs", 50), ("temperature", float("nan")),
-                                         ("seed", 2 ** 64), ("seed", -2 ** 63 - 1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 3.0),
+        ("logprobs", 50),
+        ("temperature", float("nan")),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+    ],
+)
 def test_invalid_fields_are_named(field, value):
     from ds4serve.engine.request import GenerateError
 
@@ -106,13 +116,18 @@ def test_invalid_fields_are_named(field, value):
         SamplingParams(**{field: value}).validate(5)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=1.0, top_p=5e-324),  # below float32's smallest number: rounds to 0 there
-    dict(temperature=5e-324),  # likewise: the logits would be divided by 0
-    dict(temperature=1.0, repetition_penalty=5e-324),  # a seen positive logit divided by 0
-    dict(temperature=1e-5, repetition_penalty=1e-36),  # a seen logit over 1e-36, then over 1e-5: past float32
-    dict(temperature=1.0, repetition_penalty=1e300),  # the penalty itself overflows float32
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0, top_p=5e-324),  # below float32's smallest number: rounds to 0 there
+        dict(temperature=5e-324),  # likewise: the logits would be divided by 0
+        dict(temperature=1.0, repetition_penalty=5e-324),  # a seen positive logit divided by 0
+        dict(
+            temperature=1e-5, repetition_penalty=1e-36
+        ),  # a seen logit over 1e-36, then over 1e-5: past float32
+        dict(temperature=1.0, repetition_penalty=1e300),  # the penalty itself overflows float32
+    ],
+)
 def test_extreme_valid_parameters_give_a_distribution(kw):
     """Values the API accepts but float32 cannot hold as they are still give a distribution to draw from, and
     the draw is a token it allows."""

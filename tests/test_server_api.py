@@ -25,8 +25,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def base(tiny_dir):
     engine = Engine.from_pretrained(tiny_dir, max_context=1024)
-    app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY, max_queue=1, max_tokens_limit=512),
-                     PrefixCache(64 << 20))
+    app = create_app(
+        engine,
+        ServerConfig(model_name="tiny", api_key=KEY, max_queue=1, max_tokens_limit=512),
+        PrefixCache(64 << 20),
+    )
     with running(app) as url:
         yield url
 
@@ -54,14 +57,25 @@ def test_health_is_open_and_models_need_the_key(base, oai):
 
 def test_response_format_json_schema_is_enforced(oai):
     """The tiny random model's free output is gibberish: a parsed document of the schema is the mask's doing."""
-    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
-              "properties": {"answer": {"enum": ["yes", "no"]}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["answer"],
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
     r = chat(oai, "Is it?", max_tokens=40, response_format=fmt)
     assert json.loads(r.choices[0].message.content)["answer"] in ("yes", "no")
     assert r.choices[0].finish_reason == "stop"
-    stream = chat(oai, "Is it?", max_tokens=40, temperature=1.0, seed=3, response_format={"type": "json_object"},
-                  stream=True)
+    stream = chat(
+        oai,
+        "Is it?",
+        max_tokens=40,
+        temperature=1.0,
+        seed=3,
+        response_format={"type": "json_object"},
+        stream=True,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert isinstance(json.loads(text), dict)
 
@@ -89,8 +103,11 @@ def test_chat_non_streaming_with_logprobs_and_usage(oai):
 
 def test_chat_streaming_matches_non_streaming_and_ends_with_usage(oai):
     expected = chat(oai, "Stream me", max_tokens=6, temperature=0).choices[0].message.content
-    chunks = list(chat(oai, "Stream me", max_tokens=6, temperature=0, stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(
+            oai, "Stream me", max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -102,7 +119,9 @@ def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
     """Choices run one after another: choice i is what a lone request with seed + i gives, and the later
     ones restore the prompt the first one prefilled (the prefix cache)."""
     question = "Name three colours, n choices"
-    prompt = engine.tokenizer.encode(encode_messages([{"role": "user", "content": question}], thinking=False).text)
+    prompt = engine.tokenizer.encode(
+        encode_messages([{"role": "user", "content": question}], thinking=False).text
+    )
     r = chat(oai, question, max_tokens=5, temperature=1.0, seed=11, n=3, logprobs=True)
     assert [c.index for c in r.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in r.choices)
     texts = [c.message.content for c in r.choices]
@@ -111,12 +130,26 @@ def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 15
     assert r.usage.model_extra["timings"]["prefilled_tokens"] == len(prompt)
     for i, text in enumerate(texts):
-        assert chat(oai, question, max_tokens=5, temperature=1.0, seed=11 + i).choices[0].message.content == text
+        assert (
+            chat(oai, question, max_tokens=5, temperature=1.0, seed=11 + i).choices[0].message.content == text
+        )
 
-    chunks = list(chat(oai, question, max_tokens=5, temperature=1.0, seed=11, n=3, stream=True,
-                       stream_options={"include_usage": True}))
-    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                for i in range(3)]
+    chunks = list(
+        chat(
+            oai,
+            question,
+            max_tokens=5,
+            temperature=1.0,
+            seed=11,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ]
     assert streamed == texts
     order = [c.choices[0].index for c in chunks if c.choices]
     assert order == sorted(order)  # one choice after another, each opened by its role delta
@@ -124,8 +157,9 @@ def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
     assert [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason] == [0, 1, 2]
     assert chunks[-1].usage.completion_tokens == 15
 
-    legacy = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3, temperature=1.0,
-                                    seed=2, n=2)
+    legacy = oai.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=3, temperature=1.0, seed=2, n=2
+    )
     assert [c.index for c in legacy.choices] == [0, 1] and legacy.usage.completion_tokens == 6
 
 
@@ -133,15 +167,26 @@ def test_a_predicted_output_drafts_the_answer_and_leaves_it_unchanged(oai):
     plain = chat(oai, "Repeat after me", max_tokens=16, temperature=0)
     text = plain.choices[0].message.content
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
-    for prediction, accepted in ((text, True), (text[:len(text) // 3] + " something else " + text[len(text) // 2:],
-                                                True), ("unrelated words entirely", False)):
-        r = chat(oai, "Repeat after me", max_tokens=16, temperature=0,
-                 prediction={"type": "content", "content": prediction})
+    for prediction, accepted in (
+        (text, True),
+        (text[: len(text) // 3] + " something else " + text[len(text) // 2 :], True),
+        ("unrelated words entirely", False),
+    ):
+        r = chat(
+            oai,
+            "Repeat after me",
+            max_tokens=16,
+            temperature=0,
+            prediction={"type": "content", "content": prediction},
+        )
         details = r.usage.completion_tokens_details
         assert r.choices[0].message.content == text
         assert (details.accepted_prediction_tokens > 0) == accepted
         if prediction == text:  # whole runs a step: fewer forwards than tokens
-            assert r.usage.model_extra["timings"]["forward_calls"] < plain.usage.model_extra["timings"]["forward_calls"]
+            assert (
+                r.usage.model_extra["timings"]["forward_calls"]
+                < plain.usage.model_extra["timings"]["forward_calls"]
+            )
             assert details.rejected_prediction_tokens <= 1
 
 
@@ -149,30 +194,57 @@ def test_tokenize_and_detokenize_match_what_the_routes_encode(base, engine):
     msgs = [{"role": "user", "content": "Hello"}]
     text = encode_messages(msgs, thinking=False).text
     r = httpx.post(f"{base}/tokenize", json={"messages": msgs}, headers=AUTH).json()
-    assert r["tokens"] == engine.tokenizer.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
-    think = httpx.post(f"{base}/tokenize", json={"messages": msgs, "reasoning_effort": "high"}, headers=AUTH).json()
+    assert (
+        r["tokens"] == engine.tokenizer.encode(text)
+        and r["count"] == len(r["tokens"])
+        and r["max_model_len"] == 1024
+    )
+    think = httpx.post(
+        f"{base}/tokenize", json={"messages": msgs, "reasoning_effort": "high"}, headers=AUTH
+    ).json()
     assert think["tokens"] == engine.tokenizer.encode(encode_messages(msgs, thinking=True).text)
-    assert httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()["prompt"] == text
+    assert (
+        httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()["prompt"] == text
+    )
     plain = httpx.post(f"{base}/tokenize", json={"prompt": "Once upon a time"}, headers=AUTH).json()["tokens"]
-    assert plain == engine.tokenizer.encode("<｜begin▁of▁sentence｜>Once upon a time")  # BOS, as /v1/completions
+    assert plain == engine.tokenizer.encode(
+        "<｜begin▁of▁sentence｜>Once upon a time"
+    )  # BOS, as /v1/completions
     long = httpx.post(f"{base}/tokenize", json={"prompt": "word " * 1100}, headers=AUTH).json()
     assert long["count"] > long["max_model_len"]  # counted, not refused
-    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
-                              ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens"), ("/detokenize", {}, "tokens")):
+    for path, body, param in (
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ):
         bad = httpx.post(f"{base}{path}", json=body, headers=AUTH)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.json())
     assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}).status_code == 401
 
 
 def test_reasoning_content_with_a_thinking_budget(oai):
-    r = chat(oai, "Think first", max_tokens=5, temperature=0,
-             extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}})
+    r = chat(
+        oai,
+        "Think first",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}},
+    )
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"]
     assert r.usage.completion_tokens_details.reasoning_tokens == 2
-    streamed = list(chat(oai, "Think first", max_tokens=5, temperature=0, stream=True,
-                         extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}}))
+    streamed = list(
+        chat(
+            oai,
+            "Think first",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"thinking": {"type": "enabled", "budget_tokens": 2}},
+        )
+    )
     reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in streamed)
     content = "".join(c.choices[0].delta.content or "" for c in streamed)
     assert reasoning == msg.model_extra["reasoning_content"] and content == (msg.content or "")
@@ -185,16 +257,21 @@ def test_stop_string_truncates_and_finishes_with_stop(oai):
     assert stop.strip()
     cut = chat(oai, "Stop test", max_tokens=8, temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop"
-    assert cut.message.content == full.message.content[:full.message.content.index(stop)]
+    assert cut.message.content == full.message.content[: full.message.content.index(stop)]
 
 
 def test_completions_plain_and_streaming(oai):
-    r = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1)
+    r = oai.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1
+    )
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert len(r.choices[0].logprobs.tokens) == 4 and r.usage.completion_tokens == 4
     assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
-    streamed = list(oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0,
-                                           stream=True))
+    streamed = list(
+        oai.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "length"
 
@@ -204,23 +281,36 @@ def test_anthropic_messages_plain_streaming_and_count_tokens(claude, engine):
     r = claude.messages.create(model="tiny", max_tokens=4, messages=msgs, extra_body={"temperature": 0})
     assert r.type == "message" and r.stop_reason == "max_tokens" and r.usage.output_tokens == 4
     assert [b.type for b in r.content] == ["text"]
-    with claude.messages.stream(model="tiny", max_tokens=4, messages=msgs, extra_body={"temperature": 0}) as s:
+    with claude.messages.stream(
+        model="tiny", max_tokens=4, messages=msgs, extra_body={"temperature": 0}
+    ) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text == r.content[0].text and final.stop_reason == "max_tokens"
     n = claude.messages.count_tokens(model="tiny", messages=msgs, system="Be brief.").input_tokens
-    assert n == len(engine.tokenizer.encode(encode_messages([{"role": "system", "content": "Be brief."}] + msgs,
-                                                         thinking=False).text))
+    assert n == len(
+        engine.tokenizer.encode(
+            encode_messages([{"role": "system", "content": "Be brief."}] + msgs, thinking=False).text
+        )
+    )
 
 
 def test_anthropic_thinking_blocks(claude):
-    r = claude.messages.create(model="tiny", max_tokens=5, extra_body={"temperature": 0},
-                               messages=[{"role": "user", "content": "Think"}],
-                               thinking={"type": "enabled", "budget_tokens": 2})
+    r = claude.messages.create(
+        model="tiny",
+        max_tokens=5,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Think"}],
+        thinking={"type": "enabled", "budget_tokens": 2},
+    )
     assert r.content[0].type == "thinking" and r.content[0].thinking
-    with claude.messages.stream(model="tiny", max_tokens=5, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": "Think"}],
-                                thinking={"type": "enabled", "budget_tokens": 2}) as s:
+    with claude.messages.stream(
+        model="tiny",
+        max_tokens=5,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Think"}],
+        thinking={"type": "enabled", "budget_tokens": 2},
+    ) as s:
         final = s.get_final_message()
     assert [b.type for b in final.content] == [b.type for b in r.content]
     assert final.content[0].thinking == r.content[0].thinking
@@ -232,8 +322,10 @@ def test_second_turn_forwards_only_new_tokens_and_matches_a_cold_run(oai, base, 
     r1 = oai.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0.7, seed=5)
     timings = r1.usage.model_extra["timings"]  # the prefix is staged (cached) before the rest is prefilled
     assert timings["first_token_ms"] >= timings["prefill_ms"] > 0
-    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
-                      {"role": "user", "content": "And then?"}]
+    second = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
     prefilled_before = metric(base, "ds4serve_prefilled_tokens_total", AUTH)
     r2 = oai.chat.completions.create(model="tiny", messages=second, max_tokens=6, temperature=0.7, seed=5)
     prompt1 = engine.tokenizer.encode(encode_messages(first, thinking=False).text)
@@ -250,7 +342,12 @@ def test_second_turn_forwards_only_new_tokens_and_matches_a_cold_run(oai, base, 
 def test_streaming_disconnect_cancels_within_one_step_and_server_recovers(base, oai):
     cancelled = metric(base, "ds4serve_cancelled_total", AUTH, reason="disconnect")
     after = metric(base, "ds4serve_tokens_after_cancel_total", AUTH)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 400, "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=AUTH, timeout=30) as r:
         assert r.status_code == 200
         chunks = 0
@@ -275,13 +372,19 @@ def test_non_streaming_disconnect_cancels(base, oai):
 
 def test_full_queue_answers_429_with_retry_after(base, oai):
     """max_queue=1: one request runs, one waits, the third is refused; the server then recovers."""
-    long_body = {"model": "tiny", "messages": [{"role": "user", "content": "occupy"}], "max_tokens": 400,
-                 "stream": True}
+    long_body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "occupy"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
     started = threading.Event()
     stop = threading.Event()
 
     def occupy():
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=long_body, headers=AUTH, timeout=30) as r:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=long_body, headers=AUTH, timeout=30
+        ) as r:
             for _ in r.iter_lines():
                 started.set()
                 if stop.is_set():
@@ -290,11 +393,19 @@ def test_full_queue_answers_429_with_retry_after(base, oai):
     holder = threading.Thread(target=occupy)
     holder.start()
     assert started.wait(20)
-    waiting = threading.Thread(target=lambda: httpx.post(f"{base}/v1/chat/completions", json={**long_body,
-                               "stream": False, "max_tokens": 2}, headers=AUTH, timeout=30))
+    waiting = threading.Thread(
+        target=lambda: httpx.post(
+            f"{base}/v1/chat/completions",
+            json={**long_body, "stream": False, "max_tokens": 2},
+            headers=AUTH,
+            timeout=30,
+        )
+    )
     waiting.start()
     wait_for(lambda: httpx.get(f"{base}/health").json()["queue_depth"] == 1)
-    r = httpx.post(f"{base}/v1/chat/completions", json={**long_body, "stream": False}, headers=AUTH, timeout=30)
+    r = httpx.post(
+        f"{base}/v1/chat/completions", json={**long_body, "stream": False}, headers=AUTH, timeout=30
+    )
     stop.set()
     holder.join(30)
     waiting.join(30)
@@ -307,8 +418,17 @@ def test_metrics_expose_the_documented_series(base, oai):
     before = metric(base, "ds4serve_requests_total", AUTH, route="/v1/chat/completions", status="200")
     chat(oai, "count me", max_tokens=1)
     text = httpx.get(f"{base}/metrics", headers=AUTH).text
-    for name in ("ds4serve_requests_total", "ds4serve_queue_depth", "ds4serve_time_to_first_token_seconds_bucket",
-                 "ds4serve_inter_token_seconds_bucket", "ds4serve_prefix_cache_hits_total",
-                 "ds4serve_speculative_accepted_tokens_total", "ds4serve_generated_tokens_total"):
+    for name in (
+        "ds4serve_requests_total",
+        "ds4serve_queue_depth",
+        "ds4serve_time_to_first_token_seconds_bucket",
+        "ds4serve_inter_token_seconds_bucket",
+        "ds4serve_prefix_cache_hits_total",
+        "ds4serve_speculative_accepted_tokens_total",
+        "ds4serve_generated_tokens_total",
+    ):
         assert name in text, name
-    assert metric(base, "ds4serve_requests_total", AUTH, route="/v1/chat/completions", status="200") == before + 1
+    assert (
+        metric(base, "ds4serve_requests_total", AUTH, route="/v1/chat/completions", status="200")
+        == before + 1
+    )

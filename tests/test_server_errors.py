@@ -12,7 +12,12 @@ from ds4serve.server.app import ServerConfig, create_app
 from .server_harness import running
 
 CHAT, COMP, MSGS = "/v1/chat/completions", "/v1/completions", "/v1/messages"
-OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+OK_CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 2,
+    "temperature": 0,
+}
 OK_MSGS = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
@@ -34,8 +39,12 @@ CASES = [
     (CHAT, chat(messages=[]), 400, "messages"),
     (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
     (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages.0.content"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
-     "messages.0.content.0.type"),  # of a union's members, the one the body came closest to
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "messages.0.content.0.type",
+    ),  # of a union's members, the one the body came closest to
     (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
     (CHAT, chat(prediction={"type": "file", "content": "x"}), 400, "prediction.type"),
     (CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
@@ -47,39 +56,148 @@ CASES = [
     (CHAT, chat(n=17), 400, "n"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
-    (CHAT, chat(seed=2 ** 70), 400, "seed"),
-    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}), 400, None),
+    (CHAT, chat(seed=2**70), 400, "seed"),
+    (
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                },
+            }
+        ),
+        400,
+        None,
+    ),
     (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias"),
     (CHAT, chat(stop=["x"] * 20), 400, "stop"),
     (CHAT, chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
     (CHAT, chat(chat_template_kwargs={"thinking": "yes"}), 400, "chat_template_kwargs.thinking"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools.0.function.name"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]), 400,
-     "tools.0.function.parameters"),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+        400,
+        "tools.0.function.name",
+    ),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
+        400,
+        "tools.0.function.parameters",
+    ),
     (CHAT, chat(tools=[{"type": "retrieval"}]), 400, "tools.0.type"),
-    (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    (
+        CHAT,
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice",
+    ),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     # a forced call compiles the tools' schemas into its grammar: what it cannot hold is named
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], tool_choice="required"), 400,
-     "tools.0.function.parameters.properties.a"),
-    (CHAT, chat(tools=[TOOL, {"type": "function", "function": {"name": "g", "parameters": {
-        "type": "object", "properties": {"a<b": {"type": "string"}}}}}], tool_choice="required"), 400,
-     "tools.1.function.parameters.properties.a<b"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}}}],
-                tool_choice={"type": "function", "function": {"name": "f"}}), 400,
-     "tools.0.function.parameters.properties.a"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)y"}}}}}],
-                tool_choice="required"), 400, "tools.0.function.parameters.properties.a.pattern"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "string", "pattern": "^a|b$"}}}}}],
-                tool_choice="required"), 400, "tools.0.function.parameters.properties.a.pattern"),
-    (CHAT, chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), 400,
-     "response_format"),
+    (
+        CHAT,
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    },
+                }
+            ],
+            tool_choice="required",
+        ),
+        400,
+        "tools.0.function.parameters.properties.a",
+    ),
+    (
+        CHAT,
+        chat(
+            tools=[
+                TOOL,
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "g",
+                        "parameters": {"type": "object", "properties": {"a<b": {"type": "string"}}},
+                    },
+                },
+            ],
+            tool_choice="required",
+        ),
+        400,
+        "tools.1.function.parameters.properties.a<b",
+    ),
+    (
+        CHAT,
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "maxLength": -1}},
+                        },
+                    },
+                }
+            ],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        ),
+        400,
+        "tools.0.function.parameters.properties.a",
+    ),
+    (
+        CHAT,
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "pattern": "(?=x)y"}},
+                        },
+                    },
+                }
+            ],
+            tool_choice="required",
+        ),
+        400,
+        "tools.0.function.parameters.properties.a.pattern",
+    ),
+    (
+        CHAT,
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "pattern": "^a|b$"}},
+                        },
+                    },
+                }
+            ],
+            tool_choice="required",
+        ),
+        400,
+        "tools.0.function.parameters.properties.a.pattern",
+    ),
+    (
+        CHAT,
+        chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),
     (CHAT, chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),
     (CHAT, chat(max_tokens=250, messages=[{"role": "user", "content": "word " * 20}]), 400, "messages"),
     (CHAT, chat(messages=[{"role": "user", "content": "x" * 40000}]), 413, None),
@@ -91,25 +209,71 @@ CASES = [
     (MSGS, msgs(messages=[{"role": "system", "content": "hi"}]), 400, None),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None),
     (MSGS, msgs(tools=[{"name": "f"}]), 400, None),
-    (MSGS, msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}), 400, None),
+    (
+        MSGS,
+        msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}),
+        400,
+        None,
+    ),
     (MSGS, msgs(tool_choice={"type": "any"}), 400, None),
     # a strict tool's schema is compiled under "auto" too (a non-strict one is only shown to the model)
-    (MSGS, msgs(tools=[{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {
-        "a": {"type": "nonsense"}}}}]), 400, "tools.0.input_schema.properties.a"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), 400, "tools.0.function.parameters.properties.a"),
+    (
+        MSGS,
+        msgs(
+            tools=[
+                {
+                    "name": "f",
+                    "strict": True,
+                    "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                }
+            ]
+        ),
+        400,
+        "tools.0.input_schema.properties.a",
+    ),
+    (
+        CHAT,
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "strict": True,
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    },
+                }
+            ]
+        ),
+        400,
+        "tools.0.function.parameters.properties.a",
+    ),
     (MSGS, msgs(thinking={"type": "sometimes"}), 400, None),
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": []}, 400, None),
     # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
-    (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', 400, "messages.0.content"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
-           b'{"name": "f", "parameters": {"type": "object", "description": "\\udfff"}}}]}', 400,
-     "tools.0.function.parameters"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+        400,
+        "messages.0.content",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+        b'{"name": "f", "parameters": {"type": "object", "description": "\\udfff"}}}]}',
+        400,
+        "tools.0.function.parameters",
+    ),
     (COMP, b'{"prompt": "x\\ud83d", "max_tokens": 2}', 400, "prompt"),
-    (MSGS, b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
-           b'"system": "\\ud800"}', 400, None),
+    (
+        MSGS,
+        b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+        b'"system": "\\ud800"}',
+        400,
+        None,
+    ),
     ("/v1/nope", OK_CHAT, 404, None),
     ("/admin/park", {"what": "everything"}, 400, "what"),
 ]
@@ -157,8 +321,16 @@ EDGE_VALUES = [
     (CHAT, chat(repetition_penalty=5e-324, response_format={"type": "json_object"})),
     (MSGS, msgs(top_p=5e-324)),
     ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2, "top_p": 5e-324}),
-    (COMP, {"prompt": "", "max_tokens": 2, "temperature": 0, "repetition_penalty": 5e-324,
-            "structured_outputs": {"choice": ["a", "b"]}}),
+    (
+        COMP,
+        {
+            "prompt": "",
+            "max_tokens": 2,
+            "temperature": 0,
+            "repetition_penalty": 5e-324,
+            "structured_outputs": {"choice": ["a", "b"]},
+        },
+    ),
 ]
 
 

@@ -22,7 +22,9 @@ KEEPALIVE_S = 0.2
 
 @pytest.fixture(scope="module")
 def base(scripted):
-    with running(create_app(scripted, ServerConfig(model_name="tiny", stream_keepalive_s=KEEPALIVE_S))) as url:
+    with running(
+        create_app(scripted, ServerConfig(model_name="tiny", stream_keepalive_s=KEEPALIVE_S))
+    ) as url:
         yield url
 
 
@@ -45,8 +47,12 @@ def _data(lines: list[str]) -> list[dict]:
 
 def test_a_held_chat_stream_starts_and_pings_until_its_first_token(base, scripted):
     scripted.script("Hello there.", hold=True)
-    status, lines = _held_stream(base, scripted, "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True})
+    status, lines = _held_stream(
+        base,
+        scripted,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+    )
     assert status == 200 and lines[:2] == [": keep-alive", ": keep-alive"] and lines[-1] == "data: [DONE]"
     chunks = _data(lines)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello there."
@@ -56,14 +62,18 @@ def test_a_held_chat_stream_starts_and_pings_until_its_first_token(base, scripte
 def test_the_sdks_read_a_stream_with_keepalives(base, scripted):
     oai = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     scripted.script("Hello there.", hold=True)
-    stream = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True)
+    stream = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True
+    )
     time.sleep(3 * KEEPALIVE_S)  # keepalives go out meanwhile
     scripted.release()
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Hello there."
 
     client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
     scripted.script("Hello there.", hold=True)
-    with client.messages.stream(model="tiny", max_tokens=32, messages=[{"role": "user", "content": "Hi"}]) as s:
+    with client.messages.stream(
+        model="tiny", max_tokens=32, messages=[{"role": "user", "content": "Hi"}]
+    ) as s:
         time.sleep(3 * KEEPALIVE_S)
         scripted.release()
         message = s.get_final_message()
@@ -72,8 +82,12 @@ def test_the_sdks_read_a_stream_with_keepalives(base, scripted):
 
 def test_an_anthropic_stream_pings_after_message_start(base, scripted):
     scripted.script("Hello there.", hold=True)
-    status, lines = _held_stream(base, scripted, "/v1/messages", {
-        "model": "tiny", "max_tokens": 32, "messages": [{"role": "user", "content": "Hi"}], "stream": True})
+    status, lines = _held_stream(
+        base,
+        scripted,
+        "/v1/messages",
+        {"model": "tiny", "max_tokens": 32, "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+    )
     events = [x[7:] for x in lines if x.startswith("event: ")]
     assert status == 200 and events[:3] == ["message_start", "ping", "ping"] and events[-1] == "message_stop"
     assert {"type": "ping"} in _data(lines)
@@ -81,21 +95,32 @@ def test_an_anthropic_stream_pings_after_message_start(base, scripted):
 
 def test_a_responses_stream_pings_after_it_is_created(base, scripted):
     scripted.script("Hello there.", hold=True)
-    status, lines = _held_stream(base, scripted, "/v1/responses", {"model": "tiny", "input": "Hi", "stream": True})
+    status, lines = _held_stream(
+        base, scripted, "/v1/responses", {"model": "tiny", "input": "Hi", "stream": True}
+    )
     assert status == 200 and lines[0] == "event: response.created"
     first_ping = lines.index(": keep-alive")
-    assert [x for x in lines[:first_ping] if x.startswith("event: ")] == ["event: response.created",
-                                                                          "event: response.in_progress"]
+    assert [x for x in lines[:first_ping] if x.startswith("event: ")] == [
+        "event: response.created",
+        "event: response.in_progress",
+    ]
     assert _data(lines)[-1]["type"] == "response.completed"
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event(base, scripted):
     scripted.script("", fail=True, hold=True)
-    status, lines = _held_stream(base, scripted, "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True})
+    status, lines = _held_stream(
+        base,
+        scripted,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+    )
     assert status == 200 and lines[:2] == [": keep-alive", ": keep-alive"] and lines[-1] == "data: [DONE]"
     assert _data(lines)[-1]["error"]["code"] == "internal"
     scripted.script("", fail=True)  # failing at once, before the keepalive time: a real status
-    r = httpx.post(f"{base}/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True}, timeout=30)
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+        timeout=30,
+    )
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal"

@@ -18,10 +18,19 @@ from tests.helpers import CALL, WEATHER
 from .server_harness import running, wait_for
 
 TOOL = {"type": "function", **{k: v for k, v in WEATHER["function"].items()}}
-STRICT_TOOL = {"type": "function", "name": "get_weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city"],
-    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
-                                                                        "maximum": 5}}}}
+STRICT_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +52,9 @@ def test_text_answer_and_its_stream(client, scripted):
     r = client.responses.create(model="tiny", input="Hi", instructions="Be brief.")
     assert r.status == "completed" and r.output_text == "Hello there." and r.id.startswith("resp_")
     assert [o.type for o in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
-    prompt = encode_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-                             thinking=False).text
+    prompt = encode_messages(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], thinking=False
+    ).text
     assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(prompt)
     assert r.usage.input_tokens == len(scripted.prompts[-1]) and r.usage.output_tokens > 0
 
@@ -53,10 +63,18 @@ def test_text_answer_and_its_stream(client, scripted):
         events = list(s)
         final = s.get_final_response()
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there."
     assert final.output_text == "Hello there." and final.usage.output_tokens == r.usage.output_tokens
@@ -72,16 +90,31 @@ def test_a_tool_call_and_its_result_round_trip(client, scripted):
     assert call.call_id.startswith("call_") and r.output_text == "Let me check."
 
     scripted.script("It is 18°C.")
-    history = question + [o.model_dump(exclude_none=True) for o in r.output] + [
-        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}]
+    history = (
+        question
+        + [o.model_dump(exclude_none=True) for o in r.output]
+        + [{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}]
+    )
     r2 = client.responses.create(model="tiny", input=history, tools=[TOOL])
     assert r2.output_text == "It is 18°C."
-    chat = question + [{"role": "assistant", "content": "Let me check.", "tool_calls": [
-        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 18}'}]
+    chat = question + [
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 18}'},
+    ]
     tools = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
-    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(encode_messages(chat, thinking=False,
-                                                                                   tools=tools).text)
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(
+        encode_messages(chat, thinking=False, tools=tools).text
+    )
 
     scripted.script("Let me check." + CALL)
     with client.responses.stream(model="tiny", input=question, tools=[TOOL]) as s:
@@ -89,7 +122,9 @@ def test_a_tool_call_and_its_result_round_trip(client, scripted):
         final = s.get_final_response()
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
-    assert len(deltas) > 1 and json.loads("".join(deltas)) == {"city": "Paris", "days": 2} == json.loads(done.arguments)
+    assert len(deltas) > 1 and json.loads("".join(deltas)) == {"city": "Paris", "days": 2} == json.loads(
+        done.arguments
+    )
     assert [o.type for o in final.output] == ["message", "function_call"]
 
 
@@ -101,19 +136,31 @@ def test_reasoning_is_an_item_and_goes_back_as_the_turn_s_reasoning(client, scri
     assert r.usage.output_tokens_details.reasoning_tokens > 0
 
     scripted.script("Ok.")
-    history = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output],
-               {"role": "user", "content": "Thanks"}]
+    history = [
+        {"role": "user", "content": "Weather?"},
+        *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "Thanks"},
+    ]
     client.responses.create(model="tiny", input=history, reasoning={"effort": "high"})
-    chat = [{"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": "Sunny.", "reasoning_content": "Need the tool."},
-            {"role": "user", "content": "Thanks"}]
+    chat = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Need the tool."},
+        {"role": "user", "content": "Thanks"},
+    ]
     assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(encode_messages(chat, thinking=True).text)
 
 
 def test_function_tools_are_strict_unless_they_say_not(live):
-    r = live.responses.create(model="tiny", input="Weather?", tools=[STRICT_TOOL], tool_choice="required",
-                              parallel_tool_calls=False, max_output_tokens=60, temperature=1.0,
-                              extra_body={"seed": 4})
+    r = live.responses.create(
+        model="tiny",
+        input="Weather?",
+        tools=[STRICT_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=1.0,
+        extra_body={"seed": 4},
+    )
     (call,) = r.output
     args = json.loads(call.arguments)
     assert r.status == "completed" and call.type == "function_call" and set(args) <= {"city", "days"}
@@ -124,28 +171,47 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
     r = live.responses.create(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
-    with live.responses.stream(model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0) as s:
+    with live.responses.stream(
+        model="tiny", input="Tell me a story", max_output_tokens=3, temperature=0
+    ) as s:
         events = list(s)
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
     assert r.output[-1].status == events[-1].response.output[-1].status == "incomplete"
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
-    (dict(input="x", include=["message.output_text.everything"]), "include.0"),
-    (dict(input="x", top_logprobs=21), "top_logprobs"),
-    (dict(input="x", max_output_tokens=0), "max_output_tokens"),
-    (dict(input="x", tools=[{"type": "function", "name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}]), "tools.0.parameters.properties.a"),
-    (dict(input="x", tools=[TOOL], tool_choice={"type": "function", "name": "g"}), "tool_choice"),
-    (dict(input="x", tool_choice="required"), "tool_choice"),
-    (dict(input="x", text={"format": {"type": "json_schema", "name": "v", "schema": [1]}}), "text.format.schema"),
-    (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
-    (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
-    (dict(input=[]), "input"),
-    (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),
-    (dict(input="word " * 1200), "input"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+        (dict(input="x", include=["message.output_text.everything"]), "include.0"),
+        (dict(input="x", top_logprobs=21), "top_logprobs"),
+        (dict(input="x", max_output_tokens=0), "max_output_tokens"),
+        (
+            dict(
+                input="x",
+                tools=[
+                    {
+                        "type": "function",
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    }
+                ],
+            ),
+            "tools.0.parameters.properties.a",
+        ),
+        (dict(input="x", tools=[TOOL], tool_choice={"type": "function", "name": "g"}), "tool_choice"),
+        (dict(input="x", tool_choice="required"), "tool_choice"),
+        (
+            dict(input="x", text={"format": {"type": "json_schema", "name": "v", "schema": [1]}}),
+            "text.format.schema",
+        ),
+        (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
+        (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
+        (dict(input=[]), "input"),
+        (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),
+        (dict(input="word " * 1200), "input"),
+    ],
+)
 def test_errors_name_the_responses_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", **kwargs)
@@ -179,13 +245,16 @@ def test_previous_response_id_continues_the_stored_conversation(client, scripted
     call = r1.output[1]
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}]
     scripted.script("It is 18°C.")
-    r2 = client.responses.create(model="tiny", input=result, tools=[TOOL], previous_response_id=r1.id,
-                                 instructions="Use Celsius.")
+    r2 = client.responses.create(
+        model="tiny", input=result, tools=[TOOL], previous_response_id=r1.id, instructions="Use Celsius."
+    )
     continued = scripted.prompts[-1]
     assert r2.previous_response_id == r1.id and r2.output_text == "It is 18°C."
     history = question + [o.model_dump(exclude_none=True) for o in r1.output] + result
     scripted.script("It is 18°C.")
-    client.responses.create(model="tiny", input=history, tools=[TOOL], instructions="Use Celsius.", store=False)
+    client.responses.create(
+        model="tiny", input=history, tools=[TOOL], instructions="Use Celsius.", store=False
+    )
     assert continued == scripted.prompts[-1]
     assert "Be brief." not in scripted.inner.tokenizer.decode(continued)
 
@@ -193,10 +262,17 @@ def test_previous_response_id_continues_the_stored_conversation(client, scripted
     client.responses.create(model="tiny", input="Thanks!", previous_response_id=r2.id)
     third = scripted.prompts[-1]
     scripted.script("You are welcome.")
-    client.responses.create(model="tiny", store=False, input=history + [
-        o.model_dump(exclude_none=True) for o in r2.output] + [{"role": "user", "content": "Thanks!"}])
+    client.responses.create(
+        model="tiny",
+        store=False,
+        input=history
+        + [o.model_dump(exclude_none=True) for o in r2.output]
+        + [{"role": "user", "content": "Thanks!"}],
+    )
     assert third == scripted.prompts[-1]
-    assert [i.type for i in client.responses.input_items.list(r2.id, order="asc").data] == ["function_call_output"]
+    assert [i.type for i in client.responses.input_items.list(r2.id, order="asc").data] == [
+        "function_call_output"
+    ]
 
 
 def test_store_false_keeps_nothing_and_a_stream_is_stored_when_it_ends(client, scripted):
@@ -209,7 +285,11 @@ def test_store_false_keeps_nothing_and_a_stream_is_stored_when_it_ends(client, s
     with client.responses.stream(model="tiny", input="Hi") as s:
         final = s.get_final_response()
     stored = client.responses.retrieve(final.id)
-    assert final.store and stored.status == "completed" and stored.output_text == final.output_text == "Hello there."
+    assert (
+        final.store
+        and stored.status == "completed"
+        and stored.output_text == final.output_text == "Hello there."
+    )
     assert stored.usage.output_tokens == final.usage.output_tokens
 
 
@@ -218,9 +298,16 @@ def test_input_items_come_in_pages(client, scripted):
     scripted.script("Ok.")
     r = client.responses.create(model="tiny", input=turns)
     newest_first = client.responses.input_items.list(r.id, limit=2)
-    assert [i.content[0].text for i in newest_first.data] == ["message 4", "message 3"] and newest_first.has_more
+    assert [i.content[0].text for i in newest_first.data] == [
+        "message 4",
+        "message 3",
+    ] and newest_first.has_more
     rest = client.responses.input_items.list(r.id, limit=10, after=newest_first.data[-1].id)
-    assert [i.content[0].text for i in rest.data] == ["message 2", "message 1", "message 0"] and not rest.has_more
+    assert [i.content[0].text for i in rest.data] == [
+        "message 2",
+        "message 1",
+        "message 0",
+    ] and not rest.has_more
     oldest = client.responses.input_items.list(r.id, order="asc", limit=1).data
     assert oldest[0].content[0].text == "message 0"
     with pytest.raises(openai.BadRequestError) as err:
@@ -244,24 +331,38 @@ def test_output_text_logprobs_are_the_chat_route_s(live):
     """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the same entries as chat completions'
     logprobs for the same greedy answer, in the final item and, split over the deltas, in the stream."""
     kwargs = dict(model="tiny", max_output_tokens=6, temperature=0)
-    r = live.responses.create(input="Tell me a story", include=["message.output_text.logprobs"], top_logprobs=2,
-                              **kwargs)
-    chat = live.chat.completions.create(messages=[{"role": "user", "content": "Tell me a story"}], logprobs=True,
-                                        top_logprobs=2, model="tiny", max_completion_tokens=6, temperature=0)
+    r = live.responses.create(
+        input="Tell me a story", include=["message.output_text.logprobs"], top_logprobs=2, **kwargs
+    )
+    chat = live.chat.completions.create(
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        logprobs=True,
+        top_logprobs=2,
+        model="tiny",
+        max_completion_tokens=6,
+        temperature=0,
+    )
     (part,) = r.output[0].content
     want = [e.model_dump() for e in chat.choices[0].logprobs.content]
     assert [e.model_dump() for e in part.logprobs] == want and len(want) == r.usage.output_tokens
-    assert "".join(e.token for e in part.logprobs) == part.text and all(len(e.top_logprobs) == 2 for e in part.logprobs)
-    with live.responses.stream(input="Tell me a story", include=["message.output_text.logprobs"], top_logprobs=2,
-                               **kwargs) as s:
+    assert "".join(e.token for e in part.logprobs) == part.text and all(
+        len(e.top_logprobs) == 2 for e in part.logprobs
+    )
+    with live.responses.stream(
+        input="Tell me a story", include=["message.output_text.logprobs"], top_logprobs=2, **kwargs
+    ) as s:
         events = list(s)
-    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    streamed = [
+        e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs
+    ]
     assert streamed == want
     plain = live.responses.create(input="Tell me a story", top_logprobs=2, **kwargs)
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
 
 
-def _wait_status(client, rid: str, done: tuple[str, ...] = ("completed", "incomplete", "cancelled", "failed")):
+def _wait_status(
+    client, rid: str, done: tuple[str, ...] = ("completed", "incomplete", "cancelled", "failed")
+):
     deadline = time.monotonic() + 20
     while (r := client.responses.retrieve(rid)).status not in done:
         assert time.monotonic() < deadline, r.status
@@ -321,7 +422,7 @@ def test_background_needs_a_stored_response(client, scripted):
 
 
 def _sse_events(text: str) -> list[dict]:
-    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
 
 
 def test_a_streamed_background_response_is_followed_and_taken_up_again(client, scripted):
@@ -343,8 +444,13 @@ def test_a_streamed_background_response_is_followed_and_taken_up_again(client, s
         events = first + list(it)
         final = live.get_final_response()
     kinds = [e.type for e in events]
-    assert kinds[:5] == ["response.created", "response.queued", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert kinds[:5] == [
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds[-1] == "response.completed" and final.output_text == "Hello there."
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there."
@@ -354,9 +460,12 @@ def test_a_streamed_background_response_is_followed_and_taken_up_again(client, s
         tail = list(again)
     assert [e.sequence_number for e in tail] == list(range(4, len(events)))
     assert tail[-1].type == "response.completed"
-    wire = httpx.get(f"{client.base_url}responses/{rid}", params={"stream": "true", "starting_after": len(events) - 2})
-    assert [(e["sequence_number"], e["type"]) for e in _sse_events(wire.text)] == [(len(events) - 1,
-                                                                                     "response.completed")]
+    wire = httpx.get(
+        f"{client.base_url}responses/{rid}", params={"stream": "true", "starting_after": len(events) - 2}
+    )
+    assert [(e["sequence_number"], e["type"]) for e in _sse_events(wire.text)] == [
+        (len(events) - 1, "response.completed")
+    ]
 
 
 def test_a_streamed_background_response_cancelled_ends_its_streams(client, scripted):
@@ -385,24 +494,31 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(clie
     that leaves room for ``max_output_tokens``, after the instructions; a lone turn too long still fails."""
     turns = []
     for i in range(12):
-        turns += [{"role": "user", "content": f"Question {i}: " + "word " * 60},
-                  {"role": "assistant", "content": f"Answer {i}: " + "word " * 20}]
+        turns += [
+            {"role": "user", "content": f"Question {i}: " + "word " * 60},
+            {"role": "assistant", "content": f"Answer {i}: " + "word " * 20},
+        ]
     turns.append({"role": "user", "content": "And the last one?"})
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", input=turns, max_output_tokens=16)
     assert err.value.body["code"] == "context_length_exceeded"
     scripted.script("Fine.")
-    r = client.responses.create(model="tiny", input=turns, max_output_tokens=16, truncation="auto",
-                                instructions="Be brief.")
+    r = client.responses.create(
+        model="tiny", input=turns, max_output_tokens=16, truncation="auto", instructions="Be brief."
+    )
     assert r.output_text == "Fine." and r.truncation == "auto"
 
     def prompt(start: int) -> list[int]:
-        text = encode_messages([{"role": "system", "content": "Be brief."}] + turns[start:], thinking=False).text
+        text = encode_messages(
+            [{"role": "system", "content": "Be brief."}] + turns[start:], thinking=False
+        ).text
         return scripted.inner.tokenizer.encode(text)
 
     kept = [start for start in range(0, len(turns), 2) if prompt(start) == scripted.prompts[-1]]
     assert kept and kept[0] > 0 and len(prompt(kept[0])) + 16 <= 1024 < len(prompt(kept[0] - 2)) + 16
     assert r.usage.input_tokens == len(scripted.prompts[-1])
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model="tiny", input=[{"role": "user", "content": "word " * 1100}], truncation="auto")
+        client.responses.create(
+            model="tiny", input=[{"role": "user", "content": "word " * 1100}], truncation="auto"
+        )
     assert err.value.body["code"] == "context_length_exceeded"

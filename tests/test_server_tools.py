@@ -16,6 +16,7 @@ from tests.helpers import CALL, WEATHER
 
 from .server_harness import running
 
+
 @pytest.fixture(scope="module")
 def base(scripted):
     with running(create_app(scripted, ServerConfig(model_name="tiny"))) as url:
@@ -43,10 +44,19 @@ def test_openai_tool_call_round_trip(oai, scripted):
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
 
     history = question + [
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18}'}]
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18}'},
+    ]
     scripted.script("It is 18°C.")
     r2 = oai.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=100)
     assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content == "It is 18°C."
@@ -57,59 +67,95 @@ def test_openai_tool_call_round_trip(oai, scripted):
 
 def test_openai_streamed_tool_call(oai, scripted):
     scripted.script("Let me check." + CALL)
-    chunks = list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
-                                              tools=[WEATHER], max_tokens=100, stream=True))
+    chunks = list(
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER],
+            max_tokens=100,
+            stream=True,
+        )
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert content == "Let me check."
     # the arguments stream as the model writes them: the first fragment opens the call (id, type, name)
     assert len(calls) > 2 and {tc.index for tc in calls} == {0}
-    assert calls[0].id.startswith("call_") and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert (
+        calls[0].id.startswith("call_")
+        and calls[0].type == "function"
+        and calls[0].function.name == "get_weather"
+    )
     assert all(tc.id is None and tc.function.name is None for tc in calls[1:])
     assert json.loads("".join(tc.function.arguments for tc in calls)) == {"city": "Paris", "days": 2}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_a_call_cut_off_by_the_end_of_generation_is_closed_in_both_apis(base, scripted):
-    cut = CALL[:CALL.index("Paris") + 3]  # the stream ends inside the city's value
+    cut = CALL[: CALL.index("Paris") + 3]  # the stream ends inside the city's value
     scripted.script("ok" + cut)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "?"}], "tools": [WEATHER], "max_tokens": 100}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "?"}],
+        "tools": [WEATHER],
+        "max_tokens": 100,
+    }
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
     assert r["message"]["content"] == "ok" and r["finish_reason"] == "stop"
     assert json.loads(r["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Par"}
 
     scripted.script("ok" + cut)
-    anth = {"model": "tiny", "max_tokens": 100, "messages": [{"role": "user", "content": "?"}], "stream": True,
-            "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]}
+    anth = {
+        "model": "tiny",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "?"}],
+        "stream": True,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+    }
     with httpx.stream("POST", f"{base}/v1/messages", json=anth, timeout=30) as s:
-        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line[len("data: ") :]) for line in s.iter_lines() if line.startswith("data: ")]
     kinds = [e["type"] for e in events]
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert starts == ["text", "tool_use"] and kinds.count("content_block_stop") == 2
-    partial = "".join(e["delta"]["partial_json"] for e in events
-                      if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    partial = "".join(
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    )
     assert json.loads(partial) == {"city": "Par"} and kinds.count("content_block_delta") > 2
     assert events[-2]["delta"]["stop_reason"] == "end_turn"
 
 
 def test_malformed_tool_call_is_returned_as_content(oai, scripted):
-    broken = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="nope">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    broken = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="nope">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    )
     scripted.script("x" + broken)
-    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], tools=[WEATHER],
-                                    max_tokens=100)
+    r = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "?"}], tools=[WEATHER], max_tokens=100
+    )
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content == "x" + broken.lstrip("\n")
 
 
 def test_anthropic_tool_use_round_trip_and_stream(claude, scripted):
-    tools = [{"name": "get_weather", "description": "Get weather",
-              "input_schema": WEATHER["function"]["parameters"]}]
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Get weather",
+            "input_schema": WEATHER["function"]["parameters"],
+        }
+    ]
     question = [{"role": "user", "content": "Weather in Paris?"}]
     scripted.script("Let me check." + CALL)
     r = claude.messages.create(model="tiny", max_tokens=100, messages=question, tools=tools)
     assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["text", "tool_use"]
     use = r.content[1]
-    assert use.name == "get_weather" and use.input == {"city": "Paris", "days": 2} and use.id.startswith("toolu_")
+    assert (
+        use.name == "get_weather"
+        and use.input == {"city": "Paris", "days": 2}
+        and use.id.startswith("toolu_")
+    )
 
     scripted.script("Let me check." + CALL)
     with claude.messages.stream(model="tiny", max_tokens=100, messages=question, tools=tools) as s:
@@ -117,13 +163,28 @@ def test_anthropic_tool_use_round_trip_and_stream(claude, scripted):
     assert final.stop_reason == "tool_use" and final.content[1].input == {"city": "Paris", "days": 2}
 
     scripted.script("It is 18°C.")
-    r2 = claude.messages.create(model="tiny", max_tokens=100, tools=tools, messages=question + [
-        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
-                                          {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"temp": 18}'}]}])
+    r2 = claude.messages.create(
+        model="tiny",
+        max_tokens=100,
+        tools=tools,
+        messages=question
+        + [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me check."},
+                    {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"temp": 18}'}],
+            },
+        ],
+    )
     assert r2.content[0].text == "It is 18°C." and r2.stop_reason == "end_turn"
     prompt = scripted.inner.tokenizer.decode(scripted.prompts[-1])
-    assert CALL + "<｜end▁of▁sentence｜><｜User｜><tool_result>{\"temp\": 18}</tool_result>" in prompt
+    assert CALL + '<｜end▁of▁sentence｜><｜User｜><tool_result>{"temp": 18}</tool_result>' in prompt
 
 
 def test_engine_failure_is_500_before_output_and_an_error_event_after(base, scripted):
@@ -138,13 +199,18 @@ def test_engine_failure_is_500_before_output_and_an_error_event_after(base, scri
 
     scripted.script("Hello", fail=True)
     with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert r.status_code == 200
     assert json.loads(events[-2])["error"]["code"] == "internal" and events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2]) == "Hello"
 
     scripted.script("Hello", fail=True)
-    anth = {"model": "tiny", "max_tokens": 50, "messages": [{"role": "user", "content": "fail"}], "stream": True}
+    anth = {
+        "model": "tiny",
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": "fail"}],
+        "stream": True,
+    }
     with httpx.stream("POST", f"{base}/v1/messages", json=anth, timeout=30) as r:
-        kinds = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+        kinds = [line[len("event: ") :] for line in r.iter_lines() if line.startswith("event: ")]
     assert kinds[0] == "message_start" and kinds[-1] == "error" and "message_stop" not in kinds

@@ -37,7 +37,9 @@ def plain(engine):
 @pytest.mark.parametrize("width", range(1, 9))
 @pytest.mark.parametrize("p", [0.0, 0.5, 0.9, 1.0])
 def test_greedy_equals_plain_for_any_width_and_acceptance(engine, plain, width, p):
-    res = engine.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width))
+    res = engine.generate(
+        PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width)
+    )
     assert res.ok, res.error_message
     assert res.tokens == plain.tokens
     assert res.finish_reason == plain.finish_reason
@@ -57,7 +59,7 @@ def test_perfect_proposer_makes_q_tokens_per_target_forward(engine, plain, q):
     params = SamplingParams(max_tokens=1 + q * steps)
     res = engine.generate(PROMPT, params, speculative=_oracle(PROMPT, plain, 1.0, q))
     spec = res.stats.speculative
-    assert res.tokens == plain.tokens[:1 + q * steps]
+    assert res.tokens == plain.tokens[: 1 + q * steps]
     assert spec["tokens_per_forward"] == q
     assert spec["steps"] == steps and spec["verify_widths"] == {q: steps}
     assert res.stats.forward_calls == 1 + steps
@@ -68,8 +70,17 @@ def _feature_cases(engine) -> list[tuple[list[int], SamplingParams]]:
     tok = engine.tokenizer
     think_prompt = PROMPT[:40] + [tok.think_start_id]
     return [
-        (PROMPT, SamplingParams(max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,
-                                logit_bias={500: 4.0, 7: -3.0}, logprobs=2)),
+        (
+            PROMPT,
+            SamplingParams(
+                max_tokens=20,
+                repetition_penalty=1.3,
+                frequency_penalty=0.7,
+                presence_penalty=0.4,
+                logit_bias={500: 4.0, 7: -3.0},
+                logprobs=2,
+            ),
+        ),
         (think_prompt, SamplingParams(max_tokens=12, reasoning_budget=3)),
     ]
 
@@ -97,7 +108,7 @@ def test_stop_token_accepted_mid_block_ends_generation(engine, plain):
     first = plain.tokens.index(stop)
     params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[stop])
     res = engine.generate(PROMPT, params, speculative=_oracle(PROMPT, plain, 1.0, 8))
-    assert res.tokens == plain.tokens[:first + 1]
+    assert res.tokens == plain.tokens[: first + 1]
     assert res.finish_reason == "stop"
 
 
@@ -107,8 +118,12 @@ def test_cancellation_mid_block_leaves_the_state_of_plain_decoding(mtp_engine):
 
     def run(speculative):
         seen = []
-        res = eng.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS),
-                           on_token=lambda t: seen.append(t) or len(seen) < 7, speculative=speculative)
+        res = eng.generate(
+            PROMPT,
+            SamplingParams(max_tokens=MAX_TOKENS),
+            on_token=lambda t: seen.append(t) or len(seen) < 7,
+            speculative=speculative,
+        )
         return res, eng.snapshot()
 
     plain_res, plain_snap = run(None)
@@ -136,8 +151,13 @@ def test_a_predicted_output_is_lossless_and_drafts_what_the_output_shares_with_i
     answer follows it, drafts are accepted and the answer takes fewer steps than tokens."""
     params = SamplingParams(max_tokens=MAX_TOKENS)
     ref = engine.generate(PROMPT, params).tokens
-    prediction = {"exact": ref, "insert": ref[:8] + [7, 8, 9] + ref[8:], "delete": ref[:6] + ref[12:],
-                  "replace": ref[:10] + [123] * 4 + ref[14:], "unrelated": random_prompt(MAX_TOKENS, seed=3)}[edit]
+    prediction = {
+        "exact": ref,
+        "insert": ref[:8] + [7, 8, 9] + ref[8:],
+        "delete": ref[:6] + ref[12:],
+        "replace": ref[:10] + [123] * 4 + ref[14:],
+        "unrelated": random_prompt(MAX_TOKENS, seed=3),
+    }[edit]
     res = engine.generate(PROMPT, params, speculative=PredictionProposer(prediction))
     assert res.ok and res.tokens == ref
     stats = res.stats.speculative
@@ -171,7 +191,9 @@ def test_dspark_draft_is_lossless(dspark_engine, spec):
     assert res.tokens == ref.tokens
     stats = res.stats.speculative
     assert stats["method"] == "dspark" and stats["drafted"] > 0
-    assert stats["draft_forwards"] == stats["steps"] - stats["verify_widths"].get(1, 0)  # one pass per drafting step
+    assert stats["draft_forwards"] == stats["steps"] - stats["verify_widths"].get(
+        1, 0
+    )  # one pass per drafting step
 
 
 def test_sampled_drafts_against_a_one_hot_target_reproduce_greedy(dspark_engine):
@@ -192,7 +214,9 @@ def test_seeded_speculative_sampling_is_reproducible(dspark_engine):
     assert a.stats.speculative == b.stats.speculative
 
 
-def test_speculation_that_would_verify_eagerly_next_to_decode_graphs_is_warned_once(tiny_dir, monkeypatch, caplog):
+def test_speculation_that_would_verify_eagerly_next_to_decode_graphs_is_warned_once(
+    tiny_dir, monkeypatch, caplog
+):
     """A pipeline on CUDA decodes through graphs but verifies eagerly: a request for speculation says so."""
     engine = Engine.from_pretrained(tiny_dir)
     monkeypatch.setattr(engine, "_graph_kinds", lambda model: (object, None))

@@ -38,8 +38,13 @@ def _sampler(seed: int) -> Sampler:
 
 
 def _committed(start: int, stop: int, hidden: torch.Tensor, captured: dict[int, torch.Tensor]) -> Committed:
-    return Committed(start=start, tokens=SEQ[start:stop], next_token=SEQ[stop], hidden=hidden[start:stop],
-                     captured={layer: x[start:stop] for layer, x in captured.items()})
+    return Committed(
+        start=start,
+        tokens=SEQ[start:stop],
+        next_token=SEQ[stop],
+        hidden=hidden[start:stop],
+        captured={layer: x[start:stop] for layer, x in captured.items()},
+    )
 
 
 def _draft_weights(eng: Engine, kind: str):
@@ -67,17 +72,33 @@ def test_mtp_window_follows_committed_rows_exactly(mtp_engine):
     for size in (3, 1, 6, 2, 9, 4):  # 25 rows: the 16-row window wraps
         prop.observe(_committed(stop, stop + size, hidden, {}))
         stop += size
-    draft = prop.propose(SEQ[:stop + 1], 2, _sampler(0))
+    draft = prop.propose(SEQ[: stop + 1], 2, _sampler(0))
 
     state = SequenceState(layers={0: _fresh_window(eng)}, max_context=64, window=cfg.sliding_window)
-    rows = torch.tensor(SEQ[first + 1:stop + 1])
-    G, _ = mtp_forward(prop.w, hidden[first:stop], rows, model.embed[rows], model.chunk_info(0, len(rows)),
-                       state.layers[0], cfg, model.ropes)
+    rows = torch.tensor(SEQ[first + 1 : stop + 1])
+    G, _ = mtp_forward(
+        prop.w,
+        hidden[first:stop],
+        rows,
+        model.embed[rows],
+        model.chunk_info(0, len(rows)),
+        state.layers[0],
+        cfg,
+        model.ropes,
+    )
     one_shot = torch.softmax(mtp_logits(prop.w, G[-1:], model.head.head, cfg)[0], -1)
     assert torch.allclose(draft.probs[0], one_shot, atol=1e-6)
     chained_ids = torch.cat([rows, torch.tensor([draft.tokens[0]])])
-    chained, _ = mtp_forward(prop.w, torch.cat([hidden[first:stop], G[-1:]]), chained_ids, model.embed[chained_ids],
-                             model.chunk_info(0, len(rows) + 1), state.layers[0], cfg, model.ropes)
+    chained, _ = mtp_forward(
+        prop.w,
+        torch.cat([hidden[first:stop], G[-1:]]),
+        chained_ids,
+        model.embed[chained_ids],
+        model.chunk_info(0, len(rows) + 1),
+        state.layers[0],
+        cfg,
+        model.ropes,
+    )
     second = torch.softmax(mtp_logits(prop.w, chained[-1:], model.head.head, cfg)[0], -1)
     assert torch.allclose(draft.probs[1], second, atol=1e-6)
 
@@ -87,7 +108,10 @@ def test_dspark_context_ring_follows_committed_rows_exactly(dspark_dir):
     layers = eng.cfg.dspark.target_layer_ids
     hidden, captured = _target_streams(eng, layers)
     weights = _draft_weights(eng, "dspark")
-    chunked, whole = DSparkProposer(weights, target_parts(eng.model)), DSparkProposer(weights, target_parts(eng.model))
+    chunked, whole = (
+        DSparkProposer(weights, target_parts(eng.model)),
+        DSparkProposer(weights, target_parts(eng.model)),
+    )
     for prop in (chunked, whole):
         prop.begin(SEQ[:5], 64)
     stop = 5
@@ -95,8 +119,8 @@ def test_dspark_context_ring_follows_committed_rows_exactly(dspark_dir):
         chunked.observe(_committed(stop, stop + size, hidden, captured))
         stop += size
     whole.observe(_committed(5, stop, hidden, captured))
-    a = chunked.propose(SEQ[:stop + 1], 5, _sampler(1))
-    b = whole.propose(SEQ[:stop + 1], 5, _sampler(1))
+    a = chunked.propose(SEQ[: stop + 1], 5, _sampler(1))
+    b = whole.propose(SEQ[: stop + 1], 5, _sampler(1))
     assert a.tokens == b.tokens
     assert a.confidence == pytest.approx(b.confidence, abs=1e-6)
     for pa, pb in zip(a.probs, b.probs):
@@ -104,14 +128,17 @@ def test_dspark_context_ring_follows_committed_rows_exactly(dspark_dir):
     assert all(0 < c < 1 for c in a.confidence)
 
 
-@pytest.mark.parametrize("spec, fixture, message", [
-    ("mtp", "plain_dir", "num_nextn_predict_layers = 0"),
-    ("dspark", "plain_dir", "no dspark_block_size"),
-    ("mtp", "dspark_dir", "DSpark stages"),
-    ("eagle", "plain_dir", "expected one of"),
-    ("ngram:0", "plain_dir", "must be in [1, 16]"),
-    (3, "plain_dir", "expected one of"),
-])
+@pytest.mark.parametrize(
+    "spec, fixture, message",
+    [
+        ("mtp", "plain_dir", "num_nextn_predict_layers = 0"),
+        ("dspark", "plain_dir", "no dspark_block_size"),
+        ("mtp", "dspark_dir", "DSpark stages"),
+        ("eagle", "plain_dir", "expected one of"),
+        ("ngram:0", "plain_dir", "must be in [1, 16]"),
+        (3, "plain_dir", "expected one of"),
+    ],
+)
 def test_unavailable_drafts_are_invalid_requests(tiny_factory, dspark_dir, spec, fixture, message):
     path = tiny_factory() if fixture == "plain_dir" else dspark_dir
     res = Engine.from_pretrained(path).generate([5, 6, 7], SamplingParams(max_tokens=3), speculative=spec)
@@ -128,12 +155,20 @@ def _rewritten(src: Path, dst: Path, edit) -> Path:
     return write_checkpoint(dst, cfg, tensors, "official")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("mtp.2.confidence_head.proj.weight"), "missing tensor mtp.2.confidence_head.proj.weight"),
-    (lambda t: t.update({"mtp.2.markov_head.markov_w2.weight": torch.zeros(129280, 8)}),
-     "tensor mtp.2.markov_head.markov_w2.weight: expected shape [129280, 16], got [129280, 8]"),
-    (lambda t: t.pop("mtp.1.attn.wkv.weight"), "missing tensor mtp.1.attn.wkv.weight"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.pop("mtp.2.confidence_head.proj.weight"),
+            "missing tensor mtp.2.confidence_head.proj.weight",
+        ),
+        (
+            lambda t: t.update({"mtp.2.markov_head.markov_w2.weight": torch.zeros(129280, 8)}),
+            "tensor mtp.2.markov_head.markov_w2.weight: expected shape [129280, 16], got [129280, 8]",
+        ),
+        (lambda t: t.pop("mtp.1.attn.wkv.weight"), "missing tensor mtp.1.attn.wkv.weight"),
+    ],
+)
 def test_dspark_loader_rejects_missing_heads_and_wrong_shapes(dspark_dir, tmp_path, edit, message):
     path = _rewritten(dspark_dir, tmp_path / "broken", edit)
     res = Engine.from_pretrained(path).generate([5, 6, 7], SamplingParams(max_tokens=3), speculative="dspark")
@@ -148,7 +183,9 @@ def test_parked_draft_is_freed_and_reloaded(mtp_engine):
     assert eng.draft.loaded == []
     res = eng.generate([5, 6, 7], SamplingParams(max_tokens=4), speculative="mtp")
     assert res.error == ErrorCode.MODEL_PARKED
-    assert eng.generate([5, 6, 7], SamplingParams(max_tokens=4), speculative="ngram").ok  # no draft model needed
+    assert eng.generate(
+        [5, 6, 7], SamplingParams(max_tokens=4), speculative="ngram"
+    ).ok  # no draft model needed
     assert eng.unpark("draft") == ["draft"]
     assert eng.generate([5, 6, 7], SamplingParams(max_tokens=4), speculative="mtp").ok
     assert eng.draft.loaded == ["mtp"]
@@ -168,8 +205,9 @@ def test_drafts_start_from_the_prefilled_prompt(tiny_factory, spec):
     """The prompt's chunks reach the proposer, so the very first verify step already has drafts."""
     path = tiny_factory(mtp=1) if spec.startswith("mtp") else tiny_factory(dspark=True)
     engine = Engine.from_pretrained(path, chunk_size=16)
-    result = engine.generate(random_prompt(40, seed=41), SamplingParams(max_tokens=3, ignore_eos=True),
-                             speculative=spec)
+    result = engine.generate(
+        random_prompt(40, seed=41), SamplingParams(max_tokens=3, ignore_eos=True), speculative=spec
+    )
     stats = result.stats.speculative
     # without the prompt the first step could not draft, and the second has no room left (max_tokens)
     assert result.error is None and stats["drafted"] >= 1

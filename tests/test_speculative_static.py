@@ -7,6 +7,7 @@ forward and buffers); capturing them is checked on the GPU (bench/check_gpu.py).
 from __future__ import annotations
 
 import pytest
+
 from ds4serve import SamplingParams
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.cuda_graphs import VerifyGraph
@@ -54,7 +55,9 @@ def plain(engine):
 @pytest.mark.parametrize("width,p", [(2, 0.5), (3, 0.9), (4, 0.5), (6, 0.9), (6, 1.0)])
 def test_static_verify_blocks_equal_plain_decoding(engine, plain, monkeypatch, width, p):
     made = _static_blocks(engine, monkeypatch)
-    res = engine.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width))
+    res = engine.generate(
+        PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width)
+    )
     assert res.ok, res.error_message
     assert res.tokens == plain.tokens
     spec = res.stats.speculative
@@ -73,7 +76,9 @@ def test_device_commits_of_verify_blocks_equal_plain_decoding(engine, plain, mon
         raise AssertionError("commit_static ran with static_commit on")
 
     monkeypatch.setattr(SequenceState, "commit_static", host_commit)
-    res = engine.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width))
+    res = engine.generate(
+        PROMPT, SamplingParams(max_tokens=MAX_TOKENS), speculative=_oracle(PROMPT, plain, p, width)
+    )
     assert res.ok, res.error_message
     assert res.tokens == plain.tokens
     assert made and res.stats.speculative["accepted"] > 0
@@ -98,7 +103,13 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
     """The draft models' graph passes, uncaptured on CPU (MTP: the committed rows as a static block,
     chained drafts as static steps over the scratch window; DSpark: the block pass over the whole
     context rings, masked, and the context rows): the same drafts as the eager passes, no loss."""
-    from ds4serve.engine.drafts import MAX_STATIC_ROWS, DSparkProposer, MTPProposer, _engine_drafts, target_parts
+    from ds4serve.engine.drafts import (
+        MAX_STATIC_ROWS,
+        DSparkProposer,
+        MTPProposer,
+        _engine_drafts,
+        target_parts,
+    )
 
     engine = request.getfixturevalue(f"{which}_engine")
     weights = _engine_drafts(engine).get(which)
@@ -141,11 +152,14 @@ def test_draft_static_passes_on_a_layer_split(request, monkeypatch, which):
     assert target.embed is split.model.shards[0].embed and target.last is split.model.shards[-1]
     runs = {}
     for name, engine, proposer in (
-            ("whole", whole, cls(_engine_drafts(whole).get(which), target_parts(whole.model), 3)),
-            ("split", split, cls(_engine_drafts(split).get(which), target, 3, static_passes=True, capture=False))):
+        ("whole", whole, cls(_engine_drafts(whole).get(which), target_parts(whole.model), 3)),
+        ("split", split, cls(_engine_drafts(split).get(which), target, 3, static_passes=True, capture=False)),
+    ):
         runs[name] = engine.generate(MTP_PROMPT, params, speculative=proposer)
         assert runs[name].ok, runs[name].error_message
-    assert proposer._graphs is not None and proposer._graphs._rows  # the split drafted through the static passes
+    assert (
+        proposer._graphs is not None and proposer._graphs._rows
+    )  # the split drafted through the static passes
     assert runs["split"].tokens == runs["whole"].tokens == whole.generate(MTP_PROMPT, params).tokens
     assert runs["split"].stats.speculative == runs["whole"].stats.speculative
     assert runs["split"].stats.speculative["drafted"] > 0

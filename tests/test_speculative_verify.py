@@ -20,8 +20,11 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
     expected = probs * counts.sum()
     stat = float(((counts - expected) ** 2 / expected).sum())
     df = probs.numel() - 1
-    return stat, float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                               torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return stat, float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
+        )
+    )
 
 
 def _dists(seed: int, sharp: float) -> torch.Tensor:

@@ -19,7 +19,21 @@ from ds4serve.kernels.switches import using
 from tests.helpers import static_decode_setup
 
 # (block length, tokens accepted) per step, cycled from position 14
-STEPS = [(4, 2), (5, 5), (2, 1), (1, 1), (3, 0), (5, 3), (2, 2), (1, 1), (4, 4), (3, 1), (1, 1), (5, 4), (4, 3)]
+STEPS = [
+    (4, 2),
+    (5, 5),
+    (2, 1),
+    (1, 1),
+    (3, 0),
+    (5, 3),
+    (2, 2),
+    (1, 1),
+    (4, 4),
+    (3, 1),
+    (1, 1),
+    (5, 4),
+    (4, 3),
+]
 TRACED_STEPS = [(4, 2), (4, 4), (4, 1), (4, 3), (4, 0), (4, 4), (4, 2)]  # one shape: one trace per region
 
 
@@ -33,17 +47,20 @@ def _assert_states_equal(a, b) -> None:
     assert sa.pos == sb.pos
     for idx, saved in sa.layers.items():
         for name, t in saved.items():
-            torch.testing.assert_close(sb.layers[idx][name], t, rtol=1e-5, atol=1e-5, msg=f"layer {idx} {name}")
+            torch.testing.assert_close(
+                sb.layers[idx][name], t, rtol=1e-5, atol=1e-5, msg=f"layer {idx} {name}"
+            )
 
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_static_block_equals_chunk_and_commits_its_prefix(tiny_factory, traced):
-    model, ids, (plain, static) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=80,
-                                                      prefilled=14, capacity=96)
+    model, ids, (plain, static) = static_decode_setup(
+        tiny_factory, seed=3, prompt_seed=8, length=80, prefilled=14, capacity=96
+    )
     with torch.inference_mode():
         for length, accepted in TRACED_STEPS if traced else STEPS:
             pos = plain.pos
-            block = ids[pos:pos + length]
+            block = ids[pos : pos + length]
             ref = model.forward(block, plain, logit_rows=slice(None))
             with regions.forced("aot_eager") if traced else regions.disabled(), using(block_regions=False):
                 out = _static_block(model, static, block)
@@ -56,8 +73,9 @@ def test_static_block_equals_chunk_and_commits_its_prefix(tiny_factory, traced):
 
 
 def test_static_block_needs_one_position_per_token(tiny_factory):
-    model, ids, (state, _) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=20, prefilled=4,
-                                                 capacity=24)
+    model, ids, (state, _) = static_decode_setup(
+        tiny_factory, seed=3, prompt_seed=8, length=20, prefilled=4, capacity=24
+    )
     with pytest.raises(ValueError, match="one position per token"):
         model.forward(torch.tensor(ids[4:7]), state, positions=torch.tensor([4]))
 
@@ -68,12 +86,17 @@ def test_device_writes_of_the_accepted_prefix_equal_commit_static(tiny_factory, 
     per accepted count, ``static_commit``) leaves exactly the state ``commit_static`` leaves, through
     the torch writes and through the commit kernel (two launches per token; in the interpreter on CPU
     only the first two steps, which close CSA and HCA windows inside a block: it is slow there)."""
-    model, ids, (reference, written) = static_decode_setup(tiny_factory, seed=3, prompt_seed=8, length=80,
-                                                           prefilled=14, capacity=96)
-    with torch.inference_mode(), regions.disabled(), using(block_regions=False), \
-            kernels.on_any_device() if path == "commit_kernel" else nullcontext():
+    model, ids, (reference, written) = static_decode_setup(
+        tiny_factory, seed=3, prompt_seed=8, length=80, prefilled=14, capacity=96
+    )
+    with (
+        torch.inference_mode(),
+        regions.disabled(),
+        using(block_regions=False),
+        kernels.on_any_device() if path == "commit_kernel" else nullcontext(),
+    ):
         for length, accepted in STEPS if path == "torch" or torch.cuda.is_available() else STEPS[:2]:
-            block = ids[reference.pos:reference.pos + length]
+            block = ids[reference.pos : reference.pos + length]
             out_ref = _static_block(model, reference, block)
             positions = torch.arange(written.pos, written.pos + length)
             out = model.forward(torch.tensor(block), written, logit_rows=slice(None), positions=positions)

@@ -25,12 +25,30 @@ from ds4serve.server.tool_grammar import forced_tool_call, strict_tool_calls  # 
 from .helpers import random_prompt  # noqa: E402
 from .server_harness import running  # noqa: E402
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "required": ["city", "unit"],
-    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 9}, "opts": {"$ref": "#/$defs/Opts"}},
-    "$defs": {"Opts": {"type": "object", "additionalProperties": False, "required": ["hourly"],
-                       "properties": {"hourly": {"type": "boolean"}}}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "required": ["city", "unit"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                "opts": {"$ref": "#/$defs/Opts"},
+            },
+            "$defs": {
+                "Opts": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["hourly"],
+                    "properties": {"hourly": {"type": "boolean"}},
+                }
+            },
+        },
+    },
+}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 FREE = {"type": "function", "function": {"name": "note"}}
 TOOLS = [WEATHER, NOW, FREE]
@@ -56,43 +74,60 @@ def tok(engine):
     return engine.tokenizer
 
 
-@pytest.mark.parametrize("calls", [
-    [_call("get_weather", city="Paris", unit="c")],
-    [_call("get_weather", city="a<b\nc", unit="f", days=3, opts={"hourly": True})],
-    [_call("now"), _call("note", text="hi", n=[1, 2]), _call("get_weather", city="x", unit="c", days=9)],
-    [_call("note")],
-])
+@pytest.mark.parametrize(
+    "calls",
+    [
+        [_call("get_weather", city="Paris", unit="c")],
+        [_call("get_weather", city="a<b\nc", unit="f", days=3, opts={"hourly": True})],
+        [_call("now"), _call("note", text="hi", n=[1, 2]), _call("get_weather", city="x", unit="c", days=9)],
+        [_call("note")],
+    ],
+)
 def test_rendered_calls_of_the_tools_match(tok, calls):
     assert _accepts(tok, forced_tool_call(TOOLS, tok), calls)
 
 
-@pytest.mark.parametrize("calls", [
-    [_call("get_weather", unit="c")],  # a required parameter missing
-    [_call("get_weather", city="Paris", unit="k")],  # outside the enum
-    [_call("get_weather", city="Paris", unit="c", days=10)],  # over the maximum
-    [_call("get_weather", city="Montevideo", unit="c")],  # over maxLength
-    [_call("get_weather", unit="c", city="Paris")],  # the schema's order
-    [_call("get_weather", city="Paris", unit="c", opts={"hourly": 1})],  # the $ref'd schema
-    [_call("search", q="x")],  # no such tool
-])
+@pytest.mark.parametrize(
+    "calls",
+    [
+        [_call("get_weather", unit="c")],  # a required parameter missing
+        [_call("get_weather", city="Paris", unit="k")],  # outside the enum
+        [_call("get_weather", city="Paris", unit="c", days=10)],  # over the maximum
+        [_call("get_weather", city="Montevideo", unit="c")],  # over maxLength
+        [_call("get_weather", unit="c", city="Paris")],  # the schema's order
+        [_call("get_weather", city="Paris", unit="c", opts={"hourly": 1})],  # the $ref'd schema
+        [_call("search", q="x")],  # no such tool
+    ],
+)
 def test_calls_outside_the_schemas_do_not(tok, calls):
     assert not _accepts(tok, forced_tool_call(TOOLS, tok), calls)
 
 
-@pytest.mark.parametrize("pattern,value,ok", [
-    ("^[A-Z]{3}$", "CDG", True),
-    ("^[A-Z]{3}$", "CDGX", False),
-    ("^[A-Z]{3}$", "cdg", False),
-    ("[0-9]", "gate 7b", True),  # unanchored: a match anywhere
-    ("[0-9]", "gate b", False),
-    ("^/srv/[a-z]+$", "/srv/data", True),  # slashes inside the pattern
-    ("^/srv/[a-z]+$", "/srv/Data", False),
-    ("^(?:a|b)c$", "bc", True),
-])
+@pytest.mark.parametrize(
+    "pattern,value,ok",
+    [
+        ("^[A-Z]{3}$", "CDG", True),
+        ("^[A-Z]{3}$", "CDGX", False),
+        ("^[A-Z]{3}$", "cdg", False),
+        ("[0-9]", "gate 7b", True),  # unanchored: a match anywhere
+        ("[0-9]", "gate b", False),
+        ("^/srv/[a-z]+$", "/srv/data", True),  # slashes inside the pattern
+        ("^/srv/[a-z]+$", "/srv/Data", False),
+        ("^(?:a|b)c$", "bc", True),
+    ],
+)
 def test_a_string_pattern_is_held(tok, pattern, value, ok):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "required": ["s"], "properties": {"s": {"type": "string", "pattern": pattern,
-                                                                  "maxLength": 9}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "required": ["s"],
+                "properties": {"s": {"type": "string", "pattern": pattern, "maxLength": 9}},
+            },
+        },
+    }
     assert _accepts(tok, forced_tool_call([tool], tok), [_call("f", s=value)]) == ok
 
 
@@ -108,16 +143,26 @@ def test_a_named_tool_or_no_parallel_calls_allow_one_invoke(tok):
 STRICT = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}, FREE]
 
 
-@pytest.mark.parametrize("text,calls,ok", [
-    ("Let me see <b>\n\n< x", [], True),  # content alone, "<" and blank lines included
-    ("", [], True),
-    ("Checking.", [_call("get_weather", city="Paris", unit="c")], True),
-    ("", [_call("get_weather", city="Paris", unit="c"), _call("note", anything=[1])], True),  # note is not strict
-    ("Checking.", [_call("get_weather", city="Paris", unit="kelvin")], False),  # the strict schema holds
-    ("Checking.", [_call("get_weather", unit="c")], False),
-])
+@pytest.mark.parametrize(
+    "text,calls,ok",
+    [
+        ("Let me see <b>\n\n< x", [], True),  # content alone, "<" and blank lines included
+        ("", [], True),
+        ("Checking.", [_call("get_weather", city="Paris", unit="c")], True),
+        (
+            "",
+            [_call("get_weather", city="Paris", unit="c"), _call("note", anything=[1])],
+            True,
+        ),  # note is not strict
+        ("Checking.", [_call("get_weather", city="Paris", unit="kelvin")], False),  # the strict schema holds
+        ("Checking.", [_call("get_weather", unit="c")], False),
+    ],
+)
 def test_strict_functions_are_held_after_free_content(tok, text, calls, ok):
-    assert _matches(tok, strict_tool_calls(STRICT, tok), text + (render_tool_calls(calls) if calls else "")) == ok
+    assert (
+        _matches(tok, strict_tool_calls(STRICT, tok), text + (render_tool_calls(calls) if calls else ""))
+        == ok
+    )
 
 
 def test_content_cannot_hold_a_dsml_block_of_its_own(tok):
@@ -129,24 +174,36 @@ def test_content_cannot_hold_a_dsml_block_of_its_own(tok):
 
 
 def test_with_a_response_format_the_content_is_a_document_or_the_answer_calls(tok):
-    grammar = strict_tool_calls(STRICT, tok, content_schema={"type": "object", "required": ["a"],
-                                                             "properties": {"a": {"type": "integer"}}})
-    cases = (('{"a": 1}', True), (render_tool_calls([_call("note")]), True), ("hi", False), ('{"b": 1}', False))
+    grammar = strict_tool_calls(
+        STRICT,
+        tok,
+        content_schema={"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}},
+    )
+    cases = (
+        ('{"a": 1}', True),
+        (render_tool_calls([_call("note")]), True),
+        ("hi", False),
+        ('{"b": 1}', False),
+    )
     for text, ok in cases:
         assert _matches(tok, grammar, text) == ok, text
 
 
 def _check_weather(arguments: dict) -> None:
     assert {"city", "unit"} <= set(arguments) <= {"city", "unit", "days", "opts"}
-    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8 and arguments["unit"] in ("c", "f")
+    assert (
+        isinstance(arguments["city"], str) and len(arguments["city"]) <= 8 and arguments["unit"] in ("c", "f")
+    )
     assert 1 <= arguments.get("days", 1) <= 9 and arguments.get("opts", {"hourly": True}).keys() == {"hourly"}
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 3), (1.0, 4)])
 def test_the_model_is_held_to_a_call_the_parser_reads(engine, tok, temperature, seed):
     grammar = forced_tool_call([WEATHER], tok, name="get_weather")
-    res = engine.generate(random_prompt(12, seed=50), SamplingParams(max_tokens=200, temperature=temperature,
-                                                                     seed=seed, grammar=grammar))
+    res = engine.generate(
+        random_prompt(12, seed=50),
+        SamplingParams(max_tokens=200, temperature=temperature, seed=seed, grammar=grammar),
+    )
     assert res.ok and res.finish_reason == "stop" and res.tokens[-1] == tok.eos_id, res.error_message
     parser = OutputParser(thinking=False, tools={"get_weather"})
     delta = merged(parser.feed(tok.decode(res.tokens[:-1])) + parser.finish())
@@ -155,8 +212,10 @@ def test_the_model_is_held_to_a_call_the_parser_reads(engine, tok, temperature, 
 
 
 def test_grammar_and_json_schema_are_exclusive(engine, tok):
-    res = engine.generate(random_prompt(8, seed=51), SamplingParams(
-        max_tokens=4, grammar=forced_tool_call([NOW], tok), json_schema={"type": "object"}))
+    res = engine.generate(
+        random_prompt(8, seed=51),
+        SamplingParams(max_tokens=4, grammar=forced_tool_call([NOW], tok), json_schema={"type": "object"}),
+    )
     assert not res.ok and res.error_message.startswith("grammar:") and not res.tokens
 
 
@@ -173,8 +232,13 @@ def oai(base):
 
 
 def _ask(oai, **kw):
-    return oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                       max_tokens=200, tools=TOOLS, **kw)
+    return oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=200,
+        tools=TOOLS,
+        **kw,
+    )
 
 
 def test_openai_required_and_named_tool_choice(oai):
@@ -182,15 +246,20 @@ def test_openai_required_and_named_tool_choice(oai):
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content and choice.message.tool_calls
     assert {c.function.name for c in choice.message.tool_calls} <= {"get_weather", "now", "note"}
-    r = _ask(oai, tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body={"temperature": 0})
+    r = _ask(
+        oai,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"temperature": 0},
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     _check_weather(json.loads(call.function.arguments))
 
 
 def test_openai_streamed_forced_call_without_parallel_calls(oai):
-    chunks = list(_ask(oai, tool_choice="required", parallel_tool_calls=False, stream=True, seed=6,
-                       temperature=1.0))
+    chunks = list(
+        _ask(oai, tool_choice="required", parallel_tool_calls=False, stream=True, seed=6, temperature=1.0)
+    )
     calls = [c for chunk in chunks for d in chunk.choices for c in (d.delta.tool_calls or [])]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert len({c.index for c in calls}) == 1 and calls[0].function.name in ("get_weather", "now", "note")
@@ -205,19 +274,36 @@ def test_openai_a_forced_call_and_a_response_format_are_refused(oai):
 def test_anthropic_any_and_named_tool(base):
     """Greedy: Anthropic's API takes no seed, and a sampled call on the random model may run into max_tokens."""
     claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
-    tools = [{"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
-             for t in TOOLS]
-    msg = claude.messages.create(model="tiny", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "?"}],
-                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
+        for t in TOOLS
+    ]
+    msg = claude.messages.create(
+        model="tiny",
+        max_tokens=200,
+        tools=tools,
+        messages=[{"role": "user", "content": "?"}],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    )
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content if b.type != "text"] == ["tool_use"]
     _check_weather(next(b for b in msg.content if b.type == "tool_use").input)
-    msg = claude.messages.create(model="tiny", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "?"}],
-                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                 extra_body={"temperature": 0})
+    msg = claude.messages.create(
+        model="tiny",
+        max_tokens=200,
+        tools=tools,
+        messages=[{"role": "user", "content": "?"}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0},
+    )
     assert msg.stop_reason == "tool_use" and len([b for b in msg.content if b.type == "tool_use"]) == 1
     with pytest.raises(anthropic.BadRequestError):
-        claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "?"}],
-                               tool_choice={"type": "any"})
+        claude.messages.create(
+            model="tiny",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "?"}],
+            tool_choice={"type": "any"},
+        )
 
 
 def test_openai_auto_tool_choice_holds_a_strict_function(oai):
@@ -225,13 +311,25 @@ def test_openai_auto_tool_choice_holds_a_strict_function(oai):
     line and ``<``), a strict function's arguments follow its schema. Unsteered, the answer is content."""
     tools = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
     steer = {"128825": 100, "271": 15, "30": 15}
-    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200,
-                                    tools=tools, parallel_tool_calls=False, logit_bias=steer, temperature=0)
+    r = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather?"}],
+        max_tokens=200,
+        tools=tools,
+        parallel_tool_calls=False,
+        logit_bias=steer,
+        temperature=0,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     _check_weather(json.loads(call.function.arguments))
-    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=30,
-                                    tools=tools, temperature=0)
+    r = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather?"}],
+        max_tokens=30,
+        tools=tools,
+        temperature=0,
+    )
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content
 
 
@@ -239,57 +337,103 @@ def test_anthropic_structured_output(base, engine):
     """``output_config.format`` (Anthropic's structured outputs): the answer is a document of the schema, streamed
     or not, with the response-format block in the prompt; with a forced tool call it is a 400."""
     claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
-    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
-              "properties": {"answer": {"enum": ["yes", "no"]}}}
-    ask = dict(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "Is it?"}],
-               extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["answer"],
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+    }
+    ask = dict(
+        model="tiny",
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Is it?"}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )
     msg = claude.messages.create(**ask)
     assert json.loads(msg.content[0].text)["answer"] in ("yes", "no") and msg.stop_reason == "end_turn"
     with claude.messages.stream(**ask) as s:
         text = "".join(s.text_stream)
     assert json.loads(text)["answer"] in ("yes", "no")
-    counted = claude.messages.count_tokens(model="tiny", messages=ask["messages"],
-                                           extra_body={"output_config": ask["extra_body"]["output_config"]})
-    assert counted.input_tokens > claude.messages.count_tokens(model="tiny", messages=ask["messages"]).input_tokens
+    counted = claude.messages.count_tokens(
+        model="tiny",
+        messages=ask["messages"],
+        extra_body={"output_config": ask["extra_body"]["output_config"]},
+    )
+    assert (
+        counted.input_tokens
+        > claude.messages.count_tokens(model="tiny", messages=ask["messages"]).input_tokens
+    )
     tools = [{"name": "note", "input_schema": {"type": "object"}}]
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(**ask, tools=tools, tool_choice={"type": "any"})
     assert "output_config.format" in err.value.message
 
 
-@pytest.mark.parametrize("rule,holds", [
-    ({"choice": ["alpha", "beta", "gamma δ"]}, lambda t: t in ("alpha", "beta", "gamma δ")),
-    ({"regex": "^[0-9]{3}-[a-z]{2}$"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t) is not None),
-    ({"regex": "a/b[0-9]"}, lambda t: re.fullmatch("a/b[0-9]", t) is not None),
-    ({"json": {"type": "object", "required": ["ok"], "additionalProperties": False,
-               "properties": {"ok": {"type": "boolean"}}}}, lambda t: isinstance(json.loads(t)["ok"], bool)),
-    ({"grammar": 'start: "yes" | "no" | "maybe " DIGIT\nDIGIT: /[0-9]/'},
-     lambda t: re.fullmatch("yes|no|maybe [0-9]", t) is not None),
-])
+@pytest.mark.parametrize(
+    "rule,holds",
+    [
+        ({"choice": ["alpha", "beta", "gamma δ"]}, lambda t: t in ("alpha", "beta", "gamma δ")),
+        ({"regex": "^[0-9]{3}-[a-z]{2}$"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t) is not None),
+        ({"regex": "a/b[0-9]"}, lambda t: re.fullmatch("a/b[0-9]", t) is not None),
+        (
+            {
+                "json": {
+                    "type": "object",
+                    "required": ["ok"],
+                    "additionalProperties": False,
+                    "properties": {"ok": {"type": "boolean"}},
+                }
+            },
+            lambda t: isinstance(json.loads(t)["ok"], bool),
+        ),
+        (
+            {"grammar": 'start: "yes" | "no" | "maybe " DIGIT\nDIGIT: /[0-9]/'},
+            lambda t: re.fullmatch("yes|no|maybe [0-9]", t) is not None,
+        ),
+    ],
+)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_structured_outputs_hold_chat_and_text_answers(oai, rule, holds, temperature):
     """vLLM's ``structured_outputs``: the random tiny model's answer is held to the rule, chat and completions."""
-    extra = {"extra_body": {"structured_outputs": rule}, "temperature": temperature, "seed": 2, "max_tokens": 40}
+    extra = {
+        "extra_body": {"structured_outputs": rule},
+        "temperature": temperature,
+        "seed": 2,
+        "max_tokens": 40,
+    }
     r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], **extra)
-    assert holds(r.choices[0].message.content) and r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert holds(r.choices[0].message.content) and r.choices[0].finish_reason == "stop", r.choices[
+        0
+    ].message.content
     text = oai.completions.create(model="tiny", prompt="Answer:", **extra).choices[0].text
     assert holds(text), text
 
 
-@pytest.mark.parametrize("rule,param", [
-    ({"choice": ["a"], "regex": "b"}, "structured_outputs"),
-    ({}, "structured_outputs"),
-    ({"regex": "(?=a)b"}, "structured_outputs.regex"),
-    ({"grammar": "start: %%"}, "structured_outputs.grammar"),
-    ({"choice": []}, "structured_outputs.choice"),
-])
+@pytest.mark.parametrize(
+    "rule,param",
+    [
+        ({"choice": ["a"], "regex": "b"}, "structured_outputs"),
+        ({}, "structured_outputs"),
+        ({"regex": "(?=a)b"}, "structured_outputs.regex"),
+        ({"grammar": "start: %%"}, "structured_outputs.grammar"),
+        ({"choice": []}, "structured_outputs.choice"),
+    ],
+)
 def test_structured_outputs_that_cannot_be_held_are_named(oai, rule, param):
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=4,
-                                    extra_body={"structured_outputs": rule})
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "?"}],
+            max_tokens=4,
+            extra_body={"structured_outputs": rule},
+        )
     assert err.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=4,
-                                    response_format={"type": "json_object"},
-                                    extra_body={"structured_outputs": {"choice": ["a"]}})
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "?"}],
+            max_tokens=4,
+            response_format={"type": "json_object"},
+            extra_body={"structured_outputs": {"choice": ["a"]}},
+        )
     assert err.value.body["param"] == "structured_outputs"

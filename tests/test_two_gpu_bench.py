@@ -17,10 +17,42 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(180)
 def test_two_gpu_bench_cpu_smoke(tmp_path):
     out = tmp_path / "two_gpu.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "two_gpu.py"), "--out", str(out), "--device", "cpu", "--dims", "tiny",
-           "--layers", "4", "--experts", "8", "--contexts", "24,80", "--chunk", "32", "--steps", "3", "--reps", "3",
-           "--greedy-tokens", "6", "--spec-widths", "2,4", "--accept", "0.5", "--spec-prompt", "16",
-           "--spec-tokens", "8", "--mtp", "2", "--timeout-s", "60"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "two_gpu.py"),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--dims",
+        "tiny",
+        "--layers",
+        "4",
+        "--experts",
+        "8",
+        "--contexts",
+        "24,80",
+        "--chunk",
+        "32",
+        "--steps",
+        "3",
+        "--reps",
+        "3",
+        "--greedy-tokens",
+        "6",
+        "--spec-widths",
+        "2,4",
+        "--accept",
+        "0.5",
+        "--spec-prompt",
+        "16",
+        "--spec-tokens",
+        "8",
+        "--mtp",
+        "2",
+        "--timeout-s",
+        "60",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

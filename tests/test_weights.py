@@ -73,7 +73,10 @@ def _edit_tensors(path: Path, edit) -> None:
 def test_missing_tensor_is_named(tiny_factory, tmp_path):
     bad = _copy(tiny_factory(seed=6), tmp_path / "bad")
     _edit_tensors(bad, lambda t: t.pop("layers.3.attn.compressor.ape", None))
-    with pytest.raises(CheckpointError, match=r"missing tensor layers\.3\.attn\.compressor\.ape \(expected shape \[16, 32\]\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensor layers\.3\.attn\.compressor\.ape \(expected shape \[16, 32\]\)",
+    ):
         Checkpoint(bad)
 
 
@@ -101,15 +104,21 @@ def _edit_config(src: Path, dst: Path, edit) -> Path:
     return out
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda c: c.pop("hidden_size"), r"hidden_size: missing"),
-    (lambda c: c.update(hidden_size="64"), r"hidden_size: expected an integer, got '64'"),
-    (lambda c: c.pop("compress_ratios"), r"layer_types: missing"),
-    (lambda c: c.update(compress_ratios=[0, 0, 4, 1, 4, 16]), r"compress_ratios\[3\]: expected 0, 4"),
-    (lambda c: c.update(num_key_value_heads=2), r"num_key_value_heads: expected 1"),
-    (lambda c: c.update(quantization_config={"quant_method": "awq"}), r"quant_method: expected 'fp8'"),
-    (lambda c: c.update(rope_scaling={"type": "yarn", "factor": 16}), r"original_max_position_embeddings: missing"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c.pop("hidden_size"), r"hidden_size: missing"),
+        (lambda c: c.update(hidden_size="64"), r"hidden_size: expected an integer, got '64'"),
+        (lambda c: c.pop("compress_ratios"), r"layer_types: missing"),
+        (lambda c: c.update(compress_ratios=[0, 0, 4, 1, 4, 16]), r"compress_ratios\[3\]: expected 0, 4"),
+        (lambda c: c.update(num_key_value_heads=2), r"num_key_value_heads: expected 1"),
+        (lambda c: c.update(quantization_config={"quant_method": "awq"}), r"quant_method: expected 'fp8'"),
+        (
+            lambda c: c.update(rope_scaling={"type": "yarn", "factor": 16}),
+            r"original_max_position_embeddings: missing",
+        ),
+    ],
+)
 def test_malformed_official_config(tiny_factory, tmp_path, edit, message):
     bad = _edit_config(tiny_factory(seed=6), tmp_path / "bad", edit)
     with pytest.raises(ConfigError, match=message):

@@ -3,5 +3,12 @@
 from .engine import Engine, RequestHandle
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
 
-__all__ = ["Engine", "RequestHandle", "ErrorCode", "GenerateError", "GenerateResult", "SamplingParams",
-           "TokenLogprob"]
+__all__ = [
+    "Engine",
+    "RequestHandle",
+    "ErrorCode",
+    "GenerateError",
+    "GenerateResult",
+    "SamplingParams",
+    "TokenLogprob",
+]

@@ -33,8 +33,10 @@ def _llguidance(field: str = "json_schema"):
         import llguidance
         import llguidance.torch
     except ImportError:
-        raise GenerateError(ErrorCode.INVALID_REQUEST, f"{field}: structured output needs the llguidance "
-                            "package (pip install 'ds4serve[server]')") from None
+        raise GenerateError(
+            ErrorCode.INVALID_REQUEST,
+            f"{field}: structured output needs the llguidance package (pip install 'ds4serve[server]')",
+        ) from None
     return llguidance
 
 
@@ -65,14 +67,23 @@ class Constraint:
     """The matcher of one request: :meth:`mask` the logits of the next answer token, :meth:`consume` the
     token chosen. ``field`` names the request field the rule came from (errors say it)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, json_schema: dict[str, Any] | None = None,
-                 grammar: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        *,
+        json_schema: dict[str, Any] | None = None,
+        grammar: str | None = None,
+    ):
         self.field = "json_schema" if grammar is None else "grammar"
         llg = _llguidance(self.field)
         vocabulary = _vocabulary(tokenizer, vocab_size)
         try:
-            source = (llg.LLMatcher.grammar_from_lark(grammar) if grammar is not None
-                      else llg.LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_LAYOUT))
+            source = (
+                llg.LLMatcher.grammar_from_lark(grammar)
+                if grammar is not None
+                else llg.LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_LAYOUT)
+            )
             self.matcher = llg.LLMatcher(vocabulary, source)
         except (ValueError, TypeError) as exc:
             raise GenerateError(ErrorCode.INVALID_REQUEST, f"{self.field}: {exc}") from None
@@ -92,12 +103,16 @@ class Constraint:
         the step instead of waiting for it."""
         for token in self._pending:
             if not self.matcher.consume_token(token):
-                raise GenerateError(ErrorCode.INTERNAL, f"{self.field}: token {token} does not continue the "
-                                    f"document ({self.matcher.get_error()})")
+                raise GenerateError(
+                    ErrorCode.INTERNAL,
+                    f"{self.field}: token {token} does not continue the "
+                    f"document ({self.matcher.get_error()})",
+                )
         self._pending.clear()
         if self.matcher.is_stopped():
-            return logits.masked_fill(torch.arange(self.vocab_size, device=logits.device) != self.eos_id,
-                                      float("-inf"))
+            return logits.masked_fill(
+                torch.arange(self.vocab_size, device=logits.device) != self.eos_id, float("-inf")
+            )
         self._fill(self.matcher, self._bits, 0)
         if self._shifts.device != logits.device:
             self._shifts = self._shifts.to(logits.device)
@@ -105,7 +120,7 @@ class Constraint:
         # after the token sampled from these logits reached the host, so after this copy ran
         words = self._bits[0].to(logits.device, non_blocking=True)
         bits = (words.unsqueeze(1) >> self._shifts) & 1
-        return logits.masked_fill(bits.flatten()[:self.vocab_size] == 0, float("-inf"))
+        return logits.masked_fill(bits.flatten()[: self.vocab_size] == 0, float("-inf"))
 
     def consume(self, token: int) -> None:
         """Record the answer's next token. The matcher takes it at the next :meth:`mask`, which the engine calls

@@ -39,9 +39,17 @@ class Captured:
     (``torch.cuda.graph_pool_handle()``) shared with graphs that never run at the same time as this one.
     With ``graph=False`` each replay calls ``run`` instead: the same code without a capture (CPU tests)."""
 
-    def __init__(self, run: Callable[[], T], device: torch.device, *, graph: bool = True,
-                 warm: Callable[[], object] | None = None, setup: Callable[[], object] | None = None,
-                 warmup: int = 2, pool: object | None = None):
+    def __init__(
+        self,
+        run: Callable[[], T],
+        device: torch.device,
+        *,
+        graph: bool = True,
+        warm: Callable[[], object] | None = None,
+        setup: Callable[[], object] | None = None,
+        warmup: int = 2,
+        pool: object | None = None,
+    ):
         self._run = run
         self.graph: torch.cuda.CUDAGraph | None = None
         self.kept = None  # what ``setup`` returned: read by every replay, so kept with the graph
@@ -78,8 +86,14 @@ class DecodeGraph:
     streams are copied into before each replay (:class:`SplitDecodeGraph`), and a shard without the
     head returns no logits. ``graph=False`` runs the same step uncaptured (CPU tests)."""
 
-    def __init__(self, model: DeepSeekV4, state: SequenceState, warmup: int = 2,
-                 hidden: torch.Tensor | None = None, graph: bool = True):
+    def __init__(
+        self,
+        model: DeepSeekV4,
+        state: SequenceState,
+        warmup: int = 2,
+        hidden: torch.Tensor | None = None,
+        graph: bool = True,
+    ):
         self.model = model
         self.state = state
         self.hidden = hidden
@@ -87,14 +101,22 @@ class DecodeGraph:
         self.pos = torch.full((1,), state.pos, dtype=torch.long, device=model.device)
         # warming up runs forwards only (it must not write the state); the commit's job table is
         # reserved before the capture and filled after it
-        self._step = Captured(self._forward_and_commit, model.device, graph=graph, warm=self._forward,
-                              setup=lambda: state.prepare_capture(self.pos), warmup=warmup)
+        self._step = Captured(
+            self._forward_and_commit,
+            model.device,
+            graph=graph,
+            warm=self._forward,
+            setup=lambda: state.prepare_capture(self.pos),
+            warmup=warmup,
+        )
         self.graph = self._step.graph
         state.finish_capture()
 
     def _forward(self) -> ForwardResult:
         rows = slice(0, 1) if self.model.head is not None else None
-        return self.model.forward(self.token, self.state, hidden=self.hidden, logit_rows=rows, positions=self.pos)
+        return self.model.forward(
+            self.token, self.state, hidden=self.hidden, logit_rows=rows, positions=self.pos
+        )
 
     def _forward_and_commit(self) -> ForwardResult:
         out = self._forward()
@@ -126,8 +148,12 @@ class SplitDecodeGraph:
 
     def __init__(self, model: "SplitModel", state: SequenceState, warmup: int = 2, graph: bool = True):
         self.model, self.state = model, state
-        self.parts = _per_shard(model, state, 1, lambda shard, part, hidden: DecodeGraph(
-            shard, part, warmup, hidden=hidden, graph=graph))
+        self.parts = _per_shard(
+            model,
+            state,
+            1,
+            lambda shard, part, hidden: DecodeGraph(shard, part, warmup, hidden=hidden, graph=graph),
+        )
 
     def step(self, token: int) -> torch.Tensor:
         """:meth:`DecodeGraph.step` over every shard in turn."""
@@ -144,8 +170,16 @@ class VerifyGraph:
     ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split.
     ``graph=False`` runs the same static forward without capturing it (CPU tests)."""
 
-    def __init__(self, model: DeepSeekV4, state: SequenceState, width: int, capture: tuple[int, ...] = (),
-                 warmup: int = 2, graph: bool = True, hidden: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: DeepSeekV4,
+        state: SequenceState,
+        width: int,
+        capture: tuple[int, ...] = (),
+        warmup: int = 2,
+        graph: bool = True,
+        hidden: torch.Tensor | None = None,
+    ):
         self.model, self.state, self.width, self.capture, self.hidden = model, state, width, capture, hidden
         self.tokens = torch.zeros(width, dtype=torch.long, device=model.device)
         self._offsets = torch.arange(width, device=model.device)
@@ -157,8 +191,14 @@ class VerifyGraph:
 
     def _forward(self) -> ForwardResult:
         rows = slice(None) if self.model.head is not None else None
-        return self.model.forward(self.tokens, self.state, hidden=self.hidden, logit_rows=rows,
-                                  capture=self.capture, positions=self.positions)
+        return self.model.forward(
+            self.tokens,
+            self.state,
+            hidden=self.hidden,
+            logit_rows=rows,
+            capture=self.capture,
+            positions=self.positions,
+        )
 
     def run(self, block: list[int]) -> ForwardResult:
         """The forward of ``block`` at ``state.pos``: buffers that the next run overwrites."""
@@ -188,8 +228,9 @@ class VerifyGraph:
         writer = self._writers.get(n)
         if writer is None:  # the graph's buffers: the same at every replay, so the tables are built once
             plans = self.state.block_plans(delta, n, self.positions)
-            writer = self._writers[n] = Captured(lambda: self.state.write_block(delta, self.positions, n, plans),
-                                                 self.model.device, warmup=0)
+            writer = self._writers[n] = Captured(
+                lambda: self.state.write_block(delta, self.positions, n, plans), self.model.device, warmup=0
+            )
         writer.replay()
 
 
@@ -197,11 +238,24 @@ class SplitVerifyGraph:
     """:class:`VerifyGraph` of a :class:`~ds4serve.parallel.SplitModel`: one per shard, replayed in layer
     order like :class:`SplitDecodeGraph`; the result merges the shards' deltas and captured streams."""
 
-    def __init__(self, model: "SplitModel", state: SequenceState, width: int, capture: tuple[int, ...] = (),
-                 warmup: int = 2, graph: bool = True):
+    def __init__(
+        self,
+        model: "SplitModel",
+        state: SequenceState,
+        width: int,
+        capture: tuple[int, ...] = (),
+        warmup: int = 2,
+        graph: bool = True,
+    ):
         self.model, self.state, self.width, self.capture = model, state, width, capture
-        self.parts = _per_shard(model, state, width, lambda shard, part, hidden: VerifyGraph(
-            shard, part, width, capture, warmup, graph, hidden=hidden))
+        self.parts = _per_shard(
+            model,
+            state,
+            width,
+            lambda shard, part, hidden: VerifyGraph(
+                shard, part, width, capture, warmup, graph, hidden=hidden
+            ),
+        )
 
     def run(self, block: list[int]) -> ForwardResult:
         """:meth:`VerifyGraph.run` over every shard in turn."""
@@ -212,8 +266,12 @@ class SplitVerifyGraph:
         for out in outs:
             layers.update(out.delta.layers)
             captured.update(out.captured)
-        return ForwardResult(hidden=outs[-1].hidden, delta=ChunkDelta(start=pos, tokens=[], layers=layers),
-                             logits=outs[-1].logits, captured=captured)
+        return ForwardResult(
+            hidden=outs[-1].hidden,
+            delta=ChunkDelta(start=pos, tokens=[], layers=layers),
+            logits=outs[-1].logits,
+            captured=captured,
+        )
 
     def commit(self, tokens: list[int]) -> None:
         """:meth:`VerifyGraph.commit` on every shard's part, then the host counters."""
@@ -223,15 +281,22 @@ class SplitVerifyGraph:
         self.state.advance_block(tokens)
 
 
-def _per_shard(model: "SplitModel", state: SequenceState, rows: int,
-               make: Callable[[DeepSeekV4, SequenceState, torch.Tensor | None], T]) -> list[T]:
+def _per_shard(
+    model: "SplitModel",
+    state: SequenceState,
+    rows: int,
+    make: Callable[[DeepSeekV4, SequenceState, torch.Tensor | None], T],
+) -> list[T]:
     """``make(shard, its part of state, its input streams buffer)`` for every shard, each built with
     its own device current; the first shard embeds the tokens (no input buffer)."""
     parts = []
     cfg = model.cfg
     for k, shard in enumerate(model.shards):
-        hidden = None if k == 0 else torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=shard.dtype,
-                                                 device=shard.device)
+        hidden = (
+            None
+            if k == 0
+            else torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=shard.dtype, device=shard.device)
+        )
         with on_device(shard.device):
             parts.append(make(shard, state.part(shard.layers), hidden))
     return parts

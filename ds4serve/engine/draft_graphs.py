@@ -25,7 +25,14 @@ from __future__ import annotations
 import torch
 
 from ..kernels import regions
-from ..model.dspark import DSparkWeights, base_logits, block_merged, context_rows, ring_context, target_features
+from ..model.dspark import (
+    DSparkWeights,
+    base_logits,
+    block_merged,
+    context_rows,
+    ring_context,
+    target_features,
+)
 from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
 from ..state import ChunkDelta, LayerDelta, SequenceState
 from .cuda_graphs import Captured
@@ -47,8 +54,14 @@ class MTPGraphs:
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._step: Captured | None = None
 
-    def _pass(self, state: SequenceState, hidden: torch.Tensor, embedded: torch.Tensor, ids: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
+    def _pass(
+        self,
+        state: SequenceState,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
         """Output streams, the layer delta and the last row's logits of a static pass at ``positions``."""
         t = self.target
         with regions.static_step():
@@ -66,7 +79,9 @@ class MTPGraphs:
             embedded = torch.zeros(S, self._embedded.shape[1], dtype=self._embedded.dtype, device=dev)
             ids = torch.zeros(S, dtype=torch.long, device=dev)
             positions = torch.zeros(S, dtype=torch.long, device=dev)
-            run = Captured(lambda: self._pass(self.state, rows_hidden, embedded, ids, positions), dev, graph=self.graph)
+            run = Captured(
+                lambda: self._pass(self.state, rows_hidden, embedded, ids, positions), dev, graph=self.graph
+            )
             self._rows[S] = (run, rows_hidden, embedded, ids, positions)
         run, rows_hidden, embedded, ids, positions = self._rows[S]
         rows_hidden.copy_(hidden)
@@ -85,10 +100,13 @@ class MTPGraphs:
     def step(self, hidden: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained draft over the scratch state (committed there): streams ``[1, hc, D]`` and logits."""
         if self._step is None:
-            self._step = Captured(self._step_and_commit, self._hidden.device, graph=self.graph,
-                                  warm=lambda: self._pass(self.scratch, self._hidden, self._embedded, self._token,
-                                                          self._pos),
-                                  setup=lambda: self.scratch.prepare_capture(self._pos))
+            self._step = Captured(
+                self._step_and_commit,
+                self._hidden.device,
+                graph=self.graph,
+                warm=lambda: self._pass(self.scratch, self._hidden, self._embedded, self._token, self._pos),
+                setup=lambda: self.scratch.prepare_capture(self._pos),
+            )
             self.scratch.finish_capture()
         self._hidden.copy_(hidden)
         self._embedded.copy_(self.target.embed_rows([token]))
@@ -107,8 +125,14 @@ class MTPGraphs:
 class DSparkGraphs:
     """Captured passes of the DSpark ``weights`` over ``state`` (one context ring per stage)."""
 
-    def __init__(self, weights: DSparkWeights, target: object, state: SequenceState, layers: tuple[int, ...],
-                 graph: bool = True):
+    def __init__(
+        self,
+        weights: DSparkWeights,
+        target: object,
+        state: SequenceState,
+        layers: tuple[int, ...],
+        graph: bool = True,
+    ):
         self.w, self.target, self.state, self.layers, self.graph = weights, target, state, layers, graph
         dev = target.device
         spec = weights.spec
@@ -122,8 +146,9 @@ class DSparkGraphs:
     def _block_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
         t, rings = self.target, [ls.window for ls in self.state.layers.values()]
         cos, sin = t.last.chunk_info(0, self._ids.shape[0], self._pos + self._offsets).rope["main"]
-        merged = block_merged(self.w, self._ids, self._embedded, rings, cos, sin, t.cfg,
-                              ring_context(rings[0], self._pos))
+        merged = block_merged(
+            self.w, self._ids, self._embedded, rings, cos, sin, t.cfg, ring_context(rings[0], self._pos)
+        )
         return merged, base_logits(self.w, merged, t.head, t.cfg)
 
     def propose(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

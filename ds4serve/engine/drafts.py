@@ -25,14 +25,22 @@ import torch
 from .. import profiler
 from ..config import SLIDING, ModelConfig
 from ..devices import on_device
+from ..kernels.switches import SWITCHES
 from ..model import DeepSeekV4
-from ..model.dspark import DSparkWeights, base_logits, block_merged, confidence, context_rows, load_dspark, \
-    markov_bias, target_features
+from ..model.dspark import (
+    DSparkWeights,
+    base_logits,
+    block_merged,
+    confidence,
+    context_rows,
+    load_dspark,
+    markov_bias,
+    target_features,
+)
 from ..model.linear import GEMV_MAX_ROWS
 from ..model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits, mtp_names
 from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint, block_shapes
-from ..kernels.switches import SWITCHES
 from .draft_graphs import DSparkGraphs, MTPGraphs
 from .dspark_weights import dspark_shapes
 from .request import ErrorCode, GenerateError
@@ -63,7 +71,9 @@ class NgramProposer(DraftProposer):
     def __init__(self, max_draft_tokens: int = 4, *, max_ngram: int = 3, min_ngram: int = 1, **policy):
         super().__init__(max_draft_tokens, **policy)
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"ngram sizes: expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+            raise ValueError(
+                f"ngram sizes: expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+            )
         self.sizes = range(max_ngram, min_ngram - 1, -1)
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0
@@ -77,13 +87,13 @@ class NgramProposer(DraftProposer):
         for end in range(self._indexed, last):
             for n in self.sizes:
                 if end + 1 >= n:
-                    self._index[tuple(history[end + 1 - n:end + 1])] = end
+                    self._index[tuple(history[end + 1 - n : end + 1])] = end
         self._indexed = max(self._indexed, last)
         for n in self.sizes:
             if len(history) > n:
                 end = self._index.get(tuple(history[-n:]))
                 if end is not None:
-                    return Draft(history[end + 1:end + 1 + k])
+                    return Draft(history[end + 1 : end + 1 + k])
         return Draft()
 
 
@@ -104,15 +114,23 @@ class PredictionProposer(DraftProposer):
 
     name = "prediction"
 
-    def __init__(self, prediction: list[int], max_draft_tokens: int = GEMV_MAX_ROWS - 1, *, max_ngram: int = 8,
-                 near_ngram: int = 3, window: int = 64, **policy):
+    def __init__(
+        self,
+        prediction: list[int],
+        max_draft_tokens: int = GEMV_MAX_ROWS - 1,
+        *,
+        max_ngram: int = 8,
+        near_ngram: int = 3,
+        window: int = 64,
+        **policy,
+    ):
         super().__init__(max_draft_tokens, **policy)
         self.prediction = list(prediction)
         self.max_ngram, self.near_ngram, self.window = max_ngram, near_ngram, window
         self._at: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it starts at, ascending
         for n in range(1, max_ngram + 1):
             for i in range(len(self.prediction) - n + 1):
-                self._at.setdefault(tuple(self.prediction[i:i + n]), []).append(i)
+                self._at.setdefault(tuple(self.prediction[i : i + n]), []).append(i)
         self._start: int | None = None
         self._cursor = 0  # where in the prediction the output is expected to go on
 
@@ -122,13 +140,13 @@ class PredictionProposer(DraftProposer):
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         if self._start is None:  # the first call: the history is the prompt and the first output token
             self._start = len(history) - 1
-        out = history[self._start:]
+        out = history[self._start :]
         for n in range(min(self.max_ngram, len(out)), 0, -1):
             starts = self._at.get(tuple(out[-n:]), [])
             i = bisect.bisect_left(starts, max(0, self._cursor - n))
             if i < len(starts) and (n >= self.near_ngram or starts[i] - self._cursor <= self.window):
                 self._cursor = starts[i] + n
-                return Draft(self.prediction[self._cursor:self._cursor + k])
+                return Draft(self.prediction[self._cursor : self._cursor + k])
         return Draft()
 
 
@@ -155,25 +173,35 @@ class TargetParts:
 def target_parts(model: object) -> TargetParts:
     shards = getattr(model, "shards", None) or [model]
     first, last = shards[0], shards[-1]
-    if not (isinstance(first, DeepSeekV4) and isinstance(last, DeepSeekV4) and first.embed is not None
-            and last.head is not None):
-        raise GenerateError(ErrorCode.INVALID_REQUEST, "speculative: model drafts need the target's embedding and "
-                            "head in this process (a multi-host pipeline does not have them); use 'ngram'")
+    if not (
+        isinstance(first, DeepSeekV4)
+        and isinstance(last, DeepSeekV4)
+        and first.embed is not None
+        and last.head is not None
+    ):
+        raise GenerateError(
+            ErrorCode.INVALID_REQUEST,
+            "speculative: model drafts need the target's embedding and "
+            "head in this process (a multi-host pipeline does not have them); use 'ngram'",
+        )
     return TargetParts(first.cfg, first.embed, last.head.head, last)
 
 
 def _at_target(method: Callable) -> Callable:
     """Run a model draft's method with the device of the target's head current: Triton launches and CUDA
     graph replays go to the current device, which on a layer split is another shard's."""
+
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with on_device(self.target.device):
             return method(self, *args, **kwargs)
+
     return run
 
 
-def _draft_state(cfg: ModelConfig, stages: int, max_context: int, dtype: torch.dtype,
-                 device: torch.device) -> SequenceState:
+def _draft_state(
+    cfg: ModelConfig, stages: int, max_context: int, dtype: torch.dtype, device: torch.device
+) -> SequenceState:
     layers = {s: allocate_layer(cfg, SLIDING, max_context, dtype, device) for s in range(stages)}
     return SequenceState(layers=layers, max_context=max_context, window=cfg.sliding_window)
 
@@ -194,8 +222,16 @@ class MTPProposer(DraftProposer):
 
     name = "mtp"
 
-    def __init__(self, weights: MTPWeights, target: TargetParts, max_draft_tokens: int = 3, *,
-                 static_passes: bool = False, capture: bool | None = None, **policy):
+    def __init__(
+        self,
+        weights: MTPWeights,
+        target: TargetParts,
+        max_draft_tokens: int = 3,
+        *,
+        static_passes: bool = False,
+        capture: bool | None = None,
+        **policy,
+    ):
         super().__init__(max_draft_tokens, **policy)
         self.w = weights
         self.target = target
@@ -211,15 +247,25 @@ class MTPProposer(DraftProposer):
         self.state = _draft_state(self.cfg, 1, max_context + MAX_DRAFT_TOKENS + 1, t.dtype, t.device)
         self._last = None
         capture = t.device.type == "cuda" if self.capture is None else self.capture
-        self._graphs = MTPGraphs(self.w, self.target, self.state, graph=capture) if self.static_passes else None
+        self._graphs = (
+            MTPGraphs(self.w, self.target, self.state, graph=capture) if self.static_passes else None
+        )
 
     def _run(self, state: SequenceState, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """Forward rows at ``state.pos`` and commit them to ``state``; return the output streams."""
         t = self.target
         ids = torch.tensor(next_ids, dtype=torch.long, device=t.device)
         with profiler.step("draft", len(next_ids), state.pos, _draft_layers(self.cfg, 1)):
-            G, delta = mtp_forward(self.w, hidden, ids, t.embed_rows(next_ids),
-                                   t.last.chunk_info(state.pos, len(next_ids)), state.layers[0], self.cfg, t.last.ropes)
+            G, delta = mtp_forward(
+                self.w,
+                hidden,
+                ids,
+                t.embed_rows(next_ids),
+                t.last.chunk_info(state.pos, len(next_ids)),
+                state.layers[0],
+                self.cfg,
+                t.last.ropes,
+            )
         state.commit(ChunkDelta(start=state.pos, tokens=list(next_ids), layers={0: delta}), len(next_ids))
         self.forwards += 1
         return G
@@ -228,7 +274,9 @@ class MTPProposer(DraftProposer):
     def observe(self, committed: Committed) -> None:
         next_ids = committed.tokens[1:] + [committed.next_token]
         if self._graphs is not None and len(next_ids) <= MAX_STATIC_ROWS:
-            with profiler.step("draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True):
+            with profiler.step(
+                "draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True
+            ):
                 G, logits = self._graphs.observe(committed.hidden, next_ids)
             self.forwards += 1
             self._last = (G.clone(), logits.clone())
@@ -248,7 +296,9 @@ class MTPProposer(DraftProposer):
         scratch = self.state.fork() if k > 1 and self._graphs is None else None
         while len(tokens) < k:
             if self._graphs is not None:
-                with profiler.step("draft", 1, self._graphs.scratch.pos, _draft_layers(self.cfg, 1), graph=True):
+                with profiler.step(
+                    "draft", 1, self._graphs.scratch.pos, _draft_layers(self.cfg, 1), graph=True
+                ):
                     G, logits = self._graphs.step(G, token)
                 self.forwards += 1
             else:
@@ -270,8 +320,16 @@ class DSparkProposer(DraftProposer):
     name = "dspark"
     confidence_scheduled = True
 
-    def __init__(self, weights: DSparkWeights, target: TargetParts, max_draft_tokens: int | None = None, *,
-                 static_passes: bool = False, capture: bool | None = None, **policy):
+    def __init__(
+        self,
+        weights: DSparkWeights,
+        target: TargetParts,
+        max_draft_tokens: int | None = None,
+        *,
+        static_passes: bool = False,
+        capture: bool | None = None,
+        **policy,
+    ):
         super().__init__(weights.spec.block_size if max_draft_tokens is None else max_draft_tokens, **policy)
         self.w = weights
         self.target = target
@@ -286,8 +344,11 @@ class DSparkProposer(DraftProposer):
         t = self.target.last
         self.state = _draft_state(self.cfg, len(self.w.stages), max_context + 1, t.dtype, t.device)
         capture = t.device.type == "cuda" if self.capture is None else self.capture
-        self._graphs = (DSparkGraphs(self.w, self.target, self.state, self.capture_layers, graph=capture)
-                        if self.static_passes else None)
+        self._graphs = (
+            DSparkGraphs(self.w, self.target, self.state, self.capture_layers, graph=capture)
+            if self.static_passes
+            else None
+        )
 
     @_at_target
     def observe(self, committed: Committed) -> None:
@@ -296,8 +357,12 @@ class DSparkProposer(DraftProposer):
             rows = self._graphs.context(committed.captured)
         else:
             cos, sin = self.target.last.chunk_info(pos, n).rope["main"]
-            rows = context_rows(self.w, target_features(committed.captured, self.capture_layers), cos, sin, self.cfg)
-        delta = ChunkDelta(start=pos, tokens=committed.tokens, layers={s: LayerDelta(r) for s, r in enumerate(rows)})
+            rows = context_rows(
+                self.w, target_features(committed.captured, self.capture_layers), cos, sin, self.cfg
+            )
+        delta = ChunkDelta(
+            start=pos, tokens=committed.tokens, layers={s: LayerDelta(r) for s, r in enumerate(rows)}
+        )
         self.state.commit(delta, n)
 
     @_at_target
@@ -309,8 +374,9 @@ class DSparkProposer(DraftProposer):
             with profiler.step("draft", spec.block_size, pos, layers, graph=True):
                 merged, logits = self._graphs.propose(seed)
         else:
-            ids = torch.tensor([seed] + [spec.noise_token_id] * (spec.block_size - 1), dtype=torch.long,
-                               device=t.device)
+            ids = torch.tensor(
+                [seed] + [spec.noise_token_id] * (spec.block_size - 1), dtype=torch.long, device=t.device
+            )
             cos, sin = t.last.chunk_info(pos, spec.block_size).rope["main"]
             slots = torch.arange(max(0, pos - self.state.window), pos, device=t.device) % self.state.window
             context = [self.state.layers[s].window[slots] for s in range(len(self.w.stages))]
@@ -341,7 +407,7 @@ class OracleProposer(DraftProposer):
         self.rng = random.Random(seed)
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
-        truth = self.sequence[len(history):len(history) + k]
+        truth = self.sequence[len(history) : len(history) + k]
         return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab_size for t in truth])
 
 
@@ -367,14 +433,21 @@ def check_config(cfg: ModelConfig, where: object, kind: str) -> None:
     """Raise :class:`GenerateError` (invalid_request) when the config has no draft of ``kind``."""
     if kind == "mtp":
         if cfg.dspark is not None:
-            raise GenerateError(ErrorCode.INVALID_REQUEST, "speculative: 'mtp' needs an MTP next-n block, but this "
-                                "checkpoint's mtp.* tensors are DSpark stages; use 'dspark'")
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST,
+                "speculative: 'mtp' needs an MTP next-n block, but this "
+                "checkpoint's mtp.* tensors are DSpark stages; use 'dspark'",
+            )
         if cfg.n_mtp_layers < 1:
-            raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: 'mtp' needs an MTP block, but {where} has "
-                                "num_nextn_predict_layers = 0")
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST,
+                f"speculative: 'mtp' needs an MTP block, but {where} has num_nextn_predict_layers = 0",
+            )
     elif cfg.dspark is None:
-        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: 'dspark' needs DSpark draft stages, but "
-                            f"{where} has no dspark_block_size")
+        raise GenerateError(
+            ErrorCode.INVALID_REQUEST,
+            f"speculative: 'dspark' needs DSpark draft stages, but {where} has no dspark_block_size",
+        )
 
 
 def check_draft(ckpt: Checkpoint, kind: str) -> None:
@@ -382,8 +455,11 @@ def check_draft(ckpt: Checkpoint, kind: str) -> None:
     check_config(ckpt.cfg, ckpt.path / "config.json", kind)
     problems = tensor_problems(ckpt, mtp_shapes(ckpt.cfg) if kind == "mtp" else dspark_shapes(ckpt.cfg))
     if problems:
-        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: the {kind} draft of {ckpt.path} is unusable "
-                            f"({len(problems)} problem(s)): " + "; ".join(problems[:10]))
+        raise GenerateError(
+            ErrorCode.INVALID_REQUEST,
+            f"speculative: the {kind} draft of {ckpt.path} is unusable "
+            f"({len(problems)} problem(s)): " + "; ".join(problems[:10]),
+        )
 
 
 class DraftModels:
@@ -424,8 +500,10 @@ class DraftModels:
 def _engine_drafts(engine: "Engine") -> DraftModels:
     if engine.draft is None:
         if engine.path is None:
-            raise GenerateError(ErrorCode.INVALID_REQUEST, "speculative: this engine has no checkpoint path to load "
-                                "a draft model from")
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST,
+                "speculative: this engine has no checkpoint path to load a draft model from",
+            )
         path, dtype, device = engine.path, engine.dtype, engine.device
 
         def loader(kind: str) -> Callable[[], object]:
@@ -433,6 +511,7 @@ def _engine_drafts(engine: "Engine") -> DraftModels:
                 ckpt = Checkpoint(path)
                 check_draft(ckpt, kind)
                 return load_mtp(ckpt, 0, dtype, device) if kind == "mtp" else load_dspark(ckpt, dtype, device)
+
             return load
 
         engine.draft = DraftModels({kind: loader(kind) for kind in ("mtp", "dspark")})
@@ -444,12 +523,16 @@ def parse_speculative(speculative: object) -> tuple[str, int | None]:
     ``speculative`` otherwise."""
     m = _SPEC_RE.match(speculative) if isinstance(speculative, str) else None
     if m is None or m["name"] not in METHODS:
-        raise GenerateError(ErrorCode.INVALID_REQUEST, f"speculative: expected one of {list(METHODS)} (optionally "
-                            f"'NAME:K' for at most K drafts per step), got {speculative!r}")
+        raise GenerateError(
+            ErrorCode.INVALID_REQUEST,
+            f"speculative: expected one of {list(METHODS)} (optionally "
+            f"'NAME:K' for at most K drafts per step), got {speculative!r}",
+        )
     k = None if m["k"] is None else int(m["k"])
     if k is not None and not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise GenerateError(ErrorCode.INVALID_REQUEST,
-                            f"speculative: K in '{speculative}' must be in [1, {MAX_DRAFT_TOKENS}]")
+        raise GenerateError(
+            ErrorCode.INVALID_REQUEST, f"speculative: K in '{speculative}' must be in [1, {MAX_DRAFT_TOKENS}]"
+        )
     return m["name"], k
 
 
@@ -460,8 +543,11 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
     name, k = parse_speculative(speculative)
     if name == "ngram":
         return NgramProposer() if k is None else NgramProposer(k)
-    check_config(engine.cfg, "the checkpoint's config.json" if engine.path is None else engine.path / "config.json",
-                 name)
+    check_config(
+        engine.cfg,
+        "the checkpoint's config.json" if engine.path is None else engine.path / "config.json",
+        name,
+    )
     target = target_parts(engine._require_model())
     weights = _engine_drafts(engine).get(name)
     # the drafts' passes run on the device of the target's head: graphs there, for a whole model or a split

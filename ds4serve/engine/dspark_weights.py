@@ -23,19 +23,23 @@ def dspark_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     D, hc, V, r = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size, spec.markov_rank
     shapes: dict[str, tuple[int, ...]] = {}
     for s in range(DSPARK_STAGES):
-        shapes.update({f"mtp.{s}.{n}": shape for n, shape in block_shapes(cfg, 0, SLIDING, hash_moe=False).items()})
+        shapes.update(
+            {f"mtp.{s}.{n}": shape for n, shape in block_shapes(cfg, 0, SLIDING, hash_moe=False).items()}
+        )
     last = f"mtp.{DSPARK_STAGES - 1}."
-    shapes.update({
-        "mtp.0.main_proj.weight": (D, len(spec.target_layer_ids) * D),
-        "mtp.0.main_norm.weight": (D,),
-        last + "norm.weight": (D,),
-        last + "hc_head_fn": (hc, hc * D),
-        last + "hc_head_base": (hc,),
-        last + "hc_head_scale": (1,),
-        last + "markov_head.markov_w1.weight": (V, r),
-        last + "markov_head.markov_w2.weight": (V, r),
-        last + "confidence_head.proj.weight": (1, D + r),
-    })
+    shapes.update(
+        {
+            "mtp.0.main_proj.weight": (D, len(spec.target_layer_ids) * D),
+            "mtp.0.main_norm.weight": (D,),
+            last + "norm.weight": (D,),
+            last + "hc_head_fn": (hc, hc * D),
+            last + "hc_head_base": (hc,),
+            last + "hc_head_scale": (1,),
+            last + "markov_head.markov_w1.weight": (V, r),
+            last + "markov_head.markov_w2.weight": (V, r),
+            last + "confidence_head.proj.weight": (1, D + r),
+        }
+    )
     return shapes
 
 

@@ -21,13 +21,13 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
+from ..kernels.switches import SWITCHES
 from ..model import DeepSeekV4
+from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
+from ..parallel.split_model import SplitModel
 from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
-from ..kernels.switches import SWITCHES
-from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
-from ..parallel.split_model import SplitModel
 from .constraint import Constraint
 from .constraint import for_request as constraint_for
 from .constraint import prepare as prepare_constraints
@@ -35,14 +35,20 @@ from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, Verify
 from .generation import Generation
 from .prefill_graphs import MAX_GRAPH_TOKENS, FirstChunkGraphs
 from .prefill_graphs import graphs_apply as prefill_graphs_apply
-from .speculative import PromptFeed, speculative_decode
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
+from .speculative import PromptFeed, speculative_decode
 
 log = logging.getLogger("ds4serve.engine")
 WARM_UP_PROMPT, WARM_UP_TOKENS = 16, 4  # Engine.warm_up's request: a prefill chunk and a few decode steps
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 PARK_SELECTORS = ("", "all", "target", "draft")
 MIN_STATE_TOKENS = 1024  # the smallest sequence state the engine allocates (see state_capacity)
 GPU_CHUNK_TOKENS, CPU_CHUNK_TOKENS = 4096, 512  # default longest prefill chunk (see default_chunk_size)
@@ -59,8 +65,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class RequestHandle:
     """A running generation: iterate it for tokens, ``cancel()`` it, read ``result`` when done."""
 
-    def __init__(self, engine: "Engine", prompt: list[int], params: SamplingParams,
-                 speculative: object | None, snapshot: Snapshot | None):
+    def __init__(
+        self,
+        engine: "Engine",
+        prompt: list[int],
+        params: SamplingParams,
+        speculative: object | None,
+        snapshot: Snapshot | None,
+    ):
         self.prompt = list(prompt) if not isinstance(prompt, list) else prompt
         self.params = params
         self.result = GenerateResult()
@@ -82,8 +94,16 @@ class RequestHandle:
 class Engine:
     """DeepSeek-V4 inference over one model (or one layer split) with exact incremental state."""
 
-    def __init__(self, model: DeepSeekV4, tokenizer: Tokenizer, *, loader: Callable[[], DeepSeekV4] | None = None,
-                 path: Path | None = None, max_context: int | None = None, chunk_size: int = 512):
+    def __init__(
+        self,
+        model: DeepSeekV4,
+        tokenizer: Tokenizer,
+        *,
+        loader: Callable[[], DeepSeekV4] | None = None,
+        path: Path | None = None,
+        max_context: int | None = None,
+        chunk_size: int = 512,
+    ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
         self.model: DeepSeekV4 | None = model
@@ -102,20 +122,33 @@ class Engine:
         self.forward_calls = 0
         self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
-        self._first_chunks: FirstChunkGraphs | PipelineFirstChunks | None = None  # first prefill chunks, by bucket
+        self._first_chunks: FirstChunkGraphs | PipelineFirstChunks | None = (
+            None  # first prefill chunks, by bucket
+        )
         # (model, eager, switch values, whether its first chunks are captured): judged once, not per prompt
         self._first_chunks_apply: tuple[object, bool, tuple, bool] | None = None
         # (width, capture) -> the verify graph over self._state
-        self._verify_graphs: dict[tuple[int, tuple[int, ...]],
-                                  VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph] = {}
-        self._warned_eager_verify = False  # logged once: speculation would verify eagerly next to decode graphs
+        self._verify_graphs: dict[
+            tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
+        ] = {}
+        self._warned_eager_verify = (
+            False  # logged once: speculation would verify eagerly next to decode graphs
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
-                        dtype: str | torch.dtype = "float32", *, max_context: int | None = None,
-                        chunk_size: int | None = None, devices: list[str | torch.device] | None = None,
-                        layer_split: list[int] | None = None, quantized: bool | None = None,
-                        eager: bool = False) -> "Engine":
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        *,
+        max_context: int | None = None,
+        chunk_size: int | None = None,
+        devices: list[str | torch.device] | None = None,
+        layer_split: list[int] | None = None,
+        quantized: bool | None = None,
+        eager: bool = False,
+    ) -> "Engine":
         """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
 
         ``quantized`` keeps FP8 / MXFP4 tensors quantized in memory, read in place by the GPU kernels
@@ -137,21 +170,44 @@ class Engine:
         if devices is not None:
             from ..parallel import split_loader
 
-            load = split_loader(path, devices, torch_dtype, layer_split=layer_split, max_context=max_context,
-                                quantized=quantized)
-        engine = cls(load(), Tokenizer(path), loader=load, path=path, max_context=max_context,
-                     chunk_size=chunk_size or default_chunk_size(on_cuda))
+            load = split_loader(
+                path,
+                devices,
+                torch_dtype,
+                layer_split=layer_split,
+                max_context=max_context,
+                quantized=quantized,
+            )
+        engine = cls(
+            load(),
+            Tokenizer(path),
+            loader=load,
+            path=path,
+            max_context=max_context,
+            chunk_size=chunk_size or default_chunk_size(on_cuda),
+        )
         engine.eager = eager
         return engine
 
     # ---- forward helpers -----------------------------------------------------------------------
-    def _forward(self, ids: list[int], state: SequenceState, logit_rows: torch.Tensor | slice | None,
-                 capture: tuple[int, ...] = ()):
+    def _forward(
+        self,
+        ids: list[int],
+        state: SequenceState,
+        logit_rows: torch.Tensor | slice | None,
+        capture: tuple[int, ...] = (),
+    ):
         self.forward_calls += 1
         return self._require_model().forward(ids, state, logit_rows=logit_rows, capture=capture)
 
-    def prefill(self, state: SequenceState, ids: list[int], chunk_sizes: list[int] | None = None,
-                all_logits: bool = False, on_chunk: "PromptFeed | None" = None) -> torch.Tensor | None:
+    def prefill(
+        self,
+        state: SequenceState,
+        ids: list[int],
+        chunk_sizes: list[int] | None = None,
+        all_logits: bool = False,
+        on_chunk: "PromptFeed | None" = None,
+    ) -> torch.Tensor | None:
         """Forward ``ids`` chunk by chunk, committing each chunk.
 
         Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
@@ -164,7 +220,7 @@ class Engine:
         outs: list[torch.Tensor] = []
         offset = 0
         for n, size in enumerate(sizes):
-            chunk = ids[offset:offset + size]
+            chunk = ids[offset : offset + size]
             last = n == len(sizes) - 1
             rows = slice(None) if all_logits else (slice(size - 1, size) if last else None)
             start = state.pos
@@ -199,14 +255,26 @@ class Engine:
             return self.prefill(state, ids, chunk_sizes or [len(ids)], all_logits=True)
 
     # ---- generation ----------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], params: SamplingParams, *, speculative: object | None = None,
-               snapshot: Snapshot | None = None) -> RequestHandle:
+    def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        speculative: object | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> RequestHandle:
         """Start a generation; iterate the handle for tokens as they are committed."""
         return RequestHandle(self, prompt_ids, params, speculative, snapshot)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                 on_token: Callable[[int], bool | None] | None = None, speculative: object | None = None,
-                 snapshot: Snapshot | None = None) -> GenerateResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_token: Callable[[int], bool | None] | None = None,
+        speculative: object | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> GenerateResult:
         """Generate until a stop token, ``max_tokens`` or cancellation (``on_token`` returning False)."""
         handle = self.stream(prompt_ids, params, speculative=speculative, snapshot=snapshot)
         for token in handle:
@@ -225,7 +293,9 @@ class Engine:
         vocab = self.cfg.vocab_size
         prompt = [(i * 7919) % vocab for i in range(1, WARM_UP_PROMPT + 1)]
         start = time.perf_counter()
-        res = self.generate(prompt, SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True), speculative=speculative)
+        res = self.generate(
+            prompt, SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True), speculative=speculative
+        )
         if res.error is not None:
             raise RuntimeError(f"warm-up request failed: {res.error}: {res.error_message}")
         with self._lock, torch.inference_mode():
@@ -235,7 +305,9 @@ class Engine:
         prepare_constraints(self.tokenizer, vocab)
         return time.perf_counter() - start
 
-    def _run(self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None) -> Iterator[int]:
+    def _run(
+        self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None
+    ) -> Iterator[int]:
         res, params = handle.result, handle.params
         start = time.perf_counter()
         with self._lock, torch.inference_mode():
@@ -248,11 +320,16 @@ class Engine:
                     constraint = constraint_for(params, self.tokenizer, self.cfg.vocab_size)
                     proposer = self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
-                    state, logits = self._start(prompt, params.max_tokens, snapshot or self._pending_restore, res,
-                                                feed)
+                    state, logits = self._start(
+                        prompt, params.max_tokens, snapshot or self._pending_restore, res, feed
+                    )
                     self._pending_restore = None
-                    if logits.is_cuda:  # the forward returns before the device has run it: the first token waits
-                        torch.cuda.current_stream(logits.device).synchronize()  # for it anyway, so time it here
+                    if (
+                        logits.is_cuda
+                    ):  # the forward returns before the device has run it: the first token waits
+                        torch.cuda.current_stream(
+                            logits.device
+                        ).synchronize()  # for it anyway, so time it here
                     res.timings.prefill_s = time.perf_counter() - start
                     if feed is None:
                         yield from self._decode_loop(handle, state, logits, start, constraint)
@@ -280,17 +357,27 @@ class Engine:
             raise GenerateError(ErrorCode.INVALID_REQUEST, "prompt: expected at least one token")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise GenerateError(ErrorCode.INVALID_REQUEST,
-                                f"prompt: token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST,
+                f"prompt: token ids outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}",
+            )
         need = len(ids) + params.max_tokens
         if need > self.max_context:
-            raise GenerateError(ErrorCode.CONTEXT_OVERFLOW,
-                                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
-                                f"the context of {self.max_context} tokens")
+            raise GenerateError(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds "
+                f"the context of {self.max_context} tokens",
+            )
         return ids
 
-    def _start(self, prompt: list[int], max_tokens: int, snapshot: Snapshot | None, res: GenerateResult,
-               feed: "PromptFeed | None" = None) -> tuple[SequenceState, torch.Tensor]:
+    def _start(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        snapshot: Snapshot | None,
+        res: GenerateResult,
+        feed: "PromptFeed | None" = None,
+    ) -> tuple[SequenceState, torch.Tensor]:
         """A clean or restored state with the prompt prefilled, and the logits after its last token.
 
         With a speculative ``feed``, the draft proposer starts from the restored tokens and sees
@@ -319,10 +406,24 @@ class Engine:
             self._state = self._require_model().new_state(state_capacity(need, self.max_context))
         return self._state
 
-    def _decode_loop(self, handle: RequestHandle, state: SequenceState, logits: torch.Tensor,
-                     start: float, constraint: Constraint | None) -> Iterator[int]:
-        gen = Generation(handle.prompt, handle.params, handle.result, self.cfg, self.tokenizer, logits.device, start,
-                         constraint)
+    def _decode_loop(
+        self,
+        handle: RequestHandle,
+        state: SequenceState,
+        logits: torch.Tensor,
+        start: float,
+        constraint: Constraint | None,
+    ) -> Iterator[int]:
+        gen = Generation(
+            handle.prompt,
+            handle.params,
+            handle.result,
+            self.cfg,
+            self.tokenizer,
+            logits.device,
+            start,
+            constraint,
+        )
         decode_start = time.perf_counter()
         while True:
             if handle.cancelled:
@@ -348,8 +449,11 @@ class Engine:
         eager_verify = kinds is not None and (kinds[1] is None or not SWITCHES.speculative_graphs)
         if eager_verify and not self._warned_eager_verify:
             self._warned_eager_verify = True
-            log.warning("speculative decoding on %s verifies eagerly while plain decoding runs through "
-                        "CUDA graphs: expect it to be slower than plain decoding", type(model).__name__)
+            log.warning(
+                "speculative decoding on %s verifies eagerly while plain decoding runs through "
+                "CUDA graphs: expect it to be slower than plain decoding",
+                type(model).__name__,
+            )
         return resolve_proposer(self, speculative)
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
@@ -367,8 +471,9 @@ class Engine:
                 state.last_logits = graph.step(token)[0].clone()
         return state.last_logits
 
-    def _decode_graph(self, model: object, state: SequenceState
-                      ) -> DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None:
+    def _decode_graph(
+        self, model: object, state: SequenceState
+    ) -> DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None:
         """The decode step captured for ``state`` (None: eager, or not on CUDA): one graph for a whole
         model, one per shard for a layer split in this process, one per rank for a pipeline."""
         kinds = self._graph_kinds(model)
@@ -400,28 +505,49 @@ class Engine:
         judged = self._first_chunks_apply
         if judged is None or judged[0] is not model or judged[1:3] != (self.eager, switches):
             if isinstance(model, PipelineModel):  # each rank judges its own experts (PipelineFirstChunks)
-                apply = (SWITCHES.prefill_graphs and SWITCHES.pipeline_prefill_graphs and not self.eager
-                         and model.device.type == "cuda")
+                apply = (
+                    SWITCHES.prefill_graphs
+                    and SWITCHES.pipeline_prefill_graphs
+                    and not self.eager
+                    and model.device.type == "cuda"
+                )
             else:
                 split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
-                apply = SWITCHES.prefill_graphs and (split or self._graphs_apply(model)) and prefill_graphs_apply(model)
+                apply = (
+                    SWITCHES.prefill_graphs
+                    and (split or self._graphs_apply(model))
+                    and prefill_graphs_apply(model)
+                )
             judged = self._first_chunks_apply = (model, self.eager, switches, apply)
         if not judged[3]:
             return None
         limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
-        if self._first_chunks is None or self._first_chunks.model is not model or self._first_chunks.limit != limit:
-            self._first_chunks = (model.first_chunks(limit) if isinstance(model, PipelineModel)
-                                  else FirstChunkGraphs(model, limit))
+        if (
+            self._first_chunks is None
+            or self._first_chunks.model is not model
+            or self._first_chunks.limit != limit
+        ):
+            self._first_chunks = (
+                model.first_chunks(limit)
+                if isinstance(model, PipelineModel)
+                else FirstChunkGraphs(model, limit)
+            )
         return self._first_chunks
 
     def _graphs_apply(self, model: object) -> bool:
         """CUDA graphs are used for a whole model on CUDA unless the engine is eager (the draft models'
         graphs need the whole model in one place)."""
-        return (not self.eager and isinstance(model, DeepSeekV4) and model.device.type == "cuda"
-                and model.embed is not None and model.head is not None)
+        return (
+            not self.eager
+            and isinstance(model, DeepSeekV4)
+            and model.device.type == "cuda"
+            and model.embed is not None
+            and model.head is not None
+        )
 
-    def verify_graph(self, model: object, state: SequenceState, width: int,
-                     capture: tuple[int, ...]) -> VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph | None:
+    def verify_graph(
+        self, model: object, state: SequenceState, width: int, capture: tuple[int, ...]
+    ) -> VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph | None:
         """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
         prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
         (``SWITCHES.static_commit``)."""
@@ -492,7 +618,9 @@ class Engine:
 
     def _require_model(self) -> DeepSeekV4:
         if self.model is None:
-            raise GenerateError(ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)")
+            raise GenerateError(
+                ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)"
+            )
         return self.model
 
 

@@ -19,8 +19,17 @@ from .sampler import Sampler
 
 
 class Generation:
-    def __init__(self, prompt: list[int], params: SamplingParams, result: GenerateResult, cfg: ModelConfig,
-                 tokenizer: Tokenizer, device: torch.device, start: float, constraint: Constraint | None = None):
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        result: GenerateResult,
+        cfg: ModelConfig,
+        tokenizer: Tokenizer,
+        device: torch.device,
+        start: float,
+        constraint: Constraint | None = None,
+    ):
         """``constraint``: the matcher of the request's ``json_schema`` or ``grammar`` (the engine compiles it before
         prefill)."""
         self.prompt = prompt
@@ -59,7 +68,9 @@ class Generation:
         """The exact distribution of the next token (one-hot when forced or greedy)."""
         forced = self.forced()
         if forced is not None:
-            return torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1]).float().to(logits.device)
+            return (
+                torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1]).float().to(logits.device)
+            )
         return self.sampler.distribution(self._constrained(logits), self.prompt, self.output)
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:

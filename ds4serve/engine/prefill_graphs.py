@@ -112,8 +112,9 @@ class ShardFirstChunk:
     has the head. Captured (``graph``) or run uncaptured; a pipeline rank holds one per bucket
     (:mod:`ds4serve.parallel.pipeline`)."""
 
-    def __init__(self, model: DeepSeekV4, width: int, pool: object | None, graph: bool,
-                 hidden: torch.Tensor | None):
+    def __init__(
+        self, model: DeepSeekV4, width: int, pool: object | None, graph: bool, hidden: torch.Tensor | None
+    ):
         self.model, self.width, self.hidden = model, width, hidden
         self.tokens = torch.full((width,), PAD_TOKEN, dtype=torch.long, device=model.device)
         self.row = torch.zeros(1, dtype=torch.long, device=model.device)
@@ -136,12 +137,18 @@ class _BucketGraph:
     """A bucket's forward through every shard in layer order, the streams leaving one shard copied into the
     next one's input buffer between the replays."""
 
-    def __init__(self, model: DeepSeekV4 | SplitModel, width: int, pools: dict[torch.device, object],
-                 graph: bool):
+    def __init__(
+        self, model: DeepSeekV4 | SplitModel, width: int, pools: dict[torch.device, object], graph: bool
+    ):
         self.parts = []
         for k, shard in enumerate(shards_of(model)):
-            hidden = None if k == 0 else torch.zeros(width, shard.cfg.hc_mult, shard.cfg.hidden_size,
-                                                     dtype=shard.dtype, device=shard.device)
+            hidden = (
+                None
+                if k == 0
+                else torch.zeros(
+                    width, shard.cfg.hc_mult, shard.cfg.hidden_size, dtype=shard.dtype, device=shard.device
+                )
+            )
             with on_device(shard.device):
                 self.parts.append(ShardFirstChunk(shard, width, pools.get(shard.device), graph, hidden))
 
@@ -153,8 +160,9 @@ class _BucketGraph:
             layers.update(out.delta.layers)
             if k + 1 < len(self.parts):
                 self.parts[k + 1].hidden.copy_(out.hidden)
-        return ForwardResult(hidden=out.hidden, delta=ChunkDelta(start=0, tokens=list(ids), layers=layers),
-                             logits=out.logits)
+        return ForwardResult(
+            hidden=out.hidden, delta=ChunkDelta(start=0, tokens=list(ids), layers=layers), logits=out.logits
+        )
 
 
 class FirstChunkGraphs:
@@ -183,11 +191,13 @@ class FirstChunkGraphs:
         ``[1, V]``, the delta of its ``len(ids)`` tokens and their streams, in buffers the next call of the
         same bucket overwrites (commit them before)."""
         if not self.applies(state, len(ids)):
-            raise ValueError(f"a first-chunk graph takes 1..{self.limit} tokens at position 0, "
-                             f"got {len(ids)} at {state.pos}")
+            raise ValueError(
+                f"a first-chunk graph takes 1..{self.limit} tokens at position 0, "
+                f"got {len(ids)} at {state.pos}"
+            )
         width = bucket_of(len(ids), self.limit)
         g = self._graphs.get(width)
         if g is None:
             g = self._graphs[width] = _BucketGraph(self.model, width, self._pools, self.graph)
         out = g.run(ids)
-        return ForwardResult(hidden=out.hidden[:len(ids)], delta=out.delta, logits=out.logits)
+        return ForwardResult(hidden=out.hidden[: len(ids)], delta=out.delta, logits=out.logits)

@@ -61,8 +61,15 @@ class CacheStats:
 class PrefixCache:
     """Snapshots keyed by their token ids, within ``max_bytes`` of memory (and ``disk_max_bytes`` on disk)."""
 
-    def __init__(self, max_bytes: int, *, disk_dir: str | Path | None = None, model_id: str = "model",
-                 disk_max_bytes: int | None = None, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        disk_dir: str | Path | None = None,
+        model_id: str = "model",
+        disk_max_bytes: int | None = None,
+        device: str | torch.device = "cpu",
+    ):
         if max_bytes < 0:
             raise ValueError(f"max_bytes: expected >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
@@ -150,7 +157,7 @@ class PrefixCache:
         node, i = self._root, 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
-            if child is None or tuple(tokens[i:i + len(child.edge)]) != child.edge:
+            if child is None or tuple(tokens[i : i + len(child.edge)]) != child.edge:
                 return
             node, i = child, i + len(child.edge)
             yield node
@@ -220,8 +227,11 @@ class PrefixCache:
     def _evict(self, keep: _Node) -> None:
         """Free memory down to the budget: LRU first among snapshots with no cached descendant."""
         while self._bytes > self.max_bytes:
-            leaves = [n for n in self._nodes() if n.snapshot is not None and n is not keep
-                      and not self._has_cached_descendant(n, "snapshot")]
+            leaves = [
+                n
+                for n in self._nodes()
+                if n.snapshot is not None and n is not keep and not self._has_cached_descendant(n, "snapshot")
+            ]
             if not leaves:
                 leaves = [n for n in self._nodes() if n.snapshot is not None and n is not keep]
             if not leaves:
@@ -255,12 +265,20 @@ class PrefixCache:
 
     def _write(self, snap: Snapshot) -> Path | None:
         path = self.disk_dir / f"{self.key(snap.tokens)}.safetensors"
-        tensors = {f"{layer}.{name}": t.contiguous().cpu() for layer, saved in snap.layers.items()
-                   for name, t in saved.items()}
+        tensors = {
+            f"{layer}.{name}": t.contiguous().cpu()
+            for layer, saved in snap.layers.items()
+            for name, t in saved.items()
+        }
         if snap.last_logits is not None:
             tensors[LOGITS_KEY] = snap.last_logits.contiguous().cpu()
-        meta = {"model_id": self.model_id, "pos": str(snap.pos), "tokens": json.dumps(snap.tokens),
-                "layers": json.dumps(sorted(snap.layers)), "has_logits": "1" if snap.last_logits is not None else "0"}
+        meta = {
+            "model_id": self.model_id,
+            "pos": str(snap.pos),
+            "tokens": json.dumps(snap.tokens),
+            "layers": json.dumps(sorted(snap.layers)),
+            "has_logits": "1" if snap.last_logits is not None else "0",
+        }
         tmp = path.with_suffix(".tmp")
         try:
             save_file(tensors, str(tmp), metadata=meta)
@@ -288,8 +306,9 @@ class PrefixCache:
             node.disk_path = None
             self._prune(node)
             return None
-        snap = Snapshot(pos=int(meta["pos"]), tokens=json.loads(meta["tokens"]), layers=layers,
-                        last_logits=logits).to(self.device)
+        snap = Snapshot(
+            pos=int(meta["pos"]), tokens=json.loads(meta["tokens"]), layers=layers, last_logits=logits
+        ).to(self.device)
         size = snap.nbytes()
         if size <= self.max_bytes:
             node.snapshot = snap

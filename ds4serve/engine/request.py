@@ -59,40 +59,75 @@ class SamplingParams:
             (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)"),
             (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]"),
-            (_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-             "a number > 0"),
-            (_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             "a number in [-2, 2]"),
-            (_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-             "a number in [-2, 2]"),
-            (isinstance(self.penalty_window, int) and self.penalty_window >= 0, "penalty_window",
-             "an integer >= 0"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
-             "null or an integer in [0, 20]"),
-            (self.reasoning_budget is None or (isinstance(self.reasoning_budget, int)
-                                               and self.reasoning_budget >= 0), "reasoning_budget",
-             "null or an integer >= 0"),
-            (self.json_schema is None or isinstance(self.json_schema, dict), "json_schema",
-             "null or a JSON schema object"),
-            (self.grammar is None or (isinstance(self.grammar, str) and self.json_schema is None), "grammar",
-             "null or a Lark grammar string, and not both grammar and json_schema"),
-            (self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
-             "null or an integer in [-2^63, 2^64)"),  # what a torch.Generator takes
+            (
+                _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "repetition_penalty",
+                "a number > 0",
+            ),
+            (
+                _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty",
+                "a number in [-2, 2]",
+            ),
+            (
+                _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "presence_penalty",
+                "a number in [-2, 2]",
+            ),
+            (
+                isinstance(self.penalty_window, int) and self.penalty_window >= 0,
+                "penalty_window",
+                "an integer >= 0",
+            ),
+            (
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "logprobs",
+                "null or an integer in [0, 20]",
+            ),
+            (
+                self.reasoning_budget is None
+                or (isinstance(self.reasoning_budget, int) and self.reasoning_budget >= 0),
+                "reasoning_budget",
+                "null or an integer >= 0",
+            ),
+            (
+                self.json_schema is None or isinstance(self.json_schema, dict),
+                "json_schema",
+                "null or a JSON schema object",
+            ),
+            (
+                self.grammar is None or (isinstance(self.grammar, str) and self.json_schema is None),
+                "grammar",
+                "null or a Lark grammar string, and not both grammar and json_schema",
+            ),
+            (
+                self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+                "seed",
+                "null or an integer in [-2^63, 2^64)",
+            ),  # what a torch.Generator takes
         ]
         for ok, name, expected in checks:
             if not ok:
-                raise GenerateError(ErrorCode.INVALID_REQUEST, f"{name}: expected {expected}, got {getattr(self, name)!r}")
+                raise GenerateError(
+                    ErrorCode.INVALID_REQUEST, f"{name}: expected {expected}, got {getattr(self, name)!r}"
+                )
         for tid, bias in self.logit_bias.items():
             if not (isinstance(tid, int) and 0 <= tid < vocab_size):
-                raise GenerateError(ErrorCode.INVALID_REQUEST,
-                                    f"logit_bias: token id {tid!r} outside the vocabulary [0, {vocab_size})")
+                raise GenerateError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"logit_bias: token id {tid!r} outside the vocabulary [0, {vocab_size})",
+                )
             if not (_finite(bias) and -100 <= bias <= 100):
-                raise GenerateError(ErrorCode.INVALID_REQUEST,
-                                    f"logit_bias[{tid}]: expected a number in [-100, 100], got {bias!r}")
+                raise GenerateError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"logit_bias[{tid}]: expected a number in [-100, 100], got {bias!r}",
+                )
         bad_stop = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad_stop:
-            raise GenerateError(ErrorCode.INVALID_REQUEST,
-                                f"stop_token_ids: ids outside the vocabulary [0, {vocab_size}): {bad_stop}")
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST,
+                f"stop_token_ids: ids outside the vocabulary [0, {vocab_size}): {bad_stop}",
+            )
 
 
 def _finite(x: object) -> bool:
@@ -129,7 +164,9 @@ class GenerateStats:
     answer_tokens: int = 0
     budget_forced_close: bool = False
     speculative: dict = field(default_factory=dict)
-    host_timing: dict = field(default_factory=dict)  # DS4SERVE_TIMING: per-mode host wall times (see profiler)
+    host_timing: dict = field(
+        default_factory=dict
+    )  # DS4SERVE_TIMING: per-mode host wall times (see profiler)
 
 
 @dataclass

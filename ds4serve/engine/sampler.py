@@ -64,7 +64,9 @@ class Sampler:
             seen = _unique(history[-window:] if window else history, self.device)
             if seen.numel():
                 vals = x[seen]
-                penalty = min(max(p.repetition_penalty, _FLOAT32_TINY), _FLOAT32_MAX)  # never a factor of 0 or inf
+                penalty = min(
+                    max(p.repetition_penalty, _FLOAT32_TINY), _FLOAT32_MAX
+                )  # never a factor of 0 or inf
                 x[seen] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(max=_FLOAT32_MAX)
         if p.frequency_penalty or p.presence_penalty:
             recent = output[-window:] if window else output

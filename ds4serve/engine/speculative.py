@@ -71,8 +71,14 @@ class DraftProposer:
     capture_layers: tuple[int, ...] = ()
     confidence_scheduled = False  # True when drafts carry a confidence that sets the verify width
 
-    def __init__(self, max_draft_tokens: int = 4, *, adaptive: bool = True,
-                 thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS, ewma_alpha: float = DEFAULT_EWMA_ALPHA):
+    def __init__(
+        self,
+        max_draft_tokens: int = 4,
+        *,
+        adaptive: bool = True,
+        thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
+        ewma_alpha: float = DEFAULT_EWMA_ALPHA,
+    ):
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens: expected an integer >= 0, got {max_draft_tokens}")
         self.max_draft_tokens = max_draft_tokens
@@ -119,8 +125,15 @@ class PromptFeed:
             return
         start, tokens, result = self._tail
         self._tail = None
-        self.proposer.observe(Committed(start=start, tokens=tokens, next_token=next_token, hidden=result.hidden,
-                                        captured=dict(result.captured)))
+        self.proposer.observe(
+            Committed(
+                start=start,
+                tokens=tokens,
+                next_token=next_token,
+                hidden=result.hidden,
+                captured=dict(result.captured),
+            )
+        )
 
 
 def pick(logits: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
@@ -243,8 +256,15 @@ class SpeculativeStats:
         }
 
 
-def speculative_decode(engine: "Engine", handle: "RequestHandle", state: SequenceState, logits: torch.Tensor,
-                       start: float, feed: PromptFeed, constraint: Constraint | None = None) -> Iterator[int]:
+def speculative_decode(
+    engine: "Engine",
+    handle: "RequestHandle",
+    state: SequenceState,
+    logits: torch.Tensor,
+    start: float,
+    feed: PromptFeed,
+    constraint: Constraint | None = None,
+) -> Iterator[int]:
     """The speculative decode loop: tokens one at a time, as plain decoding would produce them.
 
     ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine. With a
@@ -255,7 +275,9 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
     proposer = feed.proposer
     model = engine._require_model()
     res, params = handle.result, handle.params
-    gen = Generation(handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start, constraint)
+    gen = Generation(
+        handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start, constraint
+    )
     stats = SpeculativeStats(proposer.name)
     policy = WidthPolicy(proposer)
     history = list(state.tokens)
@@ -278,7 +300,9 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
                 break
             limit = min(params.max_tokens - len(res.tokens), state.max_context - state.pos) - 1
             k = policy.budget(limit)
-            draft = _checked(proposer.propose(history, k, gen.sampler), engine.cfg.vocab_size) if k else Draft()
+            draft = (
+                _checked(proposer.propose(history, k, gen.sampler), engine.cfg.vocab_size) if k else Draft()
+            )
             n = policy.verify_count(draft, k)
             block = [seed] + draft.tokens[:n]
             graph = engine.verify_graph(model, state, len(block), capture)
@@ -318,9 +342,15 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
             stats.record(n, accepted, emitted)
             policy.update(accepted)
             if not done and not handle.cancelled:
-                proposer.observe(Committed(start=committed_at, tokens=block[:emitted], next_token=seed,
-                                           hidden=out.hidden[:emitted].clone(),
-                                           captured={layer: x[:emitted].clone() for layer, x in out.captured.items()}))
+                proposer.observe(
+                    Committed(
+                        start=committed_at,
+                        tokens=block[:emitted],
+                        next_token=seed,
+                        hidden=out.hidden[:emitted].clone(),
+                        captured={layer: x[:emitted].clone() for layer, x in out.captured.items()},
+                    )
+                )
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()
@@ -330,11 +360,25 @@ def speculative_decode(engine: "Engine", handle: "RequestHandle", state: Sequenc
 def _checked(draft: Draft, vocab_size: int) -> Draft:
     bad = [t for t in draft.tokens if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
-        raise ValueError(f"draft proposer returned token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise ValueError(
+            f"draft proposer returned token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
     if draft.probs is not None and len(draft.probs) < len(draft.tokens):
-        raise ValueError(f"draft proposer returned {len(draft.probs)} distributions for {len(draft.tokens)} tokens")
+        raise ValueError(
+            f"draft proposer returned {len(draft.probs)} distributions for {len(draft.tokens)} tokens"
+        )
     return draft
 
 
-__all__ = ["Draft", "Committed", "DraftProposer", "PromptFeed", "WidthPolicy", "SpeculativeStats", "verify_token", "pick",
-           "confident_prefix", "speculative_decode"]
+__all__ = [
+    "Draft",
+    "Committed",
+    "DraftProposer",
+    "PromptFeed",
+    "WidthPolicy",
+    "SpeculativeStats",
+    "verify_token",
+    "pick",
+    "confident_prefix",
+    "speculative_decode",
+]

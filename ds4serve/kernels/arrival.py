@@ -82,4 +82,3 @@ def wait_for(flag_ptr):
     flag is set before the first try."""
     while tl.atomic_cas(flag_ptr, 1, 0, sem="acquire") != 1:
         pass
-

@@ -56,15 +56,36 @@ def _key_row(kv_ptr, w_ptr, cos_row, sin_row, eps, D: tl.constexpr, D_P: tl.cons
     xf = x.to(tl.float32)
     factor = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     normed = (tl.load(w_ptr + d, mask=dm, other=0.0) * (xf * factor)).to(x.dtype)
-    partner = (tl.load(w_ptr + (d ^ 1), mask=dm, other=0.0)
-               * (tl.load(kv_ptr + (d ^ 1), mask=dm, other=0.0).to(tl.float32) * factor)).to(x.dtype)
+    partner = (
+        tl.load(w_ptr + (d ^ 1), mask=dm, other=0.0)
+        * (tl.load(kv_ptr + (d ^ 1), mask=dm, other=0.0).to(tl.float32) * factor)
+    ).to(x.dtype)
     return _rotated(normed, partner, d, cos_row, sin_row, D, R)
 
 
 @triton.jit
-def _inputs_kernel(qr_ptr, kvr_ptr, kv_norm_ptr, cos_ptr, sin_ptr, ring_ptr, pos_ptr, q_ptr, kv_ptr, keys_ptr,
-                   allowed_ptr, H, W, eps, D: tl.constexpr, D_P: tl.constexpr, R: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+def _inputs_kernel(
+    qr_ptr,
+    kvr_ptr,
+    kv_norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    ring_ptr,
+    pos_ptr,
+    q_ptr,
+    kv_ptr,
+    keys_ptr,
+    allowed_ptr,
+    H,
+    W,
+    eps,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.start(PDL)
     pid = tl.program_id(0)
     q_programs = tl.cdiv(H, BLOCK_H)
@@ -97,9 +118,16 @@ def _inputs_kernel(qr_ptr, kvr_ptr, kv_norm_ptr, cos_ptr, sin_ptr, ring_ptr, pos
         tl.store(allowed_ptr + slots, written, mask=sm)
 
 
-def attention_inputs(qr: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_inputs(
+    qr: torch.Tensor,
+    kv: torch.Tensor,
+    kv_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ring: torch.Tensor,
+    pos: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [1, H, d], kv [1, d], keys [W, d], allowed [1, W] bool)`` of one token at ``pos [1]``.
 
     ``qr [1, H, d]`` is the query's projection, ``kv [1, d]`` the key/value row's, ``kv_norm [d]`` its norm
@@ -110,16 +138,38 @@ def attention_inputs(qr: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor, 
     S, H, D = qr.shape
     W = ring.shape[0]
     if S != 1 or kv.shape != (1, D) or ring.shape[1] != D or cos.shape != sin.shape or cos.shape[0] != 1:
-        raise ValueError(f"attention_inputs: one token; got q {tuple(qr.shape)}, kv {tuple(kv.shape)}, ring "
-                         f"{tuple(ring.shape)}, cos {tuple(cos.shape)}")
+        raise ValueError(
+            f"attention_inputs: one token; got q {tuple(qr.shape)}, kv {tuple(kv.shape)}, ring "
+            f"{tuple(ring.shape)}, cos {tuple(cos.shape)}"
+        )
     rope = 2 * cos.shape[1]
     q = torch.empty_like(qr)
     kv_out = torch.empty_like(kv)
     keys = torch.empty_like(ring)
     allowed = torch.empty(1, W, device=ring.device, dtype=torch.bool)
     grid = (triton.cdiv(H, BLOCK_H) + triton.cdiv(W, BLOCK_W),)
-    _inputs_kernel[grid](qr.contiguous(), kv.contiguous(), kv_norm.float().contiguous(), cos.contiguous(),
-                         sin.contiguous(), ring, pos, q, kv_out, keys, allowed, H, W, eps, D=D,
-                         D_P=triton.next_power_of_2(D), R=rope, BLOCK_H=BLOCK_H, BLOCK_W=BLOCK_W, num_warps=4,
-                         **EXACT_ROUNDING, **pdl.launch(qr))
+    _inputs_kernel[grid](
+        qr.contiguous(),
+        kv.contiguous(),
+        kv_norm.float().contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        ring,
+        pos,
+        q,
+        kv_out,
+        keys,
+        allowed,
+        H,
+        W,
+        eps,
+        D=D,
+        D_P=triton.next_power_of_2(D),
+        R=rope,
+        BLOCK_H=BLOCK_H,
+        BLOCK_W=BLOCK_W,
+        num_warps=4,
+        **EXACT_ROUNDING,
+        **pdl.launch(qr),
+    )
     return q, kv_out, keys, allowed

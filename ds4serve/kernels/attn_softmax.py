@@ -41,8 +41,21 @@ def _logits(s_ptr, mask_row, rows, heads_in, k, K, scale, sm_k):
 
 
 @triton.jit
-def _softmax_kernel(s_ptr, mask_ptr, sink_ptr, p_ptr, block, H, K, scale, sm_n, sm_b, sm_k,
-                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+def _softmax_kernel(
+    s_ptr,
+    mask_ptr,
+    sink_ptr,
+    p_ptr,
+    block,
+    H,
+    K,
+    scale,
+    sm_n,
+    sm_b,
+    sm_k,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     query = tl.program_id(0).to(tl.int64)  # i * block + r: query r of block i
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     heads_in = heads < H
@@ -59,12 +72,16 @@ def _softmax_kernel(s_ptr, mask_ptr, sink_ptr, p_ptr, block, H, K, scale, sm_n, 
         k = k0 + tl.arange(0, BLOCK_K)
         s = _logits(s_ptr, mask_row, rows, heads_in, k, K, scale, sm_k)
         p = tl.exp(s - m[:, None]) / total[:, None]
-        tl.store(p_ptr + rows[:, None] + k[None, :], p.to(p_ptr.dtype.element_ty),
-                 mask=heads_in[:, None] & (k < K)[None, :])
+        tl.store(
+            p_ptr + rows[:, None] + k[None, :],
+            p.to(p_ptr.dtype.element_ty),
+            mask=heads_in[:, None] & (k < K)[None, :],
+        )
 
 
-def attn_softmax(scores: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float,
-                 dtype: torch.dtype) -> torch.Tensor:
+def attn_softmax(
+    scores: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
     """``softmax([round(scores * scale) masked by allowed, sinks[h]])[..., :K]`` as ``dtype``.
 
     ``scores [n, block, H, K]`` are the raw products (fp32, bf16 or fp16), ``allowed [n or 1, block, K]``
@@ -78,6 +95,19 @@ def attn_softmax(scores: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tenso
     block_h = min(BLOCK_H, triton.next_power_of_2(H))
     sm_n = 0 if allowed.shape[0] == 1 else allowed.stride(0)
     _softmax_kernel[(n * block, triton.cdiv(H, block_h))](
-        scores, allowed, sinks.float().contiguous(), probs, block, H, K, scale, sm_n, allowed.stride(1),
-        allowed.stride(2), BLOCK_H=block_h, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), num_warps=4)
+        scores,
+        allowed,
+        sinks.float().contiguous(),
+        probs,
+        block,
+        H,
+        K,
+        scale,
+        sm_n,
+        allowed.stride(1),
+        allowed.stride(2),
+        BLOCK_H=block_h,
+        BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)),
+        num_warps=4,
+    )
     return probs

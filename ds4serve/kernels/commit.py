@@ -41,8 +41,9 @@ JOB_FIELDS = len(_NOTHING)
 
 
 @triton.jit
-def _commit_kernel(jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
+def _commit_kernel(
+    jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     pdl.start(PDL)
     job = jobs_ptr + tl.program_id(0).to(tl.int64) * FIELDS
     pos = tl.load(pos_ptr).to(tl.int64)
@@ -64,8 +65,9 @@ def _commit_kernel(jobs_ptr, pos_ptr, FIELDS: tl.constexpr, ROWS: tl.constexpr, 
 
 
 def _launch(jobs: torch.Tensor, pos: torch.Tensor, split: int) -> None:
-    _commit_kernel[(jobs.shape[0], split)](jobs, pos, FIELDS=JOB_FIELDS, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK,
-                                           num_warps=4, **pdl.launch(pos))
+    _commit_kernel[(jobs.shape[0], split)](
+        jobs, pos, FIELDS=JOB_FIELDS, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4, **pdl.launch(pos)
+    )
 
 
 def warm(pos: torch.Tensor) -> None:
@@ -89,7 +91,11 @@ def _job(src: torch.Tensor, dst: torch.Tensor, div: int = 1, mod: int = 1, rate:
         return None
     rows, width = src.shape
     size = src.element_size()
-    row, src_stride, dst_stride = width * size, (src.stride(0) if rows > 1 else 0) * size, dst.stride(0) * size
+    row, src_stride, dst_stride = (
+        width * size,
+        (src.stride(0) if rows > 1 else 0) * size,
+        dst.stride(0) * size,
+    )
     if any(n % WORD for n in (src.data_ptr(), dst.data_ptr(), row, src_stride, dst_stride)):
         return None
     words, src_stride, dst_stride = row // WORD, src_stride // WORD, dst_stride // WORD
@@ -132,13 +138,13 @@ def block_jobs(state: "SequenceState", delta: "ChunkDelta", i: int) -> tuple[lis
     rows, overlap = [], []
     for idx, ld in delta.layers.items():
         ls = state.layers[idx]
-        rows.append(_job(ld.window_rows[i:i + 1], ls.window, mod=state.window))
+        rows.append(_job(ld.window_rows[i : i + 1], ls.window, mod=state.window))
         for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
             if cd is None:
                 continue
-            rows.append(_job(cd.entries[i:i + 1], c.entries, div=c.rate, mod=c.entries.shape[0]))
-            rows.append(_job(cd.rows_kv[i:i + 1], c.buf_kv, mod=c.rate))
-            rows.append(_job(cd.rows_gate[i:i + 1], c.buf_gate, mod=c.rate))
+            rows.append(_job(cd.entries[i : i + 1], c.entries, div=c.rate, mod=c.entries.shape[0]))
+            rows.append(_job(cd.rows_kv[i : i + 1], c.buf_kv, mod=c.rate))
+            rows.append(_job(cd.rows_gate[i : i + 1], c.buf_gate, mod=c.rate))
             if c.overlap:
                 half = c.ov_kv.shape[-1]
                 overlap.append(_job(c.buf_kv[:, :half], c.ov_kv, rate=c.rate))
@@ -186,8 +192,10 @@ class CommitPlan:
         capture the launch reads ``reserved`` (:func:`reserve_table`), filled by :meth:`upload` after."""
         if _capturing(pos) and not self.staged:
             if reserved is None or reserved.shape != self.host.shape:
-                raise RuntimeError("commit kernel: capturing needs the table reserved before the capture "
-                                   "(SequenceState.prepare_capture)")
+                raise RuntimeError(
+                    "commit kernel: capturing needs the table reserved before the capture "
+                    "(SequenceState.prepare_capture)"
+                )
             self.jobs = reserved
         elif self.jobs is None:
             self.jobs = torch.empty_like(self.host, device=pos.device)

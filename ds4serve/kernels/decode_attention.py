@@ -59,8 +59,9 @@ def _update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _tile(q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr,
-          WIDEN: tl.constexpr):
+def _tile(
+    q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr
+):
     """The online softmax state after key tile ``k`` (unchanged when none of its keys is allowed)."""
     ok = tl.load(allowed + k, mask=k < hi, other=0) != 0
     if tl.max(ok.to(tl.int32), axis=0) > 0:
@@ -71,24 +72,47 @@ def _tile(q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: t
 
 
 @triton.jit
-def _gathered_tile(q, keys, index, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr,
-                   WIDEN: tl.constexpr):
+def _gathered_tile(
+    q, keys, index, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr
+):
     """The online softmax state after the keys named by index slots ``k`` (-1: an unused slot)."""
     rows = tl.load(index + k, mask=k < hi, other=-1)
     ok = rows >= 0
     if tl.max(ok.to(tl.int32), axis=0) > 0:
         d = tl.arange(0, D_P)
-        kt = tl.load(keys + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :],
-                     other=0.0)
+        kt = tl.load(
+            keys + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0
+        )
         m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
     return m, total, acc
 
 
 @triton.jit(do_not_specialize=["n0", "n1", "chunks0", "chunk", "sa0", "sa1"])
-def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_ptr, H, n0, n1, chunks0, chunk,
-                    scale, sa0, sa1, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    D: tl.constexpr, D_P: tl.constexpr, GATHER1: tl.constexpr, WIDEN: tl.constexpr,
-                    PDL: tl.constexpr):
+def _partial_kernel(
+    q_ptr,
+    k0_ptr,
+    a0_ptr,
+    k1_ptr,
+    a1_ptr,
+    m_ptr,
+    sum_ptr,
+    acc_ptr,
+    H,
+    n0,
+    n1,
+    chunks0,
+    chunk,
+    scale,
+    sa0,
+    sa1,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    GATHER1: tl.constexpr,
+    WIDEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # GATHER1: the second part's "mask" is int32 index slots [S, n1] naming its rows (-1: unused)
     pdl.start(PDL)
     head_blocks = tl.cdiv(H, BLOCK_H)
@@ -97,8 +121,11 @@ def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_p
     c = tl.program_id(1)
     d = tl.arange(0, D_P)
     heads_in = heads < H
-    q = tl.load(q_ptr + (s * H + heads[:, None]) * D + d[None, :], mask=heads_in[:, None] & (d < D)[None, :],
-                other=0.0)
+    q = tl.load(
+        q_ptr + (s * H + heads[:, None]) * D + d[None, :],
+        mask=heads_in[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
     if WIDEN:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -108,18 +135,54 @@ def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_p
         lo = c * chunk
         hi = tl.minimum(lo + chunk, n0)
         for k0 in range(lo, hi, BLOCK_N):
-            m, total, acc = _tile(q, k0_ptr, a0_ptr + s * sa0, k0 + tl.arange(0, BLOCK_N), hi, m, total, acc,
-                                  scale, D, D_P, WIDEN)
+            m, total, acc = _tile(
+                q,
+                k0_ptr,
+                a0_ptr + s * sa0,
+                k0 + tl.arange(0, BLOCK_N),
+                hi,
+                m,
+                total,
+                acc,
+                scale,
+                D,
+                D_P,
+                WIDEN,
+            )
     else:
         lo = (c - chunks0) * chunk
         hi = tl.minimum(lo + chunk, n1)
         for k0 in range(lo, hi, BLOCK_N):
             if GATHER1:
-                m, total, acc = _gathered_tile(q, k1_ptr, a1_ptr + s * sa1, k0 + tl.arange(0, BLOCK_N), hi, m,
-                                               total, acc, scale, D, D_P, WIDEN)
+                m, total, acc = _gathered_tile(
+                    q,
+                    k1_ptr,
+                    a1_ptr + s * sa1,
+                    k0 + tl.arange(0, BLOCK_N),
+                    hi,
+                    m,
+                    total,
+                    acc,
+                    scale,
+                    D,
+                    D_P,
+                    WIDEN,
+                )
             else:
-                m, total, acc = _tile(q, k1_ptr, a1_ptr + s * sa1, k0 + tl.arange(0, BLOCK_N), hi, m, total, acc,
-                                      scale, D, D_P, WIDEN)
+                m, total, acc = _tile(
+                    q,
+                    k1_ptr,
+                    a1_ptr + s * sa1,
+                    k0 + tl.arange(0, BLOCK_N),
+                    hi,
+                    m,
+                    total,
+                    acc,
+                    scale,
+                    D,
+                    D_P,
+                    WIDEN,
+                )
     row = (s * H + heads) * tl.num_programs(1) + c  # partials [S, H, chunks(, D)]
     tl.store(m_ptr + row, m, mask=heads_in)
     tl.store(sum_ptr + row, total, mask=heads_in)
@@ -127,8 +190,19 @@ def _partial_kernel(q_ptr, k0_ptr, a0_ptr, k1_ptr, a1_ptr, m_ptr, sum_ptr, acc_p
 
 
 @triton.jit
-def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, out_ptr, H, chunks, D: tl.constexpr, C_P: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(
+    m_ptr,
+    sum_ptr,
+    acc_ptr,
+    sink_ptr,
+    out_ptr,
+    H,
+    chunks,
+    D: tl.constexpr,
+    C_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.start(PDL)
     row = tl.program_id(0)  # s * H + h
     dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -140,14 +214,23 @@ def _combine_kernel(m_ptr, sum_ptr, acc_ptr, sink_ptr, out_ptr, H, chunks, D: tl
     top = tl.maximum(tl.max(m, axis=0), sink)
     w = tl.exp(m - top)  # 0 for a chunk without an allowed key (m = -inf)
     denom = tl.sum(total * w, axis=0) + tl.exp(sink - top)
-    part = tl.load(acc_ptr + (row * chunks + c)[:, None] * D + dd[None, :], mask=c_in[:, None] & (dd < D)[None, :],
-                   other=0.0)
+    part = tl.load(
+        acc_ptr + (row * chunks + c)[:, None] * D + dd[None, :],
+        mask=c_in[:, None] & (dd < D)[None, :],
+        other=0.0,
+    )
     out = tl.sum(part * w[:, None], axis=0) / denom
     tl.store(out_ptr + row * D + dd, out.to(out_ptr.dtype.element_ty), mask=dd < D)
 
 
-def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-                     scale: float, config: DecodeAttentionConfig | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    allowed: list[torch.Tensor],
+    sinks: torch.Tensor,
+    scale: float,
+    config: DecodeAttentionConfig | None = None,
+) -> torch.Tensor:
     """``softmax([scale q.k where allowed, sinks[h]])[:K] @ keys`` as ``[S, H, d]`` in ``q``'s dtype.
 
     ``q [S, H, d]``; ``keys``: one or two parts ``[K_i, d]`` (shared K = V, ``q``'s dtype) taken as
@@ -170,33 +253,76 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[to
     partial = torch.empty(S, H, chunks, D, device=q.device, dtype=torch.float32)
     D_P = max(16, triton.next_power_of_2(D))
     _partial_kernel[(head_programs, chunks)](
-        q.contiguous(), k0, a0, k1, a1, stats[0], stats[1], partial, H, n0, n1, chunks0, chunk, scale,
-        _row_stride(a0), _row_stride(a1), BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, D=D, D_P=D_P, GATHER1=gather,
-        WIDEN=not q.is_cuda, num_warps=cfg.warps, **pdl.launch(q))
+        q.contiguous(),
+        k0,
+        a0,
+        k1,
+        a1,
+        stats[0],
+        stats[1],
+        partial,
+        H,
+        n0,
+        n1,
+        chunks0,
+        chunk,
+        scale,
+        _row_stride(a0),
+        _row_stride(a1),
+        BLOCK_H=BLOCK_H,
+        BLOCK_N=cfg.block_n,
+        D=D,
+        D_P=D_P,
+        GATHER1=gather,
+        WIDEN=not q.is_cuda,
+        num_warps=cfg.warps,
+        **pdl.launch(q),
+    )
     out = torch.empty(S, H, D, device=q.device, dtype=q.dtype)
     C_P = triton.next_power_of_2(chunks)
     block_d = max(1, min(D_P, cfg.combine_tile // C_P))
-    _combine_kernel[(S * H, triton.cdiv(D, block_d))](stats[0], stats[1], partial, sinks, out, H, chunks, D=D,
-                                                       C_P=C_P, BLOCK_D=block_d, num_warps=4, **EXACT_ROUNDING,
-                                                       **pdl.launch(q))
+    _combine_kernel[(S * H, triton.cdiv(D, block_d))](
+        stats[0],
+        stats[1],
+        partial,
+        sinks,
+        out,
+        H,
+        chunks,
+        D=D,
+        C_P=C_P,
+        BLOCK_D=block_d,
+        num_warps=4,
+        **EXACT_ROUNDING,
+        **pdl.launch(q),
+    )
     return out
 
 
-def _parts(keys: list[torch.Tensor], allowed: list[torch.Tensor], S: int, D: int, q_dtype: torch.dtype
-           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _parts(
+    keys: list[torch.Tensor], allowed: list[torch.Tensor], S: int, D: int, q_dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The key parts with their masks, checked and made contiguous (no copy in the model)."""
     if not 1 <= len(keys) <= 2 or len(allowed) != len(keys):
-        raise ValueError(f"decode_attention: one or two key parts with one mask each, got {len(keys)} and "
-                         f"{len(allowed)}")
+        raise ValueError(
+            f"decode_attention: one or two key parts with one mask each, got {len(keys)} and {len(allowed)}"
+        )
     parts = []
     for i, (k, a) in enumerate(zip(keys, allowed)):
         indexed = a.dtype == torch.int32
         if indexed and i == 0:
             raise ValueError("decode_attention: index slots are for the second key part only")
-        if (k.dim() != 2 or k.shape[1] != D or a.dim() != 2 or a.shape[0] not in (1, S)
-                or (a.shape[1] != k.shape[0] and not indexed)):
-            raise ValueError(f"decode_attention: keys {tuple(k.shape)} with mask {tuple(a.shape)} for {S} rows of "
-                             f"head dim {D}")
+        if (
+            k.dim() != 2
+            or k.shape[1] != D
+            or a.dim() != 2
+            or a.shape[0] not in (1, S)
+            or (a.shape[1] != k.shape[0] and not indexed)
+        ):
+            raise ValueError(
+                f"decode_attention: keys {tuple(k.shape)} with mask {tuple(a.shape)} for {S} rows of "
+                f"head dim {D}"
+            )
         if k.dtype != q_dtype:
             raise ValueError(f"decode_attention: {k.dtype} keys for {q_dtype} queries")
         parts.append((k.contiguous(), a.contiguous()))

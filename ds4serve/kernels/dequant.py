@@ -51,8 +51,19 @@ def _fp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, half, BLOCK_R: tl.constexp
 
 
 @triton.jit
-def _fp8_kernel(w_ptr, scale_ptr, out_ptr, rows, cols, scale_cols, B0: tl.constexpr,
-                B1: tl.constexpr, E8M0: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _fp8_kernel(
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    rows,
+    cols,
+    scale_cols,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    E8M0: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (r < rows) & (c < cols)
@@ -79,15 +90,18 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return out
 
 
-def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-                ) -> torch.Tensor:
+def dequant_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
     """:func:`ds4serve.quant.dequant_fp8`: e4m3 ``[..., out, in]`` times its block scales
     ``[..., ceil(out/b0), ceil(in/b1)]`` (fp32, or uint8 / float8_e8m0fnu exponents)."""
     out_dim, cols = weight.shape[-2:]
     expected = (*weight.shape[:-2], -(-out_dim // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != expected:
-        raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
-                         f"with block {block}: expected {expected}")
+        raise ValueError(
+            f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+            f"with block {block}: expected {expected}"
+        )
     if out_dim % block[0] and weight.dim() > 2:  # the flat row index would not find the scale row
         return torch.stack([dequant_fp8(w, s, block, dtype) for w, s in zip(weight, scale)])
     e8m0 = scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
@@ -96,8 +110,19 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     rows = w.numel() // cols
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
-    _fp8_kernel[grid](w, scales, out, rows, cols, expected[-1], B0=block[0],
-                      B1=block[1], E8M0=e8m0, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    _fp8_kernel[grid](
+        w,
+        scales,
+        out,
+        rows,
+        cols,
+        expected[-1],
+        B0=block[0],
+        B1=block[1],
+        E8M0=e8m0,
+        BLOCK_R=BLOCK_ROWS,
+        BLOCK_C=BLOCK_COLS,
+    )
     return out
 
 

@@ -156,18 +156,31 @@ def _store(out_ptr, y, offsets, mask, split, n_tokens, n_rows, PARTIAL: tl.const
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-FP8_X_SCALE = 2.0 ** -8  # activations' scale on the way to fp16 operands (see the module docstring)
+FP8_X_SCALE = 2.0**-8  # activations' scale on the way to fp16 operands (see the module docstring)
 
 
 @triton.jit
-def _scaled_activations(x_base, x_stride, cols, cmask, n_tokens, DTYPE: tl.constexpr, SUB_K: tl.constexpr,
-                        N_PAD: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr):
+def _scaled_activations(
+    x_base,
+    x_stride,
+    cols,
+    cmask,
+    n_tokens,
+    DTYPE: tl.constexpr,
+    SUB_K: tl.constexpr,
+    N_PAD: tl.constexpr,
+    N_LOAD: tl.constexpr,
+    X_SCALE: tl.constexpr,
+):
     # The [SUB_K, N_PAD] operand of an FP8 sub-tile: the N_LOAD (a power of two >= n_tokens) real
     # token columns are loaded, scaled and converted once each, then repeated: column c is token
     # c % N_LOAD.
     tokens = tl.arange(0, N_LOAD)
-    x = tl.load(x_base + tokens[None, :] * x_stride + cols[:, None], mask=cmask[:, None] & (tokens < n_tokens)[None, :],
-                other=0.0)
+    x = tl.load(
+        x_base + tokens[None, :] * x_stride + cols[:, None],
+        mask=cmask[:, None] & (tokens < n_tokens)[None, :],
+        other=0.0,
+    )
     x = (x.to(tl.float32) * X_SCALE).to(DTYPE)
     if N_LOAD < N_PAD:
         x = tl.reshape(tl.broadcast_to(x[:, None, :], [SUB_K, N_PAD // N_LOAD, N_LOAD]), [SUB_K, N_PAD])
@@ -175,7 +188,9 @@ def _scaled_activations(x_base, x_stride, cols, cmask, n_tokens, DTYPE: tl.const
 
 
 @triton.jit
-def _scale(s_ptr, rows, rmask, first, kc, s_cols, SB_R: tl.constexpr, SB_C: tl.constexpr, PER_ROW: tl.constexpr):
+def _scale(
+    s_ptr, rows, rmask, first, kc, s_cols, SB_R: tl.constexpr, SB_C: tl.constexpr, PER_ROW: tl.constexpr
+):
     # The block scale of inputs [kc, kc + SUB_K): one scalar, or one per row when a tile spans scale
     # rows. A sub-tile past the input's end (all weights masked to 0) reads the last scale column.
     col = tl.minimum(kc // SB_C, s_cols - 1)
@@ -194,50 +209,189 @@ def _program(pid, split, n_rows, n_in, k_per_split, n_tokens, BLOCK_R: tl.conste
     rows = first + tl.arange(0, BLOCK_R)
     tokens = tl.arange(0, N_PAD)
     k_lo = split * k_per_split
-    return first, split, rows, tokens, rows < n_rows, tokens < n_tokens, k_lo, tl.minimum(k_lo + k_per_split, n_in)
+    return (
+        first,
+        split,
+        rows,
+        tokens,
+        rows < n_rows,
+        tokens < n_tokens,
+        k_lo,
+        tl.minimum(k_lo + k_per_split, n_in),
+    )
 
 
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
-def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
-                     n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
-                     PARTIAL: tl.constexpr, PDL: tl.constexpr):
+def _gemv_fma_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    n_in,
+    k_per_split,
+    rows_per_group,
+    x_stride,
+    s_cols,
+    n_tokens,
+    SCALED: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    N_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.start(PDL)
-    _fma_program(tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split,
-                 rows_per_group, x_stride, s_cols, n_tokens, SCALED, SB_R, SB_C, N_PAD, BLOCK_R, BLOCK_K, SUB_K,
-                 STAGES, PARTIAL)
+    _fma_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        n_rows,
+        n_in,
+        k_per_split,
+        rows_per_group,
+        x_stride,
+        s_cols,
+        n_tokens,
+        SCALED,
+        SB_R,
+        SB_C,
+        N_PAD,
+        BLOCK_R,
+        BLOCK_K,
+        SUB_K,
+        STAGES,
+        PARTIAL,
+    )
 
 
 @triton.jit(do_not_specialize=["s_cols_a", "s_cols_b", "n_tokens"])
-def _gemv_fma_pair_kernel(x_ptr, x_stride, n_in, n_tokens, programs_a,
-                          wa_ptr, sa_ptr, outa_ptr, rows_a, s_cols_a, wb_ptr, sb_ptr, outb_ptr, rows_b, s_cols_b,
-                          N_PAD: tl.constexpr, A_SCALED: tl.constexpr, A_SB_R: tl.constexpr, A_SB_C: tl.constexpr,
-                          A_BLOCK_R: tl.constexpr, A_BLOCK_K: tl.constexpr, A_SUB_K: tl.constexpr,
-                          A_STAGES: tl.constexpr, B_SCALED: tl.constexpr, B_SB_R: tl.constexpr,
-                          B_SB_C: tl.constexpr, B_BLOCK_R: tl.constexpr, B_BLOCK_K: tl.constexpr,
-                          B_SUB_K: tl.constexpr, B_STAGES: tl.constexpr, PDL: tl.constexpr):
+def _gemv_fma_pair_kernel(
+    x_ptr,
+    x_stride,
+    n_in,
+    n_tokens,
+    programs_a,
+    wa_ptr,
+    sa_ptr,
+    outa_ptr,
+    rows_a,
+    s_cols_a,
+    wb_ptr,
+    sb_ptr,
+    outb_ptr,
+    rows_b,
+    s_cols_b,
+    N_PAD: tl.constexpr,
+    A_SCALED: tl.constexpr,
+    A_SB_R: tl.constexpr,
+    A_SB_C: tl.constexpr,
+    A_BLOCK_R: tl.constexpr,
+    A_BLOCK_K: tl.constexpr,
+    A_SUB_K: tl.constexpr,
+    A_STAGES: tl.constexpr,
+    B_SCALED: tl.constexpr,
+    B_SB_R: tl.constexpr,
+    B_SB_C: tl.constexpr,
+    B_BLOCK_R: tl.constexpr,
+    B_BLOCK_K: tl.constexpr,
+    B_SUB_K: tl.constexpr,
+    B_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # Two products of one input in one launch (gemv_pair): the first programs_a programs are product a's,
     # the rest product b's, each with its own weight format and tiles.
     pdl.start(PDL)
     pid = tl.program_id(0)
     if pid < programs_a:
-        _fma_program(pid, 0, x_ptr, wa_ptr, sa_ptr, outa_ptr, rows_a, n_in, n_in, rows_a, x_stride, s_cols_a,
-                     n_tokens, A_SCALED, A_SB_R, A_SB_C, N_PAD, A_BLOCK_R, A_BLOCK_K, A_SUB_K, A_STAGES, False)
+        _fma_program(
+            pid,
+            0,
+            x_ptr,
+            wa_ptr,
+            sa_ptr,
+            outa_ptr,
+            rows_a,
+            n_in,
+            n_in,
+            rows_a,
+            x_stride,
+            s_cols_a,
+            n_tokens,
+            A_SCALED,
+            A_SB_R,
+            A_SB_C,
+            N_PAD,
+            A_BLOCK_R,
+            A_BLOCK_K,
+            A_SUB_K,
+            A_STAGES,
+            False,
+        )
     else:
-        _fma_program(pid - programs_a, 0, x_ptr, wb_ptr, sb_ptr, outb_ptr, rows_b, n_in, n_in, rows_b, x_stride,
-                     s_cols_b, n_tokens, B_SCALED, B_SB_R, B_SB_C, N_PAD, B_BLOCK_R, B_BLOCK_K, B_SUB_K, B_STAGES,
-                     False)
+        _fma_program(
+            pid - programs_a,
+            0,
+            x_ptr,
+            wb_ptr,
+            sb_ptr,
+            outb_ptr,
+            rows_b,
+            n_in,
+            n_in,
+            rows_b,
+            x_stride,
+            s_cols_b,
+            n_tokens,
+            B_SCALED,
+            B_SB_R,
+            B_SB_C,
+            N_PAD,
+            B_BLOCK_R,
+            B_BLOCK_K,
+            B_SUB_K,
+            B_STAGES,
+            False,
+        )
 
 
 @triton.jit
-def _fma_program(pid, split, x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride,
-                 s_cols, n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
-                 PARTIAL: tl.constexpr):
+def _fma_program(
+    pid,
+    split,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    n_in,
+    k_per_split,
+    rows_per_group,
+    x_stride,
+    s_cols,
+    n_tokens,
+    SCALED: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    N_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
     # A step reads BLOCK_K inputs as sub-tiles of SUB_K (one scale column each, for FP8), so that the
     # scale is one number per sub-tile and the accumulator holds only SUB_K columns.
-    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(pid, split, n_rows, n_in, k_per_split, n_tokens,
-                                                                     BLOCK_R, N_PAD)
+    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(
+        pid, split, n_rows, n_in, k_per_split, n_tokens, BLOCK_R, N_PAD
+    )
     w_rows = w_ptr + rows[None, :, None].to(tl.int64) * n_in
     x_rows = x_ptr + tokens[:, None, None] * x_stride + (first // rows_per_group) * n_in
     acc = tl.zeros([N_PAD, BLOCK_R, SUB_K], dtype=tl.float32)
@@ -251,18 +405,48 @@ def _fma_program(pid, split, x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_s
                 xs *= _scale(s_ptr, rows, rmask, first, k0 + j * SUB_K, s_cols, SB_R, SB_C, False)
             acc += w * xs
     y = tl.sum(acc, axis=2)
-    _store(out_ptr, y, tokens[:, None] * n_rows + rows[None, :], tmask[:, None] & rmask[None, :], split, n_tokens,
-           n_rows, PARTIAL)
+    _store(
+        out_ptr,
+        y,
+        tokens[:, None] * n_rows + rows[None, :],
+        tmask[:, None] & rmask[None, :],
+        split,
+        n_tokens,
+        n_rows,
+        PARTIAL,
+    )
 
 
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols", "n_tokens"])
-def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, x_stride, s_cols,
-                     n_tokens, SCALED: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, N_PAD: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, STAGES: tl.constexpr,
-                     PARTIAL: tl.constexpr, DOT_DTYPE: tl.constexpr, N_LOAD: tl.constexpr, X_SCALE: tl.constexpr,
-                     PDL: tl.constexpr):
-    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(tl.program_id(0), tl.program_id(1), n_rows,
-                                                                     n_in, k_per_split, n_tokens, BLOCK_R, N_PAD)
+def _gemv_dot_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    n_in,
+    k_per_split,
+    rows_per_group,
+    x_stride,
+    s_cols,
+    n_tokens,
+    SCALED: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    N_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    N_LOAD: tl.constexpr,
+    X_SCALE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    first, split, rows, tokens, rmask, tmask, k_lo, k_hi = _program(
+        tl.program_id(0), tl.program_id(1), n_rows, n_in, k_per_split, n_tokens, BLOCK_R, N_PAD
+    )
     pdl.start(PDL)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * n_in
     x_base = x_ptr + (first // rows_per_group) * n_in
@@ -273,58 +457,207 @@ def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, ro
             cmask = cols < k_hi
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
             if SCALED:
-                xt = _scaled_activations(x_base, x_stride, cols, cmask, n_tokens, DOT_DTYPE, SUB_K, N_PAD, N_LOAD,
-                                         X_SCALE)
+                xt = _scaled_activations(
+                    x_base, x_stride, cols, cmask, n_tokens, DOT_DTYPE, SUB_K, N_PAD, N_LOAD, X_SCALE
+                )
                 s = _scale(s_ptr, rows, rmask, first, k0 + j * SUB_K, s_cols, SB_R, SB_C, SB_R % BLOCK_R != 0)
                 acc += tl.dot(w.to(DOT_DTYPE), xt) * (s / X_SCALE)
             else:
-                xt = tl.load(x_base + tokens[None, :] * x_stride + cols[:, None], mask=cmask[:, None] & tmask[None, :],
-                             other=0.0)
+                xt = tl.load(
+                    x_base + tokens[None, :] * x_stride + cols[:, None],
+                    mask=cmask[:, None] & tmask[None, :],
+                    other=0.0,
+                )
                 acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
-    _store(out_ptr, acc, tokens[None, :] * n_rows + rows[:, None], rmask[:, None] & tmask[None, :], split, n_tokens,
-           n_rows, PARTIAL)
+    _store(
+        out_ptr,
+        acc,
+        tokens[None, :] * n_rows + rows[:, None],
+        rmask[:, None] & tmask[None, :],
+        split,
+        n_tokens,
+        n_rows,
+        PARTIAL,
+    )
 
 
 @triton.jit
-def _first_step(w, s, first, rows, n_in, s_cols, QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr,
-                VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+def _first_step(
+    w,
+    s,
+    first,
+    rows,
+    n_in,
+    s_cols,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # A vector tile's first step: its weight tile and their scales.
-    return (_weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
-            _step_scales(_scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K))
+    return (
+        _weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
+        _step_scales(_scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+    )
 
 
 @triton.jit(do_not_specialize=["rows_per_group", "s_cols"])
-def _gemv_vec_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, s_cols,
-                     QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr,
-                     PARTIAL: tl.constexpr, PDL: tl.constexpr):
-    _vec_program(tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split,
-                 rows_per_group, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES, EARLY, PARTIAL, PDL)
+def _gemv_vec_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    n_in,
+    k_per_split,
+    rows_per_group,
+    s_cols,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    EARLY: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _vec_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        n_rows,
+        n_in,
+        k_per_split,
+        rows_per_group,
+        s_cols,
+        QUANT,
+        SB_R,
+        SB_C,
+        VEC,
+        BLOCK_R,
+        BLOCK_K,
+        STAGES,
+        EARLY,
+        PARTIAL,
+        PDL,
+    )
 
 
 @triton.jit(do_not_specialize=["s_cols_a", "s_cols_b"])
-def _gemv_vec_pair_kernel(x_ptr, n_in, programs_a, wa_ptr, sa_ptr, outa_ptr, rows_a, s_cols_a,
-                          wb_ptr, sb_ptr, outb_ptr, rows_b, s_cols_b,
-                          A_QUANT: tl.constexpr, A_SB_R: tl.constexpr, A_SB_C: tl.constexpr, A_VEC: tl.constexpr,
-                          A_BLOCK_R: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
-                          A_EARLY: tl.constexpr, B_QUANT: tl.constexpr, B_SB_R: tl.constexpr, B_SB_C: tl.constexpr,
-                          B_VEC: tl.constexpr, B_BLOCK_R: tl.constexpr, B_BLOCK_K: tl.constexpr,
-                          B_STAGES: tl.constexpr, B_EARLY: tl.constexpr, PDL: tl.constexpr):
+def _gemv_vec_pair_kernel(
+    x_ptr,
+    n_in,
+    programs_a,
+    wa_ptr,
+    sa_ptr,
+    outa_ptr,
+    rows_a,
+    s_cols_a,
+    wb_ptr,
+    sb_ptr,
+    outb_ptr,
+    rows_b,
+    s_cols_b,
+    A_QUANT: tl.constexpr,
+    A_SB_R: tl.constexpr,
+    A_SB_C: tl.constexpr,
+    A_VEC: tl.constexpr,
+    A_BLOCK_R: tl.constexpr,
+    A_BLOCK_K: tl.constexpr,
+    A_STAGES: tl.constexpr,
+    A_EARLY: tl.constexpr,
+    B_QUANT: tl.constexpr,
+    B_SB_R: tl.constexpr,
+    B_SB_C: tl.constexpr,
+    B_VEC: tl.constexpr,
+    B_BLOCK_R: tl.constexpr,
+    B_BLOCK_K: tl.constexpr,
+    B_STAGES: tl.constexpr,
+    B_EARLY: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # gemv_pair on vector tiles: the first programs_a programs are product a's, the rest product b's.
     pid = tl.program_id(0)
     if pid < programs_a:
-        _vec_program(pid, 0, x_ptr, wa_ptr, sa_ptr, outa_ptr, rows_a, n_in, n_in, rows_a, s_cols_a, A_QUANT, A_SB_R,
-                     A_SB_C, A_VEC, A_BLOCK_R, A_BLOCK_K, A_STAGES, A_EARLY, False, PDL)
+        _vec_program(
+            pid,
+            0,
+            x_ptr,
+            wa_ptr,
+            sa_ptr,
+            outa_ptr,
+            rows_a,
+            n_in,
+            n_in,
+            rows_a,
+            s_cols_a,
+            A_QUANT,
+            A_SB_R,
+            A_SB_C,
+            A_VEC,
+            A_BLOCK_R,
+            A_BLOCK_K,
+            A_STAGES,
+            A_EARLY,
+            False,
+            PDL,
+        )
     else:
-        _vec_program(pid - programs_a, 0, x_ptr, wb_ptr, sb_ptr, outb_ptr, rows_b, n_in, n_in, rows_b, s_cols_b,
-                     B_QUANT, B_SB_R, B_SB_C, B_VEC, B_BLOCK_R, B_BLOCK_K, B_STAGES, B_EARLY, False, PDL)
+        _vec_program(
+            pid - programs_a,
+            0,
+            x_ptr,
+            wb_ptr,
+            sb_ptr,
+            outb_ptr,
+            rows_b,
+            n_in,
+            n_in,
+            rows_b,
+            s_cols_b,
+            B_QUANT,
+            B_SB_R,
+            B_SB_C,
+            B_VEC,
+            B_BLOCK_R,
+            B_BLOCK_K,
+            B_STAGES,
+            B_EARLY,
+            False,
+            PDL,
+        )
 
 
 @triton.jit
-def _vec_program(pid, split, x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_split, rows_per_group, s_cols,
-                 QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr,
-                 PARTIAL: tl.constexpr, PDL: tl.constexpr):
+def _vec_program(
+    pid,
+    split,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    n_in,
+    k_per_split,
+    rows_per_group,
+    s_cols,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    EARLY: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # One token: program (pid, split) computes rows [first, first + BLOCK_R) over its slice of the input,
     # whose start is a multiple of the scale block's columns (config_problem), so the slice's scales are
     # columns [k_lo / SB_C, ...) of the program's scale row. The first step is peeled: with EARLY its weights
@@ -340,10 +673,33 @@ def _vec_program(pid, split, x_ptr, w_ptr, s_ptr, out_ptr, n_rows, n_in, k_per_s
     if not EARLY:
         w_first, s_first = _first_step(w, s, first, rows, n_in, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_K)
     x = x_ptr + (first // rows_per_group) * n_in + k_lo
-    acc = _accumulate(tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32), w_first, s_first,
-                      _activations(x, rows, 0, QUANT, BLOCK_K, 1.0), QUANT, VEC, BLOCK_K)
-    y = _rows_dot(x, w, s, first, BLOCK_K, tl.minimum(k_per_split, n_in - k_lo), n_in, s_cols, acc,
-                  QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+    acc = _accumulate(
+        tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32),
+        w_first,
+        s_first,
+        _activations(x, rows, 0, QUANT, BLOCK_K, 1.0),
+        QUANT,
+        VEC,
+        BLOCK_K,
+    )
+    y = _rows_dot(
+        x,
+        w,
+        s,
+        first,
+        BLOCK_K,
+        tl.minimum(k_per_split, n_in - k_lo),
+        n_in,
+        s_cols,
+        acc,
+        QUANT,
+        SB_R,
+        SB_C,
+        VEC,
+        BLOCK_R,
+        BLOCK_K,
+        STAGES,
+    )
     _store(out_ptr, y, rows, rows < n_rows, split, 1, n_rows, PARTIAL)
 
 
@@ -376,13 +732,22 @@ def table_overrides(entries: dict[tuple[str, int, int, int, int], GemvConfig]) -
         yield
 
 
-def table_key(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int) -> tuple[str, int, int, int, int]:
+def table_key(
+    kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int
+) -> tuple[str, int, int, int, int]:
     """The :data:`TABLE` key: the sweep times one token and four (2..8 share the four-token entry)."""
     return kind, n_rows, n_in, 1 if n_tokens == 1 else 4, groups
 
 
-def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int,
-                   block: tuple[int, int] | None) -> str | None:
+def config_problem(
+    cfg: GemvConfig,
+    kind: str,
+    n_rows: int,
+    n_in: int,
+    n_tokens: int,
+    groups: int,
+    block: tuple[int, int] | None,
+) -> str | None:
     """Why ``cfg`` cannot run this product, or None when it can (``block``: FP8 scale block, None if dense)."""
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_r, cfg.block_k))
     if not pow2 or cfg.split < 1:
@@ -405,7 +770,9 @@ def config_problem(cfg: GemvConfig, kind: str, n_rows: int, n_in: int, n_tokens:
     return None
 
 
-def _vec_problem(cfg: GemvConfig, n_rows: int, n_in: int, n_tokens: int, block: tuple[int, int] | None) -> str | None:
+def _vec_problem(
+    cfg: GemvConfig, n_rows: int, n_in: int, n_tokens: int, block: tuple[int, int] | None
+) -> str | None:
     """Why the vector tile ``cfg`` cannot run this product, or None: no load is masked, and a step holds whole
     16-byte vectors of FP8 (scaled) or bf16 weights (fp32 weights' vectors are shorter)."""
     if cfg.dot or n_tokens != 1:
@@ -425,16 +792,20 @@ def _slice_len(n_in: int, cfg: GemvConfig) -> int:
 TABLED_TOKENS = 8  # the table's four-token entries serve up to this many tokens
 
 
-def default_config(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int = 1,
-                   block: tuple[int, int] | None = None) -> GemvConfig:
+def default_config(
+    kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int = 1, block: tuple[int, int] | None = None
+) -> GemvConfig:
     """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`).
 
     Past ``TABLED_TOKENS`` tokens only a tensor-core entry is taken: its tile pads the tokens to
     ``DOT_ROWS`` anyway, where a CUDA-core tile's accumulator grows with every token."""
     if kind == "bf16" or (kind == "fp8" and block == TABLED_BLOCK):
         hit = TABLE.get(table_key(kind, n_rows, n_in, n_tokens, groups))
-        if (hit is not None and (hit.dot or n_tokens <= TABLED_TOKENS)
-                and config_problem(hit, kind, n_rows, n_in, n_tokens, groups, block) is None):
+        if (
+            hit is not None
+            and (hit.dot or n_tokens <= TABLED_TOKENS)
+            and config_problem(hit, kind, n_rows, n_in, n_tokens, groups, block) is None
+        ):
             return hit
     return _heuristic(kind, n_rows, n_in, n_tokens, groups, block)
 
@@ -455,8 +826,9 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return block
 
 
-def _heuristic(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int,
-               block: tuple[int, int] | None) -> GemvConfig:
+def _heuristic(
+    kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int, block: tuple[int, int] | None
+) -> GemvConfig:
     per_group = n_rows // groups if groups > 1 else 0  # 0: any tile height divides it
     if kind != "fp32" and n_tokens <= DOT_ROWS:
         block_r = min(_pow2_divisor(per_group, 64), 64 if n_rows >= 2048 else 32 if n_rows >= 256 else 16)
@@ -464,7 +836,9 @@ def _heuristic(kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int,
         if config_problem(cfg, kind, n_rows, n_in, n_tokens, groups, block) is None:
             return _with_split(cfg, n_rows, n_in)
     block_r = _pow2_divisor(math.gcd(block[0] if block is not None else 0, per_group), 16)
-    block_k = _block_k(min(max(64, 512 // triton.next_power_of_2(n_tokens)), triton.next_power_of_2(n_in)), block)
+    block_k = _block_k(
+        min(max(64, 512 // triton.next_power_of_2(n_tokens)), triton.next_power_of_2(n_in)), block
+    )
     return _with_split(GemvConfig(block_r, block_k, warps=4, stages=4), n_rows, n_in)
 
 
@@ -479,9 +853,15 @@ def _with_split(cfg: GemvConfig, n_rows: int, n_in: int) -> GemvConfig:
     return dataclasses.replace(cfg, split=split_for(triton.cdiv(n_rows, cfg.block_r), n_in, cfg.block_k))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None, groups: int = 1, config: GemvConfig | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    groups: int = 1,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x [N, K]`` (or ``[N, G, K]`` with ``groups=G``) times ``weight [R, K]`` → ``[N, R]``.
 
     ``scale`` (with its ``block``) makes ``weight`` FP8 e4m3; ``out`` is an optional contiguous
@@ -501,29 +881,71 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     s_cols = scale.shape[1] if scale is not None else 0
     grid = (triton.cdiv(n_rows, cfg.block_r), split)
     if cfg.vec:
-        _gemv_vec_kernel[grid](x2, weight, weight if scale is None else scale, target, n_rows, n_in, k_per_split,
-                               n_rows // groups, s_cols, **_vec_consts(cfg, weight, block), PARTIAL=split > 1,
-                               num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch(x2))
+        _gemv_vec_kernel[grid](
+            x2,
+            weight,
+            weight if scale is None else scale,
+            target,
+            n_rows,
+            n_in,
+            k_per_split,
+            n_rows // groups,
+            s_cols,
+            **_vec_consts(cfg, weight, block),
+            PARTIAL=split > 1,
+            num_warps=cfg.warps,
+            num_stages=cfg.stages,
+            **pdl.launch(x2),
+        )
     else:
-        args = (x2, weight, scale, target, n_rows, n_in, k_per_split, n_rows // groups, x2.stride(0), s_cols,
-                n_tokens)
-        consts = dict(**_tile_consts(cfg, block), PARTIAL=split > 1, num_warps=cfg.warps, num_stages=cfg.stages,
-                      **pdl.launch(x2))
+        args = (
+            x2,
+            weight,
+            scale,
+            target,
+            n_rows,
+            n_in,
+            k_per_split,
+            n_rows // groups,
+            x2.stride(0),
+            s_cols,
+            n_tokens,
+        )
+        consts = dict(
+            **_tile_consts(cfg, block),
+            PARTIAL=split > 1,
+            num_warps=cfg.warps,
+            num_stages=cfg.stages,
+            **pdl.launch(x2),
+        )
         if cfg.dot:
-            _gemv_dot_kernel[grid](*args, N_PAD=DOT_ROWS, DOT_DTYPE=_dot_dtype(x2, scale is not None),
-                                   N_LOAD=triton.next_power_of_2(n_tokens), X_SCALE=FP8_X_SCALE, **consts)
+            _gemv_dot_kernel[grid](
+                *args,
+                N_PAD=DOT_ROWS,
+                DOT_DTYPE=_dot_dtype(x2, scale is not None),
+                N_LOAD=triton.next_power_of_2(n_tokens),
+                X_SCALE=FP8_X_SCALE,
+                **consts,
+            )
         else:
             _gemv_fma_kernel[grid](*args, N_PAD=triton.next_power_of_2(n_tokens), **consts)
     if split > 1:
         n = n_tokens * n_rows
-        _sum_splits_kernel[(triton.cdiv(n, 1024),)](target, out, n, split, BLOCK=1024, num_warps=4,
-                                                    **pdl.launch(x2))
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](
+            target, out, n, split, BLOCK=1024, num_warps=4, **pdl.launch(x2)
+        )
     return out
 
 
-def _plan(x_dtype: torch.dtype, n_tokens: int, weight: torch.Tensor, scale: torch.Tensor | None,
-          block: tuple[int, int] | None, groups: int, config: GemvConfig | None
-          ) -> tuple[GemvConfig, tuple[int, int] | None, int, int]:
+def _plan(
+    x_dtype: torch.dtype,
+    n_tokens: int,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    groups: int,
+    config: GemvConfig | None,
+) -> tuple[GemvConfig, tuple[int, int] | None, int, int]:
     """``(config, scale block or None, inputs per slice, slices)`` of a product: ``config`` or the
     table's, checked; the last slice may be shorter, and a split wider than the input has fewer slices."""
     n_rows, n_in = weight.shape
@@ -550,7 +972,9 @@ def gemv_pair(x: torch.Tensor, a: Operand, b: Operand) -> tuple[torch.Tensor, to
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_tokens, n_in = x2.shape
     if any(op[0].shape[1] != n_in for op in (a, b)):
-        raise ValueError(f"gemv_pair: both weights must take {n_in} inputs, not {a[0].shape[1]} and {b[0].shape[1]}")
+        raise ValueError(
+            f"gemv_pair: both weights must take {n_in} inputs, not {a[0].shape[1]} and {b[0].shape[1]}"
+        )
     plans = [_pair_plan(x2, *op) for op in (a, b)]
     if any(plan is None for plan in plans) or plans[0].vec != plans[1].vec:
         return gemv(x2, *a), gemv(x2, *b)
@@ -558,22 +982,60 @@ def gemv_pair(x: torch.Tensor, a: Operand, b: Operand) -> tuple[torch.Tensor, to
     blocks = [block if scale is not None else None for _, scale, block in (a, b)]
     programs = [triton.cdiv(op[0].shape[0], cfg.block_r) for op, cfg in zip((a, b), plans)]
     (wa, sa, _), (wb, sb, _) = a, b
-    launch = dict(num_warps=max(cfg.warps for cfg in plans), num_stages=max(cfg.stages for cfg in plans),
-                  **pdl.launch(x2))
+    launch = dict(
+        num_warps=max(cfg.warps for cfg in plans),
+        num_stages=max(cfg.stages for cfg in plans),
+        **pdl.launch(x2),
+    )
     if plans[0].vec:
-        consts = {f"{prefix}_{name}": value for prefix, (w, _, _), cfg, block in zip("AB", (a, b), plans, blocks)
-                  for name, value in _vec_consts(cfg, w, block).items()}
+        consts = {
+            f"{prefix}_{name}": value
+            for prefix, (w, _, _), cfg, block in zip("AB", (a, b), plans, blocks)
+            for name, value in _vec_consts(cfg, w, block).items()
+        }
         _gemv_vec_pair_kernel[(sum(programs),)](
-            x2, n_in, programs[0], wa, wa if sa is None else sa, outs[0], wa.shape[0],
-            sa.shape[1] if sa is not None else 0, wb, wb if sb is None else sb, outs[1], wb.shape[0],
-            sb.shape[1] if sb is not None else 0, **consts, **launch)
+            x2,
+            n_in,
+            programs[0],
+            wa,
+            wa if sa is None else sa,
+            outs[0],
+            wa.shape[0],
+            sa.shape[1] if sa is not None else 0,
+            wb,
+            wb if sb is None else sb,
+            outs[1],
+            wb.shape[0],
+            sb.shape[1] if sb is not None else 0,
+            **consts,
+            **launch,
+        )
         return outs[0], outs[1]
-    consts = {f"{prefix}_{name}": value for prefix, cfg, block in zip("AB", plans, blocks)
-              for name, value in _tile_consts(cfg, block).items()}
+    consts = {
+        f"{prefix}_{name}": value
+        for prefix, cfg, block in zip("AB", plans, blocks)
+        for name, value in _tile_consts(cfg, block).items()
+    }
     _gemv_fma_pair_kernel[(sum(programs),)](
-        x2, x2.stride(0), n_in, n_tokens, programs[0], wa, sa, outs[0], wa.shape[0],
-        sa.shape[1] if sa is not None else 0, wb, sb, outs[1], wb.shape[0], sb.shape[1] if sb is not None else 0,
-        N_PAD=triton.next_power_of_2(n_tokens), **consts, **launch)
+        x2,
+        x2.stride(0),
+        n_in,
+        n_tokens,
+        programs[0],
+        wa,
+        sa,
+        outs[0],
+        wa.shape[0],
+        sa.shape[1] if sa is not None else 0,
+        wb,
+        sb,
+        outs[1],
+        wb.shape[0],
+        sb.shape[1] if sb is not None else 0,
+        N_PAD=triton.next_power_of_2(n_tokens),
+        **consts,
+        **launch,
+    )
     return outs[0], outs[1]
 
 
@@ -581,19 +1043,35 @@ def _vec_consts(cfg: GemvConfig, weight: torch.Tensor, block: tuple[int, int] | 
     """A vector-tile program's compile-time parameters for ``cfg``, ``weight`` and its FP8 scale ``block``
     (None: dense)."""
     sb_r, sb_c = block or (1, 1)
-    return dict(QUANT=DENSE if block is None else FP8, SB_R=sb_r, SB_C=sb_c, VEC=16 // weight.element_size(),
-                BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, STAGES=cfg.stages, EARLY=cfg.early)
+    return dict(
+        QUANT=DENSE if block is None else FP8,
+        SB_R=sb_r,
+        SB_C=sb_c,
+        VEC=16 // weight.element_size(),
+        BLOCK_R=cfg.block_r,
+        BLOCK_K=cfg.block_k,
+        STAGES=cfg.stages,
+        EARLY=cfg.early,
+    )
 
 
 def _tile_consts(cfg: GemvConfig, block: tuple[int, int] | None) -> dict:
     """A GEMV program's compile-time tile parameters for ``cfg`` and the FP8 scale ``block`` (None: dense)."""
     sb_r, sb_c = block or (1, 1)
-    return dict(SCALED=block is not None, SB_R=sb_r, SB_C=sb_c, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-                SUB_K=min(cfg.block_k, sb_c) if block is not None else cfg.block_k, STAGES=cfg.stages)
+    return dict(
+        SCALED=block is not None,
+        SB_R=sb_r,
+        SB_C=sb_c,
+        BLOCK_R=cfg.block_r,
+        BLOCK_K=cfg.block_k,
+        SUB_K=min(cfg.block_k, sb_c) if block is not None else cfg.block_k,
+        STAGES=cfg.stages,
+    )
 
 
-def _pair_plan(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-               block: tuple[int, int] | None) -> GemvConfig | None:
+def _pair_plan(
+    x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None
+) -> GemvConfig | None:
     """``weight``'s configuration when it can run inside a pair kernel (CUDA-core or vector tiles, no split-K,
     contiguous), else None."""
     if not weight.is_contiguous() or (scale is not None and weight.dtype != torch.float8_e4m3fn):
@@ -613,8 +1091,13 @@ def _dot_dtype(x: torch.Tensor, scaled: bool) -> tl.dtype:
     return tl.float16 if scaled else tl.bfloat16
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-             block: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    groups: int = 1,
+) -> torch.Tensor:
     """Torch reference in fp32: dequantise, then a (grouped) matrix product."""
     w = weight.float() if scale is None else dequant_fp8(weight, scale, block, torch.float32)
     n_rows, n_in = w.shape

@@ -35,8 +35,8 @@ from . import pdl
 from .dequant import _e2m1, _pow2
 from .moe import X_SCALE, _group_scale
 from .moe import _e2m1 as _e2m1_times_2_pow_m126
-from .switches import SWITCHES
 from .router import _round
+from .switches import SWITCHES
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,13 @@ class Tiles:
 LONG_GROUP = 256
 TILES: dict[tuple[str, bool], Tiles] = {
     ("fp8", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 128, 8, 3)),
-    ("fp4", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 64, 4, 4, swap=True)),
+    ("fp4", False): Tiles(
+        GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 64, 4, 4, swap=True)
+    ),
     ("fp8", True): Tiles(GroupedTile(128, 128, 64, 8, 3, swap=True), GroupedTile(128, 256, 64, 8, 3)),
-    ("fp4", True): Tiles(GroupedTile(128, 128, 64, 8, 3, swap=True), GroupedTile(128, 128, 64, 8, 3, swap=True)),
+    ("fp4", True): Tiles(
+        GroupedTile(128, 128, 64, 8, 3, swap=True), GroupedTile(128, 128, 64, 8, 3, swap=True)
+    ),
 }
 
 
@@ -103,9 +107,23 @@ def _tile(ends_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constexpr, B1: tl.constexpr,
-                 FP4: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DTYPE: tl.constexpr):
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    rows,
+    n_ok,
+    k0,
+    K,
+    s_rows,
+    S_COLS,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    FP4: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """``[BLOCK_N, BLOCK_K]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``),
     dequantised to ``DTYPE``. FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
@@ -118,15 +136,18 @@ def _weight_tile(w_ptr, s_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0: tl.constex
         j = tl.arange(0, 16)
         offsets = rows[:, None, None] * (K // 2) + k0 // 2 + g[None, :, None] * 16 + j[None, None, :]
         codes = tl.load(w_ptr + offsets, mask=n_ok[:, None, None], other=0).to(tl.int32)
-        exponents = tl.load(s_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :], mask=n_ok[:, None],
-                            other=127).to(tl.int32)
+        exponents = tl.load(
+            s_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :], mask=n_ok[:, None], other=127
+        ).to(tl.int32)
         if BITS:
             lo, hi = _e2m1_times_2_pow_m126(codes)  # the value times 2^-126; _group_scale: 2^(e - 127 + 62)
             factor = _group_scale(exponents)[:, :, None]
             w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
         else:
             factor = _pow2(exponents)[:, :, None]
-            w = tl.reshape(tl.join(_e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor), (BLOCK_N, BLOCK_K))
+            w = tl.reshape(
+                tl.join(_e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor), (BLOCK_N, BLOCK_K)
+            )
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
@@ -169,11 +190,35 @@ def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K, E, S_ROWS, S_COLS, limit,
-                    B0: tl.constexpr, B1: tl.constexpr, FP4: tl.constexpr, BITS: tl.constexpr, GATE_UP: tl.constexpr,
-                    CLAMP: tl.constexpr, BF16: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, SWAP: tl.constexpr,
-                    PDL: tl.constexpr):
+def _grouped_kernel(
+    a_ptr,
+    w_ptr,
+    ws_ptr,
+    v_ptr,
+    vs_ptr,
+    ends_ptr,
+    out_ptr,
+    N,
+    K,
+    E,
+    S_ROWS,
+    S_COLS,
+    limit,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    FP4: tl.constexpr,
+    BITS: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BF16: tl.constexpr,
+    WIDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    SWAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One (expert row tile, column block): ``a @ w[e].T``, or with ``GATE_UP`` the gated
     ``swiglu(a @ w[e].T, a @ v[e].T)``, stored in ``a``'s dtype. bf16 is rounded to nearest even on the
     bits, as by the GPU's cast, so that Triton's interpreter (whose casts truncate) rounds as torch does."""
@@ -202,12 +247,14 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, ends_ptr, out_ptr, N, K
         acc_v = tl.zeros(ACC_SHAPE, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
-        w = _weight_tile(w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
-                         DTYPE)
+        w = _weight_tile(
+            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K, DTYPE
+        )
         acc = _product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
-            v = _weight_tile(v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K,
-                             DTYPE)
+            v = _weight_tile(
+                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K, DTYPE
+            )
             acc_v = _product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:
         acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
@@ -231,15 +278,21 @@ def _block_k(dtype: torch.dtype, w: Weight, tile: GroupedTile) -> int:
         b0, b1 = w.block
         expected = (E, -(-N // b0), -(-K // b1))
         if w.data.dtype != torch.float8_e4m3fn or w.scale.dtype != torch.float32 or w.scale.shape != expected:
-            raise ValueError(f"grouped FP8 experts: expected e4m3 data and fp32 scales {expected}, got "
-                             f"{w.data.dtype} and {w.scale.dtype} {tuple(w.scale.shape)}")
+            raise ValueError(
+                f"grouped FP8 experts: expected e4m3 data and fp32 scales {expected}, got "
+                f"{w.data.dtype} and {w.scale.dtype} {tuple(w.scale.shape)}"
+            )
         if b1 < 16 or b1 & (b1 - 1):  # a loop step must lie in one scale column
-            raise ValueError(f"grouped FP8 experts: the scale block's inputs must be a power of two >= 16, got {b1}")
+            raise ValueError(
+                f"grouped FP8 experts: the scale block's inputs must be a power of two >= 16, got {b1}"
+            )
         step, least = min(tile.inputs, b1), 16
     else:
         if w.scale.dtype != torch.uint8 or w.scale.shape != (E, N, K // 32):
-            raise ValueError(f"grouped MXFP4 experts: expected uint8 exponents {(E, N, K // 32)}, got "
-                             f"{w.scale.dtype} {tuple(w.scale.shape)}")
+            raise ValueError(
+                f"grouped MXFP4 experts: expected uint8 exponents {(E, N, K // 32)}, got "
+                f"{w.scale.dtype} {tuple(w.scale.shape)}"
+            )
         step, least = tile.inputs, 32
     while step >= least and K % step:
         step //= 2
@@ -263,13 +316,18 @@ def supports(dtype: torch.dtype, w: Weight, w3: Weight | None = None) -> bool:
 
 
 def _check_pair(w1: Weight, w3: Weight) -> None:
-    same = type(w1) is type(w3) and w1.shape == w3.shape and getattr(w1, "block", None) == getattr(w3, "block", None)
+    same = (
+        type(w1) is type(w3)
+        and w1.shape == w3.shape
+        and getattr(w1, "block", None) == getattr(w3, "block", None)
+    )
     if not same:
         raise ValueError("grouped gate-up: w1 and w3 must have one format, shape and scale block")
 
 
-def grouped_quant_mm(a: torch.Tensor, w: FP8Weight | FP4Weight, ends: torch.Tensor,
-                     tile: GroupedTile | None = None) -> torch.Tensor:
+def grouped_quant_mm(
+    a: torch.Tensor, w: FP8Weight | FP4Weight, ends: torch.Tensor, tile: GroupedTile | None = None
+) -> torch.Tensor:
     """``[M, N]``: rows ``ends[e-1] .. ends[e]`` of ``a [M, K]`` times ``dense(w[e]).T`` for stacked experts
     ``w [E, N, K]``, in ``a``'s dtype (bf16, or fp32). Rows from ``ends[-1]`` on are not written (their
     values are undefined). No host synchronisation; ValueError for operands :func:`supports` refuses.
@@ -277,8 +335,14 @@ def grouped_quant_mm(a: torch.Tensor, w: FP8Weight | FP4Weight, ends: torch.Tens
     return _launch(a, w, None, ends, 0.0, tile or tiles_for(w, a.shape[0]).down)
 
 
-def grouped_quant_gate_up(a: torch.Tensor, w1: FP8Weight | FP4Weight, w3: FP8Weight | FP4Weight,
-                          ends: torch.Tensor, limit: float, tile: GroupedTile | None = None) -> torch.Tensor:
+def grouped_quant_gate_up(
+    a: torch.Tensor,
+    w1: FP8Weight | FP4Weight,
+    w3: FP8Weight | FP4Weight,
+    ends: torch.Tensor,
+    limit: float,
+    tile: GroupedTile | None = None,
+) -> torch.Tensor:
     """``swiglu_gate(grouped_quant_mm(a, w1, ends), grouped_quant_mm(a, w3, ends), limit)`` in one launch:
     the activations are read once for both products, and the two products never leave registers.
     ``tile``: by default :func:`tiles_for`'s."""
@@ -291,12 +355,20 @@ def _operands(w: FP8Weight | FP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return (data.view(torch.uint8) if isinstance(w, FP4Weight) else data), w.scale.contiguous()
 
 
-def _launch(a: torch.Tensor, w: FP8Weight | FP4Weight, w3: FP8Weight | FP4Weight | None, ends: torch.Tensor,
-            limit: float, tile: GroupedTile) -> torch.Tensor:
+def _launch(
+    a: torch.Tensor,
+    w: FP8Weight | FP4Weight,
+    w3: FP8Weight | FP4Weight | None,
+    ends: torch.Tensor,
+    limit: float,
+    tile: GroupedTile,
+) -> torch.Tensor:
     E, N, K = w.shape
     if a.dim() != 2 or a.shape[1] != K or ends.shape != (E,):
-        raise ValueError(f"grouped quantized experts: rows {tuple(a.shape)} and ends {tuple(ends.shape)} do not "
-                         f"match experts {tuple(w.shape)}")
+        raise ValueError(
+            f"grouped quantized experts: rows {tuple(a.shape)} and ends {tuple(ends.shape)} do not "
+            f"match experts {tuple(w.shape)}"
+        )
     step = _block_k(a.dtype, w, tile)
     b0, b1 = w.block if isinstance(w, FP8Weight) else (1, 32)
     a = a.contiguous()
@@ -305,14 +377,37 @@ def _launch(a: torch.Tensor, w: FP8Weight | FP4Weight, w3: FP8Weight | FP4Weight
     data3, scale3 = _operands(w3) if w3 is not None else (data, scale)
     cols = min(tile.cols, max(16, triton.next_power_of_2(N)))
     grid = (triton.cdiv(a.shape[0], tile.rows) + E, triton.cdiv(N, cols))
-    _grouped_kernel[grid](a, data, scale, data3, scale3, ends.to(torch.int32).contiguous(), out, N, K, E,
-                          -(-N // b0), -(-K // b1), limit, B0=b0, B1=b1, FP4=isinstance(w, FP4Weight),
-                          BITS=SWITCHES.grouped_fp4_bits,
-                          GATE_UP=w3 is not None, CLAMP=limit > 0,
-                          BF16=a.dtype == torch.bfloat16, WIDEN=not a.is_cuda or a.dtype == torch.float32,
-                          BLOCK_M=tile.rows, BLOCK_N=cols, BLOCK_K=step, E_PAD=max(16, triton.next_power_of_2(E)),
-                          SWAP=tile.swap,
-                          num_warps=tile.warps, num_stages=tile.stages, **pdl.launch(a))
+    _grouped_kernel[grid](
+        a,
+        data,
+        scale,
+        data3,
+        scale3,
+        ends.to(torch.int32).contiguous(),
+        out,
+        N,
+        K,
+        E,
+        -(-N // b0),
+        -(-K // b1),
+        limit,
+        B0=b0,
+        B1=b1,
+        FP4=isinstance(w, FP4Weight),
+        BITS=SWITCHES.grouped_fp4_bits,
+        GATE_UP=w3 is not None,
+        CLAMP=limit > 0,
+        BF16=a.dtype == torch.bfloat16,
+        WIDEN=not a.is_cuda or a.dtype == torch.float32,
+        BLOCK_M=tile.rows,
+        BLOCK_N=cols,
+        BLOCK_K=step,
+        E_PAD=max(16, triton.next_power_of_2(E)),
+        SWAP=tile.swap,
+        num_warps=tile.warps,
+        num_stages=tile.stages,
+        **pdl.launch(a),
+    )
     return out
 
 
@@ -322,18 +417,22 @@ def grouped_quant_mm_ref(a: torch.Tensor, w: Weight, ends: torch.Tensor) -> torc
     return _per_expert(a, ends, lambda part, e: F.linear(part, dense(w[e], a.dtype)), w.shape[1])
 
 
-def grouped_quant_gate_up_ref(a: torch.Tensor, w1: Weight, w3: Weight, ends: torch.Tensor,
-                              limit: float) -> torch.Tensor:
+def grouped_quant_gate_up_ref(
+    a: torch.Tensor, w1: Weight, w3: Weight, ends: torch.Tensor, limit: float
+) -> torch.Tensor:
     """Torch reference of :func:`grouped_quant_gate_up` (as :func:`grouped_quant_mm_ref`)."""
 
     def gated(part: torch.Tensor, e: int) -> torch.Tensor:
-        return swiglu_gate(F.linear(part, dense(w1[e], a.dtype)), F.linear(part, dense(w3[e], a.dtype)), limit)
+        return swiglu_gate(
+            F.linear(part, dense(w1[e], a.dtype)), F.linear(part, dense(w3[e], a.dtype)), limit
+        )
 
     return _per_expert(a, ends, gated, w1.shape[1])
 
 
-def _per_expert(a: torch.Tensor, ends: torch.Tensor, product: Callable[[torch.Tensor, int], torch.Tensor],
-                n: int) -> torch.Tensor:
+def _per_expert(
+    a: torch.Tensor, ends: torch.Tensor, product: Callable[[torch.Tensor, int], torch.Tensor], n: int
+) -> torch.Tensor:
     out = a.new_zeros(a.shape[0], n)
     begin = 0
     for e, end in enumerate(ends.tolist()):

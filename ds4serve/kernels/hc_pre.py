@@ -59,17 +59,47 @@ from .hyper import coefficients, pre_coefficients
 from .switches import SWITCHES
 
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
-NUM_WARPS = 8  # the last program's tail (module docstring); alone 10.0 us a site against 10.6 with 4 (eleventh run)
+NUM_WARPS = (
+    8  # the last program's tail (module docstring); alone 10.0 us a site against 10.6 with 4 (eleventh run)
+)
 
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
-                   part_ptr, count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, D, iters, eps, norm_eps,
-                   HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr,
-                   EARLY_FN: tl.constexpr, PDL: tl.constexpr):
+def _hc_pre_kernel(
+    x_ptr,
+    out_ptr,
+    post_in_ptr,
+    comb_in_ptr,
+    merged_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    w_ptr,
+    part_ptr,
+    count_ptr,
+    flag_ptr,
+    post_ptr,
+    comb_ptr,
+    y_ptr,
+    D,
+    iters,
+    eps,
+    norm_eps,
+    HC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SINKHORN: tl.constexpr,
+    EARLY_FN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     p = tl.program_id(0)
-    n_prog = tl.num_programs(0) - SINKHORN  # with SINKHORN (1), each row's last program is its Sinkhorn program
+    n_prog = (
+        tl.num_programs(0) - SINKHORN
+    )  # with SINKHORN (1), each row's last program is its Sinkhorn program
     s = tl.program_id(1).to(tl.int64)
     if EARLY_FN:
         # fn is a weight, which no kernel before writes: its loads (the phase's trip to DRAM) can be issued before
@@ -81,13 +111,52 @@ def _hc_pre_kernel(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, fn_ptr,
     WIDTH: tl.constexpr = 1 + (2 + HC) * HC
     if p == n_prog:
         wait_for(flag_ptr + s)
-        _, post, comb = _row_coefficients(part_ptr + s * n_prog * WIDTH, n_prog, HC * D, base_ptr, scale_ptr,
-                                          iters, eps, norm_eps, HC, P_PAD)
+        _, post, comb = _row_coefficients(
+            part_ptr + s * n_prog * WIDTH,
+            n_prog,
+            HC * D,
+            base_ptr,
+            scale_ptr,
+            iters,
+            eps,
+            norm_eps,
+            HC,
+            P_PAD,
+        )
         _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
     else:
-        _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr, scale_ptr, w_ptr,
-                   part_ptr, count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
-                   HC, BLOCK, MIX_PAD, P_PAD, D_PAD, MERGE, SLOTS, SINKHORN)
+        _site_part(
+            x_ptr,
+            out_ptr,
+            post_in_ptr,
+            comb_in_ptr,
+            merged_ptr,
+            f,
+            base_ptr,
+            scale_ptr,
+            w_ptr,
+            part_ptr,
+            count_ptr,
+            flag_ptr,
+            post_ptr,
+            comb_ptr,
+            y_ptr,
+            p,
+            n_prog,
+            s,
+            D,
+            iters,
+            eps,
+            norm_eps,
+            HC,
+            BLOCK,
+            MIX_PAD,
+            P_PAD,
+            D_PAD,
+            MERGE,
+            SLOTS,
+            SINKHORN,
+        )
 
 
 @triton.jit
@@ -97,8 +166,11 @@ def _fn_columns(fn_ptr, p, D, HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl
     MIX: tl.constexpr = (2 + HC) * HC
     n = p * BLOCK + tl.arange(0, BLOCK)
     m = tl.arange(0, MIX_PAD)
-    return tl.load(fn_ptr + m[:, None] * (HC * D) + n[None, :], mask=(m[:, None] < MIX) & (n < HC * D)[None, :],
-                   other=0.0)
+    return tl.load(
+        fn_ptr + m[:, None] * (HC * D) + n[None, :],
+        mask=(m[:, None] < MIX) & (n < HC * D)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -109,10 +181,38 @@ def _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC: tl.constexpr):
 
 
 @triton.jit
-def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr, scale_ptr, w_ptr, part_ptr,
-               count_ptr, flag_ptr, post_ptr, comb_ptr, y_ptr, p, n_prog, s, D, iters, eps, norm_eps,
-               HC: tl.constexpr, BLOCK: tl.constexpr, MIX_PAD: tl.constexpr, P_PAD: tl.constexpr,
-               D_PAD: tl.constexpr, MERGE: tl.constexpr, SLOTS: tl.constexpr, SINKHORN: tl.constexpr):
+def _site_part(
+    x_ptr,
+    out_ptr,
+    post_in_ptr,
+    comb_in_ptr,
+    merged_ptr,
+    f,
+    base_ptr,
+    scale_ptr,
+    w_ptr,
+    part_ptr,
+    count_ptr,
+    flag_ptr,
+    post_ptr,
+    comb_ptr,
+    y_ptr,
+    p,
+    n_prog,
+    s,
+    D,
+    iters,
+    eps,
+    norm_eps,
+    HC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SINKHORN: tl.constexpr,
+):
     """Program ``p`` of row ``s``: its ``BLOCK`` values' partials with ``f``, its columns of ``fn`` (merged first
     with ``MERGE``); the last of the row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn
     program and computes only ``pre``, else all the coefficients itself; then it collapses the streams and applies
@@ -126,8 +226,18 @@ def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr
         # n = k * D + d; k clamped so that the masked tail of the last program reads comb and post in bounds
         d = n % D
         o = _sublayer_output(out_ptr, x_ptr, s, d, nm, D, SLOTS)
-        x = merged(x_ptr + s * N, o, post_in_ptr + s * HC, comb_in_ptr + s * HC * HC, tl.minimum(n // D, HC - 1),
-                   d, nm, D, HC, BLOCK)
+        x = merged(
+            x_ptr + s * N,
+            o,
+            post_in_ptr + s * HC,
+            comb_in_ptr + s * HC * HC,
+            tl.minimum(n // D, HC - 1),
+            d,
+            nm,
+            D,
+            HC,
+            BLOCK,
+        )
         site_row = merged_ptr + s * N
         tl.store(site_row + n, x, mask=nm)
     else:
@@ -148,8 +258,9 @@ def _site_part(x_ptr, out_ptr, post_in_ptr, comb_in_ptr, merged_ptr, f, base_ptr
         if SINKHORN:
             pre = _row_pre(partials, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC, P_PAD)
         else:
-            pre, post, comb = _row_coefficients(partials, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC,
-                                                P_PAD)
+            pre, post, comb = _row_coefficients(
+                partials, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC, P_PAD
+            )
             _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
         _collapse_and_norm(rows, w, pre, y_ptr + s * D, D, norm_eps, HC, D_PAD)
 
@@ -177,18 +288,31 @@ def _row_pre(rows_ptr, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC: tl.con
 
 
 @triton.jit
-def _row_coefficients(rows_ptr, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC: tl.constexpr,
-                      P_PAD: tl.constexpr):
+def _row_coefficients(
+    rows_ptr, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC: tl.constexpr, P_PAD: tl.constexpr
+):
     """``(pre, post, comb)`` of a row from its programs' partials ``[n_prog, 1 + mix]`` at ``rows_ptr``."""
     rows, pm, sq, pre_w = _row_partials(rows_ptr, n_prog, HC, P_PAD)
     j = tl.arange(0, HC)
     post_w = tl.load(rows[:, None] + 1 + HC + j[None, :], mask=pm[:, None], other=0.0, cache_modifier=".cg")
     cell = j[:, None] * HC + j[None, :]
-    comb_w = tl.load(rows[:, None, None] + 1 + 2 * HC + cell[None, :, :], mask=pm[:, None, None], other=0.0,
-                     cache_modifier=".cg")
+    comb_w = tl.load(
+        rows[:, None, None] + 1 + 2 * HC + cell[None, :, :],
+        mask=pm[:, None, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
     r = tl.rsqrt(tl.sum(sq, axis=0) / N + norm_eps)
-    return coefficients(tl.sum(pre_w, axis=0) * r, tl.sum(post_w, axis=0) * r, tl.sum(comb_w, axis=0) * r,
-                        base_ptr, scale_ptr, iters, eps, HC)
+    return coefficients(
+        tl.sum(pre_w, axis=0) * r,
+        tl.sum(post_w, axis=0) * r,
+        tl.sum(comb_w, axis=0) * r,
+        base_ptr,
+        scale_ptr,
+        iters,
+        eps,
+        HC,
+    )
 
 
 @triton.jit
@@ -232,9 +356,18 @@ def _collapse_and_norm(rows, w, pre, y_ptr, D, norm_eps, HC: tl.constexpr, D_PAD
     tl.store(y_ptr + d, (w * y).to(dtype), mask=d < D)
 
 
-def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
-           hc: int, iters: int, eps: float, norm_eps: float, block: int = BLOCK
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    block: int = BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(post [S, hc] fp32, comb [S, hc, hc] fp32, x_in [S, D] in X's dtype)`` for streams ``X [S, hc, D]``:
     ``hc_split(X, HCSite(fn, base, scale), ...)`` then ``rms_norm(collapsed, norm_w, norm_eps)``.
 
@@ -245,23 +378,47 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return _site(X, None, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)[1:]
 
 
-def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                 base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
-                 norm_eps: float, block: int = BLOCK
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_merge_pre(
+    X: torch.Tensor,
+    out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    block: int = BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(X' [S, hc, D], post' [S, hc], comb' [S, hc, hc], x_in [S, D])``: the merge
     ``X' = hc_merge(X, out, post, comb)`` of a sublayer's output ``out [S, D]`` (fp32 ``post``, ``comb``),
     then the next pre site on ``X'`` as :func:`hc_pre` (same arguments), in one launch. ``out`` may also be
     the fp32 slot terms ``[S, slots, D]`` of the fused MoE: the kernel sums them as the MoE would have."""
     terms = out.dim() == 3
-    merge = ((out.float() if terms else out.to(X.dtype)).contiguous(), post.float().contiguous(),
-             comb.float().contiguous())
+    merge = (
+        (out.float() if terms else out.to(X.dtype)).contiguous(),
+        post.float().contiguous(),
+        comb.float().contiguous(),
+    )
     return _site(X, merge, fn, base, scale, norm_w, hc, iters, eps, norm_eps, block)
 
 
-def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, fn: torch.Tensor,
-          base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc: int, iters: int, eps: float,
-          norm_eps: float, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _site(
+    X: torch.Tensor,
+    merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_w: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of the kernel: ``(the site's streams, post, comb, x_in)``, the streams ``X`` itself, or
     the merged ones when ``merge`` is ``(out, post, comb)``."""
     S, _, D = X.shape
@@ -281,10 +438,36 @@ def _site(X: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
     _hc_pre_kernel[(n_prog + sinkhorn, S)](
-        X, out, post_in, comb_in, streams, fn32, base.float().contiguous(),
-        scale.float().contiguous(), norm_w.float().contiguous(), part, flags, flags[S:], post, comb, x_in,
-        D, iters, eps, norm_eps, HC=hc, BLOCK=block, MIX_PAD=triton.next_power_of_2(mix),
-        P_PAD=triton.next_power_of_2(n_prog), D_PAD=triton.next_power_of_2(D), MERGE=merge is not None,
-        SLOTS=slots, SINKHORN=sinkhorn, EARLY_FN=early_fn, num_warps=NUM_WARPS, **EXACT_ROUNDING,
-        **pdl.launch(X))
+        X,
+        out,
+        post_in,
+        comb_in,
+        streams,
+        fn32,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        norm_w.float().contiguous(),
+        part,
+        flags,
+        flags[S:],
+        post,
+        comb,
+        x_in,
+        D,
+        iters,
+        eps,
+        norm_eps,
+        HC=hc,
+        BLOCK=block,
+        MIX_PAD=triton.next_power_of_2(mix),
+        P_PAD=triton.next_power_of_2(n_prog),
+        D_PAD=triton.next_power_of_2(D),
+        MERGE=merge is not None,
+        SLOTS=slots,
+        SINKHORN=sinkhorn,
+        EARLY_FN=early_fn,
+        num_warps=NUM_WARPS,
+        **EXACT_ROUNDING,
+        **pdl.launch(X),
+    )
     return streams, post, comb, x_in

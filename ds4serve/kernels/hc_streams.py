@@ -53,8 +53,9 @@ def merged(x_row, o, post_row, comb_row, k, d, mask, D, HC: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _merge_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
+def _merge_kernel(
+    x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     pdl.start(PDL)
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -73,13 +74,27 @@ def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.const
     dm = d < D
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(HC):
-        acc += tl.load(pre_ptr + s * HC + k) * tl.load(x_ptr + (s * HC + k) * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc += tl.load(pre_ptr + s * HC + k) * tl.load(x_ptr + (s * HC + k) * D + d, mask=dm, other=0.0).to(
+            tl.float32
+        )
     tl.store(y_ptr + s * D + d, acc.to(y_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
-def _mixes_kernel(x_ptr, fn_ptr, y_ptr, S, N, eps, MIX: tl.constexpr, MIX_PAD: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr):
+def _mixes_kernel(
+    x_ptr,
+    fn_ptr,
+    y_ptr,
+    S,
+    N,
+    eps,
+    MIX: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Rows ``[BLOCK_S]`` of the flattened bf16 streams: their products with ``fn`` and sums of squares over
     all ``N`` inputs, then the mixes ``rsqrt(sum / N + eps) * products``."""
     pdl.start(PDL)
@@ -133,7 +148,10 @@ LONG_CHUNK = 4096  # tokens from which a chunk's mixes take MIX_TILE_LONG
 def mixes_apply(X: torch.Tensor) -> bool:
     """Whether :func:`hc_mixes` takes streams like ``X``: bf16 (the tensor-core operand; the products of
     other dtypes would not be exact) whose flattened rows split into whole steps of the kernel's loop."""
-    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % max(MIX_TILE.inputs, MIX_TILE_LONG.inputs) == 0
+    return (
+        X.dtype == torch.bfloat16
+        and (X.shape[1] * X.shape[2]) % max(MIX_TILE.inputs, MIX_TILE_LONG.inputs) == 0
+    )
 
 
 def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile | None = None) -> torch.Tensor:
@@ -142,16 +160,30 @@ def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile | None
     shape (default by the chunk's length: :data:`MIX_TILE`, from :data:`LONG_CHUNK` tokens :data:`MIX_TILE_LONG`)."""
     tile = tile or (MIX_TILE_LONG if X.shape[0] >= LONG_CHUNK else MIX_TILE)
     if X.dtype != torch.bfloat16 or (X.shape[1] * X.shape[2]) % tile.inputs:
-        raise ValueError(f"hc_mixes: expected bf16 streams of a multiple of {tile.inputs} values a row, got "
-                         f"{X.dtype} {tuple(X.shape)}")
+        raise ValueError(
+            f"hc_mixes: expected bf16 streams of a multiple of {tile.inputs} values a row, got "
+            f"{X.dtype} {tuple(X.shape)}"
+        )
     S = X.shape[0]
     x = X.reshape(S, -1).contiguous()
     N, mix = x.shape[1], fn.shape[0]
     y = torch.empty(S, mix, device=X.device, dtype=torch.float32)
-    _mixes_kernel[(triton.cdiv(S, tile.rows),)](x, fn.float().contiguous(), y, S, N, eps, MIX=mix,
-                                                MIX_PAD=max(16, triton.next_power_of_2(mix)),
-                                                BLOCK_S=tile.rows, BLOCK_N=tile.inputs, WIDEN=not X.is_cuda,
-                                                num_warps=tile.warps, num_stages=tile.stages, **pdl.launch(X))
+    _mixes_kernel[(triton.cdiv(S, tile.rows),)](
+        x,
+        fn.float().contiguous(),
+        y,
+        S,
+        N,
+        eps,
+        MIX=mix,
+        MIX_PAD=max(16, triton.next_power_of_2(mix)),
+        BLOCK_S=tile.rows,
+        BLOCK_N=tile.inputs,
+        WIDEN=not X.is_cuda,
+        num_warps=tile.warps,
+        num_stages=tile.stages,
+        **pdl.launch(X),
+    )
     return y
 
 
@@ -162,9 +194,19 @@ def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
     X, out = X.contiguous(), out.to(X.dtype).contiguous()
     y = torch.empty_like(X)
     block = min(BLOCK_D, triton.next_power_of_2(D))
-    _merge_kernel[(S, triton.cdiv(D, block))](X, out, post.float().contiguous(), comb.float().contiguous(), y, D,
-                                               HC=hc, BLOCK=block, num_warps=4, **EXACT_ROUNDING,
-                                               **pdl.launch(X))
+    _merge_kernel[(S, triton.cdiv(D, block))](
+        X,
+        out,
+        post.float().contiguous(),
+        comb.float().contiguous(),
+        y,
+        D,
+        HC=hc,
+        BLOCK=block,
+        num_warps=4,
+        **EXACT_ROUNDING,
+        **pdl.launch(X),
+    )
     return y
 
 
@@ -174,6 +216,7 @@ def hc_collapse(pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     X = X.contiguous()
     y = torch.empty(S, D, device=X.device, dtype=X.dtype)
     block = min(BLOCK_D, triton.next_power_of_2(D))
-    _collapse_kernel[(S, triton.cdiv(D, block))](X, pre.float().contiguous(), y, D, HC=hc, BLOCK=block,
-                                                  num_warps=4, **pdl.launch(X))
+    _collapse_kernel[(S, triton.cdiv(D, block))](
+        X, pre.float().contiguous(), y, D, HC=hc, BLOCK=block, num_warps=4, **pdl.launch(X)
+    )
     return y

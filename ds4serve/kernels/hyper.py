@@ -39,29 +39,40 @@ def coefficients(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, eps, HC: tl.
 
 
 @triton.jit
-def _hc_coeff_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps,
-                     HC: tl.constexpr, PDL: tl.constexpr):
+def _hc_coeff_kernel(
+    mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, eps, HC: tl.constexpr, PDL: tl.constexpr
+):
     pdl.start(PDL)
     t = tl.program_id(0)
     n_mix: tl.constexpr = (2 + HC) * HC
     j = tl.arange(0, HC)
     cell = j[:, None] * HC + j[None, :]
     row = mix_ptr + t * n_mix
-    pre, post, comb = coefficients(tl.load(row + j), tl.load(row + HC + j), tl.load(row + 2 * HC + cell),
-                                   base_ptr, scale_ptr, iters, eps, HC)
+    pre, post, comb = coefficients(
+        tl.load(row + j),
+        tl.load(row + HC + j),
+        tl.load(row + 2 * HC + cell),
+        base_ptr,
+        scale_ptr,
+        iters,
+        eps,
+        HC,
+    )
     tl.store(pre_ptr + t * HC + j, pre)
     tl.store(post_ptr + t * HC + j, post)
     tl.store(comb_ptr + t * HC * HC + cell, comb)
 
 
-def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_coefficients(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(pre [S,hc], post [S,hc], comb [S,hc,hc])`` from fp32 ``mixes [S, (2+hc)*hc]``."""
     S = mixes.shape[0]
     mixes = mixes.contiguous()
     pre = torch.empty(S, hc, device=mixes.device, dtype=torch.float32)
     post = torch.empty_like(pre)
     comb = torch.empty(S, hc, hc, device=mixes.device, dtype=torch.float32)
-    _hc_coeff_kernel[(S,)](mixes, base, scale, pre, post, comb, iters, eps, HC=hc, num_warps=1,
-                           **pdl.launch(mixes))
+    _hc_coeff_kernel[(S,)](
+        mixes, base, scale, pre, post, comb, iters, eps, HC=hc, num_warps=1, **pdl.launch(mixes)
+    )
     return pre, post, comb

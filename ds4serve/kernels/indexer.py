@@ -75,10 +75,34 @@ def default_scores_config(rows: int) -> ScoresConfig:
 
 
 @triton.jit
-def _scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, S, T, IH, D, qk_scale, w_scale,
-                   sq_s, sq_h, sq_d, sk_t, sk_d, sw_s, sw_h, sv_s, sv_t,
-                   BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, IH_P: tl.constexpr, D_P: tl.constexpr,
-                   WIDEN: tl.constexpr, PDL: tl.constexpr):
+def _scores_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    vis_ptr,
+    out_ptr,
+    S,
+    T,
+    IH,
+    D,
+    qk_scale,
+    w_scale,
+    sq_s,
+    sq_h,
+    sq_d,
+    sk_t,
+    sk_d,
+    sw_s,
+    sw_h,
+    sv_s,
+    sv_t,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    IH_P: tl.constexpr,
+    D_P: tl.constexpr,
+    WIDEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.start(PDL)
     s0 = tl.program_id(0) * BLOCK_S
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -89,13 +113,19 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, S, T, IH, D, qk_scale,
     inside = (s[:, None] < S) & (t[None, :] < T)
     vis = tl.load(vis_ptr + s[:, None] * sv_s + t[None, :] * sv_t, mask=inside, other=0) != 0
     score = tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32)
-    if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:  # a static decode buffer is mostly not visible yet
+    if (
+        tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0
+    ):  # a static decode buffer is mostly not visible yet
         rows_in = (rs < S) & (rh < IH)
         d = tl.arange(0, D_P)
-        q = tl.load(q_ptr + rs[:, None] * sq_s + rh[:, None] * sq_h + d[None, :] * sq_d,
-                    mask=rows_in[:, None] & (d[None, :] < D), other=0.0)
-        kt = tl.load(k_ptr + t[None, :] * sk_t + d[:, None] * sk_d, mask=(t[None, :] < T) & (d[:, None] < D),
-                     other=0.0)
+        q = tl.load(
+            q_ptr + rs[:, None] * sq_s + rh[:, None] * sq_h + d[None, :] * sq_d,
+            mask=rows_in[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        kt = tl.load(
+            k_ptr + t[None, :] * sk_t + d[:, None] * sk_d, mask=(t[None, :] < T) & (d[:, None] < D), other=0.0
+        )
         if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
             q = q.to(tl.float32)
             kt = kt.to(tl.float32)
@@ -106,8 +136,13 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, vis_ptr, out_ptr, S, T, IH, D, qk_scale,
     tl.store(out_ptr + s[:, None] * T + t[None, :], score, mask=inside)
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor,
-                 config: ScoresConfig | None = None) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    config: ScoresConfig | None = None,
+) -> torch.Tensor:
     """fp32 ``[S, T]``: ``sum_h relu(q[s,h] . keys[t]) * dim^-0.5 * head_w[s,h] * ih^-0.5``, ``-inf``
     where ``visible [S, T]`` is False; ``q [S, ih, dim]`` and ``keys [T, dim]`` of one dtype."""
     S, ih, dim = q.shape
@@ -115,11 +150,30 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visi
     cfg = config or default_scores_config(S)
     out = torch.empty(S, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(S, cfg.block_s), triton.cdiv(T, cfg.block_t))
-    _scores_kernel[grid](q, keys, head_w, visible, out, S, T, ih, dim, dim ** -0.5, ih ** -0.5,
-                         *q.stride(), *keys.stride(), *head_w.stride(), *visible.stride(),
-                         BLOCK_S=cfg.block_s, BLOCK_T=cfg.block_t, IH_P=max(16, triton.next_power_of_2(ih)),
-                         D_P=max(16, triton.next_power_of_2(dim)), WIDEN=not q.is_cuda,
-                         num_warps=cfg.warps, **pdl.launch(q))
+    _scores_kernel[grid](
+        q,
+        keys,
+        head_w,
+        visible,
+        out,
+        S,
+        T,
+        ih,
+        dim,
+        dim**-0.5,
+        ih**-0.5,
+        *q.stride(),
+        *keys.stride(),
+        *head_w.stride(),
+        *visible.stride(),
+        BLOCK_S=cfg.block_s,
+        BLOCK_T=cfg.block_t,
+        IH_P=max(16, triton.next_power_of_2(ih)),
+        D_P=max(16, triton.next_power_of_2(dim)),
+        WIDEN=not q.is_cuda,
+        num_warps=cfg.warps,
+        **pdl.launch(q),
+    )
     return out
 
 
@@ -170,8 +224,9 @@ def _kth_key(row_ptr, end, k, tile, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE
         at_least = tl.cumsum(hist, axis=0, reverse=True)  # [d]: matching keys with a digit >= d
         # at_least falls as d grows: the digit is the last d where it still reaches ``need``, and the
         # keys above that digit are at_least of the next d, the largest value below ``need``.
-        reached, above = tl.reduce(((at_least >= need).to(tl.int32), tl.where(at_least < need, at_least, 0)),
-                                   0, _count_and_max)
+        reached, above = tl.reduce(
+            ((at_least >= need).to(tl.int32), tl.where(at_least < need, at_least, 0)), 0, _count_and_max
+        )
         prefix = prefix | ((reached - 1).to(tl.uint32) << shift)
         found = found | (tl.full((), R - 1, tl.uint32) << shift)
         need = need - above
@@ -203,8 +258,17 @@ def _pad_indices(dst, kept, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr,
-                   INDICES: tl.constexpr, PDL: tl.constexpr):
+def _select_kernel(
+    score_ptr,
+    out_ptr,
+    T,
+    k,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    INDICES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One row per program. Out: the bool mask ``[S, T]``, or (``INDICES``) int32 ``[S, k]``, the
     selected entries' indices in ascending order, then -1."""
     pdl.start(PDL)
@@ -233,8 +297,9 @@ def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.const
         inside = offs < T
         tie = (tile == threshold) & inside
         rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the row's ties
-        kept = _store_selection(dst, 0, (tile > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK,
-                                INDICES)
+        kept = _store_selection(
+            dst, 0, (tile > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK, INDICES
+        )
     else:
         taken = 0
         for t0 in range(0, end, BLOCK):
@@ -243,8 +308,9 @@ def _select_kernel(score_ptr, out_ptr, T, k, BLOCK: tl.constexpr, BITS: tl.const
             tie = (u == threshold) & inside
             rank = tl.cumsum(tie.to(tl.int32), axis=0) + taken  # 1-based among this row's ties
             taken += tl.sum(tie.to(tl.int32), axis=0)
-            kept = _store_selection(dst, t0, (u > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK,
-                                    INDICES)
+            kept = _store_selection(
+                dst, t0, (u > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK, INDICES
+            )
         if not INDICES:
             for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
                 tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
@@ -263,8 +329,18 @@ def _select(scores: torch.Tensor, k: int, config: SelectConfig | None, indices: 
     block = cfg.block
     if T > block and triton.next_power_of_2(T) <= cfg.one_tile_max:
         block = triton.next_power_of_2(T)
-    _select_kernel[(S,)](scores, out, T, k, BLOCK=block, BITS=cfg.bits, ONE_TILE=T <= block, INDICES=indices,
-                         num_warps=cfg.warps, **pdl.launch(scores))
+    _select_kernel[(S,)](
+        scores,
+        out,
+        T,
+        k,
+        BLOCK=block,
+        BITS=cfg.bits,
+        ONE_TILE=T <= block,
+        INDICES=indices,
+        num_warps=cfg.warps,
+        **pdl.launch(scores),
+    )
     return out
 
 
@@ -281,14 +357,16 @@ def select_top_indices(scores: torch.Tensor, k: int, config: SelectConfig | None
     return _select(scores, k, config, indices=True)
 
 
-def index_top(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
-              ) -> torch.Tensor:
+def index_top(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+) -> torch.Tensor:
     """The visible entries among the ``k`` best by indexer score, per query ``[S, T]`` (bool)."""
     return select_top(index_scores(q, keys, head_w, visible), k)
 
 
-def index_top_indices(q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
-                      ) -> torch.Tensor:
+def index_top_indices(
+    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+) -> torch.Tensor:
     """:func:`index_top` as indices: int32 ``[S, k]``, the selected entries ascending, then -1 (see
     :func:`select_top_indices`)."""
     return select_top_indices(index_scores(q, keys, head_w, visible), k)

@@ -37,7 +37,7 @@ from . import pdl
 from .scoped import overridden
 
 DENSE, FP8, FP4 = 0, 1, 2
-X_SCALE = tl.constexpr(2.0 ** 64)  # MXFP4: the activations are scaled by this (see _e2m1)
+X_SCALE = tl.constexpr(2.0**64)  # MXFP4: the activations are scaled by this (see _e2m1)
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,9 @@ def _scale_row(s_ptr, row0, s_cols, QUANT: tl.constexpr, SB_R: tl.constexpr):
 
 
 @triton.jit
-def _step_scales(s_ptr, rows, k0, s_cols, QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _step_scales(
+    s_ptr, rows, k0, s_cols, QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """The scales of one step's weights (inputs ``[k0, k0 + BLOCK_K)``), for :func:`_accumulate`: FP8 the block
     scales of the program's scale row ``s_ptr`` (:func:`_scale_row`), MXFP4 the exponent of each row's scale
     groups, dense weights none (1)."""
@@ -211,9 +212,25 @@ def _accumulate(acc, w, scales, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOC
 
 
 @triton.jit
-def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
-                  QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+def _gate_up_rows(
+    x,
+    w1,
+    w3,
+    s1,
+    s3,
+    row0,
+    n_in,
+    row_len,
+    s_cols,
+    limit,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
     s1 = _scale_row(s1, row0, s_cols, QUANT, SB_R)
     s3 = _scale_row(s3, row0, s_cols, QUANT, SB_R)
@@ -222,10 +239,24 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
         xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
-        acc1 = _accumulate(acc1, _weight_tile(w1, rows, k0, row_len, QUANT, BLOCK_K),
-                           _step_scales(s1, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K), xv, QUANT, VEC, BLOCK_K)
-        acc3 = _accumulate(acc3, _weight_tile(w3, rows, k0, row_len, QUANT, BLOCK_K),
-                           _step_scales(s3, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K), xv, QUANT, VEC, BLOCK_K)
+        acc1 = _accumulate(
+            acc1,
+            _weight_tile(w1, rows, k0, row_len, QUANT, BLOCK_K),
+            _step_scales(s1, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+            xv,
+            QUANT,
+            VEC,
+            BLOCK_K,
+        )
+        acc3 = _accumulate(
+            acc3,
+            _weight_tile(w3, rows, k0, row_len, QUANT, BLOCK_K),
+            _step_scales(s3, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+            xv,
+            QUANT,
+            VEC,
+            BLOCK_K,
+        )
     g = tl.sum(acc1, axis=1)
     u = tl.sum(acc3, axis=1)
     if limit > 0:
@@ -238,9 +269,24 @@ def _gate_up_rows(x, w1, w3, s1, s3, row0, n_in, row_len, s_cols, limit,
 
 
 @triton.jit
-def _rows_dot(h, w2, s2, row0, k_start, n_inter, row_len, s_cols, acc,
-              QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+def _rows_dot(
+    h,
+    w2,
+    s2,
+    row0,
+    k_start,
+    n_inter,
+    row_len,
+    s_cols,
+    acc,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """``w2 h`` of the rows ``[row0, row0 + BLOCK_R)`` of ``w2`` (rows of ``row_len`` elements), ``h`` one
     vector: ``acc`` (:func:`_accumulate`'s: zeros, or the steps before ``k_start``) plus the steps over inputs
     ``[k_start, n_inter)``, summed per row. An expert's down projection, and a one-token GEMV's vector tiles
@@ -249,8 +295,15 @@ def _rows_dot(h, w2, s2, row0, k_start, n_inter, row_len, s_cols, acc,
     rows = row0 + tl.arange(0, BLOCK_R)
     for k0 in tl.range(k_start, n_inter, BLOCK_K, num_stages=STAGES):
         hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
-        acc = _accumulate(acc, _weight_tile(w2, rows, k0, row_len, QUANT, BLOCK_K),
-                          _step_scales(s2, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K), hv, QUANT, VEC, BLOCK_K)
+        acc = _accumulate(
+            acc,
+            _weight_tile(w2, rows, k0, row_len, QUANT, BLOCK_K),
+            _step_scales(s2, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+            hv,
+            QUANT,
+            VEC,
+            BLOCK_K,
+        )
     return tl.sum(acc, axis=1)
 
 
@@ -265,12 +318,43 @@ def _pair_program(top_k, n_slots, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_stride, s_stride, row_len, s_cols,
-                    sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, srow_len, ss_cols, n_in, n_inter, top_k, n_slots, limit,
-                    QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                    SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
-                    MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    PDL: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    idx_ptr,
+    h_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    w_stride,
+    s_stride,
+    row_len,
+    s_cols,
+    sw1_ptr,
+    sw3_ptr,
+    ss1_ptr,
+    ss3_ptr,
+    srow_len,
+    ss_cols,
+    n_in,
+    n_inter,
+    top_k,
+    n_slots,
+    limit,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    SQUANT: tl.constexpr,
+    SSB_R: tl.constexpr,
+    SSB_C: tl.constexpr,
+    SVEC: tl.constexpr,
+    MIXED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per (token, slot) pair and block of intermediate rows; slot ``top_k`` is the
     shared expert (the S-prefixed parameters), in the routed format unless ``MIXED``."""
     pdl.start(PDL)
@@ -279,29 +363,103 @@ def _gate_up_kernel(x_ptr, idx_ptr, h_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_str
     e = tl.load(idx_ptr + choice).to(tl.int64)
     if MIXED:
         if slot < top_k:
-            h = _gate_up_rows(x, w1_ptr + e * w_stride, w3_ptr + e * w_stride, s1_ptr + e * s_stride,
-                              s3_ptr + e * s_stride, row0, n_in, row_len, s_cols, limit,
-                              QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+            h = _gate_up_rows(
+                x,
+                w1_ptr + e * w_stride,
+                w3_ptr + e * w_stride,
+                s1_ptr + e * s_stride,
+                s3_ptr + e * s_stride,
+                row0,
+                n_in,
+                row_len,
+                s_cols,
+                limit,
+                QUANT,
+                SB_R,
+                SB_C,
+                VEC,
+                BLOCK_R,
+                BLOCK_K,
+                STAGES,
+            )
         else:
-            h = _gate_up_rows(x, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, row0, n_in, srow_len, ss_cols, limit,
-                              SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
+            h = _gate_up_rows(
+                x,
+                sw1_ptr,
+                sw3_ptr,
+                ss1_ptr,
+                ss3_ptr,
+                row0,
+                n_in,
+                srow_len,
+                ss_cols,
+                limit,
+                SQUANT,
+                SSB_R,
+                SSB_C,
+                SVEC,
+                BLOCK_R,
+                BLOCK_K,
+                STAGES,
+            )
     else:
         shared = slot >= top_k
-        h = _gate_up_rows(x, tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
-                          tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
-                          tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
-                          tl.where(shared, ss3_ptr, s3_ptr + e * s_stride), row0, n_in, row_len, s_cols, limit,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+        h = _gate_up_rows(
+            x,
+            tl.where(shared, sw1_ptr, w1_ptr + e * w_stride),
+            tl.where(shared, sw3_ptr, w3_ptr + e * w_stride),
+            tl.where(shared, ss1_ptr, s1_ptr + e * s_stride),
+            tl.where(shared, ss3_ptr, s3_ptr + e * s_stride),
+            row0,
+            n_in,
+            row_len,
+            s_cols,
+            limit,
+            QUANT,
+            SB_R,
+            SB_C,
+            VEC,
+            BLOCK_R,
+            BLOCK_K,
+            STAGES,
+        )
     tl.store(h_ptr + pair * n_inter + row0 + tl.arange(0, BLOCK_R), h)
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_stride, row_len, s_cols,
-                 sw2_ptr, ss2_ptr, srow_len, ss_cols, n_out, n_inter, top_k, n_slots,
-                 QUANT: tl.constexpr, SB_R: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr,
-                 SQUANT: tl.constexpr, SSB_R: tl.constexpr, SSB_C: tl.constexpr, SVEC: tl.constexpr,
-                 MIXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr):
+def _down_kernel(
+    h_ptr,
+    idx_ptr,
+    wt_ptr,
+    part_ptr,
+    w2_ptr,
+    s2_ptr,
+    w_stride,
+    s_stride,
+    row_len,
+    s_cols,
+    sw2_ptr,
+    ss2_ptr,
+    srow_len,
+    ss_cols,
+    n_out,
+    n_inter,
+    top_k,
+    n_slots,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    SQUANT: tl.constexpr,
+    SSB_R: tl.constexpr,
+    SSB_C: tl.constexpr,
+    SVEC: tl.constexpr,
+    MIXED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per pair and block of output rows: the fp32 partial ``weight * w2 h``."""
     pdl.start(PDL)
     pair, token, slot, choice, row0 = _pair_program(top_k, n_slots, BLOCK_R)
@@ -311,17 +469,63 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, part_ptr, w2_ptr, s2_ptr, w_stride, s_s
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     if MIXED:
         if slot < top_k:
-            y = _rows_dot(h, w2_ptr + e * w_stride, s2_ptr + e * s_stride, row0, 0, n_inter, row_len, s_cols, acc,
-                          QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+            y = _rows_dot(
+                h,
+                w2_ptr + e * w_stride,
+                s2_ptr + e * s_stride,
+                row0,
+                0,
+                n_inter,
+                row_len,
+                s_cols,
+                acc,
+                QUANT,
+                SB_R,
+                SB_C,
+                VEC,
+                BLOCK_R,
+                BLOCK_K,
+                STAGES,
+            )
         else:
-            y = _rows_dot(h, sw2_ptr, ss2_ptr, row0, 0, n_inter, srow_len, ss_cols,
-                          tl.zeros([BLOCK_R, BLOCK_K // SVEC], dtype=tl.float32),
-                          SQUANT, SSB_R, SSB_C, SVEC, BLOCK_R, BLOCK_K, STAGES)
+            y = _rows_dot(
+                h,
+                sw2_ptr,
+                ss2_ptr,
+                row0,
+                0,
+                n_inter,
+                srow_len,
+                ss_cols,
+                tl.zeros([BLOCK_R, BLOCK_K // SVEC], dtype=tl.float32),
+                SQUANT,
+                SSB_R,
+                SSB_C,
+                SVEC,
+                BLOCK_R,
+                BLOCK_K,
+                STAGES,
+            )
     else:
         shared = slot >= top_k
-        y = _rows_dot(h, tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
-                      tl.where(shared, ss2_ptr, s2_ptr + e * s_stride), row0, 0, n_inter, row_len, s_cols, acc,
-                      QUANT, SB_R, SB_C, VEC, BLOCK_R, BLOCK_K, STAGES)
+        y = _rows_dot(
+            h,
+            tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
+            tl.where(shared, ss2_ptr, s2_ptr + e * s_stride),
+            row0,
+            0,
+            n_inter,
+            row_len,
+            s_cols,
+            acc,
+            QUANT,
+            SB_R,
+            SB_C,
+            VEC,
+            BLOCK_R,
+            BLOCK_K,
+            STAGES,
+        )
     y *= tl.where(slot < top_k, weight, 1.0)
     tl.store(part_ptr + pair * n_out + row0 + tl.arange(0, BLOCK_R), y)
 
@@ -344,7 +548,9 @@ class ExpertStack:
     shared expert): dense, FP8 (``scale`` fp32 blocks of ``block``) or MXFP4 (int8 / uint8 packed
     data, uint8 exponents)."""
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)):
+    def __init__(
+        self, data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)
+    ):
         if data.dim() == 2:
             data = data.unsqueeze(0)
             scale = None if scale is None else scale.unsqueeze(0)
@@ -372,7 +578,11 @@ class ExpertStack:
     def same_format(self, other: "ExpertStack") -> bool:
         """Whether one code path reads both (same dtypes and scale blocks)."""
         return (self.quant, self.data.dtype, self.scale.dtype, self.block) == (
-            other.quant, other.data.dtype, other.scale.dtype, other.block)
+            other.quant,
+            other.data.dtype,
+            other.scale.dtype,
+            other.block,
+        )
 
 
 Experts = tuple[ExpertStack, ExpertStack, ExpertStack]  # (w1, w3, w2)
@@ -397,8 +607,10 @@ def _shape(tile: Tile, stacks: tuple[ExpertStack, ExpertStack]) -> tuple[int, in
         rows = _pow2_divisor(math.gcd(s.out, sb_r) if s.quant == FP8 else s.out, rows)
         block_k = _pow2_divisor(math.gcd(inp, sb_c) if s.quant == FP8 and sb_c & (sb_c - 1) else inp, block_k)
     if block_k < vec:
-        raise ValueError(f"moe_fused: the inputs of {[(s.inp, s.block) for s in stacks]} (FP8 blocks) do not "
-                         f"split into {vec}-input vectors")
+        raise ValueError(
+            f"moe_fused: the inputs of {[(s.inp, s.block) for s in stacks]} (FP8 blocks) do not "
+            f"split into {vec}-input vectors"
+        )
     return rows, block_k
 
 
@@ -408,13 +620,31 @@ def _config(stack: ExpertStack, configs: Mapping[str, MoEConfig] | None) -> MoEC
 
 def _formats(a: ExpertStack, b: ExpertStack) -> dict:
     """The kernels' compile-time parameters for routed stack ``a`` and shared stack ``b``."""
-    return dict(QUANT=a.quant, SB_R=a.block[0], SB_C=a.block[1], VEC=a.vec,
-                SQUANT=b.quant, SSB_R=b.block[0], SSB_C=b.block[1], SVEC=b.vec, MIXED=not a.same_format(b))
+    return dict(
+        QUANT=a.quant,
+        SB_R=a.block[0],
+        SB_C=a.block[1],
+        VEC=a.vec,
+        SQUANT=b.quant,
+        SSB_R=b.block[0],
+        SSB_C=b.block[1],
+        SVEC=b.vec,
+        MIXED=not a.same_format(b),
+    )
 
 
-def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: ExpertStack, w3: ExpertStack,
-              w2: ExpertStack, limit: float, shared: Experts | None = None,
-              configs: Mapping[str, MoEConfig] | None = None, summed: bool = True) -> torch.Tensor:
+def moe_fused(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: ExpertStack,
+    w3: ExpertStack,
+    w2: ExpertStack,
+    limit: float,
+    shared: Experts | None = None,
+    configs: Mapping[str, MoEConfig] | None = None,
+    summed: bool = True,
+) -> torch.Tensor:
     """``sum_j weights[:, j] * w2[idx[:, j]] swiglu(...)`` (plus the ``shared`` expert, weight 1)
     for tokens ``x [N, D]`` routed to ``idx [N, k]``. Tiles: the routed format's entry of ``configs``
     or else :data:`CONFIGS`. ``summed=False`` returns the fp32 terms ``[N, slots, D]`` (the shared
@@ -434,26 +664,83 @@ def moe_fused(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Exp
     config = _config(w1, configs)
     rows, block_k = _shape(config.gate_up, (w1, sw1))
     _gate_up_kernel[(N * slots, w1.out // rows)](
-        x, idx, h, w1.data, w3.data, w1.scale, w3.scale, w1.data.stride(0), w1.s_stride, w1.row_len, w1.s_cols,
-        sw1.data, sw3.data, sw1.scale, sw3.scale, sw1.row_len, sw1.s_cols, D, w1.out, k, slots, float(limit),
-        **_formats(w1, sw1), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.gate_up.stages,
-        num_warps=config.gate_up.warps, num_stages=config.gate_up.stages, **pdl.launch(x))
+        x,
+        idx,
+        h,
+        w1.data,
+        w3.data,
+        w1.scale,
+        w3.scale,
+        w1.data.stride(0),
+        w1.s_stride,
+        w1.row_len,
+        w1.s_cols,
+        sw1.data,
+        sw3.data,
+        sw1.scale,
+        sw3.scale,
+        sw1.row_len,
+        sw1.s_cols,
+        D,
+        w1.out,
+        k,
+        slots,
+        float(limit),
+        **_formats(w1, sw1),
+        BLOCK_R=rows,
+        BLOCK_K=block_k,
+        STAGES=config.gate_up.stages,
+        num_warps=config.gate_up.warps,
+        num_stages=config.gate_up.stages,
+        **pdl.launch(x),
+    )
     rows, block_k = _shape(config.down, (w2, sw2))
     _down_kernel[(N * slots, D // rows)](
-        h, idx, weights, part, w2.data, w2.scale, w2.data.stride(0), w2.s_stride, w2.row_len, w2.s_cols,
-        sw2.data, sw2.scale, sw2.row_len, sw2.s_cols, D, w2.inp, k, slots,
-        **_formats(w2, sw2), BLOCK_R=rows, BLOCK_K=block_k, STAGES=config.down.stages,
-        num_warps=config.down.warps, num_stages=config.down.stages, **pdl.launch(x))
+        h,
+        idx,
+        weights,
+        part,
+        w2.data,
+        w2.scale,
+        w2.data.stride(0),
+        w2.s_stride,
+        w2.row_len,
+        w2.s_cols,
+        sw2.data,
+        sw2.scale,
+        sw2.row_len,
+        sw2.s_cols,
+        D,
+        w2.inp,
+        k,
+        slots,
+        **_formats(w2, sw2),
+        BLOCK_R=rows,
+        BLOCK_K=block_k,
+        STAGES=config.down.stages,
+        num_warps=config.down.warps,
+        num_stages=config.down.stages,
+        **pdl.launch(x),
+    )
     if not summed:
         return part
     out = torch.empty_like(x)
-    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
+    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](
+        part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x)
+    )
     return out
 
 
-def moe_ref(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-            w2: torch.Tensor, limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-            ) -> torch.Tensor:
+def moe_ref(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Torch reference on dense ``[E, out, in]`` stacks (and a dense ``[out, in]`` shared expert, weight 1),
     computed in fp32."""
     if shared is not None:

@@ -41,7 +41,9 @@ _RECOMPILE_LIMIT = 64  # shapes differ per layer kind and per state size; each i
 
 _local = threading.local()
 _SWITCHED_OFF = Scoped(False)
-_FORCED_BACKEND: Scoped[str | None] = Scoped(None)  # tests: compile on any device with this backend, full graphs
+_FORCED_BACKEND: Scoped[str | None] = Scoped(
+    None
+)  # tests: compile on any device with this backend, full graphs
 
 
 def inductor_options() -> dict[str, object]:
@@ -115,8 +117,13 @@ def region(fn: F | None = None, *, chunks: bool = False) -> F | Callable[[F], F]
         key = (backend, dynamic, tuple(options.items()))
         if key not in compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            compiled[key] = torch.compile(fn, backend=backend, options=options if backend == "inductor" else None,
-                                          dynamic=dynamic or None, fullgraph=_FORCED_BACKEND.value is not None)
+            compiled[key] = torch.compile(
+                fn,
+                backend=backend,
+                options=options if backend == "inductor" else None,
+                dynamic=dynamic or None,
+                fullgraph=_FORCED_BACKEND.value is not None,
+            )
         return compiled[key](*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]

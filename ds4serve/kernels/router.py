@@ -39,7 +39,7 @@ MAX_ROWS = 16  # tokens a call (decode, short verify blocks)
 MAX_EXPERTS = 512  # the last program holds every row's [N, E] scores in registers
 MIN_SLICE = 256  # inputs per program at least, when splitting the input
 _INDEX_SPAN = tl.constexpr(1024)  # above every expert index: the selection key is 1024 order - index
-_TAKEN = tl.constexpr(-(2 ** 62))  # below every packed key: an expert already selected, or padding
+_TAKEN = tl.constexpr(-(2**62))  # below every packed key: an expert already selected, or padding
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,26 @@ def _top_k(v, valid, N_PAD: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def _finish(part_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_out_ptr, idx_out_ptr, n_tokens, n_experts, tid2eid_stride,
-            scaling, K: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-            SPLIT: tl.constexpr, HASH: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr):
+def _finish(
+    part_ptr,
+    bias_ptr,
+    tid2eid_ptr,
+    ids_ptr,
+    w_out_ptr,
+    idx_out_ptr,
+    n_tokens,
+    n_experts,
+    tid2eid_stride,
+    scaling,
+    K: tl.constexpr,
+    N_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HASH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """The last program: every row's logits from the partials, the scores, the experts and their weights."""
     tokens = tl.arange(0, N_PAD)
     e = tl.arange(0, E_PAD)
@@ -118,8 +135,12 @@ def _finish(part_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_out_ptr, idx_out_ptr, n_
     rows = part_ptr + tokens[:, None] * n_experts + e[None, :]
     logits = tl.zeros([N_PAD, E_PAD], tl.float32)
     for s in tl.static_range(SPLIT):
-        logits += tl.load(rows + s * n_tokens * n_experts, mask=tmask[:, None] & emask[None, :], other=0.0,
-                          cache_modifier=".cg")
+        logits += tl.load(
+            rows + s * n_tokens * n_experts,
+            mask=tmask[:, None] & emask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
     scores = _round(tl.sqrt_rn(_round(_softplus(_round(logits, BF16)), BF16)), BF16)
     if HASH:
         ids = tl.load(ids_ptr + tokens, mask=tmask, other=0)
@@ -154,12 +175,37 @@ def _x_tile(x_rows, k0, k_hi, tmask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _router_kernel(x_ptr, gate_ptr, bias_ptr, tid2eid_ptr, ids_ptr, part_ptr, count_ptr, w_out_ptr, idx_out_ptr,
-                   n_tokens, n_experts, dim, x_stride, k_per_split, tid2eid_stride, scaling,
-                   K: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                   HASH: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, EARLY_GATE: tl.constexpr,
-                   PDL: tl.constexpr):
+def _router_kernel(
+    x_ptr,
+    gate_ptr,
+    bias_ptr,
+    tid2eid_ptr,
+    ids_ptr,
+    part_ptr,
+    count_ptr,
+    w_out_ptr,
+    idx_out_ptr,
+    n_tokens,
+    n_experts,
+    dim,
+    x_stride,
+    k_per_split,
+    tid2eid_stride,
+    scaling,
+    K: tl.constexpr,
+    N_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    STAGES: tl.constexpr,
+    HASH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BF16: tl.constexpr,
+    EARLY_GATE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     split = tl.program_id(1)
     tokens = tl.arange(0, N_PAD)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -183,13 +229,38 @@ def _router_kernel(x_ptr, gate_ptr, bias_ptr, tid2eid_ptr, ids_ptr, part_ptr, co
     part = part_ptr + (split * n_tokens + tokens[:, None]) * n_experts + e[None, :]
     tl.store(part, tl.sum(acc, axis=2), mask=tmask[:, None] & emask[None, :])
     if last_to_arrive(count_ptr, tl.num_programs(0) * tl.num_programs(1)):
-        _finish(part_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_out_ptr, idx_out_ptr, n_tokens, n_experts,
-                tid2eid_stride, scaling, K, N_PAD, E_PAD, K_PAD, SPLIT, HASH, HAS_BIAS, BF16)
+        _finish(
+            part_ptr,
+            bias_ptr,
+            tid2eid_ptr,
+            ids_ptr,
+            w_out_ptr,
+            idx_out_ptr,
+            n_tokens,
+            n_experts,
+            tid2eid_stride,
+            scaling,
+            K,
+            N_PAD,
+            E_PAD,
+            K_PAD,
+            SPLIT,
+            HASH,
+            HAS_BIAS,
+            BF16,
+        )
 
 
-def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
-                 token_ids: torch.Tensor, k: int, scaling: float, config: RouterConfig | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_decode(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    k: int,
+    scaling: float,
+    config: RouterConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k] in x's dtype, expert ids [N, k] int64)`` of :func:`route_ref`, in one launch.
 
     ``x [N, D]`` (bf16 or fp32, N <= :data:`MAX_ROWS`), ``gate [E, D]`` dense and contiguous, ``bias [E]``
@@ -202,12 +273,18 @@ def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"route_decode: x must be bf16 or fp32, not {x.dtype}")
     if gate.shape != (n_experts, dim) or not gate.is_contiguous():
-        raise ValueError(f"route_decode: the gate must be a contiguous [E, {dim}] tensor, not {tuple(gate.shape)}")
+        raise ValueError(
+            f"route_decode: the gate must be a contiguous [E, {dim}] tensor, not {tuple(gate.shape)}"
+        )
     if not (0 < n_tokens <= MAX_ROWS and 0 < k <= n_experts <= MAX_EXPERTS):
-        raise ValueError(f"route_decode: {n_tokens} rows (at most {MAX_ROWS}), top-{k} of {n_experts} experts "
-                         f"(at most {MAX_EXPERTS})")
+        raise ValueError(
+            f"route_decode: {n_tokens} rows (at most {MAX_ROWS}), top-{k} of {n_experts} experts "
+            f"(at most {MAX_EXPERTS})"
+        )
     if tid2eid is not None and (tid2eid.dim() != 2 or tid2eid.shape[1] != k or tid2eid.stride(1) != 1):
-        raise ValueError(f"route_decode: tid2eid must be [V, {k}] with contiguous rows, not {tuple(tid2eid.shape)}")
+        raise ValueError(
+            f"route_decode: tid2eid must be [V, {k}] with contiguous rows, not {tuple(tid2eid.shape)}"
+        )
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or default_config(n_experts, dim, n_tokens)
     k_per_split = triton.cdiv(triton.cdiv(dim, cfg.split), cfg.block_k) * cfg.block_k
@@ -217,17 +294,49 @@ def route_decode(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     idx = torch.empty(n_tokens, k, device=x.device, dtype=torch.int64)
     grid = (triton.cdiv(n_experts, cfg.block_e), split)
     _router_kernel[grid](
-        x, gate, bias, tid2eid, token_ids.reshape(-1), part, counters(x.device, 1), weights, idx, n_tokens,
-        n_experts, dim, x.stride(0), k_per_split, tid2eid.stride(0) if tid2eid is not None else 0, scaling,
-        K=k, N_PAD=triton.next_power_of_2(n_tokens), E_PAD=triton.next_power_of_2(n_experts),
-        K_PAD=triton.next_power_of_2(k), BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, SPLIT=split, STAGES=cfg.stages,
-        HASH=tid2eid is not None, HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
-        EARLY_GATE=SWITCHES.router_gate_before_wait, num_warps=cfg.warps, **pdl.launch(x))
+        x,
+        gate,
+        bias,
+        tid2eid,
+        token_ids.reshape(-1),
+        part,
+        counters(x.device, 1),
+        weights,
+        idx,
+        n_tokens,
+        n_experts,
+        dim,
+        x.stride(0),
+        k_per_split,
+        tid2eid.stride(0) if tid2eid is not None else 0,
+        scaling,
+        K=k,
+        N_PAD=triton.next_power_of_2(n_tokens),
+        E_PAD=triton.next_power_of_2(n_experts),
+        K_PAD=triton.next_power_of_2(k),
+        BLOCK_E=cfg.block_e,
+        BLOCK_K=cfg.block_k,
+        SPLIT=split,
+        STAGES=cfg.stages,
+        HASH=tid2eid is not None,
+        HAS_BIAS=bias is not None,
+        BF16=x.dtype == torch.bfloat16,
+        EARLY_GATE=SWITCHES.router_gate_before_wait,
+        num_warps=cfg.warps,
+        **pdl.launch(x),
+    )
     return weights, idx
 
 
-def route_ref(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
-              token_ids: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_ref(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    k: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference: :func:`ds4serve.model.moe.route`'s code with ``F.linear`` for the gate product."""
     from ..model.moe import top_k_indices
 

@@ -64,11 +64,17 @@ class AttentionWeights:
         return parts
 
     def _compressors(self) -> tuple[tuple[str, CompressorWeights | None], ...]:
-        return ("compressor", self.compressor), ("indexer.compressor", self.indexer and self.indexer.compressor)
+        return ("compressor", self.compressor), (
+            "indexer.compressor",
+            self.indexer and self.indexer.compressor,
+        )
 
     def q_parts(self) -> dict[str, Weight]:
         """Every projection of ``q_res``, by name."""
-        return {"wq_b": self.wq_b, **({"indexer.wq_b": self.indexer.wq_b} if self.indexer is not None else {})}
+        return {
+            "wq_b": self.wq_b,
+            **({"indexer.wq_b": self.indexer.wq_b} if self.indexer is not None else {}),
+        }
 
 
 def concatenate_projections(w: AttentionWeights) -> None:
@@ -100,8 +106,14 @@ class ChunkInfo:
     static: bool = False
 
 
-def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: LayerState, cfg: ModelConfig,
-              ropes: dict[str, Rope]) -> tuple[torch.Tensor, LayerDelta]:
+def attention(
+    w: AttentionWeights,
+    x: torch.Tensor,
+    chunk: ChunkInfo,
+    state: LayerState,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+) -> tuple[torch.Tensor, LayerDelta]:
     """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit."""
     S = x.shape[0]
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -111,15 +123,24 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
     xp = (w.x_proj or Projections.separate(w.input_parts()))(x)
     q_res = rms_norm(xp["wq_a"], w.q_norm, eps)
     qp = (w.q_proj or Projections.separate(w.q_parts()))(q_res)
-    q, kv, window = _queries_and_keys(qp["wq_b"].unflatten(-1, (H, hd)), xp["wkv"], w.kv_norm, chunk, state, eps,
-                                      cos, sin)
+    q, kv, window = _queries_and_keys(
+        qp["wq_b"].unflatten(-1, (H, hd)), xp["wkv"], w.kv_norm, chunk, state, eps, cos, sin
+    )
 
     delta = LayerDelta(window_rows=kv)
     entries = visible = None
     if w.compressor is not None:
         with profiler.phase("compressor"):
-            comp = compress_chunk(w.compressor, xp["compressor.wkv"], xp["compressor.wgate"], chunk.start,
-                                  state.compressor, ropes["compress"], eps, _static_pos(chunk))
+            comp = compress_chunk(
+                w.compressor,
+                xp["compressor.wkv"],
+                xp["compressor.wgate"],
+                chunk.start,
+                state.compressor,
+                ropes["compress"],
+                eps,
+                _static_pos(chunk),
+            )
         delta.compressor = comp
         entries = _all_entries(state.compressor, comp, _static_pos(chunk))
         visible = _causal_entries(chunk.positions, entries.shape[0], state.compressor.rate)
@@ -127,7 +148,7 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, xp, qp, chunk, state, cfg, ropes, visible)
 
-    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd ** -0.5, cos, sin, window)
+    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd**-0.5, cos, sin, window)
     low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b), delta
 
@@ -135,16 +156,25 @@ def attention(w: AttentionWeights, x: torch.Tensor, chunk: ChunkInfo, state: Lay
 Window = tuple[torch.Tensor, torch.Tensor]  # a static step's window keys and their mask
 
 
-def _queries_and_keys(qr: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor, chunk: ChunkInfo,
-                      state: LayerState, eps: float, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, Window | None]:
+def _queries_and_keys(
+    qr: torch.Tensor,
+    kv: torch.Tensor,
+    kv_norm: torch.Tensor,
+    chunk: ChunkInfo,
+    state: LayerState,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, Window | None]:
     """``(q, kv, window)``: the query ``qr [S, H, d]`` and the key/value rows ``kv [S, d]`` normalised and
     rotated; for a one-token static step with ``SWITCHES.attention_inputs`` (kernels only) they and the window
     keys (:func:`_window_keys_static`) come from one launch, else ``window`` is None."""
     if chunk.static and qr.shape[0] == 1 and SWITCHES.attention_inputs and kernels.enabled(qr):
         from ..kernels import ops
 
-        q, kv, keys, allowed = ops.attention_inputs(qr, kv, kv_norm, cos, sin, state.window, chunk.positions, eps)
+        q, kv, keys, allowed = ops.attention_inputs(
+            qr, kv, kv_norm, cos, sin, state.window, chunk.positions, eps
+        )
         return q, kv, (keys, allowed)
     q = _rotation(chunk)(unweighted_rms_norm(qr, eps), cos, sin)
     return q, Rope.apply(rms_norm(kv, kv_norm, eps), cos, sin), None
@@ -160,9 +190,19 @@ def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
     return chunk.positions if chunk.static else None
 
 
-def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: LayerState,
-                 entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor, scale: float,
-                 cos: torch.Tensor, sin: torch.Tensor, window: Window | None = None) -> torch.Tensor:
+def _attend_keys(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    chunk: ChunkInfo,
+    state: LayerState,
+    entries: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    window: Window | None = None,
+) -> torch.Tensor:
     """Attention over the window (and the entries ``visible`` admits: a mask, or in a static step with
     ``SWITCHES.gather_entries`` the indexer's index slots), then the inverse RoPE.
 
@@ -181,8 +221,9 @@ def _attend_keys(q: torch.Tensor, kv: torch.Tensor, chunk: ChunkInfo, state: Lay
 
 
 @region
-def _window_keys_static(kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_keys_static(
+    kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token: the whole ring with its row in its slot (slot s holds the latest position = s mod W).
     A block of ``S`` tokens at ``pos [S]``: the ring (the committed positions before the block) then
     the block's rows, and per query the keys of its window ``[S, W + S]``."""
@@ -200,8 +241,9 @@ def _window_keys_static(kv: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor
 
 
 @region
-def _all_entries(state: CompressorState, delta: CompressorDelta, static_pos: torch.Tensor | None
-                 ) -> torch.Tensor:
+def _all_entries(
+    state: CompressorState, delta: CompressorDelta, static_pos: torch.Tensor | None
+) -> torch.Tensor:
     """Committed entries then the chunk's; static: the whole buffer with the entries of the windows
     the chunk closes in their slots (one token: its entry, whether or not it closes the window; rows
     past a query's visible ones are masked)."""
@@ -213,7 +255,9 @@ def _all_entries(state: CompressorState, delta: CompressorDelta, static_pos: tor
         return torch.where((slots == static_pos // state.rate).unsqueeze(-1), delta.entries, committed)
     closer = (slots + 1) * state.rate - 1 - static_pos[:1]  # the block row that closes entry e
     closed = (closer >= 0) & (closer < static_pos.shape[0])
-    return torch.where(closed.unsqueeze(-1), delta.entries[closer.clamp(0, static_pos.shape[0] - 1)], committed)
+    return torch.where(
+        closed.unsqueeze(-1), delta.entries[closer.clamp(0, static_pos.shape[0] - 1)], committed
+    )
 
 
 @region
@@ -223,13 +267,28 @@ def _causal_entries(positions: torch.Tensor, n_entries: int, rate: int) -> torch
     return e < ((positions + 1) // rate).unsqueeze(-1)
 
 
-def _indexer_select(w: IndexerWeights, xp: dict[str, torch.Tensor], qp: dict[str, torch.Tensor], chunk: ChunkInfo,
-                    state: LayerState, cfg: ModelConfig, ropes: dict[str, Rope], visible: torch.Tensor
-                    ) -> tuple[CompressorDelta, torch.Tensor]:
+def _indexer_select(
+    w: IndexerWeights,
+    xp: dict[str, torch.Tensor],
+    qp: dict[str, torch.Tensor],
+    chunk: ChunkInfo,
+    state: LayerState,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+    visible: torch.Tensor,
+) -> tuple[CompressorDelta, torch.Tensor]:
     """Lightning indexer: score every visible entry, keep the top-k per query (``xp``/``qp``: the
     projections of the input and of q_res, by weight name)."""
-    delta = compress_chunk(w.compressor, xp["indexer.compressor.wkv"], xp["indexer.compressor.wgate"], chunk.start,
-                           state.indexer, ropes["compress"], cfg.rms_norm_eps, _static_pos(chunk))
+    delta = compress_chunk(
+        w.compressor,
+        xp["indexer.compressor.wkv"],
+        xp["indexer.compressor.wgate"],
+        chunk.start,
+        state.indexer,
+        ropes["compress"],
+        cfg.rms_norm_eps,
+        _static_pos(chunk),
+    )
     keys = _all_entries(state.indexer, delta, _static_pos(chunk))
     n_entries = keys.shape[0]
     if n_entries == 0:
@@ -237,13 +296,22 @@ def _indexer_select(w: IndexerWeights, xp: dict[str, torch.Tensor], qp: dict[str
     cos, sin = chunk.rope["compress"]
     q = qp["indexer.wq_b"].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
     slots = chunk.static and SWITCHES.gather_entries and SWITCHES.decode_attention and kernels.enabled(q)
-    return delta, _index_top(q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries),
-                             slots)
+    return delta, _index_top(
+        q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries), slots
+    )
 
 
 @region
-def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor,
-               visible: torch.Tensor, k: int, slots: bool = False) -> torch.Tensor:
+def _index_top(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    slots: bool = False,
+) -> torch.Tensor:
     """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``; with ``slots``
     (kernels only) as int32 index slots ``[S, k]`` instead, which the decode attention kernel reads.
 
@@ -258,8 +326,8 @@ def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
 
         return (ops.index_top_indices if slots else ops.index_top)(q, keys, head_w, visible, k)
     scores = torch.matmul(q.float(), keys.float().t())  # [S, ih, T]
-    scores = F.relu(scores) * dim ** -0.5
-    scores = (scores * (head_w.float() * ih ** -0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]
+    scores = F.relu(scores) * dim**-0.5
+    scores = (scores * (head_w.float() * ih**-0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]
     scores = scores.masked_fill(~visible, float("-inf"))
     top = scores.topk(k, dim=-1).indices
     selected = torch.zeros_like(visible)
@@ -268,8 +336,15 @@ def _index_top(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
 
 
 @region
-def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor,
-            scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    allowed: list[torch.Tensor],
+    sinks: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
     """Attention over the concatenated key parts, then the inverse RoPE of the output.
 
     With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
@@ -289,16 +364,21 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tenso
 _CORE_SCORES = 1 << 28  # fp32 elements of one block of attention scores
 
 
-def _core(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-          scale: float) -> torch.Tensor:
+def _core(
+    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Softmax attention of ``q [S,H,d]`` over shared K=V ``keys [K,d]`` with a per-head sink.
 
     Long chunks run in blocks of query rows so that the fp32 scores stay under ~1 GiB.
     """
     rows = max(1, _CORE_SCORES // (q.shape[1] * keys.shape[0]))
     if q.shape[0] > rows:
-        return torch.cat([_core(q[i:i + rows], keys, allowed[i:i + rows], sinks, scale)
-                          for i in range(0, q.shape[0], rows)])
+        return torch.cat(
+            [
+                _core(q[i : i + rows], keys, allowed[i : i + rows], sinks, scale)
+                for i in range(0, q.shape[0], rows)
+            ]
+        )
     scores = torch.matmul(q.transpose(0, 1), keys.t()) * scale  # [H, S, K]
     scores = scores.masked_fill(~allowed, float("-inf")).float()
     sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)

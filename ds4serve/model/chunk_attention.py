@@ -40,8 +40,15 @@ def window_sequence(kv: torch.Tensor, ring: torch.Tensor, start: int) -> torch.T
     return torch.cat([*parts, kv])
 
 
-def chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: torch.Tensor | None,
-                    visible: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor,
+    seq: torch.Tensor,
+    start: int,
+    entries: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Softmax attention of ``q [S, H, d]`` at positions ``start ..`` with a per-head sink.
 
     ``seq`` is :func:`window_sequence` (its length fixes the window ``W``); ``entries [E, d]`` are
@@ -60,20 +67,41 @@ def chunk_attention(q: torch.Tensor, seq: torch.Tensor, start: int, entries: tor
     runs = [(first, min(run, full - first), block) for first in range(0, full, run)]
     if S % block:  # the last rows: one shorter block
         runs.append((full, S % block, S % block))
-    outs = [_blocks(q[first:first + rows], seq, start, first, size, window, entries,
-                    None if visible is None else visible[first:first + rows], sinks, scale)
-            for first, rows, size in runs]
+    outs = [
+        _blocks(
+            q[first : first + rows],
+            seq,
+            start,
+            first,
+            size,
+            window,
+            entries,
+            None if visible is None else visible[first : first + rows],
+            sinks,
+            scale,
+        )
+        for first, rows, size in runs
+    ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _blocks(q: torch.Tensor, seq: torch.Tensor, start: int, first: int, block: int, window: int,
-            entries: torch.Tensor | None, visible: torch.Tensor | None, sinks: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _blocks(
+    q: torch.Tensor,
+    seq: torch.Tensor,
+    start: int,
+    first: int,
+    block: int,
+    window: int,
+    entries: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Chunk rows ``first ..`` in blocks of ``block`` queries: ``q [n*block, H, d]`` → ``[n*block, H, d]``."""
     n, H, d = q.shape[0] // block, q.shape[1], q.shape[2]
     span = block + window - 1
     # block i reads seq rows first + i*block .. + span - 1 (positions start - W + 1 + first + i*block ..)
-    keys = seq[first:first + (n - 1) * block + span].unfold(0, span, block).transpose(1, 2)  # [n, span, d]
+    keys = seq[first : first + (n - 1) * block + span].unfold(0, span, block).transpose(1, 2)  # [n, span, d]
     allowed = _window_mask(n, block, window, start - window + 1 + first, q.device).expand(n, -1, -1)
     key_parts, mask_parts = [keys], [allowed]
     if entries is not None:

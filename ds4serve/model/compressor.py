@@ -30,8 +30,16 @@ class CompressorWeights:
     norm: torch.Tensor  # [dim] fp32
 
 
-def compress_chunk(w: CompressorWeights, kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState,
-                   rope: Rope, eps: float, static_pos: torch.Tensor | None = None) -> CompressorDelta:
+def compress_chunk(
+    w: CompressorWeights,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    start: int,
+    state: CompressorState,
+    rope: Rope,
+    eps: float,
+    static_pos: torch.Tensor | None = None,
+) -> CompressorDelta:
     """Pool every window that closes, given the chunk's projections ``kv = x @ wkv.T`` and
     ``gate = x @ wgate.T`` (``[S, width]``, positions ``start..``; the caller projects, so that
     projections of the same input can share one product).
@@ -79,8 +87,15 @@ def compress_chunk(w: CompressorWeights, kv: torch.Tensor, gate: torch.Tensor, s
 
 
 @region
-def _pool_token(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, w: CompressorWeights,
-                state: CompressorState, rope: Rope, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pool_token(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    pos: torch.Tensor,
+    w: CompressorWeights,
+    state: CompressorState,
+    rope: Rope,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token at device position ``pos``: the open window's rows (``[rate, width]``, this token's
     row in its slot; commit reads the first ``pos % rate + 1``) and the entry the window gives if this
     token closes it (masked out by the caller and not committed otherwise)."""
@@ -101,8 +116,15 @@ def _pool_token(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, w: Comp
 
 
 @region
-def _pool_static(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, w: CompressorWeights,
-                 state: CompressorState, rope: Rope, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pool_static(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    w: CompressorWeights,
+    state: CompressorState,
+    rope: Rope,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A block of ``S`` tokens at device positions ``positions`` (consecutive): the chunk's own rows
     (``[S, width]``, gate with the position bias) and, per token, the entry of the window it closes
     (``[S, dim]``; rows of tokens that close none are never read). A window's rows come from the

@@ -61,9 +61,16 @@ class ForwardResult:
 class DeepSeekV4:
     """Weights of a contiguous layer range and the forward over it."""
 
-    def __init__(self, cfg: ModelConfig, layers: range, blocks: dict[int, BlockWeights],
-                 embed: torch.Tensor | None, head: HeadWeights | None, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        blocks: dict[int, BlockWeights],
+        embed: torch.Tensor | None,
+        head: HeadWeights | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.cfg = cfg
         self.layers = layers
         self.blocks = blocks
@@ -77,8 +84,14 @@ class DeepSeekV4:
         }
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, layers: range | None = None, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", quantized: bool = False) -> "DeepSeekV4":
+    def load(
+        cls,
+        ckpt: Checkpoint,
+        layers: range | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quantized: bool = False,
+    ) -> "DeepSeekV4":
         """Load a layer range; ``quantized`` keeps FP8 / MXFP4 tensors quantized in memory."""
         cfg = ckpt.cfg
         layers = layers if layers is not None else range(cfg.num_layers)
@@ -86,7 +99,9 @@ class DeepSeekV4:
             raise ValueError(f"layer range {layers.start}..{layers.stop} outside 0..{cfg.num_layers}")
         device = torch.device(device)
         blocks = {
-            i: load_block(ckpt, f"layers.{i}", cfg.layer_types[i], cfg.is_hash_layer(i), dtype, device, quantized)
+            i: load_block(
+                ckpt, f"layers.{i}", cfg.layer_types[i], cfg.is_hash_layer(i), dtype, device, quantized
+            )
             for i in layers
         }
         embed = ckpt.dense("embed.weight", dtype, device) if layers.start == 0 else None
@@ -107,9 +122,16 @@ class DeepSeekV4:
         rope = {name: r.cos_sin(positions, self.dtype) for name, r in self.ropes.items()}
         return ChunkInfo(start=start, positions=positions, rope=rope, static=static)
 
-    def forward(self, token_ids: list[int] | torch.Tensor, state: SequenceState, *,
-                hidden: torch.Tensor | None = None, logit_rows: torch.Tensor | slice | None = None,
-                capture: tuple[int, ...] = (), positions: torch.Tensor | None = None) -> ForwardResult:
+    def forward(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        state: SequenceState,
+        *,
+        hidden: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | slice | None = None,
+        capture: tuple[int, ...] = (),
+        positions: torch.Tensor | None = None,
+    ) -> ForwardResult:
         """Run the chunk ``token_ids`` at positions ``state.pos ..`` over this layer range.
 
         ``hidden`` is the incoming stream state ``[S, hc, D]`` when this range does not start at
@@ -134,7 +156,9 @@ class DeepSeekV4:
         else:
             X = hidden.to(device=self.device, dtype=self.dtype)
         if positions is not None and positions.shape != (S,):
-            raise ValueError(f"a static step needs one position per token, got {tuple(positions.shape)} for {S}")
+            raise ValueError(
+                f"a static step needs one position per token, got {tuple(positions.shape)} for {S}"
+            )
         deltas: dict[int, LayerDelta] = {}
         captured: dict[int, torch.Tensor] = {}
         with regions.static_step() if positions is not None else nullcontext():
@@ -143,8 +167,9 @@ class DeepSeekV4:
             for i in self.layers:
                 # a block's closing merge joins the next block's first mHC site when that is one launch
                 defer = i != self.layers[-1] and i not in capture and fused_sites(X)
-                X, deltas[i], pending = block_forward(self.blocks[i], X, chunk, state.layers[i], ids, self.cfg,
-                                                      self.ropes, pending, defer)
+                X, deltas[i], pending = block_forward(
+                    self.blocks[i], X, chunk, state.layers[i], ids, self.cfg, self.ropes, pending, defer
+                )
                 if i in capture:
                     captured[i] = X
             logits = None
@@ -179,9 +204,17 @@ class DeepSeekV4:
 PendingMerge = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
-                  cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None = None,
-                  defer: bool = False) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
+def block_forward(
+    b: BlockWeights,
+    X: torch.Tensor,
+    chunk: ChunkInfo,
+    ls: LayerState,
+    ids: torch.Tensor,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+    pending: PendingMerge | None = None,
+    defer: bool = False,
+) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     """One decoder block: hc_pre, attention, hc_post with the next hc_pre (one call), MoE, hc_post;
     returns ``(X, delta, None)``.
 
@@ -202,16 +235,32 @@ def block_forward(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerS
 
 
 @region
-def _static_block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
-                  cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None,
-                  defer: bool) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
+def _static_block(
+    b: BlockWeights,
+    X: torch.Tensor,
+    chunk: ChunkInfo,
+    ls: LayerState,
+    ids: torch.Tensor,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+    pending: PendingMerge | None,
+    defer: bool,
+) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     """:func:`_block` as one compiled region (see :func:`block_forward`)."""
     return _block(b, X, chunk, ls, ids, cfg, ropes, pending, defer)
 
 
-def _block(b: BlockWeights, X: torch.Tensor, chunk: ChunkInfo, ls: LayerState, ids: torch.Tensor,
-           cfg: ModelConfig, ropes: dict[str, Rope], pending: PendingMerge | None,
-           defer: bool) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
+def _block(
+    b: BlockWeights,
+    X: torch.Tensor,
+    chunk: ChunkInfo,
+    ls: LayerState,
+    ids: torch.Tensor,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+    pending: PendingMerge | None,
+    defer: bool,
+) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     # "hc_pre" includes the sublayer's input norm, fused (SWITCHES.hc_fused) or not, so that the phases
     # measure the same work either way
@@ -242,8 +291,15 @@ def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tens
 
 
 # ---- loading ------------------------------------------------------------------------------------
-def load_block(ckpt: Checkpoint, prefix: str, layer_type: str, hash_moe: bool, dtype: torch.dtype,
-               device: torch.device, quantized: bool = False) -> BlockWeights:
+def load_block(
+    ckpt: Checkpoint,
+    prefix: str,
+    layer_type: str,
+    hash_moe: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantized: bool = False,
+) -> BlockWeights:
     """Load one block (``layers.L`` or an MTP block such as ``mtp.0``).
 
     With ``quantized``, projections and experts stored as FP8 / MXFP4 stay quantized.
@@ -263,41 +319,61 @@ def load_block(ckpt: Checkpoint, prefix: str, layer_type: str, hash_moe: bool, d
         if any(p is None for p in parts):
             return ckpt.experts(prefix, which, dtype, device)
         data, scale = torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts])
-        return FP8Weight(data, scale, parts[0].block) if isinstance(parts[0], FP8Weight) else FP4Weight(data, scale)
+        return (
+            FP8Weight(data, scale, parts[0].block)
+            if isinstance(parts[0], FP8Weight)
+            else FP4Weight(data, scale)
+        )
 
     def f32(name: str) -> torch.Tensor:
         return ckpt.dense(f"{prefix}.{name}", torch.float32, device)
 
     def compressor(base: str) -> CompressorWeights:
-        return CompressorWeights(wkv=t(f"{base}.wkv.weight"), wgate=t(f"{base}.wgate.weight"),
-                                 ape=f32(f"{base}.ape"), norm=f32(f"{base}.norm.weight"))
+        return CompressorWeights(
+            wkv=t(f"{base}.wkv.weight"),
+            wgate=t(f"{base}.wgate.weight"),
+            ape=f32(f"{base}.ape"),
+            norm=f32(f"{base}.norm.weight"),
+        )
 
     attn = AttentionWeights(
         layer_type=layer_type,
-        wq_a=t("attn.wq_a.weight"), q_norm=f32("attn.q_norm.weight"), wq_b=t("attn.wq_b.weight"),
-        wkv=t("attn.wkv.weight"), kv_norm=f32("attn.kv_norm.weight"),
-        wo_a=t("attn.wo_a.weight"), wo_b=t("attn.wo_b.weight"), sinks=f32("attn.attn_sink"),
+        wq_a=t("attn.wq_a.weight"),
+        q_norm=f32("attn.q_norm.weight"),
+        wq_b=t("attn.wq_b.weight"),
+        wkv=t("attn.wkv.weight"),
+        kv_norm=f32("attn.kv_norm.weight"),
+        wo_a=t("attn.wo_a.weight"),
+        wo_b=t("attn.wo_b.weight"),
+        sinks=f32("attn.attn_sink"),
     )
     if layer_type != SLIDING:
         attn.compressor = compressor("attn.compressor")
     if layer_type == CSA:
-        attn.indexer = IndexerWeights(wq_b=t("attn.indexer.wq_b.weight"),
-                                      weights_proj=t("attn.indexer.weights_proj.weight"),
-                                      compressor=compressor("attn.indexer.compressor"))
+        attn.indexer = IndexerWeights(
+            wq_b=t("attn.indexer.wq_b.weight"),
+            weights_proj=t("attn.indexer.weights_proj.weight"),
+            compressor=compressor("attn.indexer.compressor"),
+        )
     concatenate_projections(attn)
     moe_w = MoEWeights(
         gate=t("ffn.gate.weight"),
         bias=None if hash_moe else f32("ffn.gate.bias"),
         tid2eid=ckpt.dense(f"{prefix}.ffn.gate.tid2eid", device=device) if hash_moe else None,
-        w1=experts("w1"), w3=experts("w3"), w2=experts("w2"),
-        shared_w1=t("ffn.shared_experts.w1.weight"), shared_w3=t("ffn.shared_experts.w3.weight"),
+        w1=experts("w1"),
+        w3=experts("w3"),
+        w2=experts("w2"),
+        shared_w1=t("ffn.shared_experts.w1.weight"),
+        shared_w3=t("ffn.shared_experts.w3.weight"),
         shared_w2=t("ffn.shared_experts.w2.weight"),
     )
     return BlockWeights(
-        attn_norm=f32("attn_norm.weight"), ffn_norm=f32("ffn_norm.weight"),
+        attn_norm=f32("attn_norm.weight"),
+        ffn_norm=f32("ffn_norm.weight"),
         hc_attn=HCSite(f32("hc_attn_fn"), f32("hc_attn_base"), f32("hc_attn_scale")),
         hc_ffn=HCSite(f32("hc_ffn_fn"), f32("hc_ffn_base"), f32("hc_ffn_scale")),
-        attn=attn, moe=moe_w,
+        attn=attn,
+        moe=moe_w,
     )
 
 
@@ -317,7 +393,11 @@ def _quantized(ckpt: Checkpoint, name: str, device: torch.device) -> FP8Weight |
     if stored is None:
         return None
     data, scale, block = stored
-    return fp4_from_checkpoint(data, scale, device) if block is None else fp8_from_checkpoint(data, scale, block, device)
+    return (
+        fp4_from_checkpoint(data, scale, device)
+        if block is None
+        else fp8_from_checkpoint(data, scale, block, device)
+    )
 
 
 def _tensors_of(obj: object) -> list[torch.Tensor]:

@@ -57,10 +57,14 @@ def load_dspark(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> D
     return DSparkWeights(
         spec=spec,
         stages=[load_block(ckpt, f"mtp.{s}", SLIDING, False, dtype, device) for s in range(DSPARK_STAGES)],
-        main_proj=ckpt.dense("mtp.0.main_proj.weight", dtype, device), main_norm=f32("mtp.0.main_norm.weight"),
-        hc_fn=f32(last + "hc_head_fn"), hc_base=f32(last + "hc_head_base"), hc_scale=f32(last + "hc_head_scale"),
+        main_proj=ckpt.dense("mtp.0.main_proj.weight", dtype, device),
+        main_norm=f32("mtp.0.main_norm.weight"),
+        hc_fn=f32(last + "hc_head_fn"),
+        hc_base=f32(last + "hc_head_base"),
+        hc_scale=f32(last + "hc_head_scale"),
         norm=f32(last + "norm.weight"),
-        markov_w1=f32(last + "markov_head.markov_w1.weight"), markov_w2=f32(last + "markov_head.markov_w2.weight"),
+        markov_w1=f32(last + "markov_head.markov_w1.weight"),
+        markov_w2=f32(last + "markov_head.markov_w2.weight"),
         confidence=f32(last + "confidence_head.proj.weight"),
     )
 
@@ -70,17 +74,25 @@ def target_features(captured: dict[int, torch.Tensor], layers: tuple[int, ...]) 
     return torch.cat([captured[layer].mean(dim=1) for layer in layers], dim=-1)
 
 
-def context_rows(w: DSparkWeights, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cfg: ModelConfig) -> list[torch.Tensor]:
+def context_rows(
+    w: DSparkWeights, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig
+) -> list[torch.Tensor]:
     """Per stage, the context K=V rows ``[n, head_dim]`` of ``features`` at positions with ``cos``/``sin``."""
     eps = cfg.rms_norm_eps
     main_x = rms_norm(linear(features.to(w.main_norm.device), w.main_proj), w.main_norm, eps)
     return [Rope.apply(rms_norm(linear(main_x, s.attn.wkv), s.attn.kv_norm, eps), cos, sin) for s in w.stages]
 
 
-def block_merged(w: DSparkWeights, ids: torch.Tensor, embedded: torch.Tensor, context: list[torch.Tensor],
-                 cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                 context_allowed: torch.Tensor | None = None) -> torch.Tensor:
+def block_merged(
+    w: DSparkWeights,
+    ids: torch.Tensor,
+    embedded: torch.Tensor,
+    context: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: ModelConfig,
+    context_allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The last stage's merged streams ``h [B, D]`` (before the norm) for block ``ids [B]``, whose
     embedding rows are ``embedded [B, D]`` (on ``ids``' device).
 
@@ -115,8 +127,16 @@ def ring_context(ring: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return (last - (last - slots) % ring.shape[0] >= 0).unsqueeze(0)
 
 
-def _stage(b: BlockWeights, X: torch.Tensor, ids: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, cfg: ModelConfig, ctx_allowed: torch.Tensor | None) -> torch.Tensor:
+def _stage(
+    b: BlockWeights,
+    X: torch.Tensor,
+    ids: torch.Tensor,
+    ctx: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: ModelConfig,
+    ctx_allowed: torch.Tensor | None,
+) -> torch.Tensor:
     """One stage: the decoder block with block attention in place of causal window attention."""
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
     post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
@@ -126,8 +146,15 @@ def _stage(b: BlockWeights, X: torch.Tensor, ids: torch.Tensor, ctx: torch.Tenso
     return hc_merge(X, m, post, comb)
 
 
-def _block_attention(w: AttentionWeights, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cfg: ModelConfig, ctx_allowed: torch.Tensor | None) -> torch.Tensor:
+def _block_attention(
+    w: AttentionWeights,
+    x: torch.Tensor,
+    ctx: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: ModelConfig,
+    ctx_allowed: torch.Tensor | None,
+) -> torch.Tensor:
     """Every block query over every (allowed) context row and every block row, with the per-head sink."""
     B, H, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     q_res = rms_norm(linear(x, w.wq_a), w.q_norm, eps)
@@ -136,7 +163,7 @@ def _block_attention(w: AttentionWeights, x: torch.Tensor, ctx: torch.Tensor, co
     keys = torch.cat([ctx, kv])
     allowed = torch.ones(B, keys.shape[0], dtype=torch.bool, device=x.device)
     if ctx_allowed is not None:
-        allowed[:, :ctx.shape[0]] = ctx_allowed
-    out = Rope.apply(_core(q, keys, allowed, w.sinks, hd ** -0.5), cos, sin, inverse=True)
+        allowed[:, : ctx.shape[0]] = ctx_allowed
+    out = Rope.apply(_core(q, keys, allowed, w.sinks, hd**-0.5), cos, sin, inverse=True)
     low = grouped_linear(out.reshape(B, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
     return linear(low, w.wo_b)

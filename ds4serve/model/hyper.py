@@ -25,8 +25,9 @@ class HCSite:
     scale: torch.Tensor  # [3] fp32
 
 
-def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, norm_eps: float
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_split(
+    X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse ``X`` for the sublayer; return ``(post [S,hc], comb [S,hc,hc], collapsed [S,D])``.
 
     The Sinkhorn iterations stay outside the compiled regions: Inductor would give each of their
@@ -48,8 +49,9 @@ def hc_split(X: torch.Tensor, site: HCSite, hc: int, iters: int, eps: float, nor
     return post, comb, _collapse(pre, X)
 
 
-def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre(
+    X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole pre site: ``(post [S,hc], comb [S,hc,hc], x_in [S,D])``, ``x_in`` the collapsed streams
     through the sublayer's input norm ``rms_norm(., norm_w, norm_eps)``.
 
@@ -64,9 +66,18 @@ def hc_pre(X: torch.Tensor, site: HCSite, norm_w: torch.Tensor, hc: int, iters: 
     return post, comb, rms_norm(y, norm_w, norm_eps)
 
 
-def hc_merge_pre(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, site: HCSite,
-                 norm_w: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_merge_pre(
+    X: torch.Tensor,
+    out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    site: HCSite,
+    norm_w: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sublayer's merge then the next pre site: ``(X', post', comb', x_in)`` for
     ``X' = hc_merge(X, out, post, comb)`` and ``hc_pre(X', site, norm_w, ...)``.
 
@@ -150,8 +161,9 @@ def _collapse(pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * X).sum(dim=-2).to(X.dtype)
 
 
-def hc_coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_coefficients(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(pre, post, comb)`` from the fp32 mixes ``[S, (2+hc)*hc]``: sigmoids and Sinkhorn."""
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
@@ -183,8 +195,9 @@ def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
 
 
 @region
-def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-            norm_eps: float) -> torch.Tensor:
+def hc_head(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, norm_eps: float
+) -> torch.Tensor:
     """Final merge of the streams: sigmoid weights (no Sinkhorn), fp32 sum cast to X's dtype."""
     flat = unweighted_rms_norm(X.flatten(-2).float(), norm_eps)
     mixes = F.linear(flat, fn.float())

@@ -19,7 +19,9 @@ from ..kernels.switches import SWITCHES
 from ..quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
 GEMV_MAX_ROWS = 8  # up to this many activation rows (tokens), projections run as GEMV kernels
-FP8_GEMV_MAX_ROWS = 16  # FP8 weights times bf16 activations: the tensor-core GEMV tile's width (gemv.DOT_ROWS)
+FP8_GEMV_MAX_ROWS = (
+    16  # FP8 weights times bf16 activations: the tensor-core GEMV tile's width (gemv.DOT_ROWS)
+)
 
 
 @dataclass
@@ -116,8 +118,13 @@ def _gemv_applies(x: torch.Tensor, w: Weight, groups: int) -> bool:
         return False
     if isinstance(w, FP8Weight):
         return rows <= (FP8_GEMV_MAX_ROWS if x.dtype == torch.bfloat16 else GEMV_MAX_ROWS)
-    return (rows <= GEMV_MAX_ROWS and isinstance(w, torch.Tensor) and SWITCHES.gemv_dense
-            and w.dtype == x.dtype == torch.bfloat16 and w.is_contiguous())
+    return (
+        rows <= GEMV_MAX_ROWS
+        and isinstance(w, torch.Tensor)
+        and SWITCHES.gemv_dense
+        and w.dtype == x.dtype == torch.bfloat16
+        and w.is_contiguous()
+    )
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor | FP8Weight, groups: int) -> torch.Tensor:
@@ -148,8 +155,9 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Wei
     return FP8Weight((w.float() / full).to(torch.float8_e4m3fn), scale, block)
 
 
-def fp8_from_checkpoint(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                        device: torch.device | str) -> FP8Weight:
+def fp8_from_checkpoint(
+    data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], device: torch.device | str
+) -> FP8Weight:
     """An :class:`FP8Weight` from stored e4m3 data and ue8m0 scales."""
     return FP8Weight(data.to(device), e8m0_to_float(scale).to(device), block)
 

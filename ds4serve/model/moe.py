@@ -35,8 +35,9 @@ class MoEWeights:
 
 
 @region
-def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k], expert ids [N, k])`` for tokens ``x [N, D]``."""
     if _router_fused_applies(w, x):
         from ..kernels import ops
@@ -55,9 +56,16 @@ def route(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, s
 def _router_fused_applies(w: MoEWeights, x: torch.Tensor) -> bool:
     """The one-launch router (``SWITCHES.router_fused``) takes a few rows (decode) of bf16 / fp32 tokens
     with a dense contiguous gate."""
-    return (SWITCHES.router_fused and kernels.enabled(x) and x.dim() == 2 and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float32) and isinstance(w.gate, torch.Tensor)
-            and w.gate.dim() == 2 and w.gate.is_contiguous())
+    return (
+        SWITCHES.router_fused
+        and kernels.enabled(x)
+        and x.dim() == 2
+        and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and isinstance(w.gate, torch.Tensor)
+        and w.gate.dim() == 2
+        and w.gate.is_contiguous()
+    )
 
 
 RANK_MAX_ROWS = 64  # up to this many rows, top-k by pairwise ranks (decode, verify); else torch.topk
@@ -86,8 +94,15 @@ def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) ->
     return linear(swiglu_gate(linear(x, w1), linear(x, w3), limit), w2)
 
 
-def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, scaling: float,
-        limit: float, slot_terms: bool = False) -> torch.Tensor:
+def moe(
+    w: MoEWeights,
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    limit: float,
+    slot_terms: bool = False,
+) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert. ``slot_terms``: where the
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
     them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
@@ -98,15 +113,33 @@ def moe(w: MoEWeights, x: torch.Tensor, token_ids: torch.Tensor, top_k: int, sca
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
 
 
-def _moe_fused(w: MoEWeights, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, limit: float,
-               summed: bool = True) -> torch.Tensor:
+def _moe_fused(
+    w: MoEWeights,
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+    summed: bool = True,
+) -> torch.Tensor:
     """Decode path: no host synchronisation, experts read in place, the shared expert one more slot
     of the same launches when it has the routed experts' format."""
     from ..kernels import ops
 
-    return ops.moe_decode(x, idx, weights, *_parts(w.w1), *_parts(w.w3), *_parts(w.w2), _block(w.w1),
-                          *_parts(w.shared_w1), *_parts(w.shared_w3), *_parts(w.shared_w2), _block(w.shared_w1),
-                          limit, summed)
+    return ops.moe_decode(
+        x,
+        idx,
+        weights,
+        *_parts(w.w1),
+        *_parts(w.w3),
+        *_parts(w.w2),
+        _block(w.w1),
+        *_parts(w.shared_w1),
+        *_parts(w.shared_w3),
+        *_parts(w.shared_w2),
+        _block(w.shared_w1),
+        limit,
+        summed,
+    )
 
 
 def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:

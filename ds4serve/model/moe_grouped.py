@@ -51,8 +51,15 @@ def sort_pairs(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.T
     return order, torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
 
 
-def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: Weight, w3: Weight,
-                   w2: Weight, limit: float) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w1: Weight,
+    w3: Weight,
+    w2: Weight,
+    limit: float,
+) -> torch.Tensor:
     """``sum_j weights[:, j] * expert_{idx[:, j]}(x)`` for ``x [N, D]``: the routed part of the MoE."""
     k = idx.shape[1]
     order, ends = sort_pairs(idx, w1.shape[0])
@@ -74,7 +81,9 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1
 
 
 @region(chunks=True)
-def slot_sum(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def slot_sum(
+    y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """``[N, D]``: each (token, slot) pair's expert output, read from the expert-ordered rows ``y [N*k, D]`` at
     ``inverse [N*k]``, times its weight (``weights [N, k]``) and cast to ``dtype``, then the ``k`` slots of a
     token summed in fp32, in slot order, and cast once (as ``sum`` over the slots does). The slots are added
@@ -137,12 +146,17 @@ def _expert_groups_apply(rows: torch.Tensor, n_experts: int) -> bool:
     """Quantized experts as grouped GEMMs over dequantised groups: with the switch, on the kernels'
     devices, where the grouped product takes the rows, and for chunks with at least as many
     (token, slot) pairs as experts (most experts in use, so dequantising whole groups wastes little)."""
-    return (SWITCHES.dequant_kernel and kernels.enabled(rows) and grouped_mm_applies(rows)
-            and rows.shape[0] >= n_experts)
+    return (
+        SWITCHES.dequant_kernel
+        and kernels.enabled(rows)
+        and grouped_mm_applies(rows)
+        and rows.shape[0] >= n_experts
+    )
 
 
-def _expert_groups(rows: torch.Tensor, ends: torch.Tensor, w1: Weight, w3: Weight, w2: Weight,
-                   limit: float) -> torch.Tensor:
+def _expert_groups(
+    rows: torch.Tensor, ends: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float
+) -> torch.Tensor:
     """:func:`routed_experts`' products for quantized experts: consecutive experts, up to
     ``EXPERT_GROUP_BYTES`` of them dense, dequantised together and run as one grouped GEMM per
     projection over their rows (one host read of the group ends, as expert by expert)."""
@@ -163,8 +177,9 @@ def _expert_groups(rows: torch.Tensor, ends: torch.Tensor, w1: Weight, w3: Weigh
     return out
 
 
-def _expert_by_expert(rows: torch.Tensor, ends: list[int], w1: Weight, w3: Weight, w2: Weight,
-                      limit: float) -> torch.Tensor:
+def _expert_by_expert(
+    rows: torch.Tensor, ends: list[int], w1: Weight, w3: Weight, w2: Weight, limit: float
+) -> torch.Tensor:
     out = rows.new_empty(rows.shape[0], w2.shape[-2])
     begin = 0
     for e, end in enumerate(ends):

@@ -39,8 +39,19 @@ class MTPWeights:
 def mtp_names(index: int) -> list[str]:
     """The MTP-specific tensor names of block ``index`` (the decoder block's own names excluded)."""
     p = f"mtp.{index}."
-    return [p + n for n in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
-                            "hc_head_fn", "hc_head_base", "hc_head_scale")]
+    return [
+        p + n
+        for n in (
+            "e_proj.weight",
+            "h_proj.weight",
+            "enorm.weight",
+            "hnorm.weight",
+            "norm.weight",
+            "hc_head_fn",
+            "hc_head_base",
+            "hc_head_scale",
+        )
+    ]
 
 
 def load_mtp(ckpt: Checkpoint, index: int, dtype: torch.dtype, device: torch.device) -> MTPWeights:
@@ -50,16 +61,28 @@ def load_mtp(ckpt: Checkpoint, index: int, dtype: torch.dtype, device: torch.dev
         return ckpt.dense(p + name, torch.float32, device)
 
     return MTPWeights(
-        e_proj=ckpt.dense(p + "e_proj.weight", dtype, device), h_proj=ckpt.dense(p + "h_proj.weight", dtype, device),
-        enorm=f32("enorm.weight"), hnorm=f32("hnorm.weight"),
+        e_proj=ckpt.dense(p + "e_proj.weight", dtype, device),
+        h_proj=ckpt.dense(p + "h_proj.weight", dtype, device),
+        enorm=f32("enorm.weight"),
+        hnorm=f32("hnorm.weight"),
         block=load_block(ckpt, f"mtp.{index}", SLIDING, False, dtype, device),
-        hc_fn=f32("hc_head_fn"), hc_base=f32("hc_head_base"), hc_scale=f32("hc_head_scale"), norm=f32("norm.weight"),
+        hc_fn=f32("hc_head_fn"),
+        hc_base=f32("hc_head_base"),
+        hc_scale=f32("hc_head_scale"),
+        norm=f32("norm.weight"),
     )
 
 
-def mtp_forward(w: MTPWeights, hidden: torch.Tensor, next_ids: torch.Tensor, embedded: torch.Tensor,
-                chunk: ChunkInfo, ls: LayerState, cfg: ModelConfig, ropes: dict[str, Rope]
-                ) -> tuple[torch.Tensor, LayerDelta]:
+def mtp_forward(
+    w: MTPWeights,
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    embedded: torch.Tensor,
+    chunk: ChunkInfo,
+    ls: LayerState,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+) -> tuple[torch.Tensor, LayerDelta]:
     """Output streams ``[S, hc, D]`` for rows ``(hidden [S, hc, D], next_ids [S])`` and the rows to commit;
     ``embedded [S, D]`` holds the target's embedding rows of ``next_ids`` on ``hidden``'s device (the
     caller looks them up: the table may live on another device, outside a captured pass)."""

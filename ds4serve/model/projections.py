@@ -90,5 +90,5 @@ def _cat(ws: list[Weight]) -> Weight:
 def _rows(w: Weight, start: int, size: int) -> Weight:
     if isinstance(w, FP8Weight):
         b = w.block[0]
-        return FP8Weight(w.data[start:start + size], w.scale[start // b:(start + size) // b], w.block)
-    return w[start:start + size]
+        return FP8Weight(w.data[start : start + size], w.scale[start // b : (start + size) // b], w.block)
+    return w[start : start + size]

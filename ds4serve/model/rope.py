@@ -41,8 +41,9 @@ class Rope:
 
     @staticmethod
     @region(chunks=True)
-    def apply_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-                       ) -> torch.Tensor:
+    def apply_in_place(
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
         """:meth:`apply` written into ``x`` itself (returned): only the rotated channels are stored.
 
         For a chunk's fresh query or attention output ``[S, H, dim]``, whose copy through :meth:`apply`'s
@@ -51,7 +52,7 @@ class Rope:
         keeps :meth:`apply`, which its compiled regions fuse into the consumer.
         """
         rotated = _rotated(x, cos, sin, inverse)
-        x[..., -rotated.shape[-1]:] = rotated
+        x[..., -rotated.shape[-1] :] = rotated
         return x
 
 
@@ -63,6 +64,6 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
     s = sin.view(view).float()
     if inverse:
         s = -s
-    rope = x[..., -2 * half:].float()
+    rope = x[..., -2 * half :].float()
     even, odd = rope[..., 0::2], rope[..., 1::2]
     return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)

@@ -32,8 +32,14 @@ import torch.distributed as dist
 from .. import profiler
 from ..config import ModelConfig
 from ..engine.cuda_graphs import DecodeGraph, VerifyGraph
-from ..engine.prefill_graphs import (PAD_TOKEN, ShardFirstChunk, bucket_of, buckets, first_chunk_applies,
-                                     shard_capturable)
+from ..engine.prefill_graphs import (
+    PAD_TOKEN,
+    ShardFirstChunk,
+    bucket_of,
+    buckets,
+    first_chunk_applies,
+    shard_capturable,
+)
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
@@ -66,9 +72,12 @@ class Groups:
     @classmethod
     def create(cls, timeout: datetime.timedelta) -> "Groups":
         """Groups on an initialised default process group (collective: every rank calls this)."""
-        return cls(rank=dist.get_rank(), world=dist.get_world_size(),
-                   control=dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
-                   objects=dist.new_group(backend="gloo", timeout=timeout))
+        return cls(
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            control=dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
+            objects=dist.new_group(backend="gloo", timeout=timeout),
+        )
 
 
 @contextmanager
@@ -79,8 +88,9 @@ def _comm(what: str, peer: int | str) -> Iterator[None]:  # peer: a rank, or a r
     except PipelineError:
         raise
     except RuntimeError as exc:  # gloo and NCCL report lost peers and timeouts as RuntimeError subclasses
-        raise PipelineError(f"pipeline: {what} with rank {peer} failed (the rank died, hung or exited): "
-                            f"{exc}") from exc
+        raise PipelineError(
+            f"pipeline: {what} with rank {peer} failed (the rank died, hung or exited): {exc}"
+        ) from exc
 
 
 def shard_handshake(shard: DeepSeekV4, groups: Groups) -> list[tuple[int, int, int]]:
@@ -92,7 +102,9 @@ def shard_handshake(shard: DeepSeekV4, groups: Groups) -> list[tuple[int, int, i
     stop = 0
     for rank, (a, b, _) in enumerate(table):
         if a != stop:
-            raise PipelineError(f"layer_split: rank {rank} holds layers {a}..{b - 1}, expected to start at {stop}")
+            raise PipelineError(
+                f"layer_split: rank {rank} holds layers {a}..{b - 1}, expected to start at {stop}"
+            )
         stop = b
     if stop != shard.cfg.num_layers:
         raise PipelineError(f"layer_split: the ranks cover layers 0..{stop - 1} of {shard.cfg.num_layers}")
@@ -108,8 +120,9 @@ class _Link:
         self.cfg: ModelConfig = shard.cfg
 
     def streams(self, tokens: int) -> torch.Tensor:
-        return torch.empty(tokens, self.cfg.hc_mult, self.cfg.hidden_size, dtype=self.shard.dtype,
-                           device=self.shard.device)
+        return torch.empty(
+            tokens, self.cfg.hc_mult, self.cfg.hidden_size, dtype=self.shard.dtype, device=self.shard.device
+        )
 
     def send(self, t: torch.Tensor, dst: int, what: str) -> None:
         with _comm(f"sending {what}", dst):
@@ -177,27 +190,38 @@ class PipelineModel:
         sid = next(self._sids)
         self._op("new", sid, max_context)
         local = self.shard.new_state(max_context)
-        state = PipelineState(layers=local.layers, max_context=max_context, window=local.window, sid=sid, model=self)
+        state = PipelineState(
+            layers=local.layers, max_context=max_context, window=local.window, sid=sid, model=self
+        )
         weakref.finalize(state, self._freed.append, sid)
         return state
 
-    def forward(self, token_ids: list[int] | torch.Tensor, state: "PipelineState", *,
-                hidden: torch.Tensor | None = None, logit_rows: torch.Tensor | slice | None = None,
-                capture: tuple[int, ...] = ()) -> ForwardResult:
+    def forward(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        state: "PipelineState",
+        *,
+        hidden: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | slice | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> ForwardResult:
         if hidden is not None:
             raise ValueError("hidden: the pipeline starts at layer 0 and embeds the tokens itself")
         ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).tolist()
         if not ids:
             raise ValueError("empty chunk")
         if state.pos + len(ids) > state.max_context:
-            raise ValueError(f"chunk of {len(ids)} at position {state.pos} exceeds the state's {state.max_context}")
+            raise ValueError(
+                f"chunk of {len(ids)} at position {state.pos} exceeds the state's {state.max_context}"
+            )
         rows = logit_rows.cpu() if isinstance(logit_rows, torch.Tensor) else logit_rows
         seq = next(self._seqs)
         self._op("forward", state.sid, seq, ids, rows, tuple(capture))
         return self._guarded(self._forward, ids, state, seq, rows, tuple(capture))
 
-    def _forward(self, ids: list[int], state: "PipelineState", seq: int, rows: Any,
-                 capture: tuple[int, ...]) -> ForwardResult:
+    def _forward(
+        self, ids: list[int], state: "PipelineState", seq: int, rows: Any, capture: tuple[int, ...]
+    ) -> ForwardResult:
         local = self.shard.forward(ids, state, capture=capture)
         self.link.send(local.hidden, 1, "hidden streams")
         captured = dict(local.captured)
@@ -212,7 +236,9 @@ class PipelineModel:
             n_rows = torch.arange(len(ids))[rows].numel()
             buf = torch.empty(n_rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
             logits = self.link.recv(buf, last, "logits")
-        delta = PipelineDelta(start=local.delta.start, tokens=local.delta.tokens, layers=local.delta.layers, seq=seq)
+        delta = PipelineDelta(
+            start=local.delta.start, tokens=local.delta.tokens, layers=local.delta.layers, seq=seq
+        )
         return ForwardResult(hidden=final, delta=delta, logits=logits, captured=captured)
 
     def decode_graph(self, state: "PipelineState", graph: bool | None = None) -> "PipelineDecodeGraph":
@@ -220,7 +246,9 @@ class PipelineModel:
         runs the same static steps uncaptured, for CPU tests)."""
         return PipelineDecodeGraph(self, state, self.device.type == "cuda" if graph is None else graph)
 
-    def _hand_off(self, hidden: torch.Tensor, rows: int, logit_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hand_off(
+        self, hidden: torch.Tensor, rows: int, logit_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Send rank 0's output streams on (rank 1 receives them into a replayed step's input); returns the final
         streams of ``rows`` tokens and the logits ``[logit_rows, V]`` from the last rank."""
         link, last = self.link, self.groups.world - 1
@@ -234,14 +262,17 @@ class PipelineModel:
         ``graph=False`` runs the same padded forwards uncaptured, for CPU tests)."""
         return PipelineFirstChunks(self, limit, self.device.type == "cuda" if graph is None else graph)
 
-    def verify_graph(self, state: "PipelineState", width: int, capture: tuple[int, ...] = (),
-                     graph: bool | None = None) -> "PipelineVerifyGraph":
+    def verify_graph(
+        self, state: "PipelineState", width: int, capture: tuple[int, ...] = (), graph: bool | None = None
+    ) -> "PipelineVerifyGraph":
         """Speculative verify blocks of ``width`` over ``state`` as one CUDA graph per rank (default: on
         CUDA; ``graph=False`` runs the same static blocks uncaptured, for CPU tests). They capture no
         layers' streams: model drafts, which need them, need the whole model in one process."""
         if capture:
-            raise ValueError("capture: a pipeline's verify graphs capture no layers (model drafts need the "
-                             "embedding and head in one process)")
+            raise ValueError(
+                "capture: a pipeline's verify graphs capture no layers (model drafts need the "
+                "embedding and head in one process)"
+            )
         return PipelineVerifyGraph(self, state, width, self.device.type == "cuda" if graph is None else graph)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -307,9 +338,15 @@ class PipelineState(SequenceState):
     def restore(self, snap: Snapshot) -> None:
         missing = set(self.model.layers) - set(snap.layers)
         if missing:
-            raise ValueError(f"snapshot covers layers {sorted(snap.layers)}, the pipeline has {self.model.layers}")
-        local = Snapshot(pos=snap.pos, tokens=snap.tokens, layers={i: snap.layers[i] for i in self.layers},
-                         last_logits=snap.last_logits)
+            raise ValueError(
+                f"snapshot covers layers {sorted(snap.layers)}, the pipeline has {self.model.layers}"
+            )
+        local = Snapshot(
+            pos=snap.pos,
+            tokens=snap.tokens,
+            layers={i: snap.layers[i] for i in self.layers},
+            last_logits=snap.last_logits,
+        )
         super().restore(local)
         self.model._restore_parts(self.sid, snap)
 
@@ -317,8 +354,16 @@ class PipelineState(SequenceState):
         copy = super().fork()
         sid = next(self.model._sids)
         self.model._op("fork", self.sid, sid)
-        state = PipelineState(layers=copy.layers, max_context=copy.max_context, window=copy.window, pos=copy.pos,
-                              last_logits=copy.last_logits, tokens=copy.tokens, sid=sid, model=self.model)
+        state = PipelineState(
+            layers=copy.layers,
+            max_context=copy.max_context,
+            window=copy.window,
+            pos=copy.pos,
+            last_logits=copy.last_logits,
+            tokens=copy.tokens,
+            sid=sid,
+            model=self.model,
+        )
         weakref.finalize(state, self.model._freed.append, sid)
         return state
 
@@ -380,8 +425,10 @@ class PipelineFirstChunks:
         ``[1, V]`` and the final streams of its ``len(ids)`` rows, in buffers the next chunk of the same
         bucket overwrites; the delta holds rank 0's layers (commit it before the next chunk)."""
         if not self.applies(state, len(ids)):
-            raise ValueError(f"a first-chunk graph takes 1..{self.limit} tokens at position 0, "
-                             f"got {len(ids)} at {state.pos}")
+            raise ValueError(
+                f"a first-chunk graph takes 1..{self.limit} tokens at position 0, "
+                f"got {len(ids)} at {state.pos}"
+            )
         model = self.model
         width = bucket_of(len(ids), self.limit)
         seq = next(model._seqs)
@@ -391,7 +438,9 @@ class PipelineFirstChunks:
     def _forward(self, ids: list[int], seq: int, width: int) -> ForwardResult:
         part = self._parts.get(width)
         if part is None:
-            part = self._parts[width] = first_chunk_part(self.model.shard, width, self._pool, self.graph, None)
+            part = self._parts[width] = first_chunk_part(
+                self.model.shard, width, self._pool, self.graph, None
+            )
         out = part.run(ids)
         final, logits = self.model._hand_off(out.hidden, len(ids), 1)
         delta = PipelineDelta(start=0, tokens=list(ids), layers=out.delta.layers, seq=seq)
@@ -403,8 +452,9 @@ def first_chunk_pool(shard: DeepSeekV4, graph: bool) -> object | None:
     return torch.cuda.graph_pool_handle() if graph and shard.device.type == "cuda" else None
 
 
-def first_chunk_part(shard: DeepSeekV4, width: int, pool: object | None, graph: bool,
-                     hidden: torch.Tensor | None) -> ShardFirstChunk:
+def first_chunk_part(
+    shard: DeepSeekV4, width: int, pool: object | None, graph: bool, hidden: torch.Tensor | None
+) -> ShardFirstChunk:
     """A rank's first-chunk forward of ``width`` tokens, captured where ``graph`` asks and its experts allow."""
     return ShardFirstChunk(shard, width, pool, graph and shard_capturable(shard), hidden)
 
@@ -427,8 +477,10 @@ class PipelineVerifyGraph:
         next run overwrites); the delta holds rank 0's layers only, :meth:`commit` commits every rank's."""
         state, model = self.state, self.model
         if len(block) != self.width or state.pos + self.width > state.max_context:
-            raise ValueError(f"verify graph of width {self.width}: got {len(block)} tokens at position "
-                             f"{state.pos} of a state of {state.max_context}")
+            raise ValueError(
+                f"verify graph of width {self.width}: got {len(block)} tokens at position "
+                f"{state.pos} of a state of {state.max_context}"
+            )
         model._op("verify", state.sid, self.width, list(block), state.pos)
         return model._guarded(self._run, block, state.pos)
 
@@ -469,6 +521,7 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
         else:
             link.send(out.hidden, rank + 1, "hidden streams")
         return out
+
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -492,9 +545,12 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                 sid, seq, ids, rows, capture = args
                 state = states[sid]
                 hidden = link.recv(link.streams(len(ids)), rank - 1, "hidden streams")
-                with profiler.step("decode" if len(ids) == 1 else "prefill", len(ids), state.pos, shard.layers):
-                    out = shard.forward(ids, state, hidden=hidden, logit_rows=rows if rank == last else None,
-                                        capture=capture)
+                with profiler.step(
+                    "decode" if len(ids) == 1 else "prefill", len(ids), state.pos, shard.layers
+                ):
+                    out = shard.forward(
+                        ids, state, hidden=hidden, logit_rows=rows if rank == last else None, capture=capture
+                    )
                 pending[sid][seq] = out.delta
                 for layer in sorted(out.captured):
                     link.send(out.captured[layer], 0, f"layer {layer} streams")
@@ -506,7 +562,9 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                     link.send(out.hidden, rank + 1, "hidden streams")
             elif kind == "graph":
                 sid, graph = args
-                graphs[sid] = DecodeGraph(shard, states[sid], hidden=torch.zeros_like(link.streams(1)), graph=graph)
+                graphs[sid] = DecodeGraph(
+                    shard, states[sid], hidden=torch.zeros_like(link.streams(1)), graph=graph
+                )
             elif kind == "step":
                 sid, token, pos = args
                 step = graphs[sid]
@@ -519,14 +577,16 @@ def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, i
                 if part is None:
                     if first_pool is None:
                         first_pool = first_chunk_pool(shard, graph)
-                    part = first_chunks[width] = first_chunk_part(shard, width, first_pool, graph,
-                                                                  torch.zeros_like(link.streams(width)))
+                    part = first_chunks[width] = first_chunk_part(
+                        shard, width, first_pool, graph, torch.zeros_like(link.streams(width))
+                    )
                 out = pass_on(part.hidden, lambda: part.run(ids), len(ids))
                 pending[sid][seq] = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
             elif kind == "vgraph":
                 sid, width, graph = args
-                verify_graphs[sid, width] = VerifyGraph(shard, states[sid], width, graph=graph,
-                                                        hidden=torch.zeros_like(link.streams(width)))
+                verify_graphs[sid, width] = VerifyGraph(
+                    shard, states[sid], width, graph=graph, hidden=torch.zeros_like(link.streams(width))
+                )
             elif kind == "verify":
                 sid, width, block, pos = args
                 block_graph = verify_graphs[sid, width]

@@ -45,8 +45,13 @@ def quantized_formats(ckpt: Checkpoint) -> dict[str, str]:
     return out
 
 
-def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str | None = None,
-                 fp8_block: tuple[int, int] = FP8_BLOCK) -> int:
+def tensor_bytes(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    fmt: str | None = None,
+    fp8_block: tuple[int, int] = FP8_BLOCK,
+) -> int:
     """Bytes of one tensor as the model loads it (see the module doc for the dtype rules); ``fmt`` is
     its quantized format when the load keeps it quantized."""
     numel = 1
@@ -67,8 +72,13 @@ def layer_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, formats: Formats | 
     """Weight bytes of each decoder layer, in layer order (embedding and head excluded)."""
     formats = formats or {}
     block = cfg.quant.fp8_block or FP8_BLOCK
-    return [sum(tensor_bytes(n, s, dtype, formats.get(f"layers.{i}.{n}"), block)
-                for n, s in block_shapes(cfg, i).items()) for i in range(cfg.num_layers)]
+    return [
+        sum(
+            tensor_bytes(n, s, dtype, formats.get(f"layers.{i}.{n}"), block)
+            for n, s in block_shapes(cfg, i).items()
+        )
+        for i in range(cfg.num_layers)
+    ]
 
 
 def embed_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -98,7 +108,9 @@ def layer_state_bytes(cfg: ModelConfig, layer: int, max_context: int, dtype: tor
     return total
 
 
-def shard_weight_bytes(cfg: ModelConfig, layers: range, dtype: torch.dtype, formats: Formats | None = None) -> int:
+def shard_weight_bytes(
+    cfg: ModelConfig, layers: range, dtype: torch.dtype, formats: Formats | None = None
+) -> int:
     """Weights of a layer range, with the embedding and the head where the range holds them."""
     per_layer = layer_weight_bytes(cfg, dtype, formats)
     total = sum(per_layer[i] for i in layers)
@@ -113,22 +125,29 @@ def shard_state_bytes(cfg: ModelConfig, layers: range, max_context: int, dtype: 
     return sum(layer_state_bytes(cfg, i, max_context, dtype) for i in layers)
 
 
-def shard_bytes(cfg: ModelConfig, layers: range, dtype: torch.dtype, max_context: int = 0,
-                formats: Formats | None = None) -> int:
+def shard_bytes(
+    cfg: ModelConfig, layers: range, dtype: torch.dtype, max_context: int = 0, formats: Formats | None = None
+) -> int:
     """Weights plus the sequence state of ``max_context`` tokens of a layer range."""
-    return shard_weight_bytes(cfg, layers, dtype, formats) + shard_state_bytes(cfg, layers, max_context, dtype)
+    return shard_weight_bytes(cfg, layers, dtype, formats) + shard_state_bytes(
+        cfg, layers, max_context, dtype
+    )
 
 
 def ranges_from_split(layer_split: list[int], num_layers: int, n_devices: int) -> list[range]:
     """Validate ``layer_split`` (layer counts per device) and turn it into layer ranges."""
     if len(layer_split) != n_devices:
-        raise ValueError(f"layer_split: expected {n_devices} counts (one per device), got {len(layer_split)}: "
-                         f"{list(layer_split)}")
+        raise ValueError(
+            f"layer_split: expected {n_devices} counts (one per device), got {len(layer_split)}: "
+            f"{list(layer_split)}"
+        )
     if any(not isinstance(n, int) or n < 1 for n in layer_split):
         raise ValueError(f"layer_split: every device needs at least one layer, got {list(layer_split)}")
     if sum(layer_split) != num_layers:
-        raise ValueError(f"layer_split: counts must sum to the model's {num_layers} layers, "
-                         f"got {list(layer_split)} (sum {sum(layer_split)})")
+        raise ValueError(
+            f"layer_split: counts must sum to the model's {num_layers} layers, "
+            f"got {list(layer_split)} (sum {sum(layer_split)})"
+        )
     ranges, start = [], 0
     for n in layer_split:
         ranges.append(range(start, start + n))
@@ -151,9 +170,17 @@ def free_memory(devices: list[torch.device]) -> list[int]:
     return out
 
 
-def plan_split(cfg: ModelConfig, devices: list[torch.device | str], dtype: torch.dtype, *, max_context: int,
-               layer_split: list[int] | None = None, free_bytes: list[int] | None = None,
-               reserve: int | None = None, formats: Formats | None = None) -> list[range]:
+def plan_split(
+    cfg: ModelConfig,
+    devices: list[torch.device | str],
+    dtype: torch.dtype,
+    *,
+    max_context: int,
+    layer_split: list[int] | None = None,
+    free_bytes: list[int] | None = None,
+    reserve: int | None = None,
+    formats: Formats | None = None,
+) -> list[range]:
     """The layer range of each device, explicit (``layer_split``) or balanced by free memory.
 
     The automatic split cuts the layers so that each device's share of the bytes (weights and
@@ -168,7 +195,9 @@ def plan_split(cfg: ModelConfig, devices: list[torch.device | str], dtype: torch
     if not devs:
         raise ValueError("devices: expected at least one device")
     if len(devs) > n:
-        raise ValueError(f"devices: {len(devs)} devices but the model has only {n} layers (one per device at most)")
+        raise ValueError(
+            f"devices: {len(devs)} devices but the model has only {n} layers (one per device at most)"
+        )
     if layer_split is not None:
         ranges = ranges_from_split(list(layer_split), n, len(devs))
         if free_bytes is None:
@@ -183,20 +212,25 @@ def plan_split(cfg: ModelConfig, devices: list[torch.device | str], dtype: torch
     for dev, r, cap, res in zip(devs, ranges, capacity, reserves):
         need = shard_bytes(cfg, r, dtype, max_context, formats)
         if need > cap:
-            raise ValueError(f"devices: layers {r.start}-{r.stop - 1} need {_size(need)} on {dev} but "
-                             f"only {_size(cap)} is free after a {_size(res)} reserve; "
-                             f"add devices, lower max_context or choose layer_split")
+            raise ValueError(
+                f"devices: layers {r.start}-{r.stop - 1} need {_size(need)} on {dev} but "
+                f"only {_size(cap)} is free after a {_size(res)} reserve; "
+                f"add devices, lower max_context or choose layer_split"
+            )
     return ranges
 
 
-def _balanced(cfg: ModelConfig, dtype: torch.dtype, max_context: int, capacity: list[int],
-              formats: Formats | None) -> list[range]:
+def _balanced(
+    cfg: ModelConfig, dtype: torch.dtype, max_context: int, capacity: list[int], formats: Formats | None
+) -> list[range]:
     """Cut points nearest to each device's capacity-proportional share of the total bytes."""
     n, k = cfg.num_layers, len(capacity)
     if sum(capacity) == 0:
         raise ValueError("devices: no free memory left on any device after the activation reserve")
-    per_layer = [w + layer_state_bytes(cfg, i, max_context, dtype)
-                 for i, w in enumerate(layer_weight_bytes(cfg, dtype, formats))]
+    per_layer = [
+        w + layer_state_bytes(cfg, i, max_context, dtype)
+        for i, w in enumerate(layer_weight_bytes(cfg, dtype, formats))
+    ]
     per_layer[0] += embed_bytes(cfg, dtype)
     per_layer[-1] += head_bytes(cfg, dtype)
     total = sum(per_layer)
@@ -214,13 +248,21 @@ def _balanced(cfg: ModelConfig, dtype: torch.dtype, max_context: int, capacity: 
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def describe(cfg: ModelConfig, devices: list[torch.device | str], ranges: list[range], dtype: torch.dtype,
-             max_context: int, formats: Formats | None = None) -> str:
+def describe(
+    cfg: ModelConfig,
+    devices: list[torch.device | str],
+    ranges: list[range],
+    dtype: torch.dtype,
+    max_context: int,
+    formats: Formats | None = None,
+) -> str:
     """One line per shard: device, layers and bytes; logged when a split is chosen."""
     lines = []
     for dev, r in zip(devices, ranges):
-        lines.append(f"{dev}: layers {r.start}-{r.stop - 1} ({len(r)}), "
-                     f"{_size(shard_bytes(cfg, r, dtype, max_context, formats))} weights + state")
+        lines.append(
+            f"{dev}: layers {r.start}-{r.stop - 1} ({len(r)}), "
+            f"{_size(shard_bytes(cfg, r, dtype, max_context, formats))} weights + state"
+        )
     return "; ".join(lines)
 
 

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
+from ..devices import on_device
 from ..model import DeepSeekV4
 from ..model.deepseek4 import ForwardResult
-from ..devices import on_device
 from ..state import ChunkDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint
 from .placement import describe, plan_split, quantized_formats
@@ -35,8 +35,10 @@ class SplitModel:
         expected = 0
         for s in shards:
             if s.layers.start != expected:
-                raise ValueError(f"shards: layer ranges must be contiguous from 0, got "
-                                 f"{[(x.layers.start, x.layers.stop) for x in shards]}")
+                raise ValueError(
+                    f"shards: layer ranges must be contiguous from 0, got "
+                    f"{[(x.layers.start, x.layers.stop) for x in shards]}"
+                )
             expected = s.layers.stop
         if expected != cfg.num_layers:
             raise ValueError(f"shards: layer ranges end at {expected}, the model has {cfg.num_layers} layers")
@@ -47,33 +49,55 @@ class SplitModel:
         self.device = shards[-1].device  # where the logits land
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, ranges: list[range], devices: list[torch.device | str],
-             dtype: torch.dtype = torch.float32, quantized: bool = False) -> "SplitModel":
+    def load(
+        cls,
+        ckpt: Checkpoint,
+        ranges: list[range],
+        devices: list[torch.device | str],
+        dtype: torch.dtype = torch.float32,
+        quantized: bool = False,
+    ) -> "SplitModel":
         if len(ranges) != len(devices):
-            raise ValueError(f"devices: expected {len(ranges)} devices for {len(ranges)} layer ranges, got {len(devices)}")
-        return cls([DeepSeekV4.load(ckpt, layers=r, dtype=dtype, device=d, quantized=quantized)
-                    for r, d in zip(ranges, devices)])
+            raise ValueError(
+                f"devices: expected {len(ranges)} devices for {len(ranges)} layer ranges, got {len(devices)}"
+            )
+        return cls(
+            [
+                DeepSeekV4.load(ckpt, layers=r, dtype=dtype, device=d, quantized=quantized)
+                for r, d in zip(ranges, devices)
+            ]
+        )
 
     @property
     def devices(self) -> list[torch.device]:
         return [s.device for s in self.shards]
 
     def new_state(self, max_context: int) -> SequenceState:
-        layers = {i: allocate_layer(self.cfg, self.cfg.layer_types[i], max_context, s.dtype, s.device)
-                  for s in self.shards for i in s.layers}
+        layers = {
+            i: allocate_layer(self.cfg, self.cfg.layer_types[i], max_context, s.dtype, s.device)
+            for s in self.shards
+            for i in s.layers
+        }
         return SequenceState(layers=layers, max_context=max_context, window=self.cfg.sliding_window)
 
-    def forward(self, token_ids: list[int] | torch.Tensor, state: SequenceState, *,
-                hidden: torch.Tensor | None = None, logit_rows: torch.Tensor | slice | None = None,
-                capture: tuple[int, ...] = ()) -> ForwardResult:
+    def forward(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        state: SequenceState,
+        *,
+        hidden: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | slice | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> ForwardResult:
         """Run every shard in order over the chunk; the result is the unsplit model's."""
         layers, captured = {}, {}
         result = None
         for k, shard in enumerate(self.shards):
             last = k == len(self.shards) - 1
             with on_device(shard.device):  # Triton launches on the current device, not the tensors'
-                result = shard.forward(token_ids, state, hidden=hidden, logit_rows=logit_rows if last else None,
-                                       capture=capture)
+                result = shard.forward(
+                    token_ids, state, hidden=hidden, logit_rows=logit_rows if last else None, capture=capture
+                )
             layers.update(result.delta.layers)
             captured.update(result.captured)
             if not last:
@@ -93,9 +117,15 @@ def handoff(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
     return hidden.to(device=device, copy=True)
 
 
-def split_loader(path: str | Path, devices: list[str | torch.device], dtype: torch.dtype, *,
-                 layer_split: list[int] | None = None, max_context: int | None = None,
-                 quantized: bool = False) -> Callable[[], SplitModel]:
+def split_loader(
+    path: str | Path,
+    devices: list[str | torch.device],
+    dtype: torch.dtype,
+    *,
+    layer_split: list[int] | None = None,
+    max_context: int | None = None,
+    quantized: bool = False,
+) -> Callable[[], SplitModel]:
     """Choose the layer ranges once (logged) and return a loader that builds the split model.
 
     The ranges are fixed here so that reloading after a park gives the same placement whatever

@@ -35,10 +35,16 @@ def rank_device(kind: str, rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def init_pipeline(path: str | Path, *, device_kind: str = "cpu", dtype: torch.dtype = torch.float32,
-                  layer_split: list[int] | None = None, max_context: int | None = None,
-                  timeout: datetime.timedelta = datetime.timedelta(seconds=300), quantized: bool | None = None
-                  ) -> tuple[DeepSeekV4, Groups, list[tuple[int, int, int]]]:
+def init_pipeline(
+    path: str | Path,
+    *,
+    device_kind: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    layer_split: list[int] | None = None,
+    max_context: int | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+    quantized: bool | None = None,
+) -> tuple[DeepSeekV4, Groups, list[tuple[int, int, int]]]:
     """Join the process group (``env://`` unless already joined), place and load this rank's layers
     (``quantized``: FP8 / MXFP4 kept quantized, by default on CUDA, as the engine loads them)."""
     if not dist.is_initialized():
@@ -56,9 +62,18 @@ def init_pipeline(path: str | Path, *, device_kind: str = "cpu", dtype: torch.dt
     dist.all_gather_object(free, free_memory([device])[0], group=groups.objects)
     devices = [f"rank {r}" for r in range(groups.world)]
     if groups.world > cfg.num_layers:
-        raise ValueError(f"--nproc-per-node: {groups.world} ranks but the model has only {cfg.num_layers} layers")
-    ranges = plan_split(cfg, [device] * groups.world, dtype, max_context=context, layer_split=layer_split,
-                        free_bytes=free, formats=formats)
+        raise ValueError(
+            f"--nproc-per-node: {groups.world} ranks but the model has only {cfg.num_layers} layers"
+        )
+    ranges = plan_split(
+        cfg,
+        [device] * groups.world,
+        dtype,
+        max_context=context,
+        layer_split=layer_split,
+        free_bytes=free,
+        formats=formats,
+    )
     if groups.rank == 0:
         log.info("pipeline layer split: %s", describe(cfg, devices, ranges, dtype, context, formats))
     shard = DeepSeekV4.load(ckpt, layers=ranges[groups.rank], dtype=dtype, device=device, quantized=quantized)
@@ -66,7 +81,9 @@ def init_pipeline(path: str | Path, *, device_kind: str = "cpu", dtype: torch.dt
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ds4serve.parallel.worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ds4serve.parallel.worker", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", required=True, help="checkpoint directory (the same path on every host)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
@@ -76,8 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-ids", default=None, help="rank 0: comma-separated token ids to generate from")
     p.add_argument("--prompt", default=None, help="rank 0: raw text to generate from")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--dequantize", action="store_true", help="load FP8 / MXFP4 weights as dense tensors "
-                   "(default on GPU: kept quantized and read in place by the kernels)")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="load FP8 / MXFP4 weights as dense tensors "
+        "(default on GPU: kept quantized and read in place by the kernels)",
+    )
     return p.parse_args(argv)
 
 
@@ -95,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise SystemExit(f"--layer-split: expected comma-separated integers, got {a.layer_split!r}")
     dtype = resolve_dtype(a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
-    shard, groups, table = init_pipeline(a.model, device_kind=a.device, dtype=dtype, layer_split=split,
-                                         max_context=a.max_context,
-                                         timeout=datetime.timedelta(seconds=a.timeout_s),
-                                         quantized=False if a.dequantize else None)
+    shard, groups, table = init_pipeline(
+        a.model,
+        device_kind=a.device,
+        dtype=dtype,
+        layer_split=split,
+        max_context=a.max_context,
+        timeout=datetime.timedelta(seconds=a.timeout_s),
+        quantized=False if a.dequantize else None,
+    )
     try:
         if groups.rank != 0:
             serve_shard(shard, groups, table)

@@ -31,8 +31,17 @@ from .schemas import ParkRequest
 
 log = logging.getLogger("ds4serve.server")
 
-ROUTES = ("/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions", "/v1/messages",
-          "/v1/messages/count_tokens", "/admin/park", "/admin/unpark")
+ROUTES = (
+    "/health",
+    "/v1/models",
+    "/metrics",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/admin/park",
+    "/admin/unpark",
+)
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' label of every model's route
 UNAUTHENTICATED = ("/health",)
 
@@ -46,7 +55,9 @@ class ServerConfig:
     max_tokens_limit: int = 32768
     speculative: object | None = None
     responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id (0: none)
-    stream_keepalive_s: float = 10.0  # a stream starts without its first token after this, then pings (0: never)
+    stream_keepalive_s: float = (
+        10.0  # a stream starts without its first token after this, then pings (0: never)
+    )
 
 
 class Server:
@@ -109,8 +120,11 @@ class _Gate:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key:
             return None
-        return APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
-                        "invalid_api_key")
+        return APIError(
+            401,
+            "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+            "invalid_api_key",
+        )
 
     async def _read_body(self, scope, receive) -> tuple[bytes, APIError | None]:
         limit = self.server.config.max_body_bytes
@@ -153,8 +167,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = max(errors, key=lambda e: len(_field_path(e["loc"])), default={"loc": (), "msg": "", "type": ""})
     loc = _field_path(first["loc"])
     if not loc:
-        return invalid("the request body must be a JSON object" if first["type"] != "missing"
-                       else "a JSON request body is required")
+        return invalid(
+            "the request body must be a JSON object"
+            if first["type"] != "missing"
+            else "a JSON request body is required"
+        )
     param = ".".join(loc)
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return invalid(f"{param}: {first['msg']}{more}", param)
@@ -204,7 +221,11 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
         return error_response(request.url.path, APIError(exc.status_code, message, code))
 
     @app.exception_handler(Exception)
@@ -217,8 +238,13 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
         return {"status": "ok", "model_parked": engine.parked, "queue_depth": server.scheduler.queue_depth}
 
     def model_card() -> dict:
-        return {"id": config.model_name, "object": "model", "created": server.started, "owned_by": "ds4serve",
-                "context_length": engine.max_context}
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": server.started,
+            "owned_by": "ds4serve",
+            "context_length": engine.max_context,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -227,8 +253,12 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != config.model_name:
-            raise APIError(404, f"The model '{model_id}' does not exist (this server serves '{config.model_name}')",
-                           "model_not_found", "model")
+            raise APIError(
+                404,
+                f"The model '{model_id}' does not exist (this server serves '{config.model_name}')",
+                "model_not_found",
+                "model",
+            )
         return model_card()
 
     @app.get("/metrics")
@@ -260,7 +290,7 @@ async def _selector(request: Request) -> str:
     try:
         return ParkRequest.model_validate(json.loads(raw)).what
     except (ValueError, TypeError) as exc:
-        raise invalid(f"what: expected a JSON body like {{\"what\": \"target\"}} ({exc})", "what") from None
+        raise invalid(f'what: expected a JSON body like {{"what": "target"}} ({exc})', "what") from None
 
 
 def _call_selector(fn, what: str) -> list[str]:

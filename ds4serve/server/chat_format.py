@@ -44,24 +44,26 @@ REASONING_EFFORT_MAX = (
 _TOOLS_HEADER = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
-    f"\"{TOOL_CALLS_START}\" block like the following:\n\n"
+    f'"{TOOL_CALLS_START}" block like the following:\n\n'
     f"{TOOL_CALLS_START}\n"
-    f"<{DSML}invoke name=\"$TOOL_NAME\">\n"
-    f"<{DSML}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{DSML}parameter>\n"
+    f'<{DSML}invoke name="$TOOL_NAME">\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>\n'
     "...\n"
     f"</{DSML}invoke>\n"
-    f"<{DSML}invoke name=\"$TOOL_NAME2\">\n"
+    f'<{DSML}invoke name="$TOOL_NAME2">\n'
     "...\n"
     f"</{DSML}invoke>\n"
     f"{TOOL_CALLS_END}\n\n"
-    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
-    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+    'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
     f"If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning inside "
     f"{THINK_START}...{THINK_END} BEFORE any tool calls or final response.\n\n"
     f"Otherwise, output directly after {THINK_END} with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n"
 )
-_TOOLS_FOOTER = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+_TOOLS_FOOTER = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
 _RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 
@@ -90,11 +92,11 @@ def render_tool_calls(tool_calls: list[dict]) -> str:
     for call in tool_calls:
         fn = call["function"]
         params = [
-            f"<{DSML}parameter name=\"{key}\" string=\"{'true' if isinstance(value, str) else 'false'}\">"
+            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
             f"{value if isinstance(value, str) else _json(value)}</{DSML}parameter>"
             for key, value in _arguments_dict(fn.get("arguments", {})).items()
         ]
-        invokes.append(f"<{DSML}invoke name=\"{fn['name']}\">\n" + "\n".join(params) + f"\n</{DSML}invoke>")
+        invokes.append(f'<{DSML}invoke name="{fn["name"]}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
     return "\n\n" + TOOL_CALLS_START + "\n" + "\n".join(invokes) + "\n" + TOOL_CALLS_END
 
 
@@ -105,8 +107,11 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
         msg = copy.deepcopy(msg)
         role = msg.get("role")
         if role == "tool":
-            block = {"type": "tool_result", "tool_use_id": msg.get("tool_call_id") or "",
-                     "content": msg.get("content") or ""}
+            block = {
+                "type": "tool_result",
+                "tool_use_id": msg.get("tool_call_id") or "",
+                "content": msg.get("content") or "",
+            }
             if merged and merged[-1].get("role") == "user" and "content_blocks" in merged[-1]:
                 merged[-1]["content_blocks"].append(block)
             else:
@@ -116,7 +121,9 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
             if merged and merged[-1].get("role") == "user" and "content_blocks" in merged[-1]:
                 merged[-1]["content_blocks"].append(block)
             else:
-                merged.append({"role": "user", "content": msg.get("content") or "", "content_blocks": [block]})
+                merged.append(
+                    {"role": "user", "content": msg.get("content") or "", "content_blocks": [block]}
+                )
         else:
             merged.append(msg)
     return merged
@@ -130,8 +137,10 @@ def _sort_tool_results(messages: list[dict]) -> None:
             order = {c.get("id"): i for i, c in enumerate(msg["tool_calls"]) if c.get("id")}
         elif msg.get("role") == "user" and msg.get("content_blocks") and order:
             blocks = msg["content_blocks"]
-            results = sorted((b for b in blocks if b["type"] == "tool_result"),
-                             key=lambda b: order.get(b.get("tool_use_id"), 0))
+            results = sorted(
+                (b for b in blocks if b["type"] == "tool_result"),
+                key=lambda b: order.get(b.get("tool_use_id"), 0),
+            )
             it = iter(results)
             msg["content_blocks"] = [next(it) if b["type"] == "tool_result" else b for b in blocks]
 
@@ -157,8 +166,10 @@ def _last_user_index(messages: list[dict]) -> int:
 
 def _tool_result_text(content: Any) -> str:
     if isinstance(content, list):
-        return "\n\n".join(p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]"
-                           for p in content)
+        return "\n\n".join(
+            p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]"
+            for p in content
+        )
     return content or ""
 
 
@@ -180,8 +191,11 @@ def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, e
         blocks = msg.get("content_blocks")
         if blocks:
             out += USER + "\n\n".join(
-                b.get("text", "") if b["type"] == "text" else f"<tool_result>{_tool_result_text(b.get('content'))}"
-                                                               f"</tool_result>" for b in blocks)
+                b.get("text", "")
+                if b["type"] == "text"
+                else f"<tool_result>{_tool_result_text(b.get('content'))}</tool_result>"
+                for b in blocks
+            )
         else:
             out += USER + (msg.get("content") or "")
     elif role == "latest_reminder":
@@ -205,12 +219,21 @@ def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, e
 class EncodedPrompt:
     text: str
     thinking: bool
-    reasoning_dropped: bool  # thinking mode without tools: the next turn re-renders this one without reasoning
+    reasoning_dropped: (
+        bool  # thinking mode without tools: the next turn re-renders this one without reasoning
+    )
 
 
-def encode_messages(messages: list[dict], *, thinking: bool, reasoning_effort: str | None = None,
-                    tools: list[dict] | None = None, response_format: dict | None = None,
-                    drop_thinking: bool = True, add_bos: bool = True) -> EncodedPrompt:
+def encode_messages(
+    messages: list[dict],
+    *,
+    thinking: bool,
+    reasoning_effort: str | None = None,
+    tools: list[dict] | None = None,
+    response_format: dict | None = None,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+) -> EncodedPrompt:
     """Encode OpenAI-style messages (roles system/developer/user/assistant/tool) as a V4 prompt.
 
     ``tools`` (OpenAI form) and ``response_format`` are attached to the leading system message (one

@@ -15,28 +15,60 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--speculative", type=speculative, default=None,
-                   help="draft for speculative decoding: mtp | dspark | ngram[:K]")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key) on every "
-                                                   "route but /health")
+    p.add_argument(
+        "--speculative",
+        type=speculative,
+        default=None,
+        help="draft for speculative decoding: mtp | dspark | ngram[:K]",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health",
+    )
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses")
     p.add_argument("--max-queue", type=at_least(0), default=64, help="requests allowed to wait; more get 429")
-    p.add_argument("--max-body-mb", type=at_least(0, float), default=8.0,
-                   help="largest request body; larger ones get 413")
-    p.add_argument("--max-tokens-limit", type=at_least(1), default=32768,
-                   help="largest max_tokens a request may ask for")
-    p.add_argument("--prefix-cache-mb", type=at_least(0, float), default=1024.0,
-                   help="memory for prefix snapshots (0: off)")
+    p.add_argument(
+        "--max-body-mb",
+        type=at_least(0, float),
+        default=8.0,
+        help="largest request body; larger ones get 413",
+    )
+    p.add_argument(
+        "--max-tokens-limit", type=at_least(1), default=32768, help="largest max_tokens a request may ask for"
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=at_least(0, float),
+        default=1024.0,
+        help="memory for prefix snapshots (0: off)",
+    )
     p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
-    p.add_argument("--prefix-cache-disk-mb", type=at_least(0, float), default=None,
-                   help="disk budget of --prefix-cache-dir")
-    p.add_argument("--responses-store-mb", type=at_least(0, float), default=64.0,
-                   help="memory for /v1/responses kept for previous_response_id and GET (0: none kept)")
-    p.add_argument("--stream-keepalive-s", type=at_least(0, float), default=10.0,
-                   help="a stream still waiting for its first token starts after this long and then sends a "
-                        "keepalive whenever this long passes without an event (0: wait, never ping)")
-    p.add_argument("--no-warm-up", action="store_true", help="start serving without first running one short "
-                   "request (then the first client's request pays the compiles and graph captures)")
+    p.add_argument(
+        "--prefix-cache-disk-mb",
+        type=at_least(0, float),
+        default=None,
+        help="disk budget of --prefix-cache-dir",
+    )
+    p.add_argument(
+        "--responses-store-mb",
+        type=at_least(0, float),
+        default=64.0,
+        help="memory for /v1/responses kept for previous_response_id and GET (0: none kept)",
+    )
+    p.add_argument(
+        "--stream-keepalive-s",
+        type=at_least(0, float),
+        default=10.0,
+        help="a stream still waiting for its first token starts after this long and then sends a "
+        "keepalive whenever this long passes without an event (0: wait, never ping)",
+    )
+    p.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="start serving without first running one short "
+        "request (then the first client's request pays the compiles and graph captures)",
+    )
 
     def run(a: argparse.Namespace) -> int:
         import uvicorn
@@ -48,22 +80,41 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         cache = None
         if a.prefix_cache_mb > 0 or a.prefix_cache_dir:
             disk_mb = a.prefix_cache_disk_mb
-            cache = PrefixCache(int(a.prefix_cache_mb * 2**20), disk_dir=a.prefix_cache_dir,
-                                model_id=model_identity(model, dtype),
-                                disk_max_bytes=None if disk_mb is None else int(disk_mb * 2**20))
-        config = ServerConfig(model_name=a.served_model_name or model.name, api_key=a.api_key,
-                              max_queue=a.max_queue, max_body_bytes=int(a.max_body_mb * 2**20),
-                              max_tokens_limit=a.max_tokens_limit, speculative=a.speculative,
-                              responses_store_bytes=int(a.responses_store_mb * 2**20),
-                              stream_keepalive_s=a.stream_keepalive_s)
+            cache = PrefixCache(
+                int(a.prefix_cache_mb * 2**20),
+                disk_dir=a.prefix_cache_dir,
+                model_id=model_identity(model, dtype),
+                disk_max_bytes=None if disk_mb is None else int(disk_mb * 2**20),
+            )
+        config = ServerConfig(
+            model_name=a.served_model_name or model.name,
+            api_key=a.api_key,
+            max_queue=a.max_queue,
+            max_body_bytes=int(a.max_body_mb * 2**20),
+            max_tokens_limit=a.max_tokens_limit,
+            speculative=a.speculative,
+            responses_store_bytes=int(a.responses_store_mb * 2**20),
+            stream_keepalive_s=a.stream_keepalive_s,
+        )
         if not a.no_warm_up:
-            log.info("warmed up in %.1f s (one short request: compiles, graph captures%s)",
-                     engine.warm_up(a.speculative), ", the draft" if a.speculative else "")
+            log.info(
+                "warmed up in %.1f s (one short request: compiles, graph captures%s)",
+                engine.warm_up(a.speculative),
+                ", the draft" if a.speculative else "",
+            )
         app = create_app(engine, config, cache)
         if a.model is None:
-            log.info("serving the built-in tiny model from %s: it has RANDOM weights (its output is gibberish)", model)
-        log.info("serving %s on http://%s:%d (context %d tokens)", config.model_name, a.host, a.port,
-                 engine.max_context)
+            log.info(
+                "serving the built-in tiny model from %s: it has RANDOM weights (its output is gibberish)",
+                model,
+            )
+        log.info(
+            "serving %s on http://%s:%d (context %d tokens)",
+            config.model_name,
+            a.host,
+            a.port,
+            engine.max_context,
+        )
         uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5)
         return 0
 

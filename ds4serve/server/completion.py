@@ -18,8 +18,8 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ..engine import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
-from .output_parser import OutputParser, ParsedDelta
 from .errors import APIError, context_overflow, invalid
+from .output_parser import OutputParser, ParsedDelta
 from .scheduler import Job
 from .textstream import Detokenizer, StopMatcher
 
@@ -91,14 +91,19 @@ class Completion:
         self.request = request
         self.spec = spec
         tok = server.engine.tokenizer
-        hidden = set(spec.params.stop_token_ids) | ({server.engine.cfg.eos_token_id} if not spec.params.ignore_eos
-                                                    else set())
+        hidden = set(spec.params.stop_token_ids) | (
+            {server.engine.cfg.eos_token_id} if not spec.params.ignore_eos else set()
+        )
         self.detok = Detokenizer(tok, hidden)
         self.stopper = StopMatcher(spec.stops)
         self.parser = OutputParser(spec.thinking, spec.tools)
-        self.job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop(),
-                       cache_at=spec.cache_at,
-                       speculative=server.config.speculative if spec.speculative is None else spec.speculative)
+        self.job = Job(
+            prompt=spec.prompt,
+            params=spec.params,
+            loop=asyncio.get_running_loop(),
+            cache_at=spec.cache_at,
+            speculative=server.config.speculative if spec.speculative is None else spec.speculative,
+        )
         self.result: GenerateResult | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -106,7 +111,9 @@ class Completion:
     def start(self) -> None:
         """Queue the job (raises 429/503 :class:`APIError`) and start watching the connection."""
         if self.server.engine.parked:
-            raise APIError.from_code(ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it")
+            raise APIError.from_code(
+                ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
+            )
         self.server.scheduler.submit(self.job)
         if self.request is not None:
             self._watcher = asyncio.create_task(self._watch_disconnect())
@@ -150,10 +157,14 @@ class Completion:
 
     def _raise_for_error(self) -> None:
         res = self.result
-        if res.error is None or (res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "stop_sequence"):
+        if res.error is None or (
+            res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "stop_sequence"
+        ):
             return
         if res.error is ErrorCode.CONTEXT_OVERFLOW:
-            raise context_overflow(self.server.engine.max_context, len(self.spec.prompt), self.spec.params.max_tokens)
+            raise context_overflow(
+                self.server.engine.max_context, len(self.spec.prompt), self.spec.params.max_tokens
+            )
         raise APIError.from_code(res.error, res.error_message or res.error.value)
 
     async def opened(self) -> AsyncIterator[Piece]:
@@ -209,7 +220,9 @@ def usage(completions: list[Completion]) -> dict:
     completion_tokens = sum(len(r.tokens) for r in results)
     prompt = len(completions[0].spec.prompt)
     spec = first.stats.speculative if len(results) == 1 else None
-    predicted = [r.stats.speculative for r in results if (r.stats.speculative or {}).get("method") == "prediction"]
+    predicted = [
+        r.stats.speculative for r in results if (r.stats.speculative or {}).get("method") == "prediction"
+    ]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
@@ -239,7 +252,9 @@ class Choices:
     def __init__(self, server, request: Request, spec: CompletionSpec, n: int):
         self.server, self.request = server, request
         seeds = [None if spec.params.seed is None else spec.params.seed + i for i in range(n)]
-        self.specs = [dataclasses.replace(spec, params=dataclasses.replace(spec.params, seed=s)) for s in seeds]
+        self.specs = [
+            dataclasses.replace(spec, params=dataclasses.replace(spec.params, seed=s)) for s in seeds
+        ]
         self.completions: list[Completion] = []
 
     def _next(self) -> Completion:
@@ -292,12 +307,26 @@ async def run_to_end(completion: Completion) -> list[Piece]:
         completion.close()
 
 
-def build_params(*, max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 frequency_penalty: float | None = None, presence_penalty: float | None = None,
-                 seed: int | None = None, logit_bias: dict[str, float] | None = None, logprobs: int | None = None,
-                 reasoning_budget: int | None = None, thinking: bool | None = None, ignore_eos: bool = False,
-                 json_schema: dict | None = None, grammar: str | None = None, vocab: int) -> SamplingParams:
+def build_params(
+    *,
+    max_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    seed: int | None = None,
+    logit_bias: dict[str, float] | None = None,
+    logprobs: int | None = None,
+    reasoning_budget: int | None = None,
+    thinking: bool | None = None,
+    ignore_eos: bool = False,
+    json_schema: dict | None = None,
+    grammar: str | None = None,
+    vocab: int,
+) -> SamplingParams:
     """SamplingParams from request fields (provider defaults: temperature 1), validated."""
     bias: dict[int, float] = {}
     for key, value in (logit_bias or {}).items():
@@ -306,12 +335,23 @@ def build_params(*, max_tokens: int, temperature: float | None, top_p: float | N
         except ValueError:
             raise invalid(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or 0,
+        min_p=min_p or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-        frequency_penalty=frequency_penalty or 0.0, presence_penalty=presence_penalty or 0.0, seed=seed,
-        logit_bias=bias, logprobs=logprobs, reasoning_budget=reasoning_budget, thinking=thinking,
-        ignore_eos=ignore_eos, json_schema=json_schema, grammar=grammar)
+        frequency_penalty=frequency_penalty or 0.0,
+        presence_penalty=presence_penalty or 0.0,
+        seed=seed,
+        logit_bias=bias,
+        logprobs=logprobs,
+        reasoning_budget=reasoning_budget,
+        thinking=thinking,
+        ignore_eos=ignore_eos,
+        json_schema=json_schema,
+        grammar=grammar,
+    )
     try:
         params.validate(vocab)
     except GenerateError as exc:

@@ -20,12 +20,26 @@ STATUS: dict[ErrorCode, int] = {
 }
 
 # Error ``type`` strings of each provider, by status.
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                 499: "cancelled", 503: "service_unavailable"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
-                    499: "cancelled", 503: "overloaded_error"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    503: "service_unavailable",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    499: "cancelled",
+    503: "overloaded_error",
+}
 
 
 @dataclass
@@ -53,10 +67,14 @@ def invalid(message: str, param: str | None = None) -> APIError:
 
 def context_overflow(max_context: int, prompt: int, completion: int) -> APIError:
     """The OpenAI wording, so clients that parse it (to trim history) keep working."""
-    return APIError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
-                         f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
-                         "Please reduce the length of the messages or completion.",
-                    "context_length_exceeded", "messages")
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_context} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+        "Please reduce the length of the messages or completion.",
+        "context_length_exceeded",
+        "messages",
+    )
 
 
 def openai_body(err: APIError) -> dict:

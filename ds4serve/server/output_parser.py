@@ -159,11 +159,11 @@ class _ToolBlock:
                 return buf, False
             self._argument(out, f"{_json(self.key)}: {_json(_parameter_value(buf[:end]))}")
             self.mode = "body"
-            return buf[end + len(PARAMETER_END):], False
+            return buf[end + len(PARAMETER_END) :], False
         rest = buf.lstrip()
         if rest != buf or not rest:  # whitespace between tags is a step of its own, so any chunking
-            if not self.opened:       # breaks at the same place
-                self.raw += buf[:len(buf) - len(rest)]
+            if not self.opened:  # breaks at the same place
+                self.raw += buf[: len(buf) - len(rest)]
             return rest, False
         if self.mode == "body" and rest.startswith("{"):
             return self._json_body(rest, out), False
@@ -174,7 +174,7 @@ class _ToolBlock:
             if len(rest) > _LONGEST_TAG:
                 raise _Malformed
             return rest, False
-        tag, after = rest[:close + 1], rest[close + 1:]
+        tag, after = rest[: close + 1], rest[close + 1 :]
         if self.mode == "between":
             if tag == TOOL_CALLS_END:
                 return after, True
@@ -194,7 +194,7 @@ class _ToolBlock:
             raise _Malformed
         self.keys.add(m.group(1))
         if m.group(2) == "true":
-            self._argument(out, f"{_json(m.group(1))}: \"")
+            self._argument(out, f'{_json(m.group(1))}: "')
             self.mode = "string"
         else:
             self.key, self.mode = m.group(1), "value"
@@ -208,13 +208,13 @@ class _ToolBlock:
     def _string_value(self, buf: str, out: _Segments) -> str:
         end = buf.find(PARAMETER_END)
         if end >= 0:
-            out.call(self.index, None, _escaped(buf[:end]) + "\"")
+            out.call(self.index, None, _escaped(buf[:end]) + '"')
             self.mode = "body"
-            return buf[end + len(PARAMETER_END):]
+            return buf[end + len(PARAMETER_END) :]
         keep = _partial_suffix(buf, (PARAMETER_END,))
         if len(buf) > keep:
-            out.call(self.index, None, _escaped(buf[:len(buf) - keep]))
-        return buf[len(buf) - keep:]
+            out.call(self.index, None, _escaped(buf[: len(buf) - keep]))
+        return buf[len(buf) - keep :]
 
     def _json_body(self, rest: str, out: _Segments) -> str:
         """An invoke whose body is a bare JSON object (only before any parameter)."""
@@ -231,7 +231,7 @@ class _ToolBlock:
         self.index += 1
         self.mode = "between"
         self.completed += 1
-        return rest[end + len(INVOKE_END):]
+        return rest[end + len(INVOKE_END) :]
 
     def _close_call(self, out: _Segments) -> None:
         out.call(self.index, None, "}" if self.args else "{}")
@@ -244,7 +244,7 @@ class _ToolBlock:
         if self.mode == "between":
             return False
         if self.mode == "string":
-            out.call(self.index, None, "\"")
+            out.call(self.index, None, '"')
         elif self.mode == "value" and rest.strip():
             self._argument(out, f"{_json(self.key)}: {_json(_parameter_value(rest))}")
         self._close_call(out)
@@ -300,7 +300,7 @@ class OutputParser:
         hits = [(self.buf.find(m), m) for m in markers if m in self.buf]
         if hits:
             at, marker = min(hits)
-            before, self.buf = self.buf[:at], self.buf[at + len(marker):]
+            before, self.buf = self.buf[:at], self.buf[at + len(marker) :]
             if marker == THINK_END:
                 self.state = "content"
                 out.reasoning(before)
@@ -313,10 +313,10 @@ class OutputParser:
             return False
         keep = _partial_suffix(self.buf, markers)
         if self.tools is not None:
-            keep = len(self.buf) - len(self.buf[:len(self.buf) - keep].rstrip())
+            keep = len(self.buf) - len(self.buf[: len(self.buf) - keep].rstrip())
         if keep == len(self.buf):
             return False
-        text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        text, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
         (out.reasoning if self.state == "reasoning" else out.content)(text)
         return True
 

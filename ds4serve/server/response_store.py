@@ -23,7 +23,9 @@ class StoredResponse:
     response: dict  # the response object as returned
     input_items: list[dict]  # this request's own input items, each with an id
     previous_id: str | None
-    events: list[dict] | None = None  # a streamed background response's numbered stream events, to stream again
+    events: list[dict] | None = (
+        None  # a streamed background response's numbered stream events, to stream again
+    )
 
     @property
     def id(self) -> str:
@@ -80,8 +82,12 @@ class ResponseStore:
             stored = self.get(next_id)
             if stored is None:
                 detail = "" if next_id == response_id else f" (it continues '{next_id}', which is not stored)"
-                raise APIError(400, f"Previous response with id '{response_id}' not found{detail}.",
-                               "previous_response_not_found", "previous_response_id")
+                raise APIError(
+                    400,
+                    f"Previous response with id '{response_id}' not found{detail}.",
+                    "previous_response_not_found",
+                    "previous_response_id",
+                )
             chain.append(stored)
             next_id = stored.previous_id
         return [item for stored in reversed(chain) for item in stored.input_items + stored.response["output"]]

@@ -9,8 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .chat_format import encode_messages, shared_prefix_length
-from .completion import (Completion, CompletionSpec, build_params, check_prompt, mint_id, resolve_max_tokens,
-                         run_to_end)
+from .completion import (
+    Completion,
+    CompletionSpec,
+    build_params,
+    check_prompt,
+    mint_id,
+    resolve_max_tokens,
+    run_to_end,
+)
 from .errors import APIError, anthropic_body, invalid
 from .output_parser import merged
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
@@ -41,8 +48,10 @@ def _messages(body: CountTokensRequest) -> list[dict]:
                 elif b.type == "text":
                     texts.append(b.text)
                 else:
-                    raise invalid(f"messages.{i}.content: a user message cannot hold a {b.type} block",
-                                  f"messages.{i}.content")
+                    raise invalid(
+                        f"messages.{i}.content: a user message cannot hold a {b.type} block",
+                        f"messages.{i}.content",
+                    )
             if texts:
                 out.append({"role": "user", "content": "\n\n".join(texts)})
             continue
@@ -53,11 +62,14 @@ def _messages(body: CountTokensRequest) -> list[dict]:
             elif b.type == "thinking":
                 msg["reasoning_content"] += b.thinking
             elif b.type == "tool_use":
-                msg["tool_calls"].append({"id": b.id, "type": "function",
-                                          "function": {"name": b.name, "arguments": b.input}})
+                msg["tool_calls"].append(
+                    {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                )
             elif b.type == "tool_result":
-                raise invalid(f"messages.{i}.content: an assistant message cannot hold a tool_result block",
-                              f"messages.{i}.content")
+                raise invalid(
+                    f"messages.{i}.content: an assistant message cannot hold a tool_result block",
+                    f"messages.{i}.content",
+                )
         out.append(msg)
     if out and out[-1]["role"] == "assistant":
         out[-1]["prefix"] = True  # prefill: the model continues this message
@@ -77,10 +89,22 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
         raise invalid("tool_choice.name: required when tool_choice.type is 'tool'", "tool_choice.name")
     if choice is not None and choice.type == "tool" and choice.name not in names:
         raise invalid(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
-    return [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
-                                                                   ("parameters", t.input_schema), ("strict", t.strict))
-                                              if v is not None}}
-            for t in body.tools]
+    return [
+        {
+            "type": "function",
+            "function": {
+                k: v
+                for k, v in (
+                    ("name", t.name),
+                    ("description", t.description),
+                    ("parameters", t.input_schema),
+                    ("strict", t.strict),
+                )
+                if v is not None
+            },
+        }
+        for t in body.tools
+    ]
 
 
 def _output_schema(body: CountTokensRequest) -> dict | None:
@@ -93,8 +117,13 @@ def _encode(server, body: CountTokensRequest):
     thinking = body.thinking is not None and body.thinking.type == "enabled"
     effort = body.output_config.effort if body.output_config is not None else None
     tools = _tools(body)
-    encoded = encode_messages(_messages(body), thinking=thinking, tools=tools, response_format=_output_schema(body),
-                              reasoning_effort="max" if effort in ("xhigh", "max") else None)
+    encoded = encode_messages(
+        _messages(body),
+        thinking=thinking,
+        tools=tools,
+        response_format=_output_schema(body),
+        reasoning_effort="max" if effort in ("xhigh", "max") else None,
+    )
     return encoded, server.engine.tokenizer.encode(encoded.text), tools
 
 
@@ -108,12 +137,20 @@ def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tup
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
     if choice is not None and choice.type in ("any", "tool"):
         if schema is not None:
-            raise invalid("output_config.format: cannot be combined with a forced tool call (tool_choice)",
-                          "output_config.format")
+            raise invalid(
+                "output_config.format: cannot be combined with a forced tool call (tool_choice)",
+                "output_config.format",
+            )
         name = choice.name if choice.type == "tool" else None
         return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema"), None
-    strict = strict_tool_calls(tools, tok, parallel, schema, where="tools.{}.input_schema",
-                               content_where="output_config.format.schema")
+    strict = strict_tool_calls(
+        tools,
+        tok,
+        parallel,
+        schema,
+        where="tools.{}.input_schema",
+        content_where="output_config.format.schema",
+    )
     return (strict, None) if strict is not None else (None, schema)
 
 
@@ -123,13 +160,25 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     check_prompt(server, prompt, "messages")
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
     params = build_params(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
         reasoning_budget=body.thinking.budget_tokens if body.thinking and encoded.thinking else None,
-        thinking=encoded.thinking, grammar=grammar, json_schema=json_schema, vocab=server.engine.cfg.vocab_size)
+        thinking=encoded.thinking,
+        grammar=grammar,
+        json_schema=json_schema,
+        vocab=server.engine.cfg.vocab_size,
+    )
     tok = server.engine.tokenizer
-    return CompletionSpec(prompt=prompt, params=params, stops=list(body.stop_sequences or []),
-                          thinking=encoded.thinking, tools={t["function"]["name"] for t in tools} if tools else None,
-                          cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id))
+    return CompletionSpec(
+        prompt=prompt,
+        params=params,
+        stops=list(body.stop_sequences or []),
+        thinking=encoded.thinking,
+        tools={t["function"]["name"] for t in tools} if tools else None,
+        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+    )
 
 
 def _stop_reason(completion: Completion) -> str:
@@ -142,8 +191,12 @@ def _stop_reason(completion: Completion) -> str:
 
 def _usage(completion: Completion) -> dict:
     res = completion.result
-    return {"input_tokens": len(completion.spec.prompt), "output_tokens": len(res.tokens),
-            "cache_read_input_tokens": res.stats.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": len(completion.spec.prompt),
+        "output_tokens": len(res.tokens),
+        "cache_read_input_tokens": res.stats.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _event(kind: str, data: dict) -> str:
@@ -172,11 +225,26 @@ async def messages(body: MessagesRequest, request: Request):
     if total.content or not total.tool_calls:
         content.append({"type": "text", "text": total.content})
     for call in total.tool_calls:
-        content.append({"type": "tool_use", "id": mint_id("toolu_"), "name": call.name,
-                        "input": json.loads(call.arguments)})
-    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-                         "stop_reason": _stop_reason(completion), "stop_sequence": completion.stop_sequence,
-                         "usage": _usage(completion)})
+        content.append(
+            {
+                "type": "tool_use",
+                "id": mint_id("toolu_"),
+                "name": call.name,
+                "input": json.loads(call.arguments),
+            }
+        )
+    return JSONResponse(
+        {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": content,
+            "stop_reason": _stop_reason(completion),
+            "stop_sequence": completion.stop_sequence,
+            "usage": _usage(completion),
+        }
+    )
 
 
 class _Blocks:
@@ -203,17 +271,28 @@ class _Blocks:
     def piece(self, piece) -> list[str]:
         d, out = piece.delta, []
         if d.reasoning:
-            out += self.delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
-                              {"type": "thinking_delta", "thinking": d.reasoning})
+            out += self.delta(
+                "thinking",
+                {"type": "thinking", "thinking": "", "signature": ""},
+                {"type": "thinking_delta", "thinking": d.reasoning},
+            )
         if d.content:
             out += self.delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": d.content})
         for call in d.tool_calls:  # a fragment with a name opens its call's block, the rest add to it
             if call.name is not None:
-                out += self.open("tool_use", {"type": "tool_use", "id": mint_id("toolu_"),
-                                              "name": call.name, "input": {}})
+                out += self.open(
+                    "tool_use", {"type": "tool_use", "id": mint_id("toolu_"), "name": call.name, "input": {}}
+                )
             if call.arguments:
-                out.append(_event("content_block_delta", {"index": self.index, "delta": {
-                    "type": "input_json_delta", "partial_json": call.arguments}}))
+                out.append(
+                    _event(
+                        "content_block_delta",
+                        {
+                            "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": call.arguments},
+                        },
+                    )
+                )
         return out
 
 
@@ -223,10 +302,21 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
     async def events() -> AsyncIterator[str]:
         blocks = _Blocks()
         try:
-            yield _event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": len(completion.spec.prompt), "output_tokens": 0}}})
+            yield _event(
+                "message_start",
+                {
+                    "message": {
+                        "id": mid,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": len(completion.spec.prompt), "output_tokens": 0},
+                    }
+                },
+            )
             async for piece in pieces:
                 for e in blocks.piece(piece):
                     yield e
@@ -235,9 +325,16 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
                     yield e
             for e in blocks.close():
                 yield e
-            yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(completion),
-                                                     "stop_sequence": completion.stop_sequence},
-                                           "usage": {"output_tokens": len(completion.result.tokens)}})
+            yield _event(
+                "message_delta",
+                {
+                    "delta": {
+                        "stop_reason": _stop_reason(completion),
+                        "stop_sequence": completion.stop_sequence,
+                    },
+                    "usage": {"output_tokens": len(completion.result.tokens)},
+                },
+            )
             yield _event("message_stop", {})
         except APIError as err:
             yield f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n"

@@ -11,8 +11,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.drafts import PredictionProposer
 from .chat_format import BOS, EncodedPrompt, encode_messages, shared_prefix_length
-from .completion import (Choices, Completion, CompletionSpec, Piece, build_params, check_prompt, mint_id,
-                         resolve_max_tokens)
+from .completion import (
+    Choices,
+    Completion,
+    CompletionSpec,
+    Piece,
+    build_params,
+    check_prompt,
+    mint_id,
+    resolve_max_tokens,
+)
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
@@ -39,7 +47,9 @@ def _thinking(body: ChatRequest) -> tuple[bool, str | None]:
     for key in ("thinking", "enable_thinking"):
         if key in kwargs:
             if not isinstance(kwargs[key], bool):
-                raise invalid(f"chat_template_kwargs.{key}: expected a boolean", f"chat_template_kwargs.{key}")
+                raise invalid(
+                    f"chat_template_kwargs.{key}: expected a boolean", f"chat_template_kwargs.{key}"
+                )
             return kwargs[key], effort
     if body.reasoning_effort is not None:
         return body.reasoning_effort != "none", effort
@@ -53,9 +63,14 @@ def _messages(body: ChatRequest) -> list[dict]:
         if m.role == "assistant":
             msg["reasoning_content"] = m.reasoning_content or m.reasoning
             if m.tool_calls:
-                msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                     for c in m.tool_calls]
+                msg["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in m.tool_calls
+                ]
             if i == len(body.messages) - 1:
                 msg["prefix"] = True  # continue this assistant message
         elif m.role == "tool":
@@ -86,28 +101,37 @@ def _response_format(body: ChatRequest) -> dict | None:
         return {"type": "object"}
     schema = (rf.json_schema or {}).get("schema")
     if not isinstance(schema, dict):
-        raise invalid("response_format.json_schema.schema: expected a JSON schema object",
-                      "response_format.json_schema.schema")
+        raise invalid(
+            "response_format.json_schema.schema: expected a JSON schema object",
+            "response_format.json_schema.schema",
+        )
     return schema
 
 
-def _answer_rule(server, body: ChatRequest, tools: list[dict] | None, response_format: dict | None
-                 ) -> tuple[str | None, dict | None]:
+def _answer_rule(
+    server, body: ChatRequest, tools: list[dict] | None, response_format: dict | None
+) -> tuple[str | None, dict | None]:
     """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
     "required" or a named tool forces; under "auto", content then maybe calls with the ``strict`` functions'
     parameters held (the content a document of ``response_format``'s schema, if any); else that schema alone."""
     choice = body.tool_choice
     tok, parallel = server.engine.tokenizer, body.parallel_tool_calls is not False
     if body.structured_outputs is not None:
-        held_tools = tools and (choice not in (None, "auto") or any(t["function"].get("strict") for t in tools))
+        held_tools = tools and (
+            choice not in (None, "auto") or any(t["function"].get("strict") for t in tools)
+        )
         if response_format is not None or held_tools:
-            raise invalid("structured_outputs: cannot be combined with response_format, a forced tool call or "
-                          "strict functions", "structured_outputs")
+            raise invalid(
+                "structured_outputs: cannot be combined with response_format, a forced tool call or "
+                "strict functions",
+                "structured_outputs",
+            )
         return structured_rule(body.structured_outputs)
     if tools and choice not in (None, "auto"):
         if response_format is not None:
-            raise invalid("response_format: cannot be combined with a forced tool call (tool_choice)",
-                          "response_format")
+            raise invalid(
+                "response_format: cannot be combined with a forced tool call (tool_choice)", "response_format"
+            )
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
@@ -119,8 +143,13 @@ def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], li
     response-format schema."""
     thinking, effort = _thinking(body)
     tools, response_format = _tools(body), _response_format(body)
-    encoded = encode_messages(_messages(body), thinking=thinking, reasoning_effort=effort, tools=tools,
-                              response_format=response_format)
+    encoded = encode_messages(
+        _messages(body),
+        thinking=thinking,
+        reasoning_effort=effort,
+        tools=tools,
+        response_format=response_format,
+    )
     return encoded, server.engine.tokenizer.encode(encoded.text), tools, response_format
 
 
@@ -133,19 +162,37 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     tok = server.engine.tokenizer
     check_prompt(server, prompt, "messages")
     field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(server, len(prompt), body.max_completion_tokens or body.max_tokens, field_name)
+    max_tokens = resolve_max_tokens(
+        server, len(prompt), body.max_completion_tokens or body.max_tokens, field_name
+    )
     params = build_params(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        seed=body.seed,
+        logit_bias=body.logit_bias,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        reasoning_budget=body.thinking.budget_tokens if body.thinking else None, thinking=thinking,
-        ignore_eos=body.ignore_eos, json_schema=json_schema, grammar=grammar, vocab=server.engine.cfg.vocab_size)
+        reasoning_budget=body.thinking.budget_tokens if body.thinking else None,
+        thinking=thinking,
+        ignore_eos=body.ignore_eos,
+        json_schema=json_schema,
+        grammar=grammar,
+        vocab=server.engine.cfg.vocab_size,
+    )
     return CompletionSpec(
-        prompt=prompt, params=params, stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        thinking=thinking, tools={t["function"]["name"] for t in tools} if tools else None,
+        prompt=prompt,
+        params=params,
+        stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        thinking=thinking,
+        tools={t["function"]["name"] for t in tools} if tools else None,
         cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
-        speculative=_prediction(server, body))
+        speculative=_prediction(server, body),
+    )
 
 
 def _prediction(server, body: ChatRequest) -> PredictionProposer | None:
@@ -155,8 +202,11 @@ def _prediction(server, body: ChatRequest) -> PredictionProposer | None:
         return None
     tokens = server.engine.tokenizer.encode(body.prediction.text())
     if len(tokens) > server.engine.max_context:
-        raise invalid(f"prediction.content: {len(tokens)} tokens, longer than the context of "
-                      f"{server.engine.max_context}", "prediction.content")
+        raise invalid(
+            f"prediction.content: {len(tokens)} tokens, longer than the context of "
+            f"{server.engine.max_context}",
+            "prediction.content",
+        )
     return PredictionProposer(tokens)
 
 
@@ -167,8 +217,10 @@ def token_logprobs(tok, piece: Piece) -> list[dict]:
         text = tok.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in piece.logprobs]
+    return [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in piece.logprobs
+    ]
 
 
 def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
@@ -180,8 +232,14 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
             out.append({"index": d.index, "function": {"arguments": d.arguments}})
         else:
             ids[d.index] = mint_id("call_")
-            out.append({"index": d.index, "id": ids[d.index], "type": "function",
-                        "function": {"name": d.name, "arguments": d.arguments}})
+            out.append(
+                {
+                    "index": d.index,
+                    "id": ids[d.index],
+                    "type": "function",
+                    "function": {"name": d.name, "arguments": d.arguments},
+                }
+            )
     return out
 
 
@@ -196,18 +254,27 @@ async def chat_completions(body: ChatRequest, request: Request):
     if body.stream:
         return await _stream_chat(choices, rid, created, model, tok, body)
     outputs = await choices.collect()
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [_chat_choice(i, c, pieces, tok, body.logprobs)
-                    for i, (c, pieces) in enumerate(zip(choices.completions, outputs))],
-        "usage": choices.usage(),
-    })
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                _chat_choice(i, c, pieces, tok, body.logprobs)
+                for i, (c, pieces) in enumerate(zip(choices.completions, outputs))
+            ],
+            "usage": choices.usage(),
+        }
+    )
 
 
 def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, logprobs: bool | None) -> dict:
     total = merged([p.delta for p in pieces])
-    calls = [{"id": mint_id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in total.tool_calls]
+    calls = [
+        {"id": mint_id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in total.tool_calls
+    ]
     message: dict = {"role": "assistant", "content": total.content if total.content or not calls else None}
     if total.reasoning:
         message["reasoning_content"] = total.reasoning
@@ -217,15 +284,27 @@ def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, l
     return {"index": index, "message": message, "logprobs": lps, "finish_reason": completion.finish_reason}
 
 
-async def _stream_chat(choices: Choices, rid: str, created: int, model: str, tok,
-                       body: ChatRequest) -> StreamingResponse:
+async def _stream_chat(
+    choices: Choices, rid: str, created: int, model: str, tok, body: ChatRequest
+) -> StreamingResponse:
     stream = await choices.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": index, "delta": delta,
-                            "logprobs": {"content": logprobs} if logprobs else None, "finish_reason": finish}]}
+        obj = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": {"content": logprobs} if logprobs else None,
+                    "finish_reason": finish,
+                }
+            ],
+        }
         if include_usage:
             obj["usage"] = None
         return _sse(obj)
@@ -278,6 +357,7 @@ def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict
 
 # ---- /v1/completions ------------------------------------------------------------------------------
 
+
 def completion_prompt(server, body: CompletionRequest) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -294,14 +374,31 @@ def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
     prompt = completion_prompt(server, body)
     check_prompt(server, prompt, "prompt")
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
-    grammar, json_schema = structured_rule(body.structured_outputs) if body.structured_outputs else (None, None)
+    grammar, json_schema = (
+        structured_rule(body.structured_outputs) if body.structured_outputs else (None, None)
+    )
     params = build_params(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, seed=body.seed, logit_bias=body.logit_bias, logprobs=body.logprobs,
-        ignore_eos=body.ignore_eos, json_schema=json_schema, grammar=grammar, vocab=server.engine.cfg.vocab_size)
-    return CompletionSpec(prompt=prompt, params=params,
-                          stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []))
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        seed=body.seed,
+        logit_bias=body.logit_bias,
+        logprobs=body.logprobs,
+        ignore_eos=body.ignore_eos,
+        json_schema=json_schema,
+        grammar=grammar,
+        vocab=server.engine.cfg.vocab_size,
+    )
+    return CompletionSpec(
+        prompt=prompt,
+        params=params,
+        stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+    )
 
 
 def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
@@ -328,20 +425,37 @@ async def completions(body: CompletionRequest, request: Request):
     want_lp = body.logprobs is not None
     if not body.stream:
         outputs = await choices.collect()
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": "".join(p.delta.content for p in pieces),
-                         "logprobs": _legacy_logprobs(tok, pieces, 0) if want_lp else None,
-                         "finish_reason": c.finish_reason}
-                        for i, (c, pieces) in enumerate(zip(choices.completions, outputs))],
-            "usage": choices.usage(),
-        })
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": "".join(p.delta.content for p in pieces),
+                        "logprobs": _legacy_logprobs(tok, pieces, 0) if want_lp else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for i, (c, pieces) in enumerate(zip(choices.completions, outputs))
+                ],
+                "usage": choices.usage(),
+            }
+        )
     stream = await choices.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
-        return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+        return _sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            }
+        )
 
     async def events() -> AsyncIterator[str]:
         offset = 0

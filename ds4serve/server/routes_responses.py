@@ -38,8 +38,15 @@ from .errors import APIError, invalid
 from .output_parser import ParsedDelta
 from .response_store import StoredResponse
 from .routes_openai import chat_spec, token_logprobs
-from .schemas import (LOGPROBS_INCLUDED, ChatRequest, ResponseFunctionCall, ResponseInputItem, ResponseMessage,
-                      ResponseReasoning, ResponsesRequest)
+from .schemas import (
+    LOGPROBS_INCLUDED,
+    ChatRequest,
+    ResponseFunctionCall,
+    ResponseInputItem,
+    ResponseMessage,
+    ResponseReasoning,
+    ResponsesRequest,
+)
 from .sse import OPENAI_PING, event_stream
 
 router = APIRouter()
@@ -62,7 +69,7 @@ def _renamed(err: APIError) -> APIError:
     param = err.param
     for pattern, repl in _FIELDS:
         param = pattern.sub(repl, param)
-    message = param + err.message[len(err.param):] if err.message.startswith(err.param) else err.message
+    message = param + err.message[len(err.param) :] if err.message.startswith(err.param) else err.message
     return APIError(err.status, message, err.code, param, err.headers)
 
 
@@ -80,14 +87,21 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
                 reasoning = None
             out[-1].setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+                {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+            )
         elif item.type == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         elif item.role == "assistant":
             out.append({"role": "assistant", "content": item.text(), "reasoning_content": reasoning})
             reasoning = None
         else:
-            out.append({"role": "system" if item.role in ("system", "developer") else "user", "content": item.text()})
+            out.append(
+                {"role": "system" if item.role in ("system", "developer") else "user", "content": item.text()}
+            )
     return out
 
 
@@ -96,7 +110,11 @@ _ITEMS = TypeAdapter(list[ResponseInputItem])
 
 def _input_items(body: ResponsesRequest) -> list[ResponseInputItem]:
     """``input`` as items (a string is one user message)."""
-    return [ResponseMessage(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+    return (
+        [ResponseMessage(role="user", content=body.input)]
+        if isinstance(body.input, str)
+        else list(body.input)
+    )
 
 
 def _own_items(body: ResponsesRequest) -> list[dict]:
@@ -133,12 +151,16 @@ def _fitted_spec(server, body: ResponsesRequest) -> CompletionSpec:
             raise
         overflow = err
     items = _input_items(body)
-    starts = [i for i, item in enumerate(items) if i > 0 and isinstance(item, ResponseMessage) and item.role == "user"]
+    starts = [
+        i
+        for i, item in enumerate(items)
+        if i > 0 and isinstance(item, ResponseMessage) and item.role == "user"
+    ]
     lo, hi, fitted = 0, len(starts), None  # the fewest dropped turns that fit: the prompt shrinks as more go
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            fitted = responses_spec(server, body.model_copy(update={"input": items[starts[mid]:]}))
+            fitted = responses_spec(server, body.model_copy(update={"input": items[starts[mid] :]}))
             hi = mid
         except APIError as err:
             if err.code != "context_length_exceeded":
@@ -151,18 +173,31 @@ def _fitted_spec(server, body: ResponsesRequest) -> CompletionSpec:
 
 def _chat_body(body: ResponsesRequest) -> dict:
     """The chat completions request this one is."""
-    chat: dict[str, Any] = {"messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
-                            "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                            "parallel_tool_calls": body.parallel_tool_calls}
+    chat: dict[str, Any] = {
+        "messages": _messages(body),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
     if body.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in body.tools]
+        chat["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+            for t in body.tools
+        ]
     choice = body.tool_choice
-    chat["tool_choice"] = choice if isinstance(choice, str) or choice is None else {
-        "type": "function", "function": {"name": choice.name}}
+    chat["tool_choice"] = (
+        choice
+        if isinstance(choice, str) or choice is None
+        else {"type": "function", "function": {"name": choice.name}}
+    )
     fmt = body.text.format if body.text else None
     if fmt is not None and fmt.type == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name, "schema": fmt.schema_},
+        }
     elif fmt is not None:
         chat["response_format"] = {"type": fmt.type}
     if body.reasoning is not None and body.reasoning.effort is not None:
@@ -188,8 +223,9 @@ def responses_spec(server, body: ResponsesRequest) -> CompletionSpec:
         raise _renamed(err) from None
     except ValidationError as err:
         first = err.errors()[0]
-        raise invalid(f"input: {first['msg']} (as a chat message: {'.'.join(map(str, first['loc']))})",
-                      "input") from None
+        raise invalid(
+            f"input: {first['msg']} (as a chat message: {'.'.join(map(str, first['loc']))})", "input"
+        ) from None
 
 
 class _Items:
@@ -212,7 +248,9 @@ class _Items:
         events.append(self._event("output_item.added", item=_copy(item)))
         if item["type"] != "function_call":
             part = item["content"][0]
-            events.append(self._event("content_part.added", item_id=item["id"], content_index=0, part=_copy(part)))
+            events.append(
+                self._event("content_part.added", item_id=item["id"], content_index=0, part=_copy(part))
+            )
         return events
 
     def _text(self, kind: str, text: str, logprobs: list[dict]) -> list[dict]:
@@ -220,10 +258,15 @@ class _Items:
         part = self.open["content"][0]
         part["text"] += text
         if kind == "reasoning":
-            return events + [self._event("reasoning_text.delta", item_id=self.open["id"], content_index=0, delta=text)]
+            return events + [
+                self._event("reasoning_text.delta", item_id=self.open["id"], content_index=0, delta=text)
+            ]
         part["logprobs"] += logprobs
-        return events + [self._event("output_text.delta", item_id=self.open["id"], content_index=0, delta=text,
-                                     logprobs=logprobs)]
+        return events + [
+            self._event(
+                "output_text.delta", item_id=self.open["id"], content_index=0, delta=text, logprobs=logprobs
+            )
+        ]
 
     def piece(self, piece: Piece) -> list[dict]:
         """The events of one piece of the answer; the logprobs of its tokens go with its output text, if any."""
@@ -232,16 +275,30 @@ class _Items:
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning, [])
         if delta.content:
-            events += self._text("message", delta.content,
-                                 [] if self.tokenizer is None else token_logprobs(self.tokenizer, piece))
+            events += self._text(
+                "message",
+                delta.content,
+                [] if self.tokenizer is None else token_logprobs(self.tokenizer, piece),
+            )
         for call in delta.tool_calls:
             if call.name is not None:
-                events += self._start({"type": "function_call", "id": mint_id("fc_"), "call_id": mint_id("call_"),
-                                       "name": call.name, "arguments": "", "status": "in_progress"})
+                events += self._start(
+                    {
+                        "type": "function_call",
+                        "id": mint_id("fc_"),
+                        "call_id": mint_id("call_"),
+                        "name": call.name,
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                )
             self.open["arguments"] += call.arguments
             if call.arguments:
-                events.append(self._event("function_call_arguments.delta", item_id=self.open["id"],
-                                          delta=call.arguments))
+                events.append(
+                    self._event(
+                        "function_call_arguments.delta", item_id=self.open["id"], delta=call.arguments
+                    )
+                )
         return events
 
     def _close(self, status: str = "completed") -> list[dict]:
@@ -250,14 +307,33 @@ class _Items:
             return []
         item["status"] = status
         if item["type"] == "function_call":
-            events = [self._event("function_call_arguments.done", item_id=item["id"], name=item["name"],
-                                  arguments=item["arguments"])]
+            events = [
+                self._event(
+                    "function_call_arguments.done",
+                    item_id=item["id"],
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
         else:
             part = item["content"][0]
-            done = (self._event("output_text.done", item_id=item["id"], content_index=0, text=part["text"],
-                                logprobs=part["logprobs"]) if item["type"] == "message"
-                    else self._event("reasoning_text.done", item_id=item["id"], content_index=0, text=part["text"]))
-            events = [done, self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part))]
+            done = (
+                self._event(
+                    "output_text.done",
+                    item_id=item["id"],
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                )
+                if item["type"] == "message"
+                else self._event(
+                    "reasoning_text.done", item_id=item["id"], content_index=0, text=part["text"]
+                )
+            )
+            events = [
+                done,
+                self._event("content_part.done", item_id=item["id"], content_index=0, part=_copy(part)),
+            ]
         return events + [self._event("output_item.done", item=_copy(item))]
 
     def finish(self, incomplete: bool) -> list[dict]:
@@ -269,10 +345,20 @@ class _Items:
 
 def _new_item(kind: str) -> dict:
     if kind == "message":
-        return {"type": "message", "id": mint_id("msg_"), "role": "assistant", "status": "in_progress",
-                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
-    return {"type": "reasoning", "id": mint_id("rs_"), "summary": [], "status": "in_progress",
-            "content": [{"type": "reasoning_text", "text": ""}]}
+        return {
+            "type": "message",
+            "id": mint_id("msg_"),
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+        }
+    return {
+        "type": "reasoning",
+        "id": mint_id("rs_"),
+        "summary": [],
+        "status": "in_progress",
+        "content": [{"type": "reasoning_text", "text": ""}],
+    }
 
 
 def _copy(item: dict) -> dict:
@@ -308,7 +394,10 @@ class _Response:
         background response is created ``queued`` (``response.queued`` follows) and is in progress from its first
         piece on."""
         queued = bool(self.body.background)
-        yield {"type": "response.created", "response": self.render([], done=False, status="queued" if queued else None)}
+        yield {
+            "type": "response.created",
+            "response": self.render([], done=False, status="queued" if queued else None),
+        }
         if queued:
             yield {"type": "response.queued", "response": self.render([], done=False, status="queued")}
         else:
@@ -354,10 +443,20 @@ class _Response:
             if self.log is not None:
                 self.keep(current)  # stored again with its last event, so the budget counts it
         except Exception as exc:  # noqa: BLE001 - nobody else sees a background generation fail: its response says so
-            err = exc if isinstance(exc, APIError) else APIError(500, f"{type(exc).__name__}: {exc}", "internal")
+            err = (
+                exc
+                if isinstance(exc, APIError)
+                else APIError(500, f"{type(exc).__name__}: {exc}", "internal")
+            )
             cancelled = self.completion.job.cancel_reason == CANCELLED_BY_CLIENT
-            current.update(self.render(self.items.items, done=False, status="cancelled" if cancelled else "failed",
-                                       error=None if cancelled else err))
+            current.update(
+                self.render(
+                    self.items.items,
+                    done=False,
+                    status="cancelled" if cancelled else "failed",
+                    error=None if cancelled else err,
+                )
+            )
             if not cancelled:  # a cancelled stream just ends (the Responses API has no event for it)
                 self._record({"type": "response.failed", "response": current})
             self.keep(current)
@@ -376,7 +475,9 @@ class _Response:
         self.grew.set()
         self.grew = asyncio.Event()
 
-    def render(self, items: list[dict], done: bool, status: str | None = None, error: APIError | None = None) -> dict:
+    def render(
+        self, items: list[dict], done: bool, status: str | None = None, error: APIError | None = None
+    ) -> dict:
         """The response object with ``items``; ``status`` overrides the one ``done`` implies (a background
         response's ``queued``, ``cancelled`` or ``failed`` with its ``error``)."""
         body, completion = self.body, self.completion
@@ -384,33 +485,49 @@ class _Response:
         status = status or ("in_progress" if not done else "incomplete" if incomplete else "completed")
         choice = body.tool_choice
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": items, "background": bool(body.background),
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": items,
+            "background": bool(body.background),
             "error": None if error is None else {"code": error.code, "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": body.instructions, "metadata": body.metadata or {},
+            "instructions": body.instructions,
+            "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
+            "tool_choice": choice.model_dump()
+            if choice is not None and not isinstance(choice, str)
             else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
             "top_logprobs": body.top_logprobs,
-            "previous_response_id": body.previous_response_id, "store": self.store is not None,
+            "previous_response_id": body.previous_response_id,
+            "store": self.store is not None,
             "truncation": body.truncation or "disabled",
             "reasoning": body.reasoning.model_dump() if body.reasoning else None,
-            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
-                     if body.text and body.text.format else {"type": "text"}},
+            "text": {
+                "format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                if body.text and body.text.format
+                else {"type": "text"}
+            },
             "usage": _usage(completion) if done else None,
         }
 
 
 def _usage(completion: Completion) -> dict:
     chat = usage([completion])
-    return {"input_tokens": chat["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": chat["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": chat["completion_tokens_details"]["reasoning_tokens"]},
-            "total_tokens": chat["total_tokens"], "timings": chat["timings"]}
+    return {
+        "input_tokens": chat["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": chat["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": chat["completion_tokens_details"]["reasoning_tokens"]},
+        "total_tokens": chat["total_tokens"],
+        "timings": chat["timings"],
+    }
 
 
 CANCELLED_BY_CLIENT = "cancel_request"  # the job's cancel reason after POST /v1/responses/{id}/cancel
@@ -420,8 +537,11 @@ CANCELLED_BY_CLIENT = "cancel_request"  # the job's cancel reason after POST /v1
 async def responses(body: ResponsesRequest, request: Request):
     server = request.app.state.server
     if body.background and not _stored_here(server, body):
-        raise invalid("background: a background response is stored and read back with GET /v1/responses/{id}: it "
-                      "takes no store: false, and a server that stores responses", "background")
+        raise invalid(
+            "background: a background response is stored and read back with GET /v1/responses/{id}: it "
+            "takes no store: false, and a server that stores responses",
+            "background",
+        )
     completion = Completion(server, None if body.background else request, _fitted_spec(server, body))
     completion.start()
     response = _Response(server, body, completion)
@@ -447,16 +567,20 @@ def _stored(request: Request, response_id: str) -> StoredResponse:
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve(response_id: str, request: Request, stream: bool = False,
-                   starting_after: int = Query(-1, ge=-1)):
+async def retrieve(
+    response_id: str, request: Request, stream: bool = False, starting_after: int = Query(-1, ge=-1)
+):
     """The stored response; with ``stream=true`` (a response created with ``background`` and ``stream``) its stream's
     events after ``starting_after``, then, while it still generates, the new ones as they come."""
     stored = _stored(request, response_id)
     if not stream:
         return JSONResponse(stored.response)
     if stored.events is None:
-        raise invalid(f"stream: response '{response_id}' was not created with background: true and stream: true; "
-                      "only those can be streamed again", "stream")
+        raise invalid(
+            f"stream: response '{response_id}' was not created with background: true and stream: true; "
+            "only those can be streamed again",
+            "stream",
+        )
     return _follow(request.app.state.server, response_id, stored.events, starting_after)
 
 
@@ -466,8 +590,10 @@ async def cancel(response_id: str, request: Request):
     server = request.app.state.server
     stored = _stored(request, response_id)
     if not stored.response.get("background"):
-        raise invalid(f"response_id: '{response_id}' is not a background response; only those can be cancelled",
-                      "response_id")
+        raise invalid(
+            f"response_id: '{response_id}' is not a background response; only those can be cancelled",
+            "response_id",
+        )
     running = server.background.get(response_id)
     if running is not None:
         await running.cancel(server)
@@ -487,8 +613,13 @@ async def delete(response_id: str, request: Request):
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
-                      limit: int = Query(20, ge=1, le=100), after: str | None = None):
+async def input_items(
+    response_id: str,
+    request: Request,
+    order: Literal["asc", "desc"] = "desc",
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = None,
+):
     """The response's own input items (not those of the responses it continued), newest first by default."""
     items = list(_stored(request, response_id).input_items)
     if order == "desc":
@@ -497,10 +628,17 @@ async def input_items(response_id: str, request: Request, order: Literal["asc", 
         ids = [item["id"] for item in items]
         if after not in ids:
             raise invalid(f"after: no input item '{after}' in response '{response_id}'", "after")
-        items = items[ids.index(after) + 1:]
+        items = items[ids.index(after) + 1 :]
     page = items[:limit]
-    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
 
 
 def _sse(event: dict, number: int) -> str:
@@ -518,7 +656,9 @@ async def _stream(completion: Completion, response: _Response) -> StreamingRespo
                 yield _sse(event, number)
                 number += 1
         except APIError as err:
-            yield _sse({"type": "error", "code": err.code, "message": err.message, "param": err.param}, number)
+            yield _sse(
+                {"type": "error", "code": err.code, "message": err.message, "param": err.param}, number
+            )
         finally:
             completion.close()
 

@@ -83,8 +83,9 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, metrics: Metrics, *, max_queue: int = 64,
-                 cache: PrefixCache | None = None):
+    def __init__(
+        self, engine: Engine, metrics: Metrics, *, max_queue: int = 64, cache: PrefixCache | None = None
+    ):
         if max_queue < 0:
             raise ValueError(f"max_queue: expected >= 0, got {max_queue}")
         self.engine = engine
@@ -115,10 +116,16 @@ class Scheduler:
         """Queue ``job``; raises a 429 :class:`APIError` (with Retry-After) when the queue is full."""
         with self._cond:
             if self._stopping:
-                raise APIError(503, "the server is shutting down", "unavailable", headers={"Retry-After": "5"})
+                raise APIError(
+                    503, "the server is shutting down", "unavailable", headers={"Retry-After": "5"}
+                )
             if len(self._waiting) >= self.max_queue:
-                raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
-                               "queue_full", headers={"Retry-After": "1"})
+                raise APIError(
+                    429,
+                    f"the request queue is full ({self.max_queue} waiting); retry later",
+                    "queue_full",
+                    headers={"Retry-After": "1"},
+                )
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
@@ -150,8 +157,14 @@ class Scheduler:
                 self._run(job)
             except Exception as exc:  # noqa: BLE001 - the worker must survive anything
                 log.exception("job %d failed outside the engine", job.id)
-                self._deliver(job, GenerateResult(finish_reason="error", error=ErrorCode.INTERNAL,
-                                                  error_message=f"{type(exc).__name__}: {exc}"))
+                self._deliver(
+                    job,
+                    GenerateResult(
+                        finish_reason="error",
+                        error=ErrorCode.INTERNAL,
+                        error_message=f"{type(exc).__name__}: {exc}",
+                    ),
+                )
             finally:
                 self.metrics.running.set(0)
 
@@ -171,7 +184,9 @@ class Scheduler:
         try:
             snap, cached = self._cached_prefix(job)
         except GenerateError as exc:
-            self._deliver(job, GenerateResult(finish_reason="error", error=exc.code, error_message=exc.message))
+            self._deliver(
+                job, GenerateResult(finish_reason="error", error=exc.code, error_message=exc.message)
+            )
             return
         staged_s = time.perf_counter() - t0
         handle = self.engine.stream(job.prompt, job.params, speculative=job.speculative, snapshot=snap)
@@ -218,7 +233,7 @@ class Scheduler:
                 state = self.engine.new_sequence(at)
                 if snap is not None:
                     state.restore(snap)
-                self.engine.prefill(state, job.prompt[state.pos:at])
+                self.engine.prefill(state, job.prompt[state.pos : at])
                 staged = state.snapshot(self.cache.device)
             self._insert(staged)
             snap = staged
@@ -242,14 +257,28 @@ class Scheduler:
             after = job.tokens_sent - (job.tokens_at_cancel or 0)
             m.cancelled.labels(job.cancel_reason or "unknown").inc()
             m.tokens_after_cancel.inc(after)
-            log.info("request %d cancelled (%s) after %d tokens; %d more token(s) were generated before it stopped",
-                     job.id, job.cancel_reason, job.tokens_sent, after)
+            log.info(
+                "request %d cancelled (%s) after %d tokens; %d more token(s) were generated before it stopped",
+                job.id,
+                job.cancel_reason,
+                job.tokens_sent,
+                after,
+            )
         else:
-            log.info("request %d: %d prompt (%d cached), %d generated, finish %s%s", job.id,
-                     res.stats.prompt_tokens, res.stats.cached_tokens, len(res.tokens), res.finish_reason,
-                     f", error {res.error.value}: {res.error_message}" if res.error else "")
+            log.info(
+                "request %d: %d prompt (%d cached), %d generated, finish %s%s",
+                job.id,
+                res.stats.prompt_tokens,
+                res.stats.cached_tokens,
+                len(res.tokens),
+                res.finish_reason,
+                f", error {res.error.value}: {res.error_message}" if res.error else "",
+            )
 
 
 def _cancelled(job: Job) -> GenerateResult:
-    return GenerateResult(finish_reason="cancelled", error=ErrorCode.CANCELLED,
-                          error_message=f"cancelled before it started ({job.cancel_reason})")
+    return GenerateResult(
+        finish_reason="cancelled",
+        error=ErrorCode.CANCELLED,
+        error_message=f"cancelled before it started ({job.cancel_reason})",
+    )

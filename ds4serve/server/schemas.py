@@ -53,6 +53,7 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
 
 # ---- OpenAI ---------------------------------------------------------------------------------------
 
+
 class ContentPart(_Body):
     type: Literal["text"]
     text: str
@@ -213,6 +214,7 @@ class DetokenizeRequest(_Body):
 
 # ---- OpenAI Responses -----------------------------------------------------------------------------
 
+
 class ResponseText(_Body):
     type: Literal["input_text", "output_text", "text"]
     text: str
@@ -263,7 +265,9 @@ class ResponseReasoning(_Body):
         return "".join(p.text for p in (self.content if self.content is not None else self.summary))
 
 
-ResponseInputItem = Union[ResponseMessage, ResponseFunctionCall, ResponseFunctionCallOutput, ResponseReasoning]
+ResponseInputItem = Union[
+    ResponseMessage, ResponseFunctionCall, ResponseFunctionCallOutput, ResponseReasoning
+]
 
 
 class ResponseTool(FunctionDef):
@@ -294,9 +298,16 @@ class ResponseTextOption(_Body):
 
 # OpenAI's include values; only the output text's logprobs mean something here (no hosted tools, no images, and
 # reasoning comes back as plain text), the others are accepted and change nothing
-ResponseIncludable = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
-                             "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
-                             "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+ResponseIncludable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
 LOGPROBS_INCLUDED = "message.output_text.logprobs"
 
 
@@ -325,6 +336,7 @@ class ResponsesRequest(_Body):
 
 
 # ---- Anthropic ------------------------------------------------------------------------------------
+
 
 class TextBlock(_Body):
     type: Literal["text"]
@@ -356,8 +368,10 @@ class ToolResultBlock(_Body):
     is_error: bool = False
 
 
-Block = Annotated[Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock],
-                  Field(discriminator="type")]
+Block = Annotated[
+    Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock],
+    Field(discriminator="type"),
+]
 
 
 class AnthropicMessage(_Body):

@@ -23,18 +23,18 @@ class Detokenizer:
         if token in self.hidden:
             return ""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
         if text.endswith("\ufffd") or len(text) <= len(before):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
+        return text[len(before) :]
 
     def finish(self) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return text[len(before):]
+        return text[len(before) :]
 
 
 class StopMatcher:

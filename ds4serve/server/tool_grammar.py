@@ -73,7 +73,7 @@ def _slashes_escaped(pattern: str) -> str:
     out, i = [], 0
     while i < len(pattern):
         step = 2 if pattern[i] == "\\" else 1
-        out.append("\\/" if pattern[i] == "/" else pattern[i:i + step])
+        out.append("\\/" if pattern[i] == "/" else pattern[i : i + step])
         i += step
     return "".join(out)
 
@@ -82,8 +82,11 @@ def _llguidance(where: str = "tool_choice"):
     try:
         import llguidance
     except ImportError:
-        raise invalid(f"{where}: holding the answer to a rule needs the llguidance package (pip install "
-                      "'ds4serve[server]')", where) from None
+        raise invalid(
+            f"{where}: holding the answer to a rule needs the llguidance package (pip install "
+            "'ds4serve[server]')",
+            where,
+        ) from None
     return llguidance
 
 
@@ -91,7 +94,7 @@ def lark_regex(regex: str) -> str:
     """A Lark regex literal of the text that ``regex`` matches in full (a leading ``^`` and trailing ``$`` say
     nothing more there, and llguidance has no anchors)."""
     start, end = regex.startswith("^"), _ends_with_anchor(regex)
-    return "/" + _slashes_escaped(regex[1 if start else 0:len(regex) - (1 if end else 0)]) + "/"
+    return "/" + _slashes_escaped(regex[1 if start else 0 : len(regex) - (1 if end else 0)]) + "/"
 
 
 def validate_lark(grammar: str, where: str) -> None:
@@ -145,10 +148,12 @@ class _Grammar:
         if not isinstance(pattern, str):
             raise invalid(f"{where}: expected a regular expression string", where)
         start, end = pattern.startswith("^"), _ends_with_anchor(pattern)
-        core = pattern[1 if start else 0:len(pattern) - (1 if end else 0)]
+        core = pattern[1 if start else 0 : len(pattern) - (1 if end else 0)]
         if (start or end) and _top_level_alternation(core):
             raise invalid(f"{where}: group the alternatives of an anchored pattern, as in ^(?:a|b)$", where)
-        regex = "/" + ("" if start else "(?s:.)*") + f"(?:{_slashes_escaped(core)})" + ("" if end else "(?s:.)*")
+        regex = (
+            "/" + ("" if start else "(?s:.)*") + f"(?:{_slashes_escaped(core)})" + ("" if end else "(?s:.)*")
+        )
         regex += "<\\//"
         validate_lark(f"start: X\nX: {regex}", where)
         return regex
@@ -185,52 +190,91 @@ class _Grammar:
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         if props and held:
             required = set(params.get("required") or [])
-            parts = [self.parameter(f"p{index}_{i}", key, schema if isinstance(schema, dict) else {}, defs,
-                                    f"{where}.properties.{key}") + ("" if key in required else "?")
-                     for i, (key, schema) in enumerate(props.items())]
+            parts = [
+                self.parameter(
+                    f"p{index}_{i}",
+                    key,
+                    schema if isinstance(schema, dict) else {},
+                    defs,
+                    f"{where}.properties.{key}",
+                )
+                + ("" if key in required else "?")
+                for i, (key, schema) in enumerate(props.items())
+            ]
             body = f'"<" {" ".join(parts)}' + ("" if required & set(props) else ' | "\\n<"')
         else:
             body = '"<" any_parameter* | "\\n<"'
         head = _literal(f'invoke name="{function["name"]}">\n')
         return self.rule(f"invoke{index}", f'{head} ({body}) "/" {self.token} "invoke>"')
 
-    def build(self, functions: dict[int, dict], many: bool, where: str, held: set[int] | None = None,
-              content: str | dict | None = None, content_where: str = "response_format") -> str:
+    def build(
+        self,
+        functions: dict[int, dict],
+        many: bool,
+        where: str,
+        held: set[int] | None = None,
+        content: str | dict | None = None,
+        content_where: str = "response_format",
+    ) -> str:
         """``functions`` by their index in the request; ``held``: the indices whose schemas are held (None: all);
         ``content``: None (the answer is the block), "text" (free content, then maybe the block) or a JSON
         schema (a document of it, or the block), which ``content_where`` names in a 400."""
-        invoke = self.rule("invoke", " | ".join(self.invoke(i, f, where.format(i), held is None or i in held)
-                                                for i, f in functions.items()))
+        invoke = self.rule(
+            "invoke",
+            " | ".join(
+                self.invoke(i, f, where.format(i), held is None or i in held) for i, f in functions.items()
+            ),
+        )
         end = f'"/" {self.token} "tool_calls>"'
         tail = self.rule("more", f'"\\n<" ({self.token} {invoke} more | {end})') if many else f'"\\n<" {end}'
         calls = f'{self.token} "tool_calls>\\n<" {self.token} {invoke} {tail}'
         if content is None:
             start = f'"\\n\\n<" {calls}'
-        elif content == "text":  # text ending in "\\n\\n<" may go on with the block (the special token comes next)
-            free, before = self.text("free_text", r"/(?s:.*)/"), self.text("text_before_calls", r"/(?s:.*)\n\n</")
+        elif (
+            content == "text"
+        ):  # text ending in "\\n\\n<" may go on with the block (the special token comes next)
+            free, before = (
+                self.text("free_text", r"/(?s:.*)/"),
+                self.text("text_before_calls", r"/(?s:.*)\n\n</"),
+            )
             start = f"{free} | {before} {calls}"
         else:
             start = f'{self.json(content, content_where)} | "\\n\\n<" {calls}'
         self.text("text_value", r"/(?s:.*)<\//", lazy=True)
         self.rule("NO_DSML", f"~/(?s:.*){DSML}(?s:.*)/")
-        self.rule("any_parameter", f'{self.token} "parameter name=\\"" /[^"<>\\n{DSML[0]}]+/ "\\" " '
-                                   f'("string=\\"true\\">" text_value | "string=\\"false\\">" '
-                                   f'{self.json({}, "tools")} "</") {self.token} "parameter>\\n<"')
+        self.rule(
+            "any_parameter",
+            f'{self.token} "parameter name=\\"" /[^"<>\\n{DSML[0]}]+/ "\\" " '
+            f'("string=\\"true\\">" text_value | "string=\\"false\\">" '
+            f'{self.json({}, "tools")} "</") {self.token} "parameter>\\n<"',
+        )
         return "\n".join([f"start: {start}", *self.rules])
 
 
-def forced_tool_call(tools: list[dict], tokenizer: Tokenizer, name: str | None = None, parallel: bool = True,
-                     where: str = "tools.{}.function.parameters") -> str:
+def forced_tool_call(
+    tools: list[dict],
+    tokenizer: Tokenizer,
+    name: str | None = None,
+    parallel: bool = True,
+    where: str = "tools.{}.function.parameters",
+) -> str:
     """The Lark grammar of an answer that calls ``name`` once, or (``name`` None) one or more of ``tools``
     (exactly one when not ``parallel``). ``tools`` in OpenAI form; ``where``: the request field of tool ``i``'s
     parameter schema (``where.format(i)``), which a 400 about a property names."""
-    functions = {i: t["function"] for i, t in enumerate(tools) if name is None or t["function"]["name"] == name}
+    functions = {
+        i: t["function"] for i, t in enumerate(tools) if name is None or t["function"]["name"] == name
+    }
     return _Grammar(tokenizer.token_id(DSML)).build(functions, name is None and parallel, where)
 
 
-def strict_tool_calls(tools: list[dict], tokenizer: Tokenizer, parallel: bool = True,
-                      content_schema: dict | None = None, where: str = "tools.{}.function.parameters",
-                      content_where: str = "response_format") -> str | None:
+def strict_tool_calls(
+    tools: list[dict],
+    tokenizer: Tokenizer,
+    parallel: bool = True,
+    content_schema: dict | None = None,
+    where: str = "tools.{}.function.parameters",
+    content_where: str = "response_format",
+) -> str | None:
     """The Lark grammar of an answer under ``tool_choice`` "auto" that holds the calls of ``strict`` functions to
     their schemas (None when no function is strict): content, then maybe a tool-calls block. With
     ``content_schema`` (a ``response_format``, the request field ``content_where``) the content is a document of
@@ -239,6 +283,6 @@ def strict_tool_calls(tools: list[dict], tokenizer: Tokenizer, parallel: bool = 
     if not held:
         return None
     functions = dict(enumerate(t["function"] for t in tools))
-    return _Grammar(tokenizer.token_id(DSML)).build(functions, parallel, where, held,
-                                                    "text" if content_schema is None else content_schema,
-                                                    content_where)
+    return _Grammar(tokenizer.token_id(DSML)).build(
+        functions, parallel, where, held, "text" if content_schema is None else content_schema, content_where
+    )
