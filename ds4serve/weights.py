@@ -73,7 +73,8 @@ _TOP_NAMES = {
 }
 _HF_TO_OFFICIAL_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_TO_OFFICIAL_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+# A routed expert's matrix or scale, in the trunk (``layers.L``) or a draft block (``mtp.K``: MTP and DSpark).
+_EXPERT_RE = re.compile(r"^(?:layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 
 # Dense projections stored as FP8 in official checkpoints (``make-tiny --quantize`` mirrors this).
 FP8_LAYER_WEIGHTS = (
