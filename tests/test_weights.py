@@ -110,6 +110,7 @@ def _edit_config(src: Path, dst: Path, edit) -> Path:
         (lambda c: c.pop("hidden_size"), r"hidden_size: missing"),
         (lambda c: c.update(hidden_size="64"), r"hidden_size: expected an integer, got '64'"),
         (lambda c: c.pop("compress_ratios"), r"layer_types: missing"),
+        (lambda c: c.pop("num_hash_layers"), r"num_hash_layers: missing"),
         (lambda c: c.update(compress_ratios=[0, 0, 4, 1, 4, 16]), r"compress_ratios\[3\]: expected 0, 4"),
         (lambda c: c.update(num_key_value_heads=2), r"num_key_value_heads: expected 1"),
         (lambda c: c.update(quantization_config={"quant_method": "awq"}), r"quant_method: expected 'fp8'"),
