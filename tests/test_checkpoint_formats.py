@@ -4,7 +4,10 @@ checkpoints re-saved by transformers."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,44 @@ def test_the_safetensors_floor_opens_e8m0_scales(tmp_path):
         read = f.get_tensor("w.scale")
     assert read.dtype == torch.float8_e8m0fnu
     assert torch.equal(e8m0_to_float(read), torch.tensor([[2.0**-10, 1.0], [4.0, 2.0**20]]))
+
+
+@pytest.mark.parametrize("source", ["official", "hf"])
+def test_a_checkpoint_resaved_by_transformers_gives_the_official_logits(tiny_factory, tmp_path, source):
+    """``save_pretrained`` writes neither layout: official names under ``model.`` with a few kept in
+    memory form (``model.embed_tokens``, ``model.hc_head.*``) and the attention ``kv_norm`` as ``norm``
+    after an official load; memory names with every ``kv_norm`` as ``norm`` after a transformers one."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(seed=3, layers=4, hca_rate=128)  # transformers knows the ratios 4 and 128 only
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        tiny_factory(fmt=source, **fields), dtype=torch.float32
+    )
+    model.save_pretrained(tmp_path / "resaved")
+    resaved = Checkpoint(tmp_path / "resaved")
+    assert resaved.layout == "transformers"
+    assert any(k.endswith("attn.norm.weight") for k in resaved.stored)
+    ids = random_prompt(60, seed=4)
+    official = Engine.from_pretrained(tiny_factory(fmt="official", **fields)).score(ids)
+    assert torch.equal(Engine.from_pretrained(tmp_path / "resaved").score(ids), official)
+
+
+def test_the_vision_release_loads_for_text_and_reports_its_image_tensors_once(tiny_dir, tmp_path, caplog):
+    path = shutil.copytree(tiny_dir, tmp_path / "vision")
+    extra = {
+        "vision.blocks.0.attn.qkv.weight": torch.randn(24, 8),
+        "aligner.layers.0.weight": torch.randn(64, 8),
+        "image_newline": torch.randn(64),
+        "layers.3.ffn.gate.bias_vl": torch.randn(8),
+        "mtp.0.ffn.gate.bias_vl": torch.randn(8),
+    }
+    save_file(extra, str(path / "model-vision.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({n: "model-vision.safetensors" for n in extra})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level(logging.INFO, logger="ds4serve.weights"):
+        ckpt = Checkpoint(path)
+    assert sorted(ckpt.ignored) == sorted(extra) and not any(ckpt.has(n) for n in extra)
+    lines = [r.getMessage() for r in caplog.records if "vision" in r.getMessage()]
+    assert len(lines) == 1 and "5 tensors" in lines[0]
+    ids = random_prompt(30, seed=5)
+    assert torch.equal(Engine.from_pretrained(path).score(ids), Engine.from_pretrained(tiny_dir).score(ids))
