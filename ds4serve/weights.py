@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -443,6 +444,38 @@ class Checkpoint:
         return [n for n in self.sources if n.startswith(prefix)]
 
 
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Logical parameters of a checkpoint (an MXFP4 byte holds two; block scales and the hash
+    routers' ``tid2eid`` tables are not parameters)."""
+
+    main: int  # the trunk: embedding, layers, final merge, norm, head
+    drafts: int  # the MTP / DSpark blocks (mtp.*)
+    active: int  # what one token's trunk forward uses: all but the routed experts it does not select
+    ignored: int  # vision-release tensors that text does not load
+
+
+def parameter_counts(ckpt: Checkpoint) -> ParameterCounts:
+    """Count ``ckpt``'s parameters from its headers alone (no tensor data is read)."""
+    main = drafts = routed = 0
+    for name in ckpt.names():
+        if name.endswith(".scale") or ckpt.stored_dtype(name) in _INTEGER_DTYPES:
+            continue
+        n = math.prod(ckpt._logical_shape(name))
+        if name.startswith("mtp."):
+            drafts += n
+        else:
+            main += n
+            routed += n if _EXPERT_RE.match(name) else 0
+    cfg = ckpt.cfg
+    active = main - routed + routed * cfg.top_k // cfg.n_routed_experts
+    ignored = sum(math.prod(ckpt.stored[k].shape) for k in ckpt.ignored)
+    return ParameterCounts(main, drafts, active, ignored)
+
+
+_INTEGER_DTYPES = ("I64", "I32", "I16")
+
+
 def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
@@ -454,6 +487,11 @@ def _infer_block(weight_shape: torch.Size, scale_shape: torch.Size) -> tuple[int
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "ParameterCounts",
+    "StoredTensor",
+    "official_name",
+    "parameter_counts",
+    "read_header",
     "expected_shapes",
     "block_shapes",
     "official_to_hf",
