@@ -93,3 +93,45 @@ def test_the_vision_release_loads_for_text_and_reports_its_image_tensors_once(ti
     assert len(lines) == 1 and "5 tensors" in lines[0]
     ids = random_prompt(30, seed=5)
     assert torch.equal(Engine.from_pretrained(path).score(ids), Engine.from_pretrained(tiny_dir).score(ids))
+
+
+def _released_dtype(name: str) -> str:
+    """The dtype of an unquantized tensor in the released checkpoints (FP8 ones are checked apart)."""
+    if name.endswith("tid2eid"):
+        return "I64"
+    leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+    if leaf.startswith("hc_") or leaf in ("attn_sink", "ape", "bias") or "confidence_head" in name:
+        return "F32"
+    return "BF16"
+
+
+@pytest.mark.parametrize("draft", ["mtp", "dspark"])
+def test_a_quantized_tiny_checkpoint_is_stored_as_the_released_ones(tiny_factory, draft):
+    path = tiny_factory(seed=8, quantize="fp8+fp4", mtp=1 if draft == "mtp" else 0, dspark=draft == "dspark")
+    ckpt = Checkpoint(path)
+    cfg, block = ckpt.cfg, 32
+    fp8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "e_proj", "h_proj", "main_proj")
+    for name, st in ckpt.stored.items():
+        if name.endswith(".scale"):
+            assert st.dtype == "F8_E8M0", name
+        elif ".ffn.experts." in name:  # MXFP4: two codes a byte, one scale per 32 inputs of a row
+            assert st.dtype == "I8", name
+            assert ckpt.stored[name[:-7] + ".scale"].shape == (st.shape[0], st.shape[1] * 2 // 32), name
+        elif any(f".{p}." in name for p in fp8) and "compressor" not in name:
+            assert st.dtype == "F8_E4M3", name
+            grid = tuple(-(-d // block) for d in st.shape)
+            assert ckpt.stored[name[:-7] + ".scale"].shape == grid, name
+        else:
+            assert st.dtype == _released_dtype(name), name
+    assert any(n.startswith("mtp.2." if draft == "dspark" else "mtp.0.") for n in ckpt.stored)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    n_drafts = 3 if draft == "dspark" else 1
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert len(shards) == 1 + cfg.num_layers + 1 + n_drafts
+    where = index["weight_map"]
+    assert where["embed.weight"] == shards[0] and where["head.weight"] == shards[cfg.num_layers + 1]
+    assert (
+        where["layers.2.attn.wq_a.weight"] == shards[3]
+        and where["mtp.0.attn.wq_a.weight"] == shards[-n_drafts]
+    )
