@@ -1,12 +1,16 @@
 """Loading a directory of safetensors shards in the official or the transformers layout.
 
 Everything inside ds4serve uses the *official* tensor names (``layers.L.attn.wq_a.weight``...).
-A transformers-layout checkpoint is read through a name map (and its stacked ``gate_up_proj`` /
-``down_proj`` expert tensors are viewed per expert), so both layouts produce the same tensors.
+Other layouts are read through :func:`official_name`: transformers' in-memory names (whose stacked
+``gate_up_proj`` / ``down_proj`` expert tensors are viewed per expert) and what transformers'
+``save_pretrained`` writes, so every layout produces the same tensors. Routed experts are
+recognised in the trunk (``layers.L``) and in the draft blocks (``mtp.K``, MTP and DSpark) alike.
+The vision release's image-only tensors are recognised and left unloaded.
 
-Tensors are memory-mapped by safetensors and read one at a time. :meth:`Checkpoint.dense`
-dequantizes FP8 / MXFP4 exactly; :meth:`Checkpoint.raw` hands out the stored tensors so that GPU
-kernels can keep them quantized.
+Names, shapes and dtypes come from the shards' headers (:func:`read_header`); tensors are
+memory-mapped by safetensors and read one at a time. :meth:`Checkpoint.dense` dequantizes FP8 /
+MXFP4 exactly; :meth:`Checkpoint.raw` hands out the stored tensors so that GPU kernels can keep
+them quantized.
 """
 
 from __future__ import annotations
