@@ -3,7 +3,7 @@
 Requests wait in a bounded queue (a full queue is refused with 429), run one at a time, and stream
 their tokens back to the event loop through an asyncio queue, so the loop never blocks on a forward.
 Cancelling a job (client gone, stop string hit) removes it from the queue or stops its generation
-before the next forward.
+before the next forward, a prefill before its next chunk (the staged one included).
 
 The prefix cache lives here: a job restores the longest cached prefix of its prompt; when it names a
 ``cache_at`` position (the part of the prompt the next turn will repeat) the prompt is prefilled up to
@@ -183,10 +183,13 @@ class Scheduler:
         calls0 = self.engine.forward_calls
         try:
             snap, cached = self._cached_prefix(job)
-        except GenerateError as exc:
-            self._deliver(
-                job, GenerateResult(finish_reason="error", error=exc.code, error_message=exc.message)
+        except GenerateError as exc:  # the staged prefill failed, or its client left during it
+            cancelled = exc.code is ErrorCode.CANCELLED
+            res = GenerateResult(
+                finish_reason="cancelled" if cancelled else "error", error=exc.code, error_message=exc.message
             )
+            self._record(job, res)
+            self._deliver(job, res)
             return
         staged_s = time.perf_counter() - t0
         handle = self.engine.stream(job.prompt, job.params, speculative=job.speculative, snapshot=snap)
@@ -233,7 +236,7 @@ class Scheduler:
                 state = self.engine.new_sequence(at)
                 if snap is not None:
                     state.restore(snap)
-                self.engine.prefill(state, job.prompt[state.pos : at])
+                self.engine.prefill(state, job.prompt[state.pos : at], cancel=job._cancel)
                 staged = state.snapshot(self.cache.device)
             self._insert(staged)
             snap = staged
