@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from ..engine import Engine
 from ..engine.prefix_cache import PrefixCache
 from .errors import APIError, body_for, invalid
 from .metrics import Metrics
+from .prepare import PREP_THREADS
 from .response_store import ResponseStore
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
@@ -71,6 +73,7 @@ class Server:
         self.scheduler = Scheduler(engine, self.metrics, max_queue=config.max_queue, cache=cache)
         self.responses = ResponseStore(config.responses_store_bytes)
         self.background: dict[str, object] = {}  # background /v1/responses still generating, by id
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="ds4serve-prep")  # see .prepare
         self.started = int(time.time())
 
 
@@ -201,6 +204,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             yield
         finally:
             await asyncio.to_thread(server.scheduler.stop)
+            server.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ds4serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .chat_format import encode_messages, shared_prefix_length
@@ -20,6 +20,7 @@ from .completion import (
 )
 from .errors import APIError, anthropic_body, invalid
 from .output_parser import merged
+from .prepare import json_body, offload
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
 from .sse import ANTHROPIC_PING, event_stream
 from .tool_grammar import forced_tool_call, strict_tool_calls
@@ -204,15 +205,15 @@ def _event(kind: str, data: dict) -> str:
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request):
-    _, prompt, _ = _encode(request.app.state.server, body)
+async def count_tokens(request: Request, body: CountTokensRequest = Depends(json_body(CountTokensRequest))):
+    _, prompt, _ = await offload(request, _encode, request.app.state.server, body)
     return {"input_tokens": len(prompt)}
 
 
 @router.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request):
+async def messages(request: Request, body: MessagesRequest = Depends(json_body(MessagesRequest))):
     server = request.app.state.server
-    completion = Completion(server, request, messages_spec(server, body))
+    completion = Completion(server, request, await offload(request, messages_spec, server, body))
     completion.start()
     mid = mint_id("msg_")
     model = body.model or server.config.model_name

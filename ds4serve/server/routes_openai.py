@@ -6,7 +6,7 @@ import json
 import time
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.drafts import PredictionProposer
@@ -23,6 +23,7 @@ from .completion import (
 )
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
+from .prepare import json_body, offload
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .sse import OPENAI_PING, event_stream
 from .structured import structured_rule
@@ -244,9 +245,9 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request):
+async def chat_completions(request: Request, body: ChatRequest = Depends(json_body(ChatRequest))):
     server = request.app.state.server
-    choices = Choices(server, request, chat_spec(server, body), body.n)
+    choices = Choices(server, request, await offload(request, chat_spec, server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
     rid, created = mint_id("chatcmpl-"), int(time.time())
@@ -415,9 +416,9 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
     server = request.app.state.server
-    choices = Choices(server, request, completion_spec(server, body), body.n)
+    choices = Choices(server, request, await offload(request, completion_spec, server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())
