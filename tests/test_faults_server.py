@@ -102,3 +102,97 @@ def test_disconnect_during_prefill_frees_the_engine_within_one_chunk(gated, path
         gated.arm(hold_at=0)
         r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.fixture(scope="module")
+def plain(gated):
+    with running(create_app(gated.engine, ServerConfig(model_name="tiny"))) as base:
+        yield base
+
+
+@pytest.mark.parametrize(
+    "hook,path,body,status",
+    [  # the chat is refused (longer than the context) after it is encoded; /tokenize counts it
+        ("ds4serve.server.routes_openai.encode_messages", "/v1/chat/completions", {"max_tokens": 1}, 400),
+        ("ds4serve.server.prepare.parse_body", "/tokenize", {}, 200),
+    ],
+    ids=["chat-encoding", "parsing-and-validation"],
+)
+def test_health_answers_while_a_request_is_being_prepared(plain, monkeypatch, hook, path, body, status):
+    """The preparation is held mid-way: /health (and another client's request) must still be answered, so
+    it does not run on the event loop."""
+    module, name = hook.rsplit(".", 1)
+    real = getattr(__import__(module, fromlist=[name]), name)
+    inside, release = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        if not inside.is_set():
+            inside.set()
+            assert release.wait(60), "never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hook, held)
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 50_000}], **body}
+    done: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: done.append(httpx.post(plain + path, json=big, timeout=120)))
+    client.start()
+    try:
+        assert inside.wait(60), "the request never reached its preparation"
+        health = httpx.get(f"{plain}/health", timeout=30)
+        other = httpx.post(f"{plain}/detokenize", json={"tokens": [5, 6]}, timeout=30)
+        assert health.status_code == 200 and other.status_code == 200 and not done
+    finally:
+        release.set()
+        client.join(120)
+    assert done and done[0].status_code == status, done and done[0].text
+
+
+NESTED = "<nested>"
+
+
+def with_nested(body: dict, depth: int) -> bytes:
+    """``body`` as JSON, its NESTED placeholder replaced by objects nested ``depth`` levels deep."""
+    return json.dumps(body).replace(json.dumps(NESTED), '{"a":' * depth + "{}" + "}" * depth).encode()
+
+
+@pytest.mark.parametrize("depth", [65, 900, 100_000])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/v1/chat/completions",
+            lambda d: {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": d},
+        ),
+        ("/v1/messages", lambda d: {"messages": [{"role": "user", "content": "hi"}], "metadata": d}),
+        (
+            "/v1/messages",
+            lambda d: {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": d}],
+                    },
+                ]
+            },
+        ),
+    ],
+    ids=["chat_template_kwargs", "metadata", "tool_use-input"],
+)
+def test_deeply_nested_json_is_a_400(plain, path, body, depth):
+    raw = with_nested({"model": "tiny", "max_tokens": 1, **body(NESTED)}, depth)
+    r = httpx.post(plain + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "nested" in r.text
+    assert httpx.get(f"{plain}/health", timeout=30).status_code == 200
+
+
+def test_json_nested_within_the_limit_is_served(plain):
+    kwargs = json.loads(with_nested(NESTED, 40))
+    body = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": kwargs,
+    }
+    assert httpx.post(f"{plain}/v1/chat/completions", json=body, timeout=60).status_code == 200
