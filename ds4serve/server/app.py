@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine
 from ..engine.prefix_cache import PrefixCache
-from .errors import APIError, body_for, invalid
+from .errors import APIError, body_for, invalid, unavailable
 from .metrics import Metrics
 from .prepare import PREP_THREADS
 from .response_store import ResponseStore
@@ -60,6 +60,7 @@ class ServerConfig:
     stream_keepalive_s: float = (
         10.0  # a stream starts without its first token after this, then pings (0: never)
     )
+    shutdown_timeout: float = 30.0  # after SIGTERM, running requests get this long to finish
 
 
 class Server:
@@ -75,6 +76,25 @@ class Server:
         self.background: dict[str, object] = {}  # background /v1/responses still generating, by id
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="ds4serve-prep")  # see .prepare
         self.started = int(time.time())
+        self.draining = False  # shutting down: new work gets 503
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_shutdown(self) -> None:
+        """Start a graceful shutdown (safe from a signal handler): new requests and queued jobs get a 503 with
+        Retry-After, the running job goes on and is stopped after ``shutdown_timeout`` seconds, its stream
+        ending with its terminal event either way."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info(
+            "shutting down: refusing new requests, %d queued request(s) refused", self.scheduler.queue_depth
+        )
+        self.scheduler.drain()
+        self.loop.call_later(self.config.shutdown_timeout, self.scheduler.cancel_running, "shutdown")
 
 
 def error_response(path: str, err: APIError) -> JSONResponse:
@@ -105,6 +125,8 @@ class _Gate:
 
         try:
             err = self._check_auth(scope)
+            if err is None and self.server.draining and path not in ("/health", "/metrics"):
+                err = unavailable("the server is shutting down")
             body = None
             if err is None:
                 body, err = await self._read_body(scope, receive)
@@ -199,6 +221,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        server.loop = asyncio.get_running_loop()
         server.scheduler.start()
         try:
             yield
@@ -239,7 +262,12 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model_parked": engine.parked, "queue_depth": server.scheduler.queue_depth}
+        body = {
+            "status": "shutting_down" if server.draining else "ok",
+            "model_parked": engine.parked,
+            "queue_depth": server.scheduler.queue_depth,
+        }
+        return JSONResponse(body, status_code=503 if server.draining else 200)
 
     def model_card() -> dict:
         return {

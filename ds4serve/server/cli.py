@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 
 from ..cli import Handler, at_least, command, engine_args, load_engine, port, speculative
 
 log = logging.getLogger("ds4serve.server")
+
+STOP_GRACE_S = 5  # after --shutdown-timeout, the stopped requests' last events get this long to go out
 
 
 @command("serve", "serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs")
@@ -64,6 +67,13 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         "keepalive whenever this long passes without an event (0: wait, never ping)",
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=at_least(0, float),
+        default=30.0,
+        help="on SIGTERM, new and queued requests get 503 and running ones this many seconds to finish "
+        "(then they are stopped, their streams ending with an error event); the process then exits 0",
+    )
+    p.add_argument(
         "--no-warm-up",
         action="store_true",
         help="start serving without first running one short "
@@ -75,6 +85,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
 
         from ..engine.prefix_cache import PrefixCache, model_identity
         from .app import ServerConfig, create_app
+        from .graceful import GracefulServer
 
         engine, model, dtype = load_engine(a)
         cache = None
@@ -95,6 +106,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             speculative=a.speculative,
             responses_store_bytes=int(a.responses_store_mb * 2**20),
             stream_keepalive_s=a.stream_keepalive_s,
+            shutdown_timeout=a.shutdown_timeout,
         )
         if not a.no_warm_up:
             log.info(
@@ -115,7 +127,11 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             a.port,
             engine.max_context,
         )
-        uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5)
+        graceful = math.ceil(a.shutdown_timeout) + STOP_GRACE_S
+        config = uvicorn.Config(
+            app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=graceful
+        )
+        GracefulServer(config, app.state.server).run()
         return 0
 
     return run

@@ -25,7 +25,7 @@ import torch
 
 from ..engine import Engine, ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
 from ..engine.prefix_cache import PrefixCache
-from .errors import APIError
+from .errors import APIError, unavailable
 from .metrics import Metrics
 
 log = logging.getLogger("ds4serve.server")
@@ -95,17 +95,34 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._current: Job | None = None  # the job on the engine
         self._thread = threading.Thread(target=self._worker, name="ds4serve-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def drain(self) -> None:
+        """Refuse new jobs (503) and end every queued one (cancelled, reason ``shutdown``); the job on the
+        engine runs on, and the worker stops after it."""
         with self._cond:
             self._stopping = True
-            for job in self._waiting:
-                job.cancel("shutdown")
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self.metrics.queue_depth.set(0)
             self._cond.notify_all()
+        for job in waiting:
+            job.cancel("shutdown")
+            self._deliver(job, _cancelled(job))
+
+    def cancel_running(self, reason: str) -> None:
+        """Stop the job on the engine before its next forward or prefill chunk."""
+        job = self._current
+        if job is not None:
+            job.cancel(reason)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Drain, then wait up to ``timeout`` seconds for the job on the engine to end."""
+        self.drain()
         self._thread.join(timeout)
 
     @property
@@ -116,9 +133,7 @@ class Scheduler:
         """Queue ``job``; raises a 429 :class:`APIError` (with Retry-After) when the queue is full."""
         with self._cond:
             if self._stopping:
-                raise APIError(
-                    503, "the server is shutting down", "unavailable", headers={"Retry-After": "5"}
-                )
+                raise unavailable("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise APIError(
                     429,
@@ -150,7 +165,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._waiting.popleft()
+                job = self._current = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
             self.metrics.running.set(1)
             try:
@@ -166,6 +181,7 @@ class Scheduler:
                     ),
                 )
             finally:
+                self._current = None
                 self.metrics.running.set(0)
 
     def _deliver(self, job: Job, item: TokenEvent | GenerateResult) -> None:
