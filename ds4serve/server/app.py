@@ -6,6 +6,7 @@ The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -41,10 +42,14 @@ ROUTES = (
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
     "/admin/park",
     "/admin/unpark",
 )
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' label of every model's route
+RESPONSE_ROUTE = "/v1/responses/{id}"  # the metrics' label of a stored response's routes (GET, cancel)
 UNAUTHENTICATED = ("/health",)
 
 
@@ -135,7 +140,15 @@ class _Gate:
                 return
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
-            route = path if path in ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
+            route = (
+                path
+                if path in ROUTES
+                else MODEL_ROUTE
+                if path.startswith("/v1/models/")
+                else RESPONSE_ROUTE
+                if path.startswith("/v1/responses/")
+                else "other"
+            )
             self.server.metrics.requests.labels(route, str(status["code"])).inc()
 
     def _check_auth(self, scope) -> APIError | None:
@@ -143,7 +156,10 @@ class _Gate:
         if key is None or scope["path"] in UNAUTHENTICATED:
             return None
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key:
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        given = [bearer.strip()] if scheme.lower() == "bearer" else []  # the scheme in any case
+        given.append(headers.get("x-api-key", ""))
+        if any(hmac.compare_digest(g.encode(), key.encode()) for g in given):  # in constant time
             return None
         return APIError(
             401,

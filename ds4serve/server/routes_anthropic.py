@@ -23,7 +23,7 @@ from .output_parser import merged
 from .prepare import json_body, offload
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
 from .sse import ANTHROPIC_PING, event_stream
-from .tool_grammar import forced_tool_call, strict_tool_calls
+from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -133,6 +133,8 @@ def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tup
     "any" or "tool" forces; under "auto", content (a document of ``output_config.format``'s schema, if any)
     then maybe calls with the ``strict`` tools' inputs held; else that schema alone."""
     choice, schema = body.tool_choice, _output_schema(body)
+    if schema is not None:
+        validate_schema(schema, "output_config.format.schema")
     if not tools:
         return None, schema
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)

@@ -27,7 +27,7 @@ from .prepare import json_body, offload
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .sse import OPENAI_PING, event_stream
 from .structured import structured_rule
-from .tool_grammar import forced_tool_call, strict_tool_calls
+from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -136,6 +136,8 @@ def _answer_rule(
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
+    if strict is None and response_format is not None:
+        validate_schema(response_format, "response_format")
     return (strict, None) if strict is not None else (None, response_format)
 
 

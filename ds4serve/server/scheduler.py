@@ -1,6 +1,7 @@
 """FIFO admission in front of the engine, which runs on its own worker thread.
 
-Requests wait in a bounded queue (a full queue is refused with 429), run one at a time, and stream
+Requests wait in a bounded queue (a full queue is refused with 429; with a queue of 0, a request runs
+if the engine is free and is refused otherwise), run one at a time, and stream
 their tokens back to the event loop through an asyncio queue, so the loop never blocks on a forward.
 Cancelling a job (client gone, stop string hit) removes it from the queue or stops its generation
 before the next forward, a prefill before its next chunk (the staged one included).
@@ -112,7 +113,7 @@ class Scheduler:
             self._cond.notify_all()
         for job in waiting:
             job.cancel("shutdown")
-            self._deliver(job, _cancelled(job))
+            self._withdrawn(job)
 
     def cancel_running(self, reason: str) -> None:
         """Stop the job on the engine before its next forward or prefill chunk."""
@@ -130,11 +131,12 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; raises a 429 :class:`APIError` (with Retry-After) when the queue is full."""
+        """Queue ``job``; raises a 429 :class:`APIError` (with Retry-After) when the queue is full (a job the free
+        engine takes at once does not count as waiting)."""
         with self._cond:
             if self._stopping:
                 raise unavailable("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) >= self.max_queue + (self._current is None):
                 raise APIError(
                     429,
                     f"the request queue is full ({self.max_queue} waiting); retry later",
@@ -155,7 +157,18 @@ class Scheduler:
                 self.metrics.queue_depth.set(len(self._waiting))
         job.cancel(reason)
         if queued:
-            self._deliver(job, _cancelled(job))
+            self._withdrawn(job)
+
+    def _withdrawn(self, job: Job) -> None:
+        """End a job taken out of the queue before it started: counted, logged, its stream ended."""
+        self.metrics.cancelled.labels(job.cancel_reason or "unknown").inc()
+        log.info(
+            "request %d withdrawn from the queue (%s) after %.2f s waiting",
+            job.id,
+            job.cancel_reason,
+            time.perf_counter() - job.submitted,
+        )
+        self._deliver(job, _cancelled(job))
 
     # ---- worker thread -------------------------------------------------------------------------
     def _worker(self) -> None:
