@@ -1,10 +1,13 @@
 """SIGTERM to ``ds4serve serve``: the running stream ends with its terminal event, the queued request gets a JSON
-503 with Retry-After, the disk tier holds the finished request's entry, and the process exits 0."""
+503 with Retry-After, the disk tier holds the finished request's entry, and the process exits 0. The same process
+takes its API key from the environment and closes a connection that never sends a request."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +17,8 @@ import httpx
 from .server_harness import free_port, wait_for
 
 LAUNCH = "from ds4serve.cli import main; raise SystemExit(main())"
+KEY = "from-the-environment"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 SHUTDOWN_TIMEOUT = 8  # shorter than the stream: it is stopped at the timeout
 
 
@@ -21,8 +26,12 @@ def start(tiny_dir, tmp_path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     args = ["serve", "--model", str(tiny_dir), "--port", str(port), "--max-context", "1024", "--no-warm-up"]
     args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--prefix-cache-dir", str(tmp_path / "snapshots")]
+    args += ["--idle-timeout-s", "1"]
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *args], stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "DS4SERVE_API_KEY": KEY}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, *args], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
     base = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -39,6 +48,12 @@ def start(tiny_dir, tmp_path) -> tuple[subprocess.Popen, str]:
 def test_sigterm_finishes_running_streams_and_refuses_queued_ones(tiny_dir, tmp_path):
     proc, base = start(tiny_dir, tmp_path)
     try:
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{base}/v1/models", headers=AUTH).status_code == 200
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as idle:
+            idle.settimeout(60)
+            assert idle.recv(1) == b""  # closed by the server, not by this timeout
         lines: list[str] = []
         first = threading.Event()
         long_chat = {
@@ -51,7 +66,9 @@ def test_sigterm_finishes_running_streams_and_refuses_queued_ones(tiny_dir, tmp_
         }
 
         def stream() -> None:
-            with httpx.stream("POST", f"{base}/v1/chat/completions", json=long_chat, timeout=120) as r:
+            with httpx.stream(
+                "POST", f"{base}/v1/chat/completions", json=long_chat, headers=AUTH, timeout=120
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         lines.append(line[6:])
@@ -63,7 +80,9 @@ def test_sigterm_finishes_running_streams_and_refuses_queued_ones(tiny_dir, tmp_
         queued: list[httpx.Response] = []
         short = {"model": "tiny", "messages": [{"role": "user", "content": "Yo"}], "max_tokens": 2}
         waiter = threading.Thread(
-            target=lambda: queued.append(httpx.post(f"{base}/v1/chat/completions", json=short, timeout=120))
+            target=lambda: queued.append(
+                httpx.post(f"{base}/v1/chat/completions", json=short, headers=AUTH, timeout=120)
+            )
         )
         waiter.start()
         wait_for(lambda: httpx.get(f"{base}/health", timeout=5).json()["queue_depth"] == 1, timeout=60)
