@@ -188,3 +188,28 @@ def test_server_with_damaged_entries_answers_as_uncached(engine_1k, uncached, tm
         assert [completion(base, PROMPT + [11, 12], **s) for s in SAMPLINGS] == uncached
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert completion_files and all(p.name in warned for p in completion_files)
+
+
+def test_a_shared_system_prompt_is_reused_on_first_encounter(engine_1k):
+    """Two clients, one system prompt, different questions: the second restores the system prompt that the first
+    one's request cached at its turn boundary (no earlier request ended there)."""
+    system = "You are a careful assistant. " + " ".join(f"rule{i}" for i in range(60))
+    tok = engine_1k.tokenizer
+    app = create_app(engine_1k, ServerConfig(model_name="tiny"), PrefixCache(256 << 20))
+    with running(app) as base:
+
+        def ask(question: str) -> dict:
+            body = {
+                "model": "tiny",
+                "max_tokens": 2,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            }
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        first = ask("What is the capital of France?")
+        second = ask("How many legs does a spider have?")
+    shared = len(tok.encode("<｜begin▁of▁sentence｜>" + system))  # the system block, up to <｜User｜>
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] == shared > 60

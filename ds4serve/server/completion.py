@@ -33,7 +33,7 @@ class CompletionSpec:
     stops: list[str] = field(default_factory=list)
     thinking: bool = False
     tools: set[str] | None = None  # callable tool names; None: no tool-call parsing
-    cache_at: int | None = None
+    cache_at: tuple[int, ...] = ()  # prompt positions to snapshot at (ascending; chat_format.cache_points)
     speculative: object | None = None  # this request's draft (a predicted output); None: the server's
 
 

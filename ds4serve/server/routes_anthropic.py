@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .chat_format import encode_messages, shared_prefix_length
+from .chat_format import cache_points, encode_messages, shared_prefix_length
 from .completion import (
     Completion,
     CompletionSpec,
@@ -180,7 +180,9 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
         stops=list(body.stop_sequences or []),
         thinking=encoded.thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
-        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+        cache_at=cache_points(
+            prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
+        ),
     )
 
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.drafts import PredictionProposer
-from .chat_format import BOS, EncodedPrompt, encode_messages, shared_prefix_length
+from .chat_format import BOS, EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
     Choices,
     Completion,
@@ -193,7 +193,9 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         thinking=thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
-        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+        cache_at=cache_points(
+            prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
+        ),
         speculative=_prediction(server, body),
     )
 

@@ -6,9 +6,10 @@ their tokens back to the event loop through an asyncio queue, so the loop never 
 Cancelling a job (client gone, stop string hit) removes it from the queue or stops its generation
 before the next forward, a prefill before its next chunk (the staged one included).
 
-The prefix cache lives here: a job restores the longest cached prefix of its prompt; when it names a
-``cache_at`` position (the part of the prompt the next turn will repeat) the prompt is prefilled up to
-there first and snapshotted; after generation the whole sequence is snapshotted too.
+The prefix cache lives here: a job restores the longest cached prefix of its prompt; the ``cache_at``
+positions past it (where a chat's turns end, and the part of the prompt the next turn will repeat) are
+prefilled one after another and snapshotted there first, so a prefix other requests share is cached the
+first time it is seen; after generation the whole sequence is snapshotted too.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    cache_at: int | None = None
+    cache_at: tuple[int, ...] = ()
     speculative: object | None = None
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
@@ -251,24 +252,24 @@ class Scheduler:
     def _cached_prefix(self, job: Job):
         """The snapshot to start from and how many prompt tokens it covers.
 
-        With ``job.cache_at`` beyond the cached prefix, the prompt is prefilled up to it on a
-        separate state and snapshotted (and cached) there; the engine then prefills only the rest.
+        The ``job.cache_at`` positions beyond the cached prefix are prefilled in turn on a separate
+        state and snapshotted (and cached) at each; the engine then prefills only the rest.
         """
         if self.cache is None:
             return None, 0
         snap = self.cache.lookup(job.prompt)
         cached = snap.pos if snap is not None else 0
         (self.metrics.cache_hits if snap is not None else self.metrics.cache_misses).inc()
-        at = job.cache_at
-        if at is not None and cached < at <= len(job.prompt) and not job.cancelled:
+        points = [at for at in job.cache_at if cached < at <= len(job.prompt)]
+        if points and not job.cancelled:
             with self.engine._lock, torch.inference_mode():
-                state = self.engine.new_sequence(at)
+                state = self.engine.new_sequence(points[-1])
                 if snap is not None:
                     state.restore(snap)
-                self.engine.prefill(state, job.prompt[state.pos : at], cancel=job._cancel)
-                staged = state.snapshot(self.cache.device)
-            self._insert(staged)
-            snap = staged
+                for at in points:
+                    self.engine.prefill(state, job.prompt[state.pos : at], cancel=job._cancel)
+                    snap = state.snapshot(self.cache.device)
+                    self._insert(snap)
         return snap, cached
 
     def _insert(self, snap) -> None:
