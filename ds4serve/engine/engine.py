@@ -207,12 +207,14 @@ class Engine:
         chunk_sizes: list[int] | None = None,
         all_logits: bool = False,
         on_chunk: "PromptFeed | None" = None,
+        cancel: threading.Event | None = None,
     ) -> torch.Tensor | None:
         """Forward ``ids`` chunk by chunk, committing each chunk.
 
         Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
         ``all_logits``). Intermediate chunks skip the output head. ``on_chunk`` receives each
-        committed chunk's forward result (with the layers it asks to capture).
+        committed chunk's forward result (with the layers it asks to capture). ``cancel`` set
+        before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
         """
         capture = () if on_chunk is None else on_chunk.capture_layers
         sizes = chunk_sizes or _even_chunks(len(ids), self.chunk_size)
@@ -220,6 +222,10 @@ class Engine:
         outs: list[torch.Tensor] = []
         offset = 0
         for n, size in enumerate(sizes):
+            if cancel is not None and cancel.is_set():
+                raise GenerateError(
+                    ErrorCode.CANCELLED, f"cancelled during prefill, {offset} of {len(ids)} tokens done"
+                )
             chunk = ids[offset : offset + size]
             last = n == len(sizes) - 1
             rows = slice(None) if all_logits else (slice(size - 1, size) if last else None)
@@ -321,7 +327,12 @@ class Engine:
                     proposer = self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
                     state, logits = self._start(
-                        prompt, params.max_tokens, snapshot or self._pending_restore, res, feed
+                        prompt,
+                        params.max_tokens,
+                        snapshot or self._pending_restore,
+                        res,
+                        feed,
+                        handle._cancel,
                     )
                     self._pending_restore = None
                     if (
@@ -336,7 +347,8 @@ class Engine:
                     else:
                         yield from speculative_decode(self, handle, state, logits, start, feed, constraint)
             except GenerateError as exc:
-                res.error, res.error_message, res.finish_reason = exc.code, exc.message, "error"
+                res.error, res.error_message = exc.code, exc.message
+                res.finish_reason = "cancelled" if exc.code is ErrorCode.CANCELLED else "error"
             except torch.OutOfMemoryError as exc:
                 res.error, res.error_message, res.finish_reason = ErrorCode.OUT_OF_MEMORY, str(exc), "error"
                 self._state = None
@@ -377,6 +389,7 @@ class Engine:
         snapshot: Snapshot | None,
         res: GenerateResult,
         feed: "PromptFeed | None" = None,
+        cancel: threading.Event | None = None,
     ) -> tuple[SequenceState, torch.Tensor]:
         """A clean or restored state with the prompt prefilled, and the logits after its last token.
 
@@ -397,7 +410,7 @@ class Engine:
             feed.proposer.begin(prompt[:reuse], state.max_context)
         if reuse == len(prompt):
             return state, state.last_logits
-        return state, self.prefill(state, prompt[reuse:], on_chunk=feed)
+        return state, self.prefill(state, prompt[reuse:], on_chunk=feed, cancel=cancel)
 
     def _acquire_state(self, need: int) -> SequenceState:
         if self._state is None or self._state.max_context < need:

@@ -6,11 +6,11 @@ import json
 import time
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.drafts import PredictionProposer
-from .chat_format import BOS, EncodedPrompt, encode_messages, shared_prefix_length
+from .chat_format import BOS, EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
     Choices,
     Completion,
@@ -23,10 +23,11 @@ from .completion import (
 )
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
+from .prepare import json_body, offload
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .sse import OPENAI_PING, event_stream
 from .structured import structured_rule
-from .tool_grammar import forced_tool_call, strict_tool_calls
+from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -135,6 +136,8 @@ def _answer_rule(
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
+    if strict is None and response_format is not None:
+        validate_schema(response_format, "response_format")
     return (strict, None) if strict is not None else (None, response_format)
 
 
@@ -190,7 +193,9 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         thinking=thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
-        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+        cache_at=cache_points(
+            prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
+        ),
         speculative=_prediction(server, body),
     )
 
@@ -244,9 +249,9 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request):
+async def chat_completions(request: Request, body: ChatRequest = Depends(json_body(ChatRequest))):
     server = request.app.state.server
-    choices = Choices(server, request, chat_spec(server, body), body.n)
+    choices = Choices(server, request, await offload(request, chat_spec, server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
     rid, created = mint_id("chatcmpl-"), int(time.time())
@@ -415,9 +420,9 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
     server = request.app.state.server
-    choices = Choices(server, request, completion_spec(server, body), body.n)
+    choices = Choices(server, request, await offload(request, completion_spec, server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())

@@ -8,11 +8,12 @@ answers ``{"count", "max_model_len", "tokens"}``; a prompt longer than the conte
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from .errors import invalid
+from .prepare import json_body, offload
 from .routes_openai import chat_prompt, completion_prompt
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest
 
@@ -28,19 +29,24 @@ def _validated(model: type[BaseModel], body: dict) -> BaseModel:
 
 
 @router.post("/tokenize")
-async def tokenize(body: dict, request: Request):
+async def tokenize(request: Request, body: dict = Depends(json_body(dict))):
     server = request.app.state.server
+    tokens = await offload(request, _tokens, server, body)
+    return {"count": len(tokens), "max_model_len": server.engine.max_context, "tokens": tokens}
+
+
+def _tokens(server, body: dict) -> list[int]:
     if "messages" in body:
         _, tokens, _, _ = chat_prompt(server, _validated(ChatRequest, body))
     elif "prompt" in body:
         tokens = completion_prompt(server, _validated(CompletionRequest, {"max_tokens": 1, **body}))
     else:
         raise invalid("expected a 'prompt' (text or token ids) or chat 'messages'", "prompt")
-    return {"count": len(tokens), "max_model_len": server.engine.max_context, "tokens": tokens}
+    return tokens
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request):
+async def detokenize(request: Request, body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))):
     tok, vocab = request.app.state.server.engine.tokenizer, request.app.state.server.engine.cfg.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -9,7 +9,7 @@ import json
 
 from .errors import invalid
 from .schemas import StructuredOutputs
-from .tool_grammar import lark_regex, validate_lark
+from .tool_grammar import lark_regex, validate_lark, validate_schema
 
 FIELD = "structured_outputs"
 
@@ -20,6 +20,7 @@ def structured_rule(spec: StructuredOutputs) -> tuple[str | None, dict | None]:
     if len(given) != 1:
         raise invalid(f"{FIELD}: expected exactly one of choice, regex, json, grammar", FIELD)
     if spec.json_ is not None:
+        validate_schema(spec.json_, f"{FIELD}.json")
         return None, spec.json_
     if spec.choice is not None:
         grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
