@@ -24,7 +24,7 @@ scale column each (the whole step for dense weights), so a block scale is one nu
   checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
 
 * vector tiles (``vec=True``, one token): the fused MoE's down-projection product
-  (:func:`ds4serve.kernels.moe._rows_dot`): each thread sums its 16-byte vectors of weights in
+  (:func:`ds4serve.kernels.tl_common.rows_dot`): each thread sums its 16-byte vectors of weights in
   registers against the activations loaded as a tile of the weight tile's shape (one row repeated,
   so the two meet with no data moved between threads), no masked load (the tile divides the
   matrix) and one scale row a program. The first step is peeled; with ``early`` its weights and
@@ -60,7 +60,7 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .moe import DENSE, FP8, _accumulate, _activations, _rows_dot, _scale_row, _step_scales, _weight_tile
+from .tl_common import DENSE, FP8, accumulate, activations, rows_dot, scale_row, step_scales, weight_tile
 from .scoped import overridden
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
@@ -497,8 +497,8 @@ def _first_step(
 ):
     # A vector tile's first step: its weight tile and their scales.
     return (
-        _weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
-        _step_scales(_scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+        weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
+        step_scales(scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
     )
 
 
@@ -673,16 +673,16 @@ def _vec_program(
     if not EARLY:
         w_first, s_first = _first_step(w, s, first, rows, n_in, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_K)
     x = x_ptr + (first // rows_per_group) * n_in + k_lo
-    acc = _accumulate(
+    acc = accumulate(
         tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32),
         w_first,
         s_first,
-        _activations(x, rows, 0, QUANT, BLOCK_K, 1.0),
+        activations(x, rows, 0, QUANT, BLOCK_K, 1.0),
         QUANT,
         VEC,
         BLOCK_K,
     )
-    y = _rows_dot(
+    y = rows_dot(
         x,
         w,
         s,

@@ -29,14 +29,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..model.linear import FP4Weight, FP8Weight, Weight, dense
-from ..model.moe_grouped import swiglu_gate
+from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
-from .dequant import _e2m1, _pow2
-from .moe import X_SCALE, _group_scale
-from .moe import _e2m1 as _e2m1_times_2_pow_m126
-from .router import _round
-from .switches import SWITCHES
+from .tl_common import X_SCALE, e2m1, group_scale, round_bf16
 
 
 @dataclass(frozen=True)
@@ -119,7 +114,6 @@ def _weight_tile(
     B0: tl.constexpr,
     B1: tl.constexpr,
     FP4: tl.constexpr,
-    BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -128,9 +122,9 @@ def _weight_tile(
     dequantised to ``DTYPE``. FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
     so that each group of 32 inputs meets its exponent by broadcasting, and the low / high nibbles are
-    interleaved back into input order by a join. With ``BITS`` a code is decoded by the fused MoE's integer
-    multiply (:func:`ds4serve.kernels.moe._e2m1`: three operations instead of about fifteen, exact for group
-    exponents up to 192) and scaled by two exact powers of two."""
+    interleaved back into input order by a join; a code is decoded by an integer multiply
+    (:func:`ds4serve.kernels.tl_common.e2m1`, exact for group exponents up to 192) and scaled by two exact
+    powers of two."""
     if FP4:
         g = tl.arange(0, BLOCK_K // 32)
         j = tl.arange(0, 16)
@@ -139,15 +133,9 @@ def _weight_tile(
         exponents = tl.load(
             s_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :], mask=n_ok[:, None], other=127
         ).to(tl.int32)
-        if BITS:
-            lo, hi = _e2m1_times_2_pow_m126(codes)  # the value times 2^-126; _group_scale: 2^(e - 127 + 62)
-            factor = _group_scale(exponents)[:, :, None]
-            w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
-        else:
-            factor = _pow2(exponents)[:, :, None]
-            w = tl.reshape(
-                tl.join(_e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor), (BLOCK_N, BLOCK_K)
-            )
+        lo, hi = e2m1(codes)  # the value times 2^-126; group_scale: 2^(e - 127 + 62)
+        factor = group_scale(exponents)[:, :, None]
+        w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
@@ -185,8 +173,8 @@ def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    g = _round(g, BF16)
-    return _round(g / (1.0 + tl.exp(-g)), BF16) * _round(u, BF16)
+    g = round_bf16(g, BF16)
+    return round_bf16(g / (1.0 + tl.exp(-g)), BF16) * round_bf16(u, BF16)
 
 
 @triton.jit
@@ -207,7 +195,6 @@ def _grouped_kernel(
     B0: tl.constexpr,
     B1: tl.constexpr,
     FP4: tl.constexpr,
-    BITS: tl.constexpr,
     GATE_UP: tl.constexpr,
     CLAMP: tl.constexpr,
     BF16: tl.constexpr,
@@ -248,12 +235,12 @@ def _grouped_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
         w = _weight_tile(
-            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K, DTYPE
+            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BLOCK_N, BLOCK_K, DTYPE
         )
         acc = _product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
             v = _weight_tile(
-                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K, DTYPE
+                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BLOCK_N, BLOCK_K, DTYPE
             )
             acc_v = _product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:
@@ -264,7 +251,7 @@ def _grouped_kernel(
     else:
         out = out_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
         out_ok = r_ok[:, None] & n_ok[None, :]
-    tl.store(out, _round(acc, BF16).to(DTYPE), mask=out_ok)
+    tl.store(out, round_bf16(acc, BF16).to(DTYPE), mask=out_ok)
 
 
 def _block_k(dtype: torch.dtype, w: Weight, tile: GroupedTile) -> int:
@@ -394,7 +381,6 @@ def _launch(
         B0=b0,
         B1=b1,
         FP4=isinstance(w, FP4Weight),
-        BITS=SWITCHES.grouped_fp4_bits,
         GATE_UP=w3 is not None,
         CLAMP=limit > 0,
         BF16=a.dtype == torch.bfloat16,
@@ -414,7 +400,7 @@ def _launch(
 def grouped_quant_mm_ref(a: torch.Tensor, w: Weight, ends: torch.Tensor) -> torch.Tensor:
     """Torch reference of :func:`grouped_quant_mm`: the experts dequantised by ``dense``, a product per
     expert over host-read group ends; rows from ``ends[-1]`` on are zero."""
-    return _per_expert(a, ends, lambda part, e: F.linear(part, dense(w[e], a.dtype)), w.shape[1])
+    return _per_expert(a, ends, lambda part, e: F.linear(part, w[e].dequantize(a.dtype)), w.shape[1])
 
 
 def grouped_quant_gate_up_ref(
@@ -424,7 +410,7 @@ def grouped_quant_gate_up_ref(
 
     def gated(part: torch.Tensor, e: int) -> torch.Tensor:
         return swiglu_gate(
-            F.linear(part, dense(w1[e], a.dtype)), F.linear(part, dense(w3[e], a.dtype)), limit
+            F.linear(part, w1[e].dequantize(a.dtype)), F.linear(part, w3[e].dequantize(a.dtype)), limit
         )
 
     return _per_expert(a, ends, gated, w1.shape[1])

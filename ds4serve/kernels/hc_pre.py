@@ -56,7 +56,6 @@ from . import pdl
 from .arrival import counters, last_to_arrive, signal, wait_for
 from .hc_streams import EXACT_ROUNDING, merged
 from .hyper import coefficients, pre_coefficients
-from .switches import SWITCHES
 
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
 NUM_WARPS = (
@@ -92,14 +91,11 @@ def _hc_pre_kernel(
     D_PAD: tl.constexpr,
     MERGE: tl.constexpr,
     SLOTS: tl.constexpr,
-    SINKHORN: tl.constexpr,
     EARLY_FN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
-    n_prog = (
-        tl.num_programs(0) - SINKHORN
-    )  # with SINKHORN (1), each row's last program is its Sinkhorn program
+    n_prog = tl.num_programs(0) - 1  # each row's last program is its Sinkhorn program
     s = tl.program_id(1).to(tl.int64)
     if EARLY_FN:
         # fn is a weight, which no kernel before writes: its loads (the phase's trip to DRAM) can be issued before
@@ -138,14 +134,11 @@ def _hc_pre_kernel(
             part_ptr,
             count_ptr,
             flag_ptr,
-            post_ptr,
-            comb_ptr,
             y_ptr,
             p,
             n_prog,
             s,
             D,
-            iters,
             eps,
             norm_eps,
             HC,
@@ -155,7 +148,6 @@ def _hc_pre_kernel(
             D_PAD,
             MERGE,
             SLOTS,
-            SINKHORN,
         )
 
 
@@ -194,14 +186,11 @@ def _site_part(
     part_ptr,
     count_ptr,
     flag_ptr,
-    post_ptr,
-    comb_ptr,
     y_ptr,
     p,
     n_prog,
     s,
     D,
-    iters,
     eps,
     norm_eps,
     HC: tl.constexpr,
@@ -211,12 +200,10 @@ def _site_part(
     D_PAD: tl.constexpr,
     MERGE: tl.constexpr,
     SLOTS: tl.constexpr,
-    SINKHORN: tl.constexpr,
 ):
     """Program ``p`` of row ``s``: its ``BLOCK`` values' partials with ``f``, its columns of ``fn`` (merged first
-    with ``MERGE``); the last of the row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn
-    program and computes only ``pre``, else all the coefficients itself; then it collapses the streams and applies
-    the norm."""
+    with ``MERGE``); the last of the row to arrive finishes the row: it signals the row's Sinkhorn program and
+    computes only ``pre``, then it collapses the streams and applies the norm."""
     MIX: tl.constexpr = (2 + HC) * HC
     WIDTH: tl.constexpr = 1 + MIX
     N = HC * D
@@ -249,19 +236,12 @@ def _site_part(
     tl.store(part, tl.sum(x * x, axis=0))
     tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
     if last_to_arrive(count_ptr + s, n_prog):
-        if SINKHORN:
-            signal(flag_ptr + s)
+        signal(flag_ptr + s)
         # The collapse's rows and the norm weight do not depend on the coefficients: loaded first, their
         # latency overlaps the partials' loads and any Sinkhorn math instead of following them.
         rows, w = _collapse_inputs(site_row, w_ptr, D, HC, D_PAD)
         partials = part_ptr + s * n_prog * WIDTH
-        if SINKHORN:
-            pre = _row_pre(partials, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC, P_PAD)
-        else:
-            pre, post, comb = _row_coefficients(
-                partials, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC, P_PAD
-            )
-            _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
+        pre = _row_pre(partials, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC, P_PAD)
         _collapse_and_norm(rows, w, pre, y_ptr + s * D, D, norm_eps, HC, D_PAD)
 
 
@@ -425,10 +405,9 @@ def _site(
     X = X.contiguous()
     mix = (2 + hc) * hc
     n_prog = triton.cdiv(hc * D, block)
-    sinkhorn = int(SWITCHES.hc_sinkhorn_program)
     fn32 = fn.float().contiguous()
     # read before the PDL wait only when it is the caller's weight: a converted copy is the launch before's output
-    early_fn = SWITCHES.hc_fn_before_wait and fn32 is fn
+    early_fn = fn32 is fn
     part = torch.empty(S, n_prog, 1 + mix, device=X.device, dtype=torch.float32)
     flags = counters(X.device, 2 * S)
     post = torch.empty(S, hc, device=X.device, dtype=torch.float32)
@@ -437,7 +416,7 @@ def _site(
     streams = X if merge is None else torch.empty_like(X)
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
-    _hc_pre_kernel[(n_prog + sinkhorn, S)](
+    _hc_pre_kernel[(n_prog + 1, S)](  # one more program a row: its Sinkhorn program
         X,
         out,
         post_in,
@@ -464,7 +443,6 @@ def _site(
         D_PAD=triton.next_power_of_2(D),
         MERGE=merge is not None,
         SLOTS=slots,
-        SINKHORN=sinkhorn,
         EARLY_FN=early_fn,
         num_warps=NUM_WARPS,
         **EXACT_ROUNDING,

@@ -17,7 +17,7 @@ import torch
 
 from ..kernels.regions import region
 from ..state import CompressorDelta, CompressorState
-from .linear import Weight
+from ..quant import Weight
 from .norms import rms_norm
 from .rope import Rope
 

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.reference import swiglu_gate, top_k_indices
 from ..kernels.regions import region
-from ..kernels.switches import SWITCHES
-from .linear import FP8Weight, Weight, linear
-from .moe_grouped import routed_experts, swiglu_gate
+from ..quant import FP8Weight, Weight
+from .linear import linear
+from .moe_grouped import routed_experts
 
 # (token, expert) pairs up to which the fused kernel runs: decode and every verify block (up to 17 rows: 16 drafts,
 # top-6 routing). A captured verify block runs as one compiled region, where quantized experts cannot take the
@@ -43,7 +44,7 @@ def route(
         from ..kernels import ops
 
         return ops.route_decode(x, w.gate, w.bias, w.tid2eid, token_ids, top_k, scaling)
-    scores = F.softplus(linear(x, w.gate) if SWITCHES.router_gemv else F.linear(x, w.gate)).sqrt()
+    scores = F.softplus(linear(x, w.gate)).sqrt()
     if w.tid2eid is not None:
         idx = w.tid2eid[token_ids]
     else:
@@ -54,11 +55,9 @@ def route(
 
 
 def _router_fused_applies(w: MoEWeights, x: torch.Tensor) -> bool:
-    """The one-launch router (``SWITCHES.router_fused``) takes a few rows (decode) of bf16 / fp32 tokens
-    with a dense contiguous gate."""
+    """The one-launch router takes a few rows (decode) of bf16 / fp32 tokens with a dense contiguous gate."""
     return (
-        SWITCHES.router_fused
-        and kernels.enabled(x)
+        kernels.enabled(x)
         and x.dim() == 2
         and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float32)
@@ -66,27 +65,6 @@ def _router_fused_applies(w: MoEWeights, x: torch.Tensor) -> bool:
         and w.gate.dim() == 2
         and w.gate.is_contiguous()
     )
-
-
-RANK_MAX_ROWS = 64  # up to this many rows, top-k by pairwise ranks (decode, verify); else torch.topk
-
-
-def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest values of each row of ``x [N, E]`` (best first; ties: lower index).
-
-    For a few rows the ranks come from pairwise comparisons (``[N, E, E]``): plain elementwise work
-    that a compiled decode region fuses into the router's kernel, where ``torch.topk`` would launch
-    a sort of its own per layer. Any NaN still yields indices in range.
-    """
-    if x.shape[0] > RANK_MAX_ROWS:
-        return torch.topk(x, k, dim=-1).indices
-    E = x.shape[-1]
-    e = torch.arange(E, device=x.device)
-    mine, other = x.unsqueeze(-1), x.unsqueeze(-2)
-    above = (other > mine) | ((other == mine) & (e < e.unsqueeze(-1)))  # [N, me, other]: other ranks above me
-    rank = above.sum(-1)
-    slot = torch.arange(k, device=x.device).view(1, k, 1)
-    return torch.where(rank.unsqueeze(1) == slot, e, E).amin(-1).clamp(max=E - 1)
 
 
 def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) -> torch.Tensor:
