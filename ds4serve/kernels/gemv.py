@@ -60,8 +60,8 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .tl_common import DENSE, FP8, accumulate, activations, rows_dot, scale_row, step_scales, weight_tile
 from .scoped import overridden
+from .tl_common import DENSE, FP8, accumulate, activations, rows_dot, scale_row, step_scales, weight_tile
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
 SMS = 132  # streaming multiprocessors of the target GPU (H200)

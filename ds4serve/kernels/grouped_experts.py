@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
+from .reference import swiglu_gate
 from .tl_common import X_SCALE, e2m1, group_scale, round_bf16
 
 

@@ -49,7 +49,6 @@ from .tl_common import (
 )
 
 
-
 @dataclass(frozen=True)
 class Tile:
     """One launch's tiling: a program reads ``rows`` weight rows, ``block_k`` inputs a loop step.

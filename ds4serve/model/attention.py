@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from .. import kernels, profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels.regions import region
+from ..quant import Weight
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
-from ..quant import Weight
 from .linear import grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
 from .projections import Projections, concatenate

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.regions import region
-from ..state import CompressorDelta, CompressorState
 from ..quant import Weight
+from ..state import CompressorDelta, CompressorState
 from .norms import rms_norm
 from .rope import Rope
 

@@ -19,12 +19,12 @@ from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels import regions
 from ..kernels.regions import region
+from ..quant import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
 from .hyper import HCSite, fused_sites, hc_head, hc_merge, hc_merge_pre, hc_pre
-from ..quant import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint
 from .linear import linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm

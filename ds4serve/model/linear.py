@@ -14,7 +14,9 @@ from .. import kernels
 from ..quant import FP8Weight, Weight
 
 GEMV_MAX_ROWS = 8  # up to this many activation rows (tokens), projections run as GEMV kernels
-FP8_GEMV_MAX_ROWS = 16  # FP8 weights times bf16 activations: the tensor-core GEMV tile's width (gemv.DOT_ROWS)
+FP8_GEMV_MAX_ROWS = (
+    16  # FP8 weights times bf16 activations: the tensor-core GEMV tile's width (gemv.DOT_ROWS)
+)
 
 
 def _dequant_kernel_applies(data: torch.Tensor) -> bool:

@@ -137,11 +137,7 @@ def _in_place_pays(rows: torch.Tensor, w1: Weight) -> bool:
 def _expert_groups_apply(rows: torch.Tensor, n_experts: int) -> bool:
     """Quantized experts as grouped GEMMs over dequantised groups: on the kernels' devices, where the grouped product takes the rows, and for chunks with at least as many
     (token, slot) pairs as experts (most experts in use, so dequantising whole groups wastes little)."""
-    return (
-        kernels.enabled(rows)
-        and grouped_mm_applies(rows)
-        and rows.shape[0] >= n_experts
-    )
+    return kernels.enabled(rows) and grouped_mm_applies(rows) and rows.shape[0] >= n_experts
 
 
 def _expert_groups(
