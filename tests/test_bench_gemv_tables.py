@@ -15,9 +15,9 @@ pytest.importorskip("triton", reason="the GEMV module needs triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import gemv_tables  # noqa: E402
+from ds4serve.kernels.switches import SWITCHES  # noqa: E402
 
 from ds4serve.kernels.gemv import TABLE, GemvConfig, default_config  # noqa: E402
-from ds4serve.kernels.switches import SWITCHES  # noqa: E402
 
 
 def test_written_tables_load_and_change_one_shape_each(tmp_path):

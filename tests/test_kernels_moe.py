@@ -16,9 +16,9 @@ from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import moe  # noqa: E402
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref  # noqa: E402
 from ds4serve.model.hyper import sum_terms  # noqa: E402
-from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
+from ds4serve.model.linear import dense  # noqa: E402
 from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
-from ds4serve.quant import dequant_fp4, quant_fp4  # noqa: E402
+from ds4serve.quant import FP4Weight, Weight, dequant_fp4, quant_fp4, quantize_fp8  # noqa: E402  # noqa: E402
 from tests.helpers import sm90_ptx  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
