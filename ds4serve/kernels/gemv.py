@@ -50,9 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import triton
@@ -60,7 +58,6 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .scoped import overridden
 from .tl_common import DENSE, FP8, accumulate, activations, rows_dot, scale_row, step_scales, weight_tile
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
@@ -720,16 +717,6 @@ def weight_kind(x_dtype: torch.dtype, weight_dtype: torch.dtype, scaled: bool) -
     if x_dtype == torch.bfloat16 and (scaled or weight_dtype == torch.bfloat16):
         return "fp8" if scaled else "bf16"
     return "fp32"
-
-
-@contextmanager
-def table_overrides(entries: dict[tuple[str, int, int, int, int], GemvConfig]) -> Iterator[None]:
-    """:data:`TABLE` with ``entries`` replacing (or adding) some configurations inside the scope: benchmarks
-    time other tiles inside the decode graph, where a kernel's neighbours shape its cost
-    (``bench/bench_gpu.py`` ``--tables``). Launches read the table when they are issued, so a graph keeps
-    the tiles it was captured with."""
-    with overridden(TABLE, entries):
-        yield
 
 
 def table_key(

@@ -25,16 +25,14 @@ come from :data:`CONFIGS`, one entry per format (``bench/sweep_moe.py`` measures
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
-from .scoped import overridden
 from .tl_common import (
     DENSE,
     FP4,
@@ -82,15 +80,6 @@ CONFIGS: dict[str, MoEConfig] = {
     "fp8": MoEConfig(Tile(32, 512), Tile(64, 256)),
     "fp4": MoEConfig(Tile(8, 1024), Tile(16, 2048)),
 }
-
-
-@contextmanager
-def config_overrides(entries: dict[str, MoEConfig]) -> Iterator[None]:
-    """:data:`CONFIGS` with ``entries`` (by format) replacing some tiles inside the scope: benchmarks time
-    other tiles inside the decode graph (``bench/gemv_tables.py`` ``--moe``). Launches read the
-    configurations when they are issued, so a graph keeps the tiles it was captured with."""
-    with overridden(CONFIGS, entries):
-        yield
 
 
 @triton.jit
