@@ -11,7 +11,7 @@ CUDA graph. Each program loads ``ends`` as one vector, counts the row tiles of e
 cumulative sum, and finds its expert as the number of experts whose tiles all come before its own index;
 programs past the last tile return at once.
 
-Weight tiles are dequantised to the activations' dtype exactly as :func:`ds4serve.model.linear.dense` does
+Weight tiles are dequantised to the activations' dtype exactly as the weights' ``dequantize`` does
 (code times scale in fp32, then one rounding; for MXFP4 and the power-of-two FP8 scales of ds4serve every
 value is exact), so the products are the dense path's up to the fp32 summation order.
 :func:`grouped_quant_gate_up` runs the gate and up products of a tile together and applies the clamped
@@ -56,13 +56,7 @@ class Tiles:
 
 
 # By format and by whether the groups are long (at least LONG_GROUP rows per expert on average): the best of
-# six tiles, in either operand order, on the H200 (bench/sweep_grouped.py, 2026-11-30, DeepSeek-V4-Flash
-# expert shapes, top-6 routing; bench/results/2026-11-30-h200-round19-d-sweep-grouped.log). 256 experts at
-# 2048 tokens (48 rows an expert): FP8 gate-up 2.08 ms (2.25 unswapped) / down 1.10, MXFP4 3.32 (3.48) / 1.28
-# (1.63); 32 experts at 8192 tokens (1536 rows an expert): FP8 gate-up 5.25 (5.44), MXFP4 6.76 (8.16) / 2.79.
-# Whole prompts against the previous tiles (none swapped; bench/prompt_prefill.py): 6 Flash-shaped layers,
-# FP8+MXFP4, 2048 / 8192 tokens 53.8 / 189.0 -> 51.8 / 181.2 ms; FP8 41.7 / 150.5 -> 40.8 / 148.0; the 43-layer
-# FP8+MXFP4 proxy (32 experts), 2048 tokens 281.2 -> 250.6 ms; the same logits.
+# six tiles, in either operand order, of bench/sweep_grouped.py at DeepSeek-V4-Flash's expert shapes.
 LONG_GROUP = 256
 TILES: dict[tuple[str, bool], Tiles] = {
     ("fp8", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 128, 8, 3)),
@@ -168,7 +162,7 @@ def _product(a, w, acc, SWAP: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
-    """:func:`ds4serve.model.moe_grouped.swiglu_gate` of the fp32 products, rounded where the torch code
+    """:func:`ds4serve.kernels.reference.swiglu_gate` of the fp32 products, rounded where the torch code
     rounds (each product, then silu); the caller rounds the result. Clamping before rounding gives the
     same values (rounding is monotone)."""
     if CLAMP:
@@ -399,7 +393,7 @@ def _launch(
 
 
 def grouped_quant_mm_ref(a: torch.Tensor, w: Weight, ends: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`grouped_quant_mm`: the experts dequantised by ``dense``, a product per
+    """Torch reference of :func:`grouped_quant_mm`: the experts dequantised by ``dequantize``, a product per
     expert over host-read group ends; rows from ``ends[-1]`` on are zero."""
     return _per_expert(a, ends, lambda part, e: F.linear(part, w[e].dequantize(a.dtype)), w.shape[1])
 

@@ -1,49 +1,23 @@
 """A whole mHC "pre" site of a decode step in one launch: mixes, coefficients, collapse, the sublayer's norm.
 
-In a batch-1 CUDA-graph decode step the torch code of a site (:func:`ds4serve.model.hyper.hc_split` then
-:func:`ds4serve.model.norms.rms_norm`) is four launches: an Inductor reduction for the RMS of the flattened streams
-``X[s].flatten()`` (``hc * D`` = 16384 values), one for the 24 mixes (a product-sum with ``fn [24, 16384]``), the
-one-program Sinkhorn kernel (:mod:`ds4serve.kernels.hyper`) and a kernel for the collapse ``sum_k pre_k X_k`` with
-the weighted RMSNorm. Each moves little data and costs mostly its latency (~8 us per site together), at 86 sites per
-token (2 per layer, 43 layers). Here one launch does the site. With ``MERGE`` (:func:`hc_merge_pre`) the same launch
-first does the merge of the sublayer output before the site, ``X' = hc_merge(X, out, post, comb)``: the boundary
-between the attention and the MoE (otherwise an Inductor merge kernel and the four launches above) is then one
-launch. The sublayer output may also come as the fused MoE's unsummed fp32 slot terms ``[S, slots, D]`` (a block's
-closing merge, :mod:`ds4serve.model.deepseek4`), which the merge sums in fp32, in slot order, and rounds to X's
-dtype, as the MoE's slot-sum launch it saves would have.
+:func:`hc_pre` equals :func:`ds4serve.model.hyper.hc_split` then :func:`ds4serve.model.norms.rms_norm` on streams
+``X [S, hc, D]``; :func:`hc_merge_pre` first merges a sublayer's output into the streams
+(``hc_merge(X, out, post, comb)``), in the same launch. The output may also be the fused MoE's unsummed fp32 slot
+terms ``[S, slots, D]``, which the merge sums in slot order and rounds to X's dtype as the MoE's slot sum would.
 
-Grid ``(P, S)`` (``(P + 1, S)`` with the Sinkhorn programs below): program ``p < P`` of row ``s`` reads ``BLOCK``
-values of the flattened row and the same columns of ``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of
-``fn`` is read once per row, coalesced, spread over P = 128 programs at the real size; read before the PDL wait with
-``SWITCHES.hc_fn_before_wait``, as no kernel writes it), and stores its partial sum of squares and 24 partial dot
-products to an fp32 scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it
-computes them from the ``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and
-uses them for its partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is
-the last of its row, and it finishes the row: it sums the partials in a fixed order (the same whichever program came
-last: deterministic), forms the mixes and the coefficients (the code of
-:func:`ds4serve.kernels.hyper.coefficients`), writes ``post`` and ``comb``, then the collapse and the norm. That
-tail is one program's chain of dependent memory latencies and the 20 Sinkhorn iterations (on the H200, ~3.3 us for
-the partials and the coefficients, ~3.6 us for the collapse and the norm, against ~3.9 us for everything before it).
-The collapse needs only ``pre``; the Sinkhorn iterations only make ``comb``, which the next merge reads. So with
-``SWITCHES.hc_sinkhorn_program`` each row has one more program, launched last: it waits until the row's last arrival
-signals that the partials are in, then forms ``post`` and ``comb`` and writes them, while the last arrival forms
-``pre`` alone and collapses, the two tails side by side. The last program also issues the loads of the ``hc`` rows
-it collapses and of the norm weight before it reads the partials, so that their latency overlaps the coefficients'
-instead of following them; and the kernel runs 8 warps (not 4), which halves each thread's share of the collapse and
-the norm and of the rows held meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no
-spills either way, ptxas for sm_90).
+Grid ``(P + 1, S)``: program ``p < P`` of row ``s`` reads ``BLOCK`` values of the flattened row (merged first, and
+stored, with the merge) and the same columns of ``fn`` (read before the PDL wait when ``fn`` is the caller's fp32
+weight, which no kernel writes), stores its partial sum of squares and 24 partial dot products to an fp32 scratch
+``[S, P, 1 + mix]`` and counts itself in on the row's arrival counter. The last program to arrive signals the row's
+extra program ``P``, forms ``pre`` from the partials (summed in a fixed order: deterministic), collapses the streams
+and applies the norm; program ``P`` meanwhile forms ``post`` and ``comb`` (the Sinkhorn iterations) and writes them.
+The last-program pattern, its memory ordering and the shared counters: :mod:`ds4serve.kernels.arrival`. Two launches
+must not run concurrently on one device (they share the counters).
 
-The last-program pattern, its memory ordering, the flag the Sinkhorn program waits on and the shared counters:
-:mod:`ds4serve.kernels.arrival`. The last program reads the merged rows, stored by the other programs before they
-counted themselves in, as it reads their partials: after the acquire, at L2 (``.cg``).
-
-Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch scales
-each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation orders differ from
-this one anyway). The collapse sums the ``hc`` streams in fp32, in stream order, and rounds to X's dtype, as
-``_collapse`` does; the norm takes fp32 statistics of that rounded value and casts
-``weight * (y * rsqrt(mean(y^2) + eps))`` once, as ``rms_norm`` does. The merge rounds as ``hc_merge``'s
-decode-sized (product-sum) branch: ``post_k * out`` rounded to X's dtype, the stream mix summed in fp32 in stream
-order and rounded, then their sum rounded (:func:`ds4serve.kernels.hc_streams.merged`).
+Rounding follows the torch code up to fp32 summation order: the norm's factor multiplies each row's 24 sums instead
+of its inputs; the collapse sums the ``hc`` streams in fp32, in stream order, and rounds to X's dtype; the norm takes
+fp32 statistics of that rounded value and casts once; the merge rounds as ``hc_merge``'s product-sum branch
+(:func:`ds4serve.kernels.hc_streams.merged`), launched without FP contraction.
 """
 
 from __future__ import annotations
@@ -57,10 +31,8 @@ from .arrival import counters, last_to_arrive, signal, wait_for
 from .hc_streams import EXACT_ROUNDING, merged
 from .hyper import coefficients, pre_coefficients
 
-BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
-NUM_WARPS = (
-    8  # the last program's tail (module docstring); alone 10.0 us a site against 10.6 with 4 (eleventh run)
-)
+BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384
+NUM_WARPS = 8  # halves each thread's share of the last program's collapse and norm (docs/KERNELS.md)
 
 
 @triton.jit

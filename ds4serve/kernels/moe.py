@@ -55,9 +55,8 @@ class Tile:
     load is masked. ``stages`` is the loop's ``tl.range(num_stages=...)``: Triton 3.6 pipelines a
     loop without ``tl.dot`` (these are CUDA-core products) with ``cp.async`` only when the stage count
     is given on the loop, as the GEMV's (:mod:`ds4serve.kernels.gemv`) are; at 1 a program issues one
-    step's loads at a time, and the bytes in flight come from the tile and the programs per SM. On the
-    H200 2 to 4 stages made every format's launches 1.3-3x slower (2026-11-30, bench/RESULTS.md: the
-    shared-memory copies include the activation tile's repeated rows), so the tables keep 1.
+    step's loads at a time, and the bytes in flight come from the tile and the programs per SM; the
+    tables keep 1 (more stages were slower: docs/KERNELS.md).
     """
 
     rows: int
@@ -72,8 +71,7 @@ class MoEConfig:
     down: Tile
 
 
-# Per format (ExpertStack.format): the best of bench/sweep_moe.py on the H200 (2026-11-29, before
-# the MXFP4 + FP8 shared kernel was one launch); fp32 (tests, tiny models) is not swept.
+# Per format (ExpertStack.format): the best of bench/sweep_moe.py; fp32 (tests, tiny models) is not swept.
 CONFIGS: dict[str, MoEConfig] = {
     "bf16": MoEConfig(Tile(16, 512), Tile(16, 512)),
     "fp32": MoEConfig(Tile(16, 256), Tile(16, 256)),

@@ -1,18 +1,13 @@
 """The MoE router of a decode step in one launch: gate product, sqrt-softplus, top-k and weights.
 
-In a batch-1 decode step the router of each MoE layer (43 per token) costs six launches: the gate
-product (a split-K GEMV and its split sum), then Inductor's kernels for sqrt(softplus), the pairwise
-ranks of the top-k, the gather and the normalisation. Each moves a few kilobytes, so the router is
-~12 us of launch latency per layer. Here it is one launch.
-
-Grid ``(ceil(E / block_e), split)``: program ``(b, s)`` multiplies gate rows ``[b block_e, (b+1) block_e)`` by
+:func:`route_decode` equals :func:`route_ref` (:func:`ds4serve.model.moe.route`'s code) for up to
+:data:`MAX_ROWS` tokens. Grid ``(ceil(E / block_e), split)``: program ``(b, s)`` multiplies gate rows ``[b block_e, (b+1) block_e)`` by
 input slice ``s`` of every token (fp32 accumulation, so the 2 MB gate of the real model streams through ~256
-programs; the first step of its gate rows is read before the PDL wait with ``SWITCHES.router_gate_before_wait``,
-as no kernel writes the gate) and stores the fp32 partial to a scratch ``[split, N, E]``. Then it counts itself
+programs; the first step of its gate rows is read before the PDL wait, as no kernel writes the gate) and stores the fp32 partial to a scratch ``[split, N, E]``. Then it counts itself
 in on an arrival counter (:mod:`ds4serve.kernels.arrival`); the last program sums the partials in split order
 (deterministic, whichever program came last) and finishes every row: the scores, the selection (``k`` rounds of
 an argmax whose key packs the value with the expert index, so that a tie goes to the lower index as in
-:func:`ds4serve.model.moe.top_k_indices`) or, for a hash layer, the experts of ``tid2eid[token]``, then the
+:func:`ds4serve.kernels.reference.top_k_indices`) or, for a hash layer, the experts of ``tid2eid[token]``, then the
 gathered scores normalised and scaled.
 
 Rounding follows the torch code (:func:`route_ref`): the logits are rounded to x's dtype, as

@@ -145,8 +145,7 @@ def _stream_kernels(X: torch.Tensor) -> bool:
     """Chunks of more than ``MIX_REDUCE_MAX_ROWS`` rows run eagerly use :mod:`ds4serve.kernels.hc_streams`. A
     decode step's products, and a wider verify block's inside a compiled region, stay torch code, which
     Inductor fuses with their neighbours: Inductor compiles a raw Triton kernel from its source in a worker
-    process, where the ``pdl`` helpers those kernels call are not defined (a verify block of 9 rows failed
-    so on the H200, twenty-second run)."""
+    process, where the ``pdl`` helpers those kernels call are not defined."""
     return X.shape[0] > MIX_REDUCE_MAX_ROWS and kernels.enabled(X) and not torch.compiler.is_compiling()
 
 

@@ -119,9 +119,7 @@ def quant_grouped_applies(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight
 
 
 # Average (token, slot) rows per expert up to which the in-place grouped kernels beat dequantising groups of
-# experts (H200, 2026-11-30, routed_experts at the Flash expert shapes, top-6: FP8 at 48 rows an expert 11.5 ->
-# 3.9 ms, at 192 13.0 -> 12.6, at 384 2.7 -> 3.0 (32 experts); MXFP4 at 48 52.5 -> 7.7, 192 53.8 -> 24.3,
-# 384 8.1 -> 4.9, 1536 11.1 -> 16.5).
+# experts, at the Flash expert shapes (docs/KERNELS.md).
 IN_PLACE_MAX_ROWS_PER_EXPERT = {"fp8": 192, "fp4": 384}
 
 
