@@ -243,7 +243,7 @@ def test_long_groups_keep_the_dequantised_path_unless_captured(monkeypatch):
     monkeypatch.setattr(
         ge, "grouped_quant_mm", lambda *a, **kw: calls.append("in place") or torch.zeros(N * k, D)
     )
-    monkeypatch.setattr(moe_grouped, "IN_PLACE_MAX_ROWS_PER_EXPERT", {"fp8": 0, "fp4": 0})
+    monkeypatch.setattr(ge, "IN_PLACE_MAX_ROWS_PER_EXPERT", {"fp8": 0, "fp4": 0})
     for path in ("_expert_groups", "_expert_by_expert"):
         monkeypatch.setattr(
             moe_grouped, path, lambda *a: calls.append("dequantised") or torch.zeros(N * k, D)

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import hc_pre as hc_pre_module  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.arrival import counters  # noqa: E402
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
@@ -143,7 +144,7 @@ def test_model_function_uses_the_kernel_for_decode_sized_chunks(monkeypatch):
     calls = []
     real = ops.hc_pre
     monkeypatch.setattr(ops, "hc_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
-    S_long = hyper.FUSED_SITE_MAX_ROWS + 1
+    S_long = hc_pre_module.MAX_ROWS + 1
     for S in (1, hyper.MIX_REDUCE_MAX_ROWS + 1, S_long):
         X, site, norm_w = _inputs(S, 32, torch.float32, seed=S)
         want = _reference(X, site, norm_w)
@@ -198,7 +199,7 @@ def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks(monkeypatch):
     calls = []
     real = ops.hc_merge_pre
     monkeypatch.setattr(ops, "hc_merge_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
-    for S in (1, hyper.FUSED_SITE_MAX_ROWS, hyper.FUSED_SITE_MAX_ROWS + 1):
+    for S in (1, hc_pre_module.MAX_ROWS, hc_pre_module.MAX_ROWS + 1):
         X, out, post, comb, site, norm_w = _merge_inputs(S, 32, torch.float32, seed=S)
         want_X = _reference_merge(X, out, post, comb)
         want = _reference(want_X, site, norm_w)
@@ -211,7 +212,7 @@ def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks(monkeypatch):
             check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
         with kernels.on_any_device():
             check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
-    assert calls == [1, hyper.FUSED_SITE_MAX_ROWS]
+    assert calls == [1, hc_pre_module.MAX_ROWS]
 
 
 _COMPILE_MERGE = """

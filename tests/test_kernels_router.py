@@ -14,8 +14,9 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.arrival import counters  # noqa: E402
+from ds4serve.kernels.router import MAX_ROWS as ROUTER_FUSED_MAX_ROWS  # noqa: E402
 from ds4serve.kernels.router import RouterConfig, default_config, route_decode, route_ref  # noqa: E402
-from ds4serve.model.moe import ROUTER_FUSED_MAX_ROWS, MoEWeights, route  # noqa: E402
+from ds4serve.model.moe import MoEWeights, route  # noqa: E402
 from tests.test_decode_kernels import _INTERPRETER_ONLY, _static_step_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -27,6 +27,7 @@ bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -757,10 +758,18 @@ TABLED_TOKENS = 8  # the table's four-token entries serve up to this many tokens
 def default_config(
     kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int = 1, block: tuple[int, int] | None = None
 ) -> GemvConfig:
-    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`).
+    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`),
+    decided once per shape.
 
     Past ``TABLED_TOKENS`` tokens only a tensor-core entry is taken: its tile pads the tokens to
     ``DOT_ROWS`` anyway, where a CUDA-core tile's accumulator grows with every token."""
+    return _default_config(kind, n_rows, n_in, n_tokens, groups, None if block is None else tuple(block))
+
+
+@functools.cache
+def _default_config(
+    kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int, block: tuple[int, int] | None
+) -> GemvConfig:
     if kind == "bf16" or (kind == "fp8" and block == TABLED_BLOCK):
         hit = TABLE.get(table_key(kind, n_rows, n_in, n_tokens, groups))
         if (

@@ -58,6 +58,9 @@ class Tiles:
 # By format and by whether the groups are long (at least LONG_GROUP rows per expert on average): the best of
 # six tiles, in either operand order, of bench/sweep_grouped.py at DeepSeek-V4-Flash's expert shapes.
 LONG_GROUP = 256
+# Average (token, slot) rows per expert up to which the model runs a chunk's quantized experts in place (these
+# kernels) rather than dequantising groups of experts, at the Flash expert shapes (docs/KERNELS.md).
+IN_PLACE_MAX_ROWS_PER_EXPERT = {"fp8": 192, "fp4": 384}
 TILES: dict[tuple[str, bool], Tiles] = {
     ("fp8", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 128, 8, 3)),
     ("fp4", False): Tiles(

@@ -31,6 +31,9 @@ from .arrival import counters, last_to_arrive, signal, wait_for
 from .hc_streams import EXACT_ROUNDING, merged
 from .hyper import coefficients, pre_coefficients
 
+# Up to this many rows the model runs a site as this kernel (its rows run side by side): the widest verify block
+# whose FP8 projections stay on the GEMV (model/linear.py FP8_GEMV_MAX_ROWS).
+MAX_ROWS = 16
 BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384
 NUM_WARPS = 8  # halves each thread's share of the last program's collapse and norm (docs/KERNELS.md)
 

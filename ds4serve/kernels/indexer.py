@@ -32,6 +32,7 @@ CUDA graph, and a prefill chunk's rows run in parallel, one program each.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class SelectConfig:
             raise ValueError(f"SelectConfig.bits must be 1, 2, 4 or 8, not {self.bits}")
 
 
+@functools.cache
 def default_scores_config(rows: int) -> ScoresConfig:
     """Decode / verify rows: narrow entry tiles, so that a 2048-entry buffer fills 128 programs;
     prefill chunks: two rows per program, so that each key tile is read once for 128 head rows

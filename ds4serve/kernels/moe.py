@@ -71,6 +71,11 @@ class MoEConfig:
     down: Tile
 
 
+# (token, expert) pairs up to which the model runs the fused kernels: decode and every verify block (up to 17 rows:
+# 16 drafts, top-6 routing). A captured verify block runs as one compiled region, where quantized experts cannot
+# take the grouped kernels and the other paths read group ends on the host, which a capture refuses.
+MAX_PAIRS = 128
+
 # Per format (ExpertStack.format): the best of bench/sweep_moe.py; fp32 (tests, tiny models) is not swept.
 CONFIGS: dict[str, MoEConfig] = {
     "bf16": MoEConfig(Tile(16, 512), Tile(16, 512)),

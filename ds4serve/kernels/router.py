@@ -19,6 +19,7 @@ that Triton's CPU interpreter, whose casts truncate, rounds as the GPU and torch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class RouterConfig:
     stages: int = 2  # loop steps in flight when a slice takes several
 
 
+@functools.cache
 def default_config(n_experts: int, dim: int, n_rows: int) -> RouterConfig:
     """Eight gate rows per program, the input halved until there are as many programs as SMs or a slice
     would fall below :data:`MIN_SLICE` inputs: E=256, D=4096 gives 32 x 8 = 256 programs of 8 KB each, E=32

@@ -108,14 +108,14 @@ def sum_terms(terms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def fused_sites(X: torch.Tensor) -> bool:
     """Whether a pre site on the streams ``X`` is the one-launch kernel (decode-sized or a verify block), with or
     without the merge before it."""
-    return kernels.enabled(X) and X.shape[0] <= FUSED_SITE_MAX_ROWS
+    if not kernels.enabled(X):
+        return False
+    from ..kernels.hc_pre import MAX_ROWS
+
+    return X.shape[0] <= MAX_ROWS
 
 
 MIX_REDUCE_MAX_ROWS = 8  # up to this many rows the mixes are a product-sum (fused), else a matmul
-# Up to this many rows a site is the one-launch kernel (its rows run side by side): the widest verify block whose
-# FP8 projections stay on the GEMV (model/linear.py FP8_GEMV_MAX_ROWS); its mixes are product-sums, equal to the
-# matmul's up to fp32 summation order.
-FUSED_SITE_MAX_ROWS = 16
 
 
 @region(chunks=True)

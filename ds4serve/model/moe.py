@@ -15,12 +15,6 @@ from ..quant import FP8Weight, Weight
 from .linear import linear
 from .moe_grouped import routed_experts
 
-# (token, expert) pairs up to which the fused kernel runs: decode and every verify block (up to 17 rows: 16 drafts,
-# top-6 routing). A captured verify block runs as one compiled region, where quantized experts cannot take the
-# grouped kernels and the other paths read group ends on the host, which a capture refuses.
-FUSED_MAX_PAIRS = 128
-ROUTER_FUSED_MAX_ROWS = 16  # tokens up to which the one-launch router runs (kernels/router.py takes 16)
-
 
 @dataclass
 class MoEWeights:
@@ -55,11 +49,15 @@ def route(
 
 
 def _router_fused_applies(w: MoEWeights, x: torch.Tensor) -> bool:
-    """The one-launch router takes a few rows (decode) of bf16 / fp32 tokens with a dense contiguous gate."""
+    """The one-launch router takes a few rows (decode: up to ``kernels.router.MAX_ROWS``) of bf16 / fp32 tokens
+    with a dense contiguous gate."""
+    if not kernels.enabled(x):
+        return False
+    from ..kernels.router import MAX_ROWS
+
     return (
-        kernels.enabled(x)
-        and x.dim() == 2
-        and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float32)
         and isinstance(w.gate, torch.Tensor)
         and w.gate.dim() == 2
@@ -85,10 +83,19 @@ def moe(
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
     them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
-    if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
+    if _fused_applies(x, idx):
         return _moe_fused(w, x, idx, weights, limit, not slot_terms)
     out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
+
+
+def _fused_applies(x: torch.Tensor, idx: torch.Tensor) -> bool:
+    """The fused decode kernels take up to ``kernels.moe.MAX_PAIRS`` (token, expert) pairs."""
+    if not kernels.enabled(x):
+        return False
+    from ..kernels.moe import MAX_PAIRS
+
+    return idx.numel() <= MAX_PAIRS
 
 
 def _moe_fused(

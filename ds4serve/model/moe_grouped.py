@@ -118,16 +118,13 @@ def quant_grouped_applies(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight
     return grouped_experts.supports(like.dtype, w1, w3) and grouped_experts.supports(like.dtype, w2)
 
 
-# Average (token, slot) rows per expert up to which the in-place grouped kernels beat dequantising groups of
-# experts, at the Flash expert shapes (docs/KERNELS.md).
-IN_PLACE_MAX_ROWS_PER_EXPERT = {"fp8": 192, "fp4": 384}
-
-
 def _in_place_pays(rows: torch.Tensor, w1: Weight) -> bool:
     """Whether the quantized experts of a chunk of ``rows`` run in place: while a CUDA graph is captured (the
     other paths read the group ends on the host), or where the groups are short enough to be faster so."""
     if rows.is_cuda and torch.cuda.is_current_stream_capturing():
         return True
+    from ..kernels.grouped_experts import IN_PLACE_MAX_ROWS_PER_EXPERT
+
     fmt = "fp4" if isinstance(w1, FP4Weight) else "fp8"
     return rows.shape[0] <= IN_PLACE_MAX_ROWS_PER_EXPERT[fmt] * w1.shape[0]
 
