@@ -7,8 +7,6 @@ functionalised as Inductor would receive them) must reproduce the plain static s
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -73,14 +71,12 @@ def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factor
     assert graphs[1] == graphs[0]  # the second chunk length reused the traced graphs
 
 
-@pytest.mark.parametrize("with_kernels", [False, True])
-def test_static_step_with_compiled_regions_matches_plain(tiny_factory, with_kernels):
-    """Static decode with each decoder block one traced graph (CSA and HCA windows close, the ring wraps):
-    the torch code, or ``with_kernels`` the kernels as custom ops (run by Triton's interpreter on CPU)."""
-    if with_kernels:
-        pytest.importorskip("triton", reason="the block regions call the Triton kernels")
-        if torch.cuda.is_available():
-            pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
+def test_static_step_with_compiled_regions_matches_plain(tiny_factory):
+    """Static decode with each decoder block one traced graph calling the kernels as custom ops (run by Triton's
+    interpreter on CPU; CSA and HCA windows close, the ring wraps)."""
+    pytest.importorskip("triton", reason="the block regions call the Triton kernels")
+    if torch.cuda.is_available():
+        pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
     model, ids, (plain, traced) = static_decode_setup(
         tiny_factory, seed=2, prompt_seed=5, length=30, prefilled=14, capacity=40
     )
@@ -89,8 +85,7 @@ def test_static_step_with_compiled_regions_matches_plain(tiny_factory, with_kern
             pos = plain.pos
             ref, _ = static_step(model, plain, t)
             plain.commit(delta_at(ref.delta, pos, t), 1)
-            kernel_scope = kernels.on_any_device() if with_kernels else contextlib.nullcontext()
-            with regions.forced("aot_eager"), kernel_scope:
+            with regions.forced("aot_eager"), kernels.on_any_device():
                 out, _ = static_step(model, traced, t)
             traced.commit(delta_at(out.delta, pos, t), 1)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
