@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds4serve.kernels.switches import SWITCHES
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from ds4serve.engine.drafts import OracleProposer
+from ds4serve.kernels.switches import SWITCHES
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint

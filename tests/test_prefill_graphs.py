@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ds4serve.kernels.switches import SWITCHES, using
 
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.engine import Engine
 from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of, buckets
+from ds4serve.kernels.switches import SWITCHES, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint

@@ -7,11 +7,11 @@ forward and buffers); capturing them is checked on the GPU (bench/check_gpu.py).
 from __future__ import annotations
 
 import pytest
-from ds4serve.kernels.switches import SWITCHES
 
 from ds4serve import SamplingParams
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.cuda_graphs import VerifyGraph
+from ds4serve.kernels.switches import SWITCHES
 from ds4serve.state import SequenceState
 from tests.helpers import random_prompt
 from tests.test_speculative import MAX_TOKENS, PROMPT, _oracle, dspark_engine, mtp_engine  # noqa: F401

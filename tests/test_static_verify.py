@@ -12,10 +12,10 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from ds4serve.kernels.switches import using
 
 from ds4serve import kernels
 from ds4serve.kernels import regions
+from ds4serve.kernels.switches import using
 from tests.helpers import static_decode_setup
 
 # (block length, tokens accepted) per step, cycled from position 14
