@@ -9,7 +9,6 @@ Failures never escape :meth:`Engine.generate`: they come back as a :class:`Gener
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import threading
@@ -21,7 +20,6 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
-from ..kernels.switches import SWITCHES
 from ..model import DeepSeekV4
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
@@ -459,7 +457,7 @@ class Engine:
 
         model = self._require_model()
         kinds = self._graph_kinds(model)
-        eager_verify = kinds is not None and (kinds[1] is None or not SWITCHES.speculative_graphs)
+        eager_verify = kinds is not None and kinds[1] is None
         if eager_verify and not self._warned_eager_verify:
             self._warned_eager_verify = True
             log.warning(
@@ -504,35 +502,23 @@ class Engine:
         if self._graphs_apply(model):
             return DecodeGraph, VerifyGraph
         if isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
-            return SplitDecodeGraph, SplitVerifyGraph if SWITCHES.split_verify_graphs else None
-        if isinstance(model, PipelineModel) and model.device.type == "cuda" and SWITCHES.pipeline_graphs:
-            # its verify graphs commit by device writes only (SWITCHES.static_commit)
-            verify = SWITCHES.pipeline_verify_graphs and SWITCHES.static_commit
-            return PipelineModel.decode_graph, PipelineModel.verify_graph if verify else None
+            return SplitDecodeGraph, SplitVerifyGraph
+        if isinstance(model, PipelineModel) and model.device.type == "cuda":
+            return PipelineModel.decode_graph, PipelineModel.verify_graph
         return None
 
     def _prefill_graphs(self) -> FirstChunkGraphs | PipelineFirstChunks | None:
         """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
         model = self._require_model()
-        switches = dataclasses.astuple(SWITCHES)
         judged = self._first_chunks_apply
-        if judged is None or judged[0] is not model or judged[1:3] != (self.eager, switches):
+        if judged is None or judged[0] is not model or judged[1] != self.eager:
             if isinstance(model, PipelineModel):  # each rank judges its own experts (PipelineFirstChunks)
-                apply = (
-                    SWITCHES.prefill_graphs
-                    and SWITCHES.pipeline_prefill_graphs
-                    and not self.eager
-                    and model.device.type == "cuda"
-                )
+                apply = not self.eager and model.device.type == "cuda"
             else:
-                split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
-                apply = (
-                    SWITCHES.prefill_graphs
-                    and (split or self._graphs_apply(model))
-                    and prefill_graphs_apply(model)
-                )
-            judged = self._first_chunks_apply = (model, self.eager, switches, apply)
-        if not judged[3]:
+                split = not self.eager and isinstance(model, SplitModel)
+                apply = (split or self._graphs_apply(model)) and prefill_graphs_apply(model)
+            judged = self._first_chunks_apply = (model, self.eager, apply)
+        if not judged[2]:
             return None
         limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
         if (
@@ -564,7 +550,7 @@ class Engine:
         """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
         prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
         (``SWITCHES.static_commit``)."""
-        kinds = self._graph_kinds(model) if SWITCHES.speculative_graphs else None
+        kinds = self._graph_kinds(model)
         if kinds is None or kinds[1] is None:
             return None
         key = (width, tuple(capture))

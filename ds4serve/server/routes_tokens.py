@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes): what a prompt is as tokens, and back.
 
 ``/tokenize`` takes a completions-style ``prompt`` (text, or token ids) or a chat request's ``messages`` (with
-its ``tools``, ``response_format`` and thinking switches), encoded exactly as those routes encode them, and
+its ``tools``, ``response_format`` and thinking options), encoded exactly as those routes encode them, and
 answers ``{"count", "max_model_len", "tokens"}``; a prompt longer than the context is reported, not refused.
 ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}`` (special tokens kept).
 """
