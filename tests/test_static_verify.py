@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ds4serve import kernels
+from ds4serve.engine.device_commit import DeviceCommit
 from ds4serve.kernels import regions
-from ds4serve.kernels.switches import using
 from tests.helpers import static_decode_setup
 
 # (block length, tokens accepted) per step, cycled from position 14
@@ -62,7 +62,7 @@ def test_static_block_equals_chunk_and_commits_its_prefix(tiny_factory, traced):
             pos = plain.pos
             block = ids[pos : pos + length]
             ref = model.forward(block, plain, logit_rows=slice(None))
-            with regions.forced("aot_eager") if traced else regions.disabled(), using(block_regions=False):
+            with regions.forced("aot_eager") if traced else regions.disabled():
                 out = _static_block(model, static, block)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()
             assert err <= 1e-5, f"block of {length} at {pos}: relative error {err:.3g}"
@@ -82,17 +82,17 @@ def test_static_block_needs_one_position_per_token(tiny_factory):
 
 @pytest.mark.parametrize("path", ["torch", "commit_kernel"])
 def test_device_writes_of_the_accepted_prefix_equal_commit_static(tiny_factory, path):
-    """``write_block`` at the block's device positions + ``advance_block`` (what a verify graph captures
-    per accepted count, ``static_commit``) leaves exactly the state ``commit_static`` leaves, through
+    """``DeviceCommit.write_block`` at the block's device positions + ``advance_block`` (what a verify graph
+    captures per accepted count) leaves exactly the state ``commit_static`` leaves, through
     the torch writes and through the commit kernel (two launches per token; in the interpreter on CPU
     only the first two steps, which close CSA and HCA windows inside a block: it is slow there)."""
     model, ids, (reference, written) = static_decode_setup(
         tiny_factory, seed=3, prompt_seed=8, length=80, prefilled=14, capacity=96
     )
+    writes = DeviceCommit(written)
     with (
         torch.inference_mode(),
         regions.disabled(),
-        using(block_regions=False),
         kernels.on_any_device() if path == "commit_kernel" else nullcontext(),
     ):
         for length, accepted in STEPS if path == "torch" or torch.cuda.is_available() else STEPS[:2]:
@@ -101,9 +101,9 @@ def test_device_writes_of_the_accepted_prefix_equal_commit_static(tiny_factory, 
             positions = torch.arange(written.pos, written.pos + length)
             out = model.forward(torch.tensor(block), written, logit_rows=slice(None), positions=positions)
             reference.commit_static(out_ref.delta, block[:accepted])
-            plans = written.block_plans(out.delta, accepted, positions)
+            plans = writes.block_plans(out.delta, accepted, positions)
             assert (plans is not None) == (path == "commit_kernel" and length > 1)  # 1: the decode form
-            written.write_block(out.delta, positions, accepted, plans)
+            writes.write_block(out.delta, positions, accepted, plans)
             written.advance_block(block[:accepted])
             sa, sb = reference.snapshot(), written.snapshot()
             assert (sa.pos, sa.tokens) == (sb.pos, sb.tokens)

@@ -25,7 +25,6 @@ import torch
 from .. import profiler
 from ..config import SLIDING, ModelConfig
 from ..devices import on_device
-from ..kernels.switches import SWITCHES
 from ..model import DeepSeekV4
 from ..model.dspark import (
     DSparkWeights,
@@ -108,8 +107,7 @@ class PredictionProposer(DraftProposer):
     costs rejected drafts, never different tokens.
 
     At most 7 drafts a step: a verify block of up to ``GEMV_MAX_ROWS`` (8) rows runs the decode kernels, a wider
-    one partly the prefill paths (on the H200's FP8 proxy a block of 8 rows took 2.19x a decode step, 12 rows
-    3.04x, 16 rows 3.70x; docs/SPECULATIVE.md).
+    one partly the prefill paths, which cost more per row (docs/SPECULATIVE.md).
     """
 
     name = "prediction"
@@ -548,10 +546,10 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
         "the checkpoint's config.json" if engine.path is None else engine.path / "config.json",
         name,
     )
-    target = target_parts(engine._require_model())
+    target = target_parts(engine.require_model())
     weights = _engine_drafts(engine).get(name)
     # the drafts' passes run on the device of the target's head: graphs there, for a whole model or a split
-    static = SWITCHES.speculative_graphs and not engine.eager and target.device.type == "cuda"
+    static = not engine.eager and target.device.type == "cuda"
     if name == "mtp":
         return MTPProposer(weights, target, *(() if k is None else (k,)), static_passes=static)
     return DSparkProposer(weights, target, k, static_passes=static)

@@ -229,7 +229,7 @@ class Scheduler:
         (self.metrics.cache_hits if snap is not None else self.metrics.cache_misses).inc()
         at = job.cache_at
         if at is not None and cached < at <= len(job.prompt) and not job.cancelled:
-            with self.engine._lock, torch.inference_mode():
+            with self.engine.lock, torch.inference_mode():
                 state = self.engine.new_sequence(at)
                 if snap is not None:
                     state.restore(snap)
