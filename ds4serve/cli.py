@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -200,6 +201,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
     p.add_argument(
+        "--torch-reference",
+        action="store_true",
+        help="run the torch reference instead of the Triton kernels on the GPU (slow; for checking)",
+    )
+    p.add_argument(
+        "--no-pdl", action="store_true", help="launch the kernels without programmatic dependent launch"
+    )
+    p.add_argument(
         "--dequantize",
         action="store_true",
         help="load FP8 / MXFP4 weights as dense tensors "
@@ -211,6 +220,7 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
     """The engine :func:`engine_args` ask for, its checkpoint directory and its dtype (the profiler is
     configured first, so that loading is recorded too)."""
     from .engine import Engine
+    from .kernels import config as kernel_config
 
     profiler.configure(enabled=True if a.gpu_profile else None)
     model = Path(a.model) if a.model else default_model_dir()
@@ -229,6 +239,7 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
         layer_split=_int_list("--layer-split", a.layer_split),
         quantized=False if a.dequantize else None,
         eager=a.eager,
+        kernels=dataclasses.replace(kernel_config.current(), triton=not a.torch_reference, pdl=not a.no_pdl),
     )
     return engine, model, dtype
 

@@ -10,21 +10,17 @@ Per layer:
 All tensors are allocated once for the sequence's maximum context. Counters are derived from the
 single committed position ``pos``: a layer with ratio ``m`` has ``pos // m`` entries and
 ``pos % m`` buffered rows. A forward never writes here; :meth:`SequenceState.commit` applies a
-forward's :class:`~ds4serve.model.deepseek4.Pending` for the first ``n`` tokens.
+forward's :class:`ChunkDelta` for its first ``n`` tokens. A CUDA graph commits through device writes
+instead (:mod:`ds4serve.engine.device_commit`), then :meth:`SequenceState.advance_block`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from . import kernels
 from .config import CSA, SLIDING, ModelConfig
-
-if TYPE_CHECKING:
-    from .kernels.commit import CommitPlan
 
 
 @dataclass
@@ -78,8 +74,6 @@ class SequenceState:
     pos: int = 0
     last_logits: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
-    _commit: "CommitPlan | None" = field(default=None, init=False, repr=False, compare=False)
-    _reserved: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def allocate(
@@ -91,9 +85,9 @@ class SequenceState:
         return cls(layers=out, max_context=max_context, window=cfg.sliding_window)
 
     def part(self, layers: range) -> "SequenceState":
-        """The state of ``layers`` only: the same tensors, its own commit plan. A shard's share of a
-        layer split's state, for the shard's decode graph (one commit launch per device); its host
-        counters are not advanced, the whole state's are."""
+        """The state of ``layers`` only, over the same tensors: a shard's share of a layer split's state,
+        for the shard's graphs (their device writes go to its layers); its host counters are not advanced,
+        the whole state's are."""
         return SequenceState(
             layers={i: self.layers[i] for i in layers},
             max_context=self.max_context,
@@ -139,124 +133,9 @@ class SequenceState:
             layers[idx] = LayerDelta(window_rows=ld.window_rows, **fixed)
         self.commit(ChunkDelta(start=self.pos, tokens=list(tokens), layers=layers), len(tokens))
 
-    def write_token(self, delta: "ChunkDelta", pos: torch.Tensor) -> None:
-        """The device half of committing a static one-token delta at device position ``pos``.
-
-        Reads no host value (it is captured in the decode graph, after the forward); the caller then
-        calls :meth:`advance` with the token. Few launches, since each is a node of the graph: the
-        open-window rows are copied whole in one multi-tensor copy per dtype (rows past the committed ones are
-        the buffer's own), the window's entry is written to its row whether or not this token closes
-        it (nothing reads that row before the closing token writes it, and every buffer has a spare
-        row for the last, never-closing window), and only the CSA overlap half is conditional.
-
-        With the commit kernel (:mod:`ds4serve.kernels.commit`) the same writes are one launch; a CUDA
-        graph that captures this calls :meth:`prepare_capture` before and :meth:`finish_capture` after.
-        """
-        plan = self._commit_plan(delta)
-        if plan is not None:
-            plan.launch(pos, self._reserved)
-            return
-        self._write_token_rows(delta, pos)
-
-    def _write_token_rows(self, delta: "ChunkDelta", pos: torch.Tensor) -> None:
-        """:meth:`write_token` through torch writes."""
-        slot = pos % self.window
-        per_rate: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        copies: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for idx, ld in delta.layers.items():
-            ls = self.layers[idx]
-            ls.window.index_copy_(0, slot, ld.window_rows)
-            for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
-                if cd is None:
-                    continue
-                if c.rate not in per_rate:
-                    per_rate[c.rate] = (pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
-                row, closing = per_rate[c.rate]
-                for dst, src in ((c.buf_kv, cd.rows_kv), (c.buf_gate, cd.rows_gate)):
-                    dsts, srcs = copies.setdefault(dst.dtype, ([], []))
-                    dsts.append(dst)
-                    srcs.append(src)
-                c.entries.index_copy_(0, row, cd.entries)
-                if c.overlap:
-                    half = c.ov_kv.shape[-1]
-                    torch.where(closing, cd.rows_kv[:, :half], c.ov_kv, out=c.ov_kv)
-                    torch.where(closing, cd.rows_gate[:, :half], c.ov_gate, out=c.ov_gate)
-        for dsts, srcs in copies.values():  # one dtype per call: the multi-tensor kernel, not a memcpy each
-            torch._foreach_copy_(dsts, srcs)
-
-    def write_block(
-        self,
-        delta: "ChunkDelta",
-        positions: torch.Tensor,
-        n: int,
-        plans: "list[tuple[CommitPlan, CommitPlan | None]] | None" = None,
-    ) -> None:
-        """The device half of :meth:`commit_static` of the first ``n`` tokens of a static block whose
-        positions are the device tensor ``positions`` (captured once per accepted count in a verify
-        graph; the caller then calls :meth:`advance_block`). Token by token, as :meth:`write_token`
-        writes: its window row, its compressor rows into their slots of the open window (so a token
-        that closes a window finds the whole window there for the CSA overlap) and its entry.
-        ``plans`` (:meth:`block_plans`) makes each token two launches of the commit kernel."""
-        if _block_width(delta) == 1:  # a one-token static delta has the decode step's form
-            if n:
-                self._write_token_rows(delta, positions[:1])
-            return
-        for i in range(n):
-            pos = positions[i : i + 1]
-            if plans is None:
-                self._write_block_row(delta, i, pos)
-                continue
-            rows, overlap = plans[i]
-            rows.launch(pos)
-            if overlap is not None:
-                overlap.launch(pos)
-
-    def _write_block_row(self, delta: "ChunkDelta", i: int, pos: torch.Tensor) -> None:
-        """:meth:`write_block`'s writes of token ``i`` at device position ``pos`` through torch."""
-        slot = pos % self.window
-        per_rate: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for idx, ld in delta.layers.items():
-            ls = self.layers[idx]
-            ls.window.index_copy_(0, slot, ld.window_rows[i : i + 1])
-            for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
-                if cd is None:
-                    continue
-                if c.rate not in per_rate:
-                    per_rate[c.rate] = (pos % c.rate, pos // c.rate, (pos % c.rate == c.rate - 1).view(1, 1))
-                row, entry, closing = per_rate[c.rate]
-                c.buf_kv.index_copy_(0, row, cd.rows_kv[i : i + 1])
-                c.buf_gate.index_copy_(0, row, cd.rows_gate[i : i + 1])
-                c.entries.index_copy_(0, entry, cd.entries[i : i + 1])
-                if c.overlap:  # after the row: a closing token finds its whole window in the buffer
-                    half = c.ov_kv.shape[-1]
-                    torch.where(closing, c.buf_kv[:, :half], c.ov_kv, out=c.ov_kv)
-                    torch.where(closing, c.buf_gate[:, :half], c.ov_gate, out=c.ov_gate)
-
-    def block_plans(
-        self, delta: "ChunkDelta", n: int, positions: torch.Tensor
-    ) -> "list[tuple[CommitPlan, CommitPlan | None]] | None":
-        """The commit kernel's launches of :meth:`write_block` (two per token), their tables already on
-        the device so that a capture can take them; None for the torch code."""
-        if not self._commit_kernel_on() or _block_width(delta) == 1:
-            return None
-        from .kernels.commit import CommitPlan, block_jobs, warm
-
-        plans = []
-        for i in range(n):
-            rows, overlap = block_jobs(self, delta, i)
-            plan, over = CommitPlan.of(rows), CommitPlan.of(overlap)
-            if plan is None or (overlap and over is None):
-                return None
-            for p in (plan, over):
-                if p is not None:
-                    p.stage(positions.device)
-            plans.append((plan, over))
-        warm(positions[:1])
-        return plans
-
     def advance_block(self, tokens: list[int]) -> None:
-        """The host half of committing the tokens whose rows :meth:`write_block` (or, for one token,
-        :meth:`write_token`) wrote."""
+        """The host half of committing ``tokens`` whose rows were written at device positions
+        (:class:`~ds4serve.engine.device_commit.DeviceCommit`): the position and the token ids."""
         if self.pos + len(tokens) > self.max_context:
             raise ValueError(
                 f"committing {len(tokens)} token(s) at {self.pos} exceeds the context of {self.max_context}"
@@ -264,41 +143,8 @@ class SequenceState:
         self.pos += len(tokens)
         self.tokens.extend(tokens)
 
-    def prepare_capture(self, pos: torch.Tensor) -> torch.Tensor | None:
-        """Before a CUDA graph captures :meth:`write_token` at ``pos``: load its kernel (a capture
-        cannot) and reserve the job table its launch will read; the graph must keep that table."""
-        if not self._commit_kernel_on():
-            return None
-        from .kernels.commit import reserve_table, warm
-
-        warm(pos)
-        self._reserved = reserve_table(self, pos.device)
-        return self._reserved
-
-    def finish_capture(self) -> None:
-        """After a CUDA graph captured :meth:`write_token`: fill the job table that its launch reads
-        (the delta's addresses were known only during the capture, which cannot copy from the host)."""
-        if self._commit is not None:
-            self._commit.upload()
-
-    def _commit_kernel_on(self) -> bool:
-        first = next(iter(self.layers.values()), None)
-        return first is not None and kernels.enabled(first.window)
-
-    def _commit_plan(self, delta: "ChunkDelta") -> "CommitPlan | None":
-        """The commit kernel's plan for ``delta`` (the cached one while the addresses are the same), or
-        None for the torch code."""
-        if not self._commit_kernel_on():
-            return None
-        from .kernels.commit import CommitPlan
-
-        plan = CommitPlan.build(self, delta)
-        if plan is None or self._commit is None or not plan.same_jobs(self._commit):
-            self._commit = plan
-        return self._commit
-
     def advance(self, token: int) -> None:
-        """The host half of committing one token whose rows :meth:`write_token` wrote."""
+        """:meth:`advance_block` of one token."""
         self.advance_block([token])
 
     def reset(self) -> None:
@@ -437,10 +283,6 @@ class ChunkDelta:
         return len(self.tokens)
 
 
-def _block_width(delta: "ChunkDelta") -> int:
-    return next(iter(delta.layers.values())).window_rows.shape[0]
-
-
 def _chunk_form(c: CompressorState, cd: CompressorDelta, pos: int, length: int) -> CompressorDelta:
     """A static block's compressor delta at host position ``pos`` as a chunk's: the open window's
     committed rows before the block's, and the entries of the tokens that close a window. (A one-token
@@ -479,7 +321,7 @@ def allocate_layer(
     if layer_type == SLIDING:
         return LayerState(window=window)
     rate = cfg.csa_rate if layer_type == CSA else cfg.hca_rate
-    capacity = max_context // rate + 1  # + a spare row for the last window's entry (write_token)
+    capacity = max_context // rate + 1  # + a spare row for the last window's entry (DeviceCommit)
     compressor = CompressorState.allocate(rate, layer_type == CSA, cfg.head_dim, capacity, dtype, device)
     indexer = None
     if layer_type == CSA:

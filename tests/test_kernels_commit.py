@@ -1,4 +1,5 @@
-"""The commit kernel (kernels/commit.py) writes what the torch ``write_token`` writes, bit for bit."""
+"""The commit kernel (kernels/commit.py) writes what the torch reference of ``DeviceCommit.write_token``
+(engine/device_commit.py) writes, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
+from ds4serve.engine.device_commit import DeviceCommit, write_token_rows  # noqa: E402
 from ds4serve.kernels import commit  # noqa: E402
 from ds4serve.state import ChunkDelta, CompressorDelta, LayerDelta, SequenceState  # noqa: E402
 from ds4serve.tiny import TinySpec, tiny_config  # noqa: E402
@@ -39,16 +41,15 @@ def _at(pos: int) -> torch.Tensor:
 
 
 def _write_both(
-    reference: SequenceState, state: SequenceState, delta: ChunkDelta, pos: int, token: int
+    reference: SequenceState, writes: DeviceCommit, delta: ChunkDelta, pos: int, token: int
 ) -> None:
-    """The torch ``write_token`` on ``reference``, the kernel's on ``state``."""
+    """The torch reference's writes on ``reference``, ``writes``' (the kernel's) on its state."""
     where = _at(pos)
-    with kernels.disabled():
-        reference.write_token(delta, where)
+    write_token_rows(reference, delta, where)
     with kernels.on_any_device():
-        state.write_token(delta, where)
+        writes.write_token(delta, where)
     reference.advance(token)
-    state.advance(token)
+    writes.state.advance(token)
 
 
 def test_kernel_commit_of_static_steps_equals_torch_commit(tiny_factory):
@@ -60,13 +61,14 @@ def test_kernel_commit_of_static_steps_equals_torch_commit(tiny_factory):
     model, ids, (reference, state) = static_decode_setup(
         tiny_factory, seed=4, prompt_seed=9, length=26, prefilled=2, capacity=32
     )
+    writes = DeviceCommit(state)
     with torch.inference_mode():
         for t in ids[2:]:
             pos = reference.pos
             out, _ = static_step(model, reference, t)
-            _write_both(reference, state, out.delta, pos, t)
+            _write_both(reference, writes, out.delta, pos, t)
             _assert_same(reference, state, f"position {pos}")
-    assert state.pos == 26 and state._commit is not None  # the kernel committed, not the torch code
+    assert state.pos == 26 and writes.plan is not None  # the kernel committed, not the torch code
 
 
 def _random_delta(state: SequenceState, g: torch.Generator, pos: int) -> ChunkDelta:
@@ -101,17 +103,17 @@ def test_kernel_commit_of_bf16_rows_at_every_position():
     """bf16 state and random deltas, positions 0 to 23 (CSA windows close, the first HCA window at 15):
     the rows are copied as raw words."""
     reference, state = _bf16_states()
+    writes = DeviceCommit(state)
     g = torch.Generator().manual_seed(0)
     for pos in range(24):
         delta = _random_delta(reference, g, pos)
-        _write_both(reference, state, delta, pos, 0)
+        _write_both(reference, writes, delta, pos, 0)
         _assert_same(reference, state, f"position {pos}")
-    assert state._commit is not None
+    assert writes.plan is not None
 
 
-def test_unaligned_rows_and_the_torch_reference_fall_back_to_torch(monkeypatch):
-    """A bf16 row at an odd element offset is not whole words: the torch code commits it; with the
-    kernels disabled the kernel is not used at all."""
+def test_unaligned_rows_fall_back_to_torch(monkeypatch):
+    """A bf16 row at an odd element offset is not whole words: the torch code commits it."""
     launches = []
     real = commit._launch
     monkeypatch.setattr(commit, "_launch", lambda *a: launches.append(a) or real(*a))
@@ -122,13 +124,10 @@ def test_unaligned_rows_and_the_torch_reference_fall_back_to_torch(monkeypatch):
     shifted = torch.empty(1, rows.shape[1] + 1, dtype=rows.dtype, device=DEVICE)
     shifted[:, 1:] = rows
     delta.layers[0].window_rows = shifted[:, 1:]
-    assert commit.CommitPlan.build(state, delta) is None
-    _write_both(reference, state, delta, 3, 0)
+    writes = DeviceCommit(state)
+    _write_both(reference, writes, delta, 3, 0)
     _assert_same(reference, state, "unaligned")
-    assert not launches
-    with kernels.on_any_device(), kernels.disabled():
-        state.write_token(_random_delta(state, g, 4), _at(4))
-    assert not launches
+    assert not launches and writes.plan is None
 
 
 def test_plan_is_reused_and_a_capture_fills_its_reserved_table_afterwards(monkeypatch):
@@ -136,29 +135,28 @@ def test_plan_is_reused_and_a_capture_fills_its_reserved_table_afterwards(monkey
     reserved before the capture (not one allocated from the graph's pool during it), which
     :meth:`finish_capture` fills (capture simulated: nothing runs)."""
     state = _bf16_states()[0]
+    writes = DeviceCommit(state)
     delta = _random_delta(state, torch.Generator().manual_seed(2), 0)
     with kernels.on_any_device():
-        state.write_token(delta, _at(0))
-        plan = state._commit
-        state.write_token(delta, _at(0))
-        assert state._commit is plan
+        writes.write_token(delta, _at(0))
+        plan = writes.plan
+        writes.write_token(delta, _at(0))
+        assert writes.plan is plan
         launched = []
         monkeypatch.setattr(commit, "_launch", lambda jobs, pos, split: launched.append(jobs))
         monkeypatch.setattr(commit, "_capturing", lambda t: True)
         with pytest.raises(RuntimeError, match="reserved before the capture"):
-            state.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
-        reserved = state.prepare_capture(_at(0))
-        state.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
-    assert (
-        state._commit is not plan and launched[-1] is reserved
-    )  # after the warm-up launch of prepare_capture
+            writes.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
+        reserved = writes.prepare_capture(_at(0))
+        writes.write_token(_random_delta(state, torch.Generator().manual_seed(3), 0), _at(0))
+    assert writes.plan is not plan and launched[-1] is reserved  # after the warm-up launch of prepare_capture
     reserved.zero_()
-    state.finish_capture()
-    assert torch.equal(reserved.cpu(), state._commit.host)
+    writes.finish_capture()
+    assert torch.equal(reserved.cpu(), writes.plan.host)
 
 
 def test_prepare_capture_writes_nothing():
     reference, state = _bf16_states()
     with kernels.on_any_device():
-        state.prepare_capture(_at(5))
+        DeviceCommit(state).prepare_capture(_at(5))
     _assert_same(reference, state, "after prepare_capture")

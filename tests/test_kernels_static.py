@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds4serve.engine.cuda_graphs import delta_at
+from ds4serve.engine.device_commit import DeviceCommit
 from tests.helpers import static_decode_setup, static_step
 
 
@@ -27,19 +28,20 @@ def test_static_decode_matches_eager(tiny_factory):
 
 
 def test_device_commit_of_static_steps_equals_host_commit(tiny_factory):
-    """``write_token`` + ``advance`` (the commit the decode graph captures) leaves the same committed
+    """``DeviceCommit.write_token`` + ``advance`` (the commit the decode graph captures) leaves the same committed
     state as ``commit`` of the same static deltas, across ring wraps and closing CSA/HCA windows,
     and the following static steps give the same logits."""
     model, ids, (host, device) = static_decode_setup(
         tiny_factory, seed=4, prompt_seed=9, length=60, prefilled=13, capacity=64
     )
+    writes = DeviceCommit(device)
     with torch.inference_mode():
         for t in ids[13:]:
             pos = host.pos
             ref, _ = static_step(model, host, t)
             host.commit(delta_at(ref.delta, pos, t), 1)
             out, where = static_step(model, device, t)
-            device.write_token(out.delta, where)
+            writes.write_token(out.delta, where)
             device.advance(t)
             assert torch.equal(out.logits, ref.logits), f"position {pos}"
     a, b = host.snapshot(), device.snapshot()

@@ -1,7 +1,9 @@
 """The torch.distributed pipeline on 2 gloo processes (127.0.0.1): exact logits, cancellation, lost ranks.
 
-Each test starts the ranks as spawned processes; every wait on them is bounded, so a hang fails
-the test instead of blocking CI.
+Each test starts the ranks as spawned processes and waits for events: each rank ready, rank 0's report of its
+scenario, each process's exit. Every wait is bounded, so a hang fails the test instead of blocking CI; the
+bounds are generous (a loaded 2-core machine runs the ranks many times slower than an idle one), since a hang
+outlasts any of them: a worker waits days for rank 0's next operation.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +28,11 @@ from ds4serve.engine.prefill_graphs import FirstChunkGraphs
 from tests.helpers import random_prompt
 
 SPLIT = [2, 4]
-TIMEOUT = datetime.timedelta(seconds=20)
-JOIN_S = 60
+# the ranks' data timeout (a peer silent this long is an error; a dead one is at once): generous, since the
+# rendezvous and the start-up handshake wait for the slower rank to load
+TIMEOUT = datetime.timedelta(seconds=120)
+EVENT_S = 300  # the longest wait for one event (a rank ready or gone, rank 0's report)
+RUN_S = 900  # the longest wait for rank 0's report of the exact scenario (many forwards)
 PROMPT = random_prompt(45, seed=21)
 CHUNKS = [5, 1, 20, 19]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -49,8 +56,9 @@ def _join(rank: int, port: int, path: str):
     return init_pipeline(path, layer_split=SPLIT, max_context=256, timeout=TIMEOUT)
 
 
-def _rank_main(rank: int, port: int, path: str, scenario: str, out: str, ready, go) -> None:
-    """One rank: rank 0 runs ``scenario`` and saves what it saw to ``out``; the others serve."""
+def _rank_main(rank: int, port: int, path: str, scenario: str, out: str, ready, go, done) -> None:
+    """One rank: rank 0 runs ``scenario``, saves what it saw to ``out`` and reports on ``done``; the others
+    serve. A rank that gets a PipelineError writes it to ``out.rank<N>.err`` and exits with 3."""
     import torch.distributed as dist
 
     from ds4serve.engine import Engine
@@ -67,8 +75,9 @@ def _rank_main(rank: int, port: int, path: str, scenario: str, out: str, ready, 
             model = PipelineModel(shard, groups, table)
             engine = Engine(model, Tokenizer(path), max_context=256)
             ready.put((rank, os.getpid()))
-            go.wait(JOIN_S)
+            go.wait(EVENT_S)
             torch.save(SCENARIOS[scenario](engine), out)
+            done.put(rank)
             model.close()
     except PipelineError as exc:
         Path(out + f".rank{rank}.err").write_text(str(exc))
@@ -179,27 +188,64 @@ def _after_peer_loss(engine) -> dict:
 SCENARIOS = {"exact": _exact, "peer_loss": _after_peer_loss, "idle": lambda engine: {}}
 
 
-def _start(tmp_path: Path, path: Path, scenario: str):
-    ctx = mp.get_context("spawn")
-    ready, go = ctx.Queue(), ctx.Event()
-    port, out = _free_port(), str(tmp_path / "result.pt")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, port, str(path), scenario, out, ready, go)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    pids = dict(ready.get(timeout=JOIN_S) for _ in procs)
-    return procs, pids, go, out
+class Ranks:
+    """The two spawned ranks of one test and the events they report; leaving its ``with`` kills any rank
+    still running."""
 
+    def __init__(self, tmp_path: Path, path: Path, scenario: str):
+        ctx = mp.get_context("spawn")
+        ready, self.go, self.done = ctx.Queue(), ctx.Event(), ctx.Queue()
+        self.out = str(tmp_path / "result.pt")
+        args = (_free_port(), str(path), scenario, self.out, ready, self.go, self.done)
+        self.procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
+        for p in self.procs:
+            p.start()
+        try:
+            self.pids = dict(self._get(ready, EVENT_S, "ready", self.procs) for _ in self.procs)
+        except BaseException:
+            self.stop()
+            raise
 
-def _stop(procs) -> list[int]:
-    for p in procs:
-        p.join(JOIN_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def report(self, timeout: float = EVENT_S) -> dict:
+        """Rank 0's saved result, once it reports it: the test fails if rank 0 exits first or reports nothing
+        within ``timeout`` (a hang)."""
+        self._get(self.done, timeout, "its report", self.procs[:1])
+        return torch.load(self.out)
+
+    def gone(self, rank: int) -> int:
+        """Wait for ``rank``'s process to exit; its exit code."""
+        proc = self.procs[rank]
+        proc.join(EVENT_S)
+        assert not proc.is_alive(), f"rank {rank} is still running after {EVENT_S} s"
+        return proc.exitcode
+
+    def stop(self) -> None:
+        """Kill any rank still running."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
             p.join()
-    return [p.exitcode for p in procs]
+
+    @staticmethod
+    def _get(box, timeout: float, what: str, senders: list) -> object:
+        """The next item of ``box`` (a queue that the ranks ``senders``, from rank 0 on, put to), waiting
+        while they run, at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return box.get(timeout=1)
+            except queue.Empty:
+                dead = {rank: p.exitcode for rank, p in enumerate(senders) if not p.is_alive()}
+                if dead and box.empty():
+                    pytest.fail(f"waiting for {what}: rank(s) exited first (exit codes {dead})")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"waiting for {what}: nothing within {timeout} s (a hang)")
 
 
 @pytest.fixture(scope="module")
@@ -237,12 +283,12 @@ def _reference(engine) -> dict:
     return out
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(3 * EVENT_S + RUN_S)
 def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
-    procs, _, go, out = _start(tmp_path, tiny_dir, "exact")
-    go.set()
-    assert _stop(procs) == [0, 0]  # rank 0 closed the pipeline and the worker returned cleanly
-    got = torch.load(out)
+    with Ranks(tmp_path, tiny_dir, "exact") as ranks:
+        ranks.go.set()
+        got = ranks.report(RUN_S)
+        assert [ranks.gone(0), ranks.gone(1)] == [0, 0]  # rank 0 closed the pipeline, the worker returned
     for key in (
         "score",
         "verify",
@@ -263,30 +309,30 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     assert spec["graphs"] == ["PipelineVerifyGraph"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(5 * EVENT_S)
 def test_killed_worker_gives_an_error_not_a_hang(tmp_path, tiny_dir):
-    procs, pids, go, out = _start(tmp_path, tiny_dir, "peer_loss")
-    os.kill(pids[1], signal.SIGKILL)
-    procs[1].join(JOIN_S)
-    go.set()
-    codes = _stop(procs)
-    assert codes[0] == 0  # rank 0 survived: the failure came back as a result
-    got = torch.load(out)
+    """Rank 1 is killed before rank 0's first request: both requests come back as errors (the first naming
+    rank 1, the second at once: the pipeline is down), and rank 0 exits normally."""
+    with Ranks(tmp_path, tiny_dir, "peer_loss") as ranks:
+        os.kill(ranks.pids[1], signal.SIGKILL)
+        assert ranks.gone(1) == -signal.SIGKILL
+        ranks.go.set()
+        got = ranks.report()
+        assert ranks.gone(0) == 0  # rank 0 survived: the failure came back as a result
     reason, message = got["first"]
     assert reason == "error" and "rank 1" in message
     assert got["second"][0] == "error" and "pipeline is down" in got["second"][1]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(4 * EVENT_S)
 def test_worker_exits_with_an_error_when_rank0_dies(tmp_path, tiny_dir):
-    procs, pids, go, out = _start(tmp_path, tiny_dir, "idle")
-    os.kill(pids[0], signal.SIGKILL)
-    codes = _stop(procs)
-    assert codes[1] == 3
-    assert "rank 0" in Path(out + ".rank1.err").read_text()
+    with Ranks(tmp_path, tiny_dir, "idle") as ranks:
+        os.kill(ranks.pids[0], signal.SIGKILL)
+        assert ranks.gone(1) == 3
+    assert "rank 0" in Path(ranks.out + ".rank1.err").read_text()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(EVENT_S)
 def test_torchrun_launcher_generates_the_single_device_tokens(tiny_dir, reference):
     cmd = [
         sys.executable,
@@ -307,13 +353,13 @@ def test_torchrun_launcher_generates_the_single_device_tokens(tiny_dir, referenc
         "--max-context",
         "256",
         "--timeout-s",
-        "20",
+        str(int(TIMEOUT.total_seconds())),
         "--max-tokens",
         str(GREEDY.max_tokens),
         "--prompt-ids",
         ",".join(map(str, PROMPT)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=EVENT_S - 30, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"tokens: {','.join(map(str, reference['generate']))}" in run.stdout

@@ -9,7 +9,6 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from ds4serve.engine.drafts import OracleProposer
-from ds4serve.kernels.switches import SWITCHES
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
@@ -214,12 +213,9 @@ def test_split_verify_graph_equals_the_whole_model_graph(engine, split_engine, a
     _assert_same_state(*states)
 
 
-@pytest.mark.parametrize("static_commit", [False, True], ids=["commit_static", "device_commit"])
-def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(
-    split_engine, monkeypatch, static_commit
-):
+def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(split_engine, monkeypatch):
     """The engine verifies on a split through SplitVerifyGraph (uncaptured on CPU) and stays lossless,
-    committing on the host or (``static_commit``) by each shard's device writes."""
+    committing the accepted prefixes by each shard's device writes."""
     made = []
 
     def build(model, state, width, capture):
@@ -232,7 +228,6 @@ def test_speculative_on_a_split_through_its_verify_graphs_equals_plain(
     monkeypatch.setattr(split_engine, "_graph_kinds", lambda model: (None, engine_module.SplitVerifyGraph))
     monkeypatch.setattr(split_engine, "_decode_graph", lambda model, state: None)  # plain steps stay eager
     monkeypatch.setattr(split_engine, "_verify_graphs", {})
-    monkeypatch.setattr(SWITCHES, "static_commit", static_commit)
     res = split_engine.generate(
         prompt, SamplingParams(max_tokens=20), speculative=OracleProposer(prompt + plain.tokens, 0.7, 4)
     )

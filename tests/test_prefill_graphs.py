@@ -9,7 +9,6 @@ import torch
 from ds4serve.engine import engine as engine_module
 from ds4serve.engine.engine import Engine
 from ds4serve.engine.prefill_graphs import FirstChunkGraphs, bucket_of, buckets
-from ds4serve.kernels.switches import SWITCHES, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel import SplitModel
 from ds4serve.weights import Checkpoint
@@ -114,7 +113,6 @@ def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
     graphs = Spy(model, limit=64, graph=False)
     engine = Engine(model, tokenizer=None, chunk_size=40)
     eager = Engine(model, tokenizer=None, chunk_size=40)
-    monkeypatch.setattr(engine_module.SWITCHES, "prefill_graphs", True)
     monkeypatch.setattr(Engine, "_prefill_graphs", lambda self: graphs if self is engine else None)
     ids = random_prompt(100, seed=7)
     states = model.new_state(256), model.new_state(256)
@@ -126,20 +124,20 @@ def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
     assert calls == [40]
 
 
-def test_engine_judges_a_model_once_per_switch_set(model, monkeypatch):
-    """Whether a model's first chunks are captured is judged once (its experts' checks are not free) and again
-    when a switch, the eager flag or the model changes."""
+def test_engine_judges_a_model_once(model, tiny_factory, monkeypatch):
+    """Whether a model's first chunks are captured is judged once per model (its experts' checks are not
+    free), and not at all for an eager engine."""
     judged = []
-    monkeypatch.setattr(Engine, "_graphs_apply", lambda self, m: True)
+    monkeypatch.setattr(Engine, "_graphs_apply", lambda self, m: not self.eager)
     monkeypatch.setattr(engine_module, "prefill_graphs_apply", lambda m: judged.append(m) or False)
     engine = Engine(model, tokenizer=None)
     assert engine._prefill_graphs() is None and engine._prefill_graphs() is None
-    assert len(judged) == 1
-    with using(quant_grouped_mm=not SWITCHES.quant_grouped_mm):
-        engine._prefill_graphs()
-    engine.eager = True
+    assert judged == [model]
+    other = engine.model = DeepSeekV4.load(Checkpoint(tiny_factory(seed=4)))
     engine._prefill_graphs()
-    assert len(judged) == 3
+    assert judged == [model, other]
+    assert Engine(model, tokenizer=None, eager=True)._prefill_graphs() is None
+    assert judged == [model, other]
 
 
 def _assert_first_chunks_match_eager(graphs: FirstChunkGraphs, model: DeepSeekV4, prompts) -> None:

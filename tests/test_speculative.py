@@ -212,21 +212,3 @@ def test_seeded_speculative_sampling_is_reproducible(dspark_engine):
     b = eng.generate(PROMPT, params, speculative="dspark")
     assert a.ok and a.tokens == b.tokens and len(a.tokens) == 12
     assert a.stats.speculative == b.stats.speculative
-
-
-def test_speculation_that_would_verify_eagerly_next_to_decode_graphs_is_warned_once(
-    tiny_dir, monkeypatch, caplog
-):
-    """A pipeline on CUDA decodes through graphs but verifies eagerly: a request for speculation says so."""
-    engine = Engine.from_pretrained(tiny_dir)
-    monkeypatch.setattr(engine, "_graph_kinds", lambda model: (object, None))
-    with caplog.at_level("WARNING", logger="ds4serve.engine"):
-        engine._proposer("ngram:3")
-        engine._proposer("ngram:3")
-    warned = [r for r in caplog.records if "verifies eagerly" in r.getMessage()]
-    assert len(warned) == 1
-    caplog.clear()
-    fresh = Engine.from_pretrained(tiny_dir)  # on the CPU every step is eager: nothing to say
-    with caplog.at_level("WARNING", logger="ds4serve.engine"):
-        fresh._proposer("ngram:3")
-    assert not [r for r in caplog.records if "verifies eagerly" in r.getMessage()]

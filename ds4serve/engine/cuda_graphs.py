@@ -6,12 +6,12 @@ synchronises with the host. :class:`DecodeGraph` captures that step over one
 :class:`~ds4serve.state.SequenceState` (its tensors are read in place, so the graph belongs to that
 state object), then each :meth:`DecodeGraph.step` writes the token and position into the input
 tensors and replays. Plain decoding always commits the one token it ran, so the graph also holds
-that commit (:meth:`~ds4serve.state.SequenceState.write_token`, device writes at the device
+that commit (:class:`~ds4serve.engine.device_commit.DeviceCommit`, device writes at the device
 position): a step is one replay plus the host counters.
 
 A speculative verify step commits only the accepted prefix of its block, which the host knows after
-the replay. :class:`VerifyGraph` captures the static forward of a block of one width (no commit); the
-caller then commits the prefix with :meth:`~ds4serve.state.SequenceState.commit_static`.
+the replay. :class:`VerifyGraph` captures the static forward of a block of one width (no commit), and
+its :meth:`VerifyGraph.commit` the device writes of each accepted count as a graph of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from ..devices import on_device
 from ..model import DeepSeekV4, ForwardResult
 from ..state import ChunkDelta, SequenceState
+from .device_commit import DeviceCommit
 
 if TYPE_CHECKING:
     from ..parallel import SplitModel
@@ -99,6 +100,7 @@ class DecodeGraph:
         self.hidden = hidden
         self.token = torch.zeros(1, dtype=torch.long, device=model.device)
         self.pos = torch.full((1,), state.pos, dtype=torch.long, device=model.device)
+        self._writes = DeviceCommit(state)
         # warming up runs forwards only (it must not write the state); the commit's job table is
         # reserved before the capture and filled after it
         self._step = Captured(
@@ -106,11 +108,11 @@ class DecodeGraph:
             model.device,
             graph=graph,
             warm=self._forward,
-            setup=lambda: state.prepare_capture(self.pos),
+            setup=lambda: self._writes.prepare_capture(self.pos),
             warmup=warmup,
         )
         self.graph = self._step.graph
-        state.finish_capture()
+        self._writes.finish_capture()
 
     def _forward(self) -> ForwardResult:
         rows = slice(0, 1) if self.model.head is not None else None
@@ -120,7 +122,7 @@ class DecodeGraph:
 
     def _forward_and_commit(self) -> ForwardResult:
         out = self._forward()
-        self.state.write_token(out.delta, self.pos)
+        self._writes.write_token(out.delta, self.pos)
         return out
 
     def replay(self, token: int, pos: int) -> ForwardResult:
@@ -166,7 +168,8 @@ class SplitDecodeGraph:
 
 class VerifyGraph:
     """A captured static forward of a ``width``-token block of ``model`` over ``state``: logits of
-    every row, the final streams and the ``capture`` layers' streams (for the draft proposer).
+    every row, the final streams and the ``capture`` layers' streams (for the draft proposer); and the
+    device writes that commit an accepted prefix of it.
     ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split.
     ``graph=False`` runs the same static forward without capturing it (CPU tests)."""
 
@@ -187,6 +190,7 @@ class VerifyGraph:
         self._block = Captured(self._forward, model.device, graph=graph, warmup=warmup)
         self.graph = self._block.graph
         self._last: ForwardResult | None = None
+        self._writes = DeviceCommit(state)
         self._writers: dict[int, Captured] = {}  # accepted count -> the captured commit of that many
 
     def _forward(self) -> ForwardResult:
@@ -213,23 +217,24 @@ class VerifyGraph:
         return self._last
 
     def commit(self, tokens: list[int]) -> None:
-        """:meth:`~ds4serve.state.SequenceState.commit_static` of the last block's first ``len(tokens)``
-        tokens as device writes at its device positions, captured once per accepted count
-        (``SWITCHES.static_commit``), then the host counters."""
+        """Commit the last block's first ``len(tokens)`` tokens: device writes at its device positions,
+        captured once per accepted count (the state :meth:`~ds4serve.state.SequenceState.commit_static`
+        would leave), then the host counters."""
         self.write(len(tokens))
         self.state.advance_block(tokens)
 
     def write(self, n: int) -> None:
         """The device half of :meth:`commit`."""
         delta = self._last.delta
+        writes = self._writes
         if self.graph is None:  # uncaptured (CPU tests): every run returns new buffers
-            self.state.write_block(delta, self.positions, n, self.state.block_plans(delta, n, self.positions))
+            writes.write_block(delta, self.positions, n, writes.block_plans(delta, n, self.positions))
             return
         writer = self._writers.get(n)
         if writer is None:  # the graph's buffers: the same at every replay, so the tables are built once
-            plans = self.state.block_plans(delta, n, self.positions)
+            plans = writes.block_plans(delta, n, self.positions)
             writer = self._writers[n] = Captured(
-                lambda: self.state.write_block(delta, self.positions, n, plans), self.model.device, warmup=0
+                lambda: writes.write_block(delta, self.positions, n, plans), self.model.device, warmup=0
             )
         writer.replay()
 

@@ -1,4 +1,4 @@
-"""The draft models' passes as CUDA graphs (``SWITCHES.speculative_graphs``).
+"""The draft models' passes as CUDA graphs (on CUDA unless the engine is eager).
 
 :class:`~ds4serve.engine.drafts.MTPProposer` runs its block twice per verify step: once over the
 rows the step committed (target streams and next tokens, committed to the draft's window), then
@@ -7,8 +7,8 @@ hundred launches; here both are static forwards (device positions, as the decode
 captured once: one graph per committed-row count over the draft state (its accepted rows then
 committed with :meth:`~ds4serve.state.SequenceState.commit_static`), and one chained step over a
 persistent scratch state that commits its own row inside the graph
-(:meth:`~ds4serve.state.SequenceState.write_token`), the scratch window being reloaded from the
-draft state before each chain.
+(:meth:`~ds4serve.engine.device_commit.DeviceCommit.write_token`), the scratch window being reloaded
+from the draft state before each chain.
 
 :class:`~ds4serve.engine.drafts.DSparkProposer` runs one pass per step over its block (seed, noise
 tokens), attending to each stage's context ring: statically, the whole ring with a mask of the
@@ -36,6 +36,7 @@ from ..model.dspark import (
 from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
 from ..state import ChunkDelta, LayerDelta, SequenceState
 from .cuda_graphs import Captured
+from .device_commit import DeviceCommit
 
 
 class MTPGraphs:
@@ -46,6 +47,7 @@ class MTPGraphs:
     def __init__(self, weights: MTPWeights, target: object, state: SequenceState, graph: bool = True):
         self.w, self.target, self.state, self.graph = weights, target, state, graph
         self.scratch = state.fork()
+        self._scratch_writes = DeviceCommit(self.scratch)
         cfg, dev, dtype = target.cfg, target.device, target.last.dtype
         self._rows: dict[int, tuple[Captured, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._hidden = torch.zeros(1, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
@@ -105,9 +107,9 @@ class MTPGraphs:
                 self._hidden.device,
                 graph=self.graph,
                 warm=lambda: self._pass(self.scratch, self._hidden, self._embedded, self._token, self._pos),
-                setup=lambda: self.scratch.prepare_capture(self._pos),
+                setup=lambda: self._scratch_writes.prepare_capture(self._pos),
             )
-            self.scratch.finish_capture()
+            self._scratch_writes.finish_capture()
         self._hidden.copy_(hidden)
         self._embedded.copy_(self.target.embed_rows([token]))
         self._token.fill_(token)
@@ -118,7 +120,7 @@ class MTPGraphs:
 
     def _step_and_commit(self) -> tuple[torch.Tensor, torch.Tensor]:
         G, delta, logits = self._pass(self.scratch, self._hidden, self._embedded, self._token, self._pos)
-        self.scratch.write_token(ChunkDelta(start=0, tokens=[], layers={0: delta}), self._pos)
+        self._scratch_writes.write_token(ChunkDelta(start=0, tokens=[], layers={0: delta}), self._pos)
         return G, logits
 
 

@@ -107,8 +107,7 @@ class PredictionProposer(DraftProposer):
     costs rejected drafts, never different tokens.
 
     At most 7 drafts a step: a verify block of up to ``GEMV_MAX_ROWS`` (8) rows runs the decode kernels, a wider
-    one partly the prefill paths (on the H200's FP8 proxy a block of 8 rows took 2.19x a decode step, 12 rows
-    3.04x, 16 rows 3.70x; docs/SPECULATIVE.md).
+    one partly the prefill paths, which cost more per row (docs/SPECULATIVE.md).
     """
 
     name = "prediction"
@@ -547,7 +546,7 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
         "the checkpoint's config.json" if engine.path is None else engine.path / "config.json",
         name,
     )
-    target = target_parts(engine._require_model())
+    target = target_parts(engine.require_model())
     weights = _engine_drafts(engine).get(name)
     # the drafts' passes run on the device of the target's head: graphs there, for a whole model or a split
     static = not engine.eager and target.device.type == "cuda"

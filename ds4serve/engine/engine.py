@@ -5,10 +5,16 @@ Every request starts from a clean :class:`~ds4serve.state.SequenceState` or from
 prefilled; an exact-prefix restore forwards nothing and samples from the snapshot's last logits).
 Failures never escape :meth:`Engine.generate`: they come back as a :class:`GenerateResult` with an
 :class:`ErrorCode`.
+
+On CUDA every step runs as a CUDA graph (decode, speculative verify, a prompt's first prefill chunk, the
+draft passes) unless the engine is ``eager``: that one flag, given when the engine is built, decides them
+all. Speculative decoding and the drafts use the engine through :meth:`Engine.require_model`,
+:meth:`Engine.verify` and its public attributes (``cfg``, ``tokenizer``, ``eager``, ``path``, ``draft``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
@@ -20,7 +26,9 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
-from ..model import DeepSeekV4
+from ..kernels import config as kernel_config
+from ..kernels.config import KernelConfig
+from ..model import DeepSeekV4, ForwardResult
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
 from ..state import SequenceState, Snapshot
@@ -101,6 +109,8 @@ class Engine:
         path: Path | None = None,
         max_context: int | None = None,
         chunk_size: int = 512,
+        eager: bool = False,
+        kernels: KernelConfig | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
@@ -118,20 +128,20 @@ class Engine:
         self._pending_restore: Snapshot | None = None
         self._lock = threading.RLock()
         self.forward_calls = 0
-        self.eager = False  # True: never capture the decode step as a CUDA graph (the --eager switch)
+        # True: no CUDA graphs (decode, verify, first prefill chunks, draft passes); on CUDA they are used
+        # otherwise, and on other devices every step is eager anyway (the --eager flag)
+        self.eager = eager
+        # which implementation every forward runs (Triton or the torch reference, PDL): process-wide,
+        # installed here when given, read only through ds4serve.kernels.config
+        self.kernels = kernel_config.install(kernels) if kernels else kernel_config.current()
         self._graph: DecodeGraph | SplitDecodeGraph | PipelineDecodeGraph | None = None
-        self._first_chunks: FirstChunkGraphs | PipelineFirstChunks | None = (
-            None  # first prefill chunks, by bucket
-        )
-        # (model, eager, switch values, whether its first chunks are captured): judged once, not per prompt
-        self._first_chunks_apply: tuple[object, bool, tuple, bool] | None = None
+        self._first_chunks: FirstChunkGraphs | PipelineFirstChunks | None = None  # by bucket
+        # (model, eager, whether its first chunks are captured): judged once per model, not per prompt
+        self._first_chunks_apply: tuple[object, bool, bool] | None = None
         # (width, capture) -> the verify graph over self._state
         self._verify_graphs: dict[
             tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
         ] = {}
-        self._warned_eager_verify = (
-            False  # logged once: speculation would verify eagerly next to decode graphs
-        )
 
     @classmethod
     def from_pretrained(
@@ -146,13 +156,15 @@ class Engine:
         layer_split: list[int] | None = None,
         quantized: bool | None = None,
         eager: bool = False,
+        kernels: KernelConfig | None = None,
     ) -> "Engine":
         """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
 
         ``quantized`` keeps FP8 / MXFP4 tensors quantized in memory, read in place by the GPU kernels
         (default: on CUDA devices; elsewhere they are dequantised once at load, exactly);
         ``chunk_size`` is the longest prefill chunk (default :func:`default_chunk_size`);
-        ``eager`` never captures the decode step as a CUDA graph.
+        ``eager`` runs every step without CUDA graphs; ``kernels``, when given, is installed as the
+        process's kernel configuration (Triton kernels or the torch reference, PDL).
         """
         on_cuda = torch.device((devices or [device])[0]).type == "cuda"
         if quantized is None:
@@ -176,16 +188,16 @@ class Engine:
                 max_context=max_context,
                 quantized=quantized,
             )
-        engine = cls(
+        return cls(
             load(),
             Tokenizer(path),
             loader=load,
             path=path,
             max_context=max_context,
             chunk_size=chunk_size or default_chunk_size(on_cuda),
+            eager=eager,
+            kernels=kernels,
         )
-        engine.eager = eager
-        return engine
 
     # ---- forward helpers -----------------------------------------------------------------------
     def _forward(
@@ -196,7 +208,7 @@ class Engine:
         capture: tuple[int, ...] = (),
     ):
         self.forward_calls += 1
-        return self._require_model().forward(ids, state, logit_rows=logit_rows, capture=capture)
+        return self.require_model().forward(ids, state, logit_rows=logit_rows, capture=capture)
 
     def prefill(
         self,
@@ -234,7 +246,7 @@ class Engine:
                     result = graphs.forward(chunk, state)
                 result.logits = result.logits.clone() if last else None  # the graph's buffer is reused
             else:
-                with profiler.step("prefill", size, state.pos, self._require_model().layers):
+                with profiler.step("prefill", size, state.pos, self.require_model().layers):
                     result = self._forward(chunk, state, rows, capture)
             state.commit(result.delta, size)
             if on_chunk is not None:
@@ -255,7 +267,7 @@ class Engine:
         if chunk_sizes is not None and (sum(chunk_sizes) != len(ids) or min(chunk_sizes) < 1):
             raise ValueError(f"chunk_sizes: expected positive sizes summing to {len(ids)}, got {chunk_sizes}")
         with self._lock, torch.inference_mode():
-            state = self._require_model().new_state(len(ids))
+            state = self.require_model().new_state(len(ids))
             return self.prefill(state, ids, chunk_sizes or [len(ids)], all_logits=True)
 
     # ---- generation ----------------------------------------------------------------------------
@@ -318,7 +330,7 @@ class Engine:
             calls = self.forward_calls
             try:
                 with profiler.request(res):
-                    self._require_model()
+                    self.require_model()
                     prompt = self._validate(handle.prompt, params)
                     # compiled before the prompt is prefilled (a bad schema costs no forward)
                     constraint = constraint_for(params, self.tokenizer, self.cfg.vocab_size)
@@ -414,7 +426,7 @@ class Engine:
         if self._state is None or self._state.max_context < need:
             self._state, self._graph = None, None  # free the old state and the graphs over it first
             self._verify_graphs.clear()
-            self._state = self._require_model().new_state(state_capacity(need, self.max_context))
+            self._state = self.require_model().new_state(state_capacity(need, self.max_context))
         return self._state
 
     def _decode_loop(
@@ -455,21 +467,11 @@ class Engine:
             return None
         from .drafts import resolve_proposer
 
-        model = self._require_model()
-        kinds = self._graph_kinds(model)
-        eager_verify = kinds is not None and kinds[1] is None
-        if eager_verify and not self._warned_eager_verify:
-            self._warned_eager_verify = True
-            log.warning(
-                "speculative decoding on %s verifies eagerly while plain decoding runs through "
-                "CUDA graphs: expect it to be slower than plain decoding",
-                type(model).__name__,
-            )
         return resolve_proposer(self, speculative)
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
         """Forward one token, commit it, return the logits after it."""
-        model = self._require_model()
+        model = self.require_model()
         graph = self._decode_graph(model, state)
         if graph is None:
             with profiler.step("decode", 1, state.pos, model.layers):
@@ -495,8 +497,9 @@ class Engine:
             self._graph = kinds[0](model, state)
         return self._graph
 
-    def _graph_kinds(self, model: object) -> tuple[Callable, Callable | None] | None:
-        """What builds the decode and the verify graphs of ``model`` (None: that step runs eagerly)."""
+    def _graph_kinds(self, model: object) -> tuple[Callable, Callable] | None:
+        """What builds the decode and the verify graphs of ``model``: a whole model, a layer split or a
+        pipeline on CUDA devices, unless the engine is eager (None: every step runs eagerly)."""
         if self.eager:
             return None
         if self._graphs_apply(model):
@@ -509,7 +512,7 @@ class Engine:
 
     def _prefill_graphs(self) -> FirstChunkGraphs | PipelineFirstChunks | None:
         """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
-        model = self._require_model()
+        model = self.require_model()
         judged = self._first_chunks_apply
         if judged is None or judged[0] is not model or judged[1] != self.eager:
             if isinstance(model, PipelineModel):  # each rank judges its own experts (PipelineFirstChunks)
@@ -544,14 +547,27 @@ class Engine:
             and model.head is not None
         )
 
-    def verify_graph(
+    def verify(self, state: SequenceState, block: list[int], capture: tuple[int, ...] = ()) -> "VerifyStep":
+        """One target forward over ``block`` at ``state.pos`` that writes nothing (a speculative verify
+        step): every row's logits, the final streams and the ``capture`` layers' streams, through the verify
+        graph of its width where the engine uses graphs. Commit an accepted prefix with the step's
+        :meth:`VerifyStep.commit` before the next forward over ``state``: a graph reuses its buffers."""
+        model = self.require_model()
+        graph = self._verify_graph(model, state, len(block), capture)
+        with profiler.step("verify", len(block), state.pos, model.layers, graph=graph is not None):
+            if graph is None:
+                out = model.forward(block, state, logit_rows=slice(None), capture=capture)
+            else:
+                out = graph.run(block)
+        self.forward_calls += 1
+        return VerifyStep(out, state, graph)
+
+    def _verify_graph(
         self, model: object, state: SequenceState, width: int, capture: tuple[int, ...]
     ) -> VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph | None:
-        """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
-        prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
-        (``SWITCHES.static_commit``)."""
+        """The captured verify block of ``width`` over ``state`` (None: verify eagerly)."""
         kinds = self._graph_kinds(model)
-        if kinds is None or kinds[1] is None:
+        if kinds is None:
             return None
         key = (width, tuple(capture))
         graph = self._verify_graphs.get(key)
@@ -576,7 +592,7 @@ class Engine:
             self._pending_restore = snapshot
 
     def new_sequence(self, capacity: int) -> SequenceState:
-        return self._require_model().new_state(capacity)
+        return self.require_model().new_state(capacity)
 
     # ---- park / unpark -------------------------------------------------------------------------
     def park(self, what: str = "") -> list[str]:
@@ -615,7 +631,16 @@ class Engine:
     def parked(self) -> bool:
         return self.model is None
 
-    def _require_model(self) -> DeepSeekV4:
+    @property
+    def lock(self) -> threading.RLock:
+        """The engine's reentrant lock: every generation, score, snapshot, restore and park holds it. Hold it
+        to run several engine calls (``new_sequence``, ``prefill``, a state's ``snapshot``) with no request
+        in between."""
+        return self._lock
+
+    def require_model(self) -> DeepSeekV4:
+        """The target model (a :class:`DeepSeekV4`, or a layer split or pipeline with its interface);
+        raises :class:`GenerateError` ``MODEL_PARKED`` while it is parked."""
         if self.model is None:
             raise GenerateError(
                 ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)"
@@ -623,12 +648,25 @@ class Engine:
         return self.model
 
 
+@dataclasses.dataclass
+class VerifyStep:
+    """A verify forward (:meth:`Engine.verify`): its result ``out`` and the commit of an accepted prefix."""
+
+    out: ForwardResult
+    state: SequenceState
+    graph: VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph | None
+
+    def commit(self, tokens: list[int]) -> None:
+        """Commit the block's first ``len(tokens)`` tokens (``tokens``: those ids) to the state."""
+        if self.graph is None:
+            self.state.commit(self.out.delta, len(tokens))
+        else:
+            self.graph.commit(tokens)
+
+
 def default_chunk_size(on_cuda: bool) -> int:
-    """The longest prefill chunk: 4096 tokens on CUDA, 512 elsewhere. Chunks of up to 2048 tokens are bound
-    by the host's launches; whole prompts of the 43-layer bf16 proxy through :meth:`Engine.prefill` on an
-    H200 (bench/prompt_prefill.py, bench/RESULTS.md seventeenth run) took 8,192 tokens in 978 / 755 / 740 ms
-    and 32,768 in 4,345 / 3,983 / 3,969 ms at chunks of 2048 / 4096 / 8192, the peak memory 81.9 / 84.2 /
-    89.0 GiB: 4096 is within 2% of 8192's speed at half its activations."""
+    """The longest prefill chunk: 4096 tokens on CUDA (about the speed of 8192 at half the activations'
+    memory; docs/ARCHITECTURE.md), 512 elsewhere."""
     return GPU_CHUNK_TOKENS if on_cuda else CPU_CHUNK_TOKENS
 
 

@@ -1,34 +1,16 @@
 """A prompt's first prefill chunk replayed as a CUDA graph, one graph per length bucket.
 
-A prefill chunk of up to ~2048 tokens is bound by the host: its forward launches ~140 kernels and ~17
-compiled regions a layer, and the GPU waits for them (bench/RESULTS.md, fifteenth to seventeenth runs).
-A graph replays all of them in one launch.
+Only a chunk at position 0 is captured: there its forward reads nothing of the state, so it is a function
+of its tokens and length alone and one capture per length serves every fresh prompt, over any state. A
+prompt of ``n`` tokens runs in its bucket's graph (:func:`bucket_of`) padded after it; every layer is
+causal, so only its first ``n`` rows count: the caller commits them, and the logits are row ``n - 1``'s,
+chosen by a device index. Rows can differ from the unpadded forward's in the last bits, as chunkings do.
 
-Only a chunk at position 0 is captured. There it reads nothing of the state: no ring rows are in the
-window's reach, no compressor rows are buffered, no entries are committed. Its forward is a function of
-its tokens and its length alone, so one capture per length serves every fresh prompt, over any state
-(the deltas it returns are committed into the request's state afterwards, as an eager chunk's are).
-
-Lengths are rounded up to a bucket (:func:`bucket_of`; 64 or 96 times a power of two). A prompt of ``n``
-tokens runs in its bucket's graph with padding tokens after it, and only its first ``n`` rows count: every
-layer is causal (attention, the compressors' windows, the indexer), so no real row sees a padded one,
-:meth:`~ds4serve.state.SequenceState.commit` takes the first ``n`` rows, and the logits are those of row
-``n - 1``, chosen by a device index. Padded rows are extra GPU work (at most half the bucket), not extra
-launches. Row results can differ from the unpadded forward's in the last bits (the products' kernels
-depend on their row count), as chunkings differ.
-
-Graphs need routed experts whose grouped products run without a host synchronisation: dense bf16 tensors
-(``torch._grouped_mm``), or with ``SWITCHES.quant_grouped_mm`` FP8 / MXFP4 experts that the grouped kernels
-read in place (:mod:`ds4serve.kernels.grouped_experts`; without the switch quantized experts are dequantised
-by groups whose sizes the host reads). The rest of a quantized model's chunk (the shared expert, the FP8
-projections) dequantises whole weights on the device, which needs no host read either. Every bucket's graph
-shares one memory pool a device: they never run at the same time.
-
-A layer split in one process (:class:`~ds4serve.parallel.SplitModel`, ``SWITCHES.split_prefill_graphs``) gets
-one graph per shard and bucket, replayed in layer order: the first shard embeds the padded tokens, each later
-one reads the streams the shard before it left (copied into its input buffer between the replays, a copy
-across devices that a graph of one device does not hold), and the last one computes the indexed row's logits,
-as the split decode graphs do (:class:`~ds4serve.engine.cuda_graphs.SplitDecodeGraph`).
+Capturable models (:func:`graphs_apply`): the embedding, the head, and routed experts whose grouped
+products need no host synchronisation (dense bf16, or FP8 / MXFP4 read in place by
+:mod:`ds4serve.kernels.grouped_experts`). A layer split in one process gets one graph per shard and bucket,
+replayed in layer order with the streams copied into the next shard's input buffer between the replays.
+Every bucket's graph shares one memory pool a device (they never run at the same time).
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ from ..parallel.split_model import SplitModel
 from ..state import ChunkDelta, SequenceState
 from .cuda_graphs import Captured
 
-MAX_GRAPH_TOKENS = 2048  # longer chunks are bound by the GPU (bench/RESULTS.md, seventeenth run)
+MAX_GRAPH_TOKENS = 2048  # longer chunks are bound by the GPU, not by the host's launches
 MIN_BUCKET = 64
 PAD_TOKEN = 0
 
@@ -77,8 +59,8 @@ def shards_of(model: DeepSeekV4 | SplitModel) -> list[DeepSeekV4]:
 
 def graphs_apply(model: DeepSeekV4 | SplitModel) -> bool:
     """Whether ``model``'s first chunks can be captured: every shard on a CUDA device, the embedding and the
-    head, and every layer's routed experts dense bf16 or, with ``SWITCHES.quant_grouped_mm``, quantized
-    experts that the grouped kernels take for activations like the embedding's (the shards share its dtype)."""
+    head, and every layer's routed experts dense bf16 or quantized experts that the grouped kernels take for
+    activations like the embedding's (the shards share its dtype)."""
     shards = shards_of(model)
     if shards[0].embed is None or shards[-1].head is None:
         return False

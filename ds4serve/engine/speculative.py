@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from .. import profiler
 from ..model import ForwardResult
 from ..state import SequenceState
 from .constraint import Constraint
@@ -272,7 +271,6 @@ def speculative_decode(
     not emit, and the tokens are those of plain constrained decoding.
     """
     proposer = feed.proposer
-    model = engine._require_model()
     res, params = handle.result, handle.params
     gen = Generation(
         handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start, constraint
@@ -304,13 +302,8 @@ def speculative_decode(
             )
             n = policy.verify_count(draft, k)
             block = [seed] + draft.tokens[:n]
-            graph = engine.verify_graph(model, state, len(block), capture)
-            with profiler.step("verify", len(block), state.pos, model.layers, graph=graph is not None):
-                if graph is None:
-                    out = model.forward(block, state, logit_rows=slice(None), capture=capture)
-                else:  # buffers the next verify step of this width overwrites
-                    out = graph.run(block)
-            engine.forward_calls += 1
+            step = engine.verify(state, block, capture)
+            out = step.out  # buffers that the next verify step of this width overwrites
             emitted = accepted = 0
             for i in range(len(block)):
                 if i and handle.cancelled:
@@ -330,12 +323,7 @@ def speculative_decode(
                 if done or not ok:
                     break
             committed_at = state.pos
-            if graph is not None:
-                graph.commit(block[:emitted])
-            elif graph is not None:
-                state.commit_static(out.delta, block[:emitted])
-            else:
-                state.commit(out.delta, emitted)
+            step.commit(block[:emitted])
             state.last_logits = out.logits[emitted - 1].clone()
             seed = history[-1]
             stats.record(n, accepted, emitted)

@@ -1,34 +1,25 @@
-"""The decode graph's commit (:meth:`~ds4serve.state.SequenceState.write_token`) in one launch.
+"""Row copies at a device position in one launch: the device half of committing a static delta.
 
-The torch reference writes each state tensor with its own kernel: about 190 per token for the
-43-layer model, each a node of the decode graph that costs a launch and a gap. Here every write is a
-*job*: copy ``rows`` rows of ``words`` 4-byte words from a source address to a destination whose
-first row is ``(pos // div) % mod``, only when ``pos % rate == rate - 1`` (``rate`` 1: always). A table
-of jobs, built on the host from the tensors' addresses once per (state, delta) pair, drives one
-launch, which reads ``pos`` on the device. Raw words copy every dtype bitwise, so one launch serves
-them all; a write that is not whole words leaves the commit to the torch code.
+A *job* copies ``rows`` rows of ``words`` 4-byte words from a source address to a destination whose first
+row is ``(pos // div) % mod``, only when ``pos % rate == rate - 1`` (``rate`` 1: always). A table of jobs,
+built on the host from the tensors' addresses (:func:`copy_job`), drives one launch that reads ``pos`` on the
+device. Raw words copy every dtype bitwise, so one launch serves them all; :func:`copy_job` returns None for a
+copy that is not whole words, and the caller then writes with torch. Which copies make a commit is the
+caller's business (:mod:`ds4serve.engine.device_commit`); this module knows tensors only.
 
-In a CUDA graph the delta's tensors are the ones the captured forward allocates, so their addresses
-are known only during the capture, when nothing can be copied from the host: the launch is captured
-reading a table that :meth:`CommitPlan.upload` fills once the capture has ended. That table is
-allocated before the capture (:func:`reserve_table`): memory allocated during a capture comes from the
-graph's pool, where the replay's temporaries of earlier kernels may share its addresses and would
-overwrite a table written only once. Nor can a kernel be compiled and loaded during a capture:
-:func:`warm` does it before.
+Under a CUDA graph capture nothing can be copied from the host and no kernel can be loaded: a launch
+captured before its tensors existed reads a table reserved before the capture (:func:`reserve_table`,
+not from the graph's pool, whose addresses the replay's temporaries may share) and filled after it
+(:meth:`CommitPlan.upload`); :func:`warm` loads the kernel beforehand.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
-
-if TYPE_CHECKING:
-    from ..state import ChunkDelta, SequenceState
 
 WORD = 4  # bytes copied per element of a job
 BLOCK = 256  # words per row and load
@@ -76,13 +67,14 @@ def warm(pos: torch.Tensor) -> None:
     _launch(torch.tensor([_NOTHING], dtype=torch.int64, device=pos.device), pos, 1)
 
 
-def reserve_table(state: "SequenceState", device: torch.device) -> torch.Tensor:
-    """An unfilled device table for the jobs of ``state``'s ``write_token`` (one per write)."""
-    writes = sum(1 + sum(3 + 2 * c.overlap for c in ls.compressors()) for ls in state.layers.values())
-    return torch.empty(writes, JOB_FIELDS, dtype=torch.int64, device=device)
+def reserve_table(jobs: int, device: torch.device) -> torch.Tensor:
+    """An unfilled device table for ``jobs`` jobs, for a launch that a CUDA graph captures."""
+    return torch.empty(jobs, JOB_FIELDS, dtype=torch.int64, device=device)
 
 
-def _job(src: torch.Tensor, dst: torch.Tensor, div: int = 1, mod: int = 1, rate: int = 1) -> list[int] | None:
+def copy_job(
+    src: torch.Tensor, dst: torch.Tensor, div: int = 1, mod: int = 1, rate: int = 1
+) -> list[int] | None:
     """Copy ``src``'s rows into ``dst``: the whole tensor (``mod`` 1) or one row at ``(pos // div) % mod``.
 
     None when it is not a copy of whole words between tensors of one dtype and row length.
@@ -111,69 +103,23 @@ def _fits(src: torch.Tensor, dst: torch.Tensor, mod: int) -> bool:
     return src.shape == dst.shape if mod == 1 else src.shape[0] == 1 and mod <= dst.shape[0]
 
 
-def _jobs(state: "SequenceState", delta: "ChunkDelta") -> list[list[int] | None]:
-    """The writes of :meth:`~ds4serve.state.SequenceState.write_token`, in its order."""
-    jobs = []
-    for idx, ld in delta.layers.items():
-        ls = state.layers[idx]
-        jobs.append(_job(ld.window_rows, ls.window, mod=state.window))
-        for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
-            if cd is None:
-                continue
-            jobs.append(_job(cd.entries, c.entries, div=c.rate, mod=c.entries.shape[0]))
-            jobs.append(_job(cd.rows_kv, c.buf_kv))
-            jobs.append(_job(cd.rows_gate, c.buf_gate))
-            if c.overlap:
-                half = c.ov_kv.shape[-1]
-                jobs.append(_job(cd.rows_kv[:, :half], c.ov_kv, rate=c.rate))
-                jobs.append(_job(cd.rows_gate[:, :half], c.ov_gate, rate=c.rate))
-    return jobs
-
-
-def block_jobs(state: "SequenceState", delta: "ChunkDelta", i: int) -> tuple[list, list]:
-    """The writes of :meth:`~ds4serve.state.SequenceState.write_block` for token ``i`` of a static
-    block: its window row, its compressor rows into their slots of the open window and its entry
-    (first launch), then the CSA overlap copied from the open window when the token closes it (second
-    launch, which must see the first one's rows)."""
-    rows, overlap = [], []
-    for idx, ld in delta.layers.items():
-        ls = state.layers[idx]
-        rows.append(_job(ld.window_rows[i : i + 1], ls.window, mod=state.window))
-        for c, cd in ((ls.compressor, ld.compressor), (ls.indexer, ld.indexer)):
-            if cd is None:
-                continue
-            rows.append(_job(cd.entries[i : i + 1], c.entries, div=c.rate, mod=c.entries.shape[0]))
-            rows.append(_job(cd.rows_kv[i : i + 1], c.buf_kv, mod=c.rate))
-            rows.append(_job(cd.rows_gate[i : i + 1], c.buf_gate, mod=c.rate))
-            if c.overlap:
-                half = c.ov_kv.shape[-1]
-                overlap.append(_job(c.buf_kv[:, :half], c.ov_kv, rate=c.rate))
-                overlap.append(_job(c.buf_gate[:, :half], c.ov_gate, rate=c.rate))
-    return rows, overlap
-
-
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class CommitPlan:
-    """The job table of one (state, delta) pair: built on the host, read by the kernel on the device."""
+    """A table of jobs: built on the host, read by the kernel on the device, launched as one."""
 
     def __init__(self, table: list[list[int]]):
         self.host = torch.tensor(table, dtype=torch.int64)
-        self.split = triton.cdiv(max(job[_ROWS] for job in table), ROWS_PER_PROGRAM)
+        self.split = triton.cdiv(max(entry[_ROWS] for entry in table), ROWS_PER_PROGRAM)
         self.jobs: torch.Tensor | None = None
         self.staged = False  # the table is on the device before any capture (stage)
 
     @classmethod
-    def build(cls, state: "SequenceState", delta: "ChunkDelta") -> "CommitPlan | None":
-        """The plan of ``write_token(delta, pos)`` on ``state``; None if a write is not a copy of words."""
-        return cls.of(_jobs(state, delta))
-
-    @classmethod
     def of(cls, table: list[list[int] | None]) -> "CommitPlan | None":
         """The plan of these jobs; None if there are none or one is not a copy of words."""
-        if not table or any(job is None for job in table):
+        if not table or any(entry is None for entry in table):
             return None
         return cls(table)
 
@@ -193,8 +139,7 @@ class CommitPlan:
         if _capturing(pos) and not self.staged:
             if reserved is None or reserved.shape != self.host.shape:
                 raise RuntimeError(
-                    "commit kernel: capturing needs the table reserved before the capture "
-                    "(SequenceState.prepare_capture)"
+                    "commit kernel: capturing needs the table reserved before the capture (reserve_table)"
                 )
             self.jobs = reserved
         elif self.jobs is None:

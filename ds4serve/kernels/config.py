@@ -1,8 +1,9 @@
 """The kernels' one frozen configuration: which implementation runs, decided once, read in one place.
 
 :func:`current` is read by :func:`ds4serve.kernels.enabled`, :mod:`ds4serve.kernels.pdl` and
-:mod:`ds4serve.kernels.regions`; :func:`configure` sets it (the engine, when it is built) and
-:func:`using` changes it inside a ``with`` block (tests, benchmark baselines).
+:mod:`ds4serve.kernels.regions`; :func:`install` sets it (the engine, when it is built with one),
+:func:`configure` changes some fields, :func:`using` changes it inside a ``with`` block (tests,
+benchmark baselines).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def configure(**fields: object) -> KernelConfig:
     """Replace some fields of the configuration (unknown names are an error); returns the new one."""
     global _current
     _current = dataclasses.replace(_current, **fields)
+    return _current
+
+
+def install(cfg: KernelConfig) -> KernelConfig:
+    """Make ``cfg`` the configuration in force (the engine, when it is built with one); returns it."""
+    global _current
+    _current = cfg
     return _current
 
 

@@ -395,12 +395,12 @@ class PipelineDecodeGraph:
 
 
 class PipelineFirstChunks:
-    """A prompt's first prefill chunk over the pipeline (``SWITCHES.pipeline_prefill_graphs``): every rank
-    holds one :class:`~ds4serve.engine.prefill_graphs.ShardFirstChunk` of its layers per length bucket,
-    captured when the bucket is first used (or by :meth:`capture_all`). A chunk is one ``first`` operation: the streams of the padded
-    chunk go rank to rank as in a forward, the last rank returns the final streams and the logits of the last
-    real row, and each rank keeps its delta until rank 0 commits it. A rank whose experts a capture cannot
-    take runs its padded forward uncaptured: the same rows. Same interface as
+    """A prompt's first prefill chunk over the pipeline: every rank holds one
+    :class:`~ds4serve.engine.prefill_graphs.ShardFirstChunk` of its layers per length bucket, captured when
+    the bucket is first used (or by :meth:`capture_all`). A chunk is one ``first`` operation: the streams of
+    the padded chunk go rank to rank as in a forward, the last rank returns the final streams and the logits
+    of the last real row, and each rank keeps its delta until rank 0 commits it. A rank whose experts a
+    capture cannot take runs its padded forward uncaptured: the same rows. Same interface as
     :class:`~ds4serve.engine.prefill_graphs.FirstChunkGraphs`."""
 
     def __init__(self, model: PipelineModel, limit: int, graph: bool):
@@ -465,7 +465,7 @@ class PipelineVerifyGraph:
     streams go rank to rank as in a decode step, the last rank returns the final streams and every row's
     logits); the accepted prefix is one ``vcommit`` operation: each rank's captured device writes of that
     many rows, then its host counters. Same interface as :class:`~ds4serve.engine.cuda_graphs.VerifyGraph`
-    (the engine commits through :meth:`commit`, ``SWITCHES.static_commit``)."""
+    (the engine commits an accepted prefix through :meth:`commit`)."""
 
     def __init__(self, model: PipelineModel, state: "PipelineState", width: int, graph: bool):
         self.model, self.state, self.width = model, state, width
@@ -497,124 +497,170 @@ class PipelineVerifyGraph:
 
 
 def serve_shard(shard: DeepSeekV4, groups: Groups, table: list[tuple[int, int, int]]) -> None:
-    """A worker rank's loop: apply rank 0's operations until it says stop.
+    """A worker rank's loop: apply rank 0's operations (:attr:`_ShardServer.HANDLERS`) until it says stop.
+    ``table`` is :func:`shard_handshake`'s (a worker talks to its neighbours only).
 
     Raises :class:`PipelineError` when rank 0 or a neighbour dies or stops answering.
     """
-    link = _Link(shard, groups)
-    rank, last = groups.rank, groups.world - 1
-    states: dict[int, SequenceState] = {}
-    pending: dict[int, dict[int, ChunkDelta]] = {}
-    graphs: dict[int, DecodeGraph] = {}  # sid -> the decode step of this rank's layers
-    verify_graphs: dict[tuple[int, int], VerifyGraph] = {}  # (sid, width) -> the verify block of its layers
-    first_chunks: dict[int, ShardFirstChunk] = {}  # bucket width -> the first-chunk forward of its layers
-    first_pool = None  # their graphs' memory pool
-
-    def pass_on(hidden: torch.Tensor, run: Callable[[], ForwardResult], rows: int) -> ForwardResult:
-        """Receive the streams into ``hidden`` (a step's input buffer), ``run`` the step and send its output
-        on: to the next rank, or from the last rank the first ``rows`` final streams and the logits to rank 0."""
-        link.recv(hidden, rank - 1, "hidden streams")
-        out = run()
-        if rank == last:
-            link.send(out.hidden[:rows], 0, "final streams")
-            link.send(out.logits, 0, "logits")
-        else:
-            link.send(out.hidden, rank + 1, "hidden streams")
-        return out
-
+    server = _ShardServer(shard, groups)
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
             with _comm("waiting for the next operation", 0):
                 dist.broadcast_object_list(box, src=0, group=groups.control)
             freed, op = box[0]
-            for sid in freed:
-                states.pop(sid, None)
-                pending.pop(sid, None)
-                graphs.pop(sid, None)
-                for key in [k for k in verify_graphs if k[0] == sid]:
-                    del verify_graphs[key]
+            server.free(freed)
             kind, args = op[0], op[1:]
             if kind == "stop":
                 return
-            if kind == "new":
-                sid, max_context = args
-                states[sid] = shard.new_state(max_context)
-                pending[sid] = {}
-            elif kind == "forward":
-                sid, seq, ids, rows, capture = args
-                state = states[sid]
-                hidden = link.recv(link.streams(len(ids)), rank - 1, "hidden streams")
-                with profiler.step(
-                    "decode" if len(ids) == 1 else "prefill", len(ids), state.pos, shard.layers
-                ):
-                    out = shard.forward(
-                        ids, state, hidden=hidden, logit_rows=rows if rank == last else None, capture=capture
-                    )
-                pending[sid][seq] = out.delta
-                for layer in sorted(out.captured):
-                    link.send(out.captured[layer], 0, f"layer {layer} streams")
-                if rank == last:
-                    link.send(out.hidden, 0, "final streams")
-                    if out.logits is not None:
-                        link.send(out.logits, 0, "logits")
-                else:
-                    link.send(out.hidden, rank + 1, "hidden streams")
-            elif kind == "graph":
-                sid, graph = args
-                graphs[sid] = DecodeGraph(
-                    shard, states[sid], hidden=torch.zeros_like(link.streams(1)), graph=graph
-                )
-            elif kind == "step":
-                sid, token, pos = args
-                step = graphs[sid]
-                pass_on(step.hidden, lambda: step.replay(token, pos), 1)
-                states[sid].advance(token)
-                pending[sid] = {}
-            elif kind == "first":
-                sid, seq, ids, width, graph = args
-                part = first_chunks.get(width)
-                if part is None:
-                    if first_pool is None:
-                        first_pool = first_chunk_pool(shard, graph)
-                    part = first_chunks[width] = first_chunk_part(
-                        shard, width, first_pool, graph, torch.zeros_like(link.streams(width))
-                    )
-                out = pass_on(part.hidden, lambda: part.run(ids), len(ids))
-                pending[sid][seq] = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
-            elif kind == "vgraph":
-                sid, width, graph = args
-                verify_graphs[sid, width] = VerifyGraph(
-                    shard, states[sid], width, graph=graph, hidden=torch.zeros_like(link.streams(width))
-                )
-            elif kind == "verify":
-                sid, width, block, pos = args
-                block_graph = verify_graphs[sid, width]
-                pass_on(block_graph.hidden, lambda: block_graph.replay(block, pos), width)
-                pending[sid] = {}
-            elif kind == "vcommit":
-                sid, width, tokens = args
-                verify_graphs[sid, width].write(len(tokens))
-                states[sid].advance_block(tokens)
-            elif kind == "commit":
-                sid, seq, n = args
-                states[sid].commit(pending[sid][seq], n)
-                pending[sid] = {}
-            elif kind == "reset":
-                states[args[0]].reset()
-                pending[args[0]] = {}
-            elif kind == "snapshot":
-                snap = states[args[0]].snapshot("cpu")
-                _send_object(snap.layers, 0, groups)
-            elif kind == "restore":
-                sid, pos, tokens = args
-                part: list[Any] = [None]
-                _recv_object(part, 0, groups)
-                states[sid].restore(Snapshot(pos=pos, tokens=tokens, layers=part[0]))
-                pending[sid] = {}
-            elif kind == "fork":
-                src, sid = args
-                states[sid] = states[src].fork()
-                pending[sid] = {}
-            else:
+            handler = _ShardServer.HANDLERS.get(kind)
+            if handler is None:
                 raise PipelineError(f"pipeline: unknown operation {kind!r} from rank 0")
+            handler(server, *args)
+
+
+class _ShardServer:
+    """A worker rank's states and graphs, and one handler per operation of rank 0 (:attr:`HANDLERS`).
+
+    Each sequence ``sid`` has this rank's state of it, the deltas of its forwards not yet committed (by
+    forward ``seq``), its decode graph and its verify graphs by width. A handler applies one operation with
+    the arguments rank 0 sent; those that run a forward take the streams from the rank before and send theirs
+    on (the last rank: the final streams and the logits to rank 0).
+    """
+
+    def __init__(self, shard: DeepSeekV4, groups: Groups):
+        self.shard = shard
+        self.link = _Link(shard, groups)
+        self.groups = groups
+        self.rank, self.last = groups.rank, groups.world - 1
+        self.states: dict[int, SequenceState] = {}
+        self.pending: dict[int, dict[int, ChunkDelta]] = {}
+        self.graphs: dict[int, DecodeGraph] = {}  # sid -> the decode step of this rank's layers
+        self.verify_graphs: dict[tuple[int, int], VerifyGraph] = {}  # (sid, width) -> its verify block
+        self.first_chunks: dict[int, ShardFirstChunk] = {}  # bucket width -> the first chunk of its layers
+        self.first_pool: object | None = None  # their graphs' memory pool
+
+    def free(self, sids: list[int]) -> None:
+        """Drop the states rank 0 freed, with their pending deltas and graphs."""
+        for sid in sids:
+            self.states.pop(sid, None)
+            self.pending.pop(sid, None)
+            self.graphs.pop(sid, None)
+            for key in [k for k in self.verify_graphs if k[0] == sid]:
+                del self.verify_graphs[key]
+
+    def _pass_on(self, hidden: torch.Tensor, run: Callable[[], ForwardResult], rows: int) -> ForwardResult:
+        """Receive the streams into ``hidden`` (a step's input buffer), ``run`` the step and send its
+        output on: to the next rank, or from the last rank the first ``rows`` final streams and the logits
+        to rank 0."""
+        link, rank = self.link, self.rank
+        link.recv(hidden, rank - 1, "hidden streams")
+        out = run()
+        if rank == self.last:
+            link.send(out.hidden[:rows], 0, "final streams")
+            link.send(out.logits, 0, "logits")
+        else:
+            link.send(out.hidden, rank + 1, "hidden streams")
+        return out
+
+    def new(self, sid: int, max_context: int) -> None:
+        self.states[sid] = self.shard.new_state(max_context)
+        self.pending[sid] = {}
+
+    def forward(self, sid: int, seq: int, ids: list[int], rows: Any, capture: tuple[int, ...]) -> None:
+        """An eager forward of this rank's layers, kept as pending ``seq`` until rank 0 commits it."""
+        link, rank, state = self.link, self.rank, self.states[sid]
+        hidden = link.recv(link.streams(len(ids)), rank - 1, "hidden streams")
+        with profiler.step("decode" if len(ids) == 1 else "prefill", len(ids), state.pos, self.shard.layers):
+            out = self.shard.forward(
+                ids, state, hidden=hidden, logit_rows=rows if rank == self.last else None, capture=capture
+            )
+        self.pending[sid][seq] = out.delta
+        for layer in sorted(out.captured):
+            link.send(out.captured[layer], 0, f"layer {layer} streams")
+        if rank == self.last:
+            link.send(out.hidden, 0, "final streams")
+            if out.logits is not None:
+                link.send(out.logits, 0, "logits")
+        else:
+            link.send(out.hidden, rank + 1, "hidden streams")
+
+    def decode_graph(self, sid: int, graph: bool) -> None:
+        self.graphs[sid] = DecodeGraph(
+            self.shard, self.states[sid], hidden=torch.zeros_like(self.link.streams(1)), graph=graph
+        )
+
+    def step(self, sid: int, token: int, pos: int) -> None:
+        """A decode graph's step, its commit included."""
+        step = self.graphs[sid]
+        self._pass_on(step.hidden, lambda: step.replay(token, pos), 1)
+        self.states[sid].advance(token)
+        self.pending[sid] = {}
+
+    def first(self, sid: int, seq: int, ids: list[int], width: int, graph: bool) -> None:
+        """A prompt's first chunk padded to ``width``, kept as pending ``seq``."""
+        part = self.first_chunks.get(width)
+        if part is None:
+            if self.first_pool is None:
+                self.first_pool = first_chunk_pool(self.shard, graph)
+            part = self.first_chunks[width] = first_chunk_part(
+                self.shard, width, self.first_pool, graph, torch.zeros_like(self.link.streams(width))
+            )
+        out = self._pass_on(part.hidden, lambda: part.run(ids), len(ids))
+        self.pending[sid][seq] = ChunkDelta(start=0, tokens=list(ids), layers=out.delta.layers)
+
+    def verify_graph(self, sid: int, width: int, graph: bool) -> None:
+        self.verify_graphs[sid, width] = VerifyGraph(
+            self.shard,
+            self.states[sid],
+            width,
+            graph=graph,
+            hidden=torch.zeros_like(self.link.streams(width)),
+        )
+
+    def verify(self, sid: int, width: int, block: list[int], pos: int) -> None:
+        block_graph = self.verify_graphs[sid, width]
+        self._pass_on(block_graph.hidden, lambda: block_graph.replay(block, pos), width)
+        self.pending[sid] = {}
+
+    def verify_commit(self, sid: int, width: int, tokens: list[int]) -> None:
+        """The last verify block's first ``len(tokens)`` rows: device writes, then the host counters."""
+        self.verify_graphs[sid, width].write(len(tokens))
+        self.states[sid].advance_block(tokens)
+
+    def commit(self, sid: int, seq: int, n: int) -> None:
+        self.states[sid].commit(self.pending[sid][seq], n)
+        self.pending[sid] = {}
+
+    def reset(self, sid: int) -> None:
+        self.states[sid].reset()
+        self.pending[sid] = {}
+
+    def snapshot(self, sid: int) -> None:
+        _send_object(self.states[sid].snapshot("cpu").layers, 0, self.groups)
+
+    def restore(self, sid: int, pos: int, tokens: list[int]) -> None:
+        part: list[Any] = [None]
+        _recv_object(part, 0, self.groups)
+        self.states[sid].restore(Snapshot(pos=pos, tokens=tokens, layers=part[0]))
+        self.pending[sid] = {}
+
+    def fork(self, src: int, sid: int) -> None:
+        self.states[sid] = self.states[src].fork()
+        self.pending[sid] = {}
+
+    HANDLERS: dict[str, Callable[..., None]] = {
+        "new": new,
+        "forward": forward,
+        "graph": decode_graph,
+        "step": step,
+        "first": first,
+        "vgraph": verify_graph,
+        "verify": verify,
+        "vcommit": verify_commit,
+        "commit": commit,
+        "reset": reset,
+        "snapshot": snapshot,
+        "restore": restore,
+        "fork": fork,
+    }

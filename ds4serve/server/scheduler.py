@@ -262,7 +262,7 @@ class Scheduler:
         (self.metrics.cache_hits if snap is not None else self.metrics.cache_misses).inc()
         points = [at for at in job.cache_at if cached < at <= len(job.prompt)]
         if points and not job.cancelled:
-            with self.engine._lock, torch.inference_mode():
+            with self.engine.lock, torch.inference_mode():
                 state = self.engine.new_sequence(points[-1])
                 if snap is not None:
                     state.restore(snap)
