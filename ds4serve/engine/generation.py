@@ -69,7 +69,9 @@ class Generation:
         forced = self.forced()
         if forced is not None:
             return (
-                torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1]).float().to(logits.device)
+                torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1])
+                .float()
+                .to(self.sampler.device)
             )
         return self.sampler.distribution(self._constrained(logits), self.prompt, self.output)
 
