@@ -4,6 +4,7 @@ agents and browsers send, through the live server."""
 from __future__ import annotations
 
 import anthropic
+import httpx
 import openai
 import pytest
 import torch
@@ -76,3 +77,126 @@ def test_a_seeded_sampled_request_on_a_fully_cached_prompt_is_the_uncached_one(o
     assert second.choices[0].message.content == first.choices[0].message.content
     greedy = [oai.chat.completions.create(temperature=0, **kw).choices[0].message.content for _ in range(2)]
     assert greedy[0] == greedy[1]
+
+
+# ---- 3, 4: what a current coding agent sends on the Anthropic API -------------------------------------
+
+
+def test_adaptive_thinking_and_system_messages_inside_messages(claude):
+    r = claude.messages.create(
+        model="tiny",
+        max_tokens=4,
+        thinking={"type": "adaptive"},
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "system", "content": [{"type": "text", "text": "Answer in English."}]},
+            {"role": "user", "content": "Again"},
+        ],
+    )
+    assert r.content[0].type == "thinking"  # thinking mode: four tokens of the random model stay reasoning
+    newer = claude.messages.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"thinking": {"type": "interleaved-2027", "display": "summarized"}},
+    )
+    assert newer.stop_reason == "max_tokens"
+
+
+def test_system_messages_join_the_system_prompt_in_order():
+    from ds4serve.server.routes_anthropic import _messages
+    from ds4serve.server.schemas import MessagesRequest
+
+    body = MessagesRequest.model_validate(
+        {
+            "max_tokens": 1,
+            "system": "first",
+            "messages": [
+                {"role": "system", "content": "second"},
+                {"role": "user", "content": "Hi"},
+                {"role": "system", "content": [{"type": "text", "text": "third"}]},
+                {"role": "assistant", "content": "Hello"},
+            ],
+        }
+    )
+    assert _messages(body) == [
+        {"role": "system", "content": "first\n\nsecond\n\nthird"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "prefix": True},
+    ]
+
+
+def test_anthropic_input_tokens_exclude_cache_reads(claude):
+    kw = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "cache me, Claude"}])
+    prompt = claude.messages.count_tokens(model="tiny", messages=kw["messages"]).input_tokens
+    claude.messages.create(**kw)
+    again = claude.messages.create(**kw).usage
+    assert again.cache_read_input_tokens > 0
+    assert again.input_tokens + again.cache_read_input_tokens == prompt
+    with claude.messages.stream(**kw) as stream:
+        start = next(e for e in stream if e.type == "message_start").message.usage
+        final = stream.get_final_message().usage
+    assert start.input_tokens + start.cache_read_input_tokens == prompt and start.cache_read_input_tokens > 0
+    assert (final.input_tokens, final.cache_read_input_tokens) == (
+        again.input_tokens,
+        again.cache_read_input_tokens,
+    )
+
+
+# ---- 6: explicit null is a field left out ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi", "name": None}],
+                "max_tokens": 2,
+                **dict.fromkeys(
+                    "model stream n logprobs top_logprobs temperature top_p top_k stop seed tools tool_choice "
+                    "response_format stream_options user ignore_eos logit_bias presence_penalty "
+                    "frequency_penalty max_completion_tokens parallel_tool_calls reasoning_effort thinking "
+                    "prediction structured_outputs min_p repetition_penalty".split()
+                ),
+            },
+        ),
+        (
+            "/v1/completions",
+            {
+                "prompt": "Hi",
+                **dict.fromkeys(
+                    "model stream n logprobs echo suffix max_tokens temperature stop seed user".split()
+                ),
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hi"}],
+                **dict.fromkeys(
+                    "model stream system temperature top_p top_k stop_sequences tools tool_choice thinking "
+                    "metadata output_config".split()
+                ),
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "Hi",
+                "max_output_tokens": 2,
+                **dict.fromkeys(
+                    "model stream instructions tools tool_choice temperature top_p reasoning text store "
+                    "background truncation previous_response_id metadata include top_logprobs "
+                    "parallel_tool_calls seed user".split()
+                ),
+            },
+        ),
+    ],
+)
+def test_explicit_null_is_absent(base, route, body):
+    r = httpx.post(f"{base}{route}", json=body, timeout=60)
+    assert r.status_code == 200, r.text

@@ -248,7 +248,7 @@ CASES = [
         400,
         "tools.0.function.parameters.properties.a",
     ),
-    (MSGS, msgs(thinking={"type": "sometimes"}), 400, None),
+    (MSGS, msgs(thinking={"type": "enabled", "budget_tokens": -1}), 400, None),
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": []}, 400, None),

@@ -42,7 +42,7 @@ def _thinking(body: ChatRequest) -> tuple[bool, str | None]:
     ``reasoning_effort`` (first one given wins); chat mode by default."""
     effort = "max" if body.reasoning_effort in _EFFORT_MAX else None
     if body.thinking is not None:
-        return body.thinking.type == "enabled", effort
+        return body.thinking.on, effort
     kwargs = body.chat_template_kwargs or {}
     for key in ("thinking", "enable_thinking"):
         if key in kwargs:

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI and Anthropic APIs, validated by pydantic.
 
 Unknown fields are accepted and ignored (clients send many); known fields are checked for type and
-range so a bad value is a 400 naming it. Fields the server cannot honour are refused explicitly
+range so a bad value is a 400 naming it. An explicit JSON ``null`` is the field left out (typed clients send
+``null`` for every optional field they do not set), so a default applies and a required field is missing. Fields the server cannot honour are refused explicitly
 (``n`` above 16, images, ``echo``) rather than ignored.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
@@ -33,6 +34,13 @@ def _lone_surrogate(value: Any) -> str | None:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if v is not None}
+        return value
 
     @field_validator("*")
     @classmethod
@@ -115,8 +123,16 @@ class StreamOptions(_Body):
 
 
 class ThinkingOption(_Body):
-    type: Literal["enabled", "disabled"]
+    """Anthropic's ``thinking`` (also taken on chat): ``enabled`` with a budget, ``adaptive`` (the model decides
+    how long to think), ``disabled``; a type newer than these asks for thinking too, and unknown fields are
+    ignored, so a client ahead of this server still gets an answer."""
+
+    type: str
     budget_tokens: int | None = Field(default=None, ge=0)
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
 
 
 class Prediction(_Body):
@@ -375,7 +391,7 @@ Block = Annotated[
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # a system message joins the system prompt, in order
     content: str | list[Block]
 
 
