@@ -200,3 +200,95 @@ def test_anthropic_input_tokens_exclude_cache_reads(claude):
 def test_explicit_null_is_absent(base, route, body):
     r = httpx.post(f"{base}{route}", json=body, timeout=60)
     assert r.status_code == 200, r.text
+
+
+# ---- 5: /v1/completions as evaluation harnesses use it ------------------------------------------------
+
+
+def _expected_prompt_logprobs(engine, ids: list[int]) -> list[float | None]:
+    lp = torch.log_softmax(engine.score(ids).float(), dim=-1)
+    return [None] + [float(lp[i - 1, t]) for i, t in enumerate(ids) if i]
+
+
+def test_echo_gives_the_prompts_own_logprobs_for_a_list_of_prompts(oai, engine):
+    """lm-evaluation-harness's log-likelihood request: token-id prompts echoed, nothing generated."""
+    prompts = [[0, 50, 60, 70, 80], [0, 91, 92], [0, 5, 6, 7, 8, 9, 10]]
+    r = oai.completions.create(model="tiny", prompt=prompts, echo=True, logprobs=5, max_tokens=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for ids, choice in zip(prompts, r.choices):
+        lps = choice.logprobs
+        assert choice.text == engine.tokenizer.decode(ids) and choice.finish_reason == "length"
+        assert lps.tokens == [engine.tokenizer.decode([t]) for t in ids]
+        expected = _expected_prompt_logprobs(engine, ids)
+        assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+        assert lps.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+        assert all(
+            len(top) == 5 and max(top.values()) >= lp - 1e-6
+            for top, lp in zip(lps.top_logprobs[1:], lps.token_logprobs[1:])
+        )
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 0
+
+
+def test_echo_with_generation_and_prompts_times_n_in_order(oai, engine):
+    texts = ["The first prompt", "A second one"]
+    r = oai.completions.create(
+        model="tiny", prompt=texts, echo=True, logprobs=2, max_tokens=3, n=2, temperature=1.0, seed=4
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for k, choice in enumerate(r.choices):
+        prompt_text, seed = texts[k // 2], 4 + k % 2
+        alone = oai.completions.create(
+            model="tiny", prompt=prompt_text, max_tokens=3, temperature=1.0, seed=seed
+        )
+        assert choice.text == prompt_text + alone.choices[0].text
+        ids = engine.tokenizer.encode("<｜begin▁of▁sentence｜>" + prompt_text)
+        lps = choice.logprobs
+        assert len(lps.tokens) == len(ids) + 3
+        assert lps.token_logprobs[1 : len(ids)] == pytest.approx(
+            _expected_prompt_logprobs(engine, ids)[1:], abs=1e-5
+        )
+    assert r.usage.completion_tokens == 12
+    streamed = list(
+        oai.completions.create(
+            model="tiny", prompt=texts, echo=True, max_tokens=3, n=2, temperature=1.0, seed=4, stream=True
+        )
+    )
+    by_index: dict[int, str] = {}
+    for c in streamed:
+        by_index[c.choices[0].index] = by_index.get(c.choices[0].index, "") + c.choices[0].text
+    assert [by_index[i] for i in range(4)] == [c.text for c in r.choices]
+
+
+def test_a_list_of_prompts_without_echo(oai):
+    r = oai.completions.create(model="tiny", prompt=["one", "two", "three"], max_tokens=2, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for prompt, choice in zip(["one", "two", "three"], r.choices):
+        assert (
+            choice.text
+            == oai.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+            .choices[0]
+            .text
+        )
+
+
+def test_max_tokens_zero_needs_echo(base):
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+# ---- 10: smaller things ------------------------------------------------------------------------------
+
+
+def test_tokenize_honours_add_special_tokens(base, engine):
+    on = httpx.post(f"{base}/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    off = httpx.post(f"{base}/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json()[
+        "tokens"
+    ]
+    assert on == [engine.tokenizer.bos_id, *off] and off == engine.tokenizer.encode("Hello")
+
+
+def test_context_overflow_reports_the_completion_asked_for(oai):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt=list(range(1, 300)), max_tokens=10)
+    assert exc.value.code == "context_length_exceeded"
+    assert "(299 in the messages, 10 in the completion)" in exc.value.message

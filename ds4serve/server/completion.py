@@ -79,8 +79,6 @@ def check_prompt(server, prompt: list[int], param: str) -> None:
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise invalid(f"{param}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
-    if len(prompt) >= server.engine.max_context:
-        raise context_overflow(server.engine.max_context, len(prompt), 1)
 
 
 class Completion:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine import ErrorCode
 from ..engine.drafts import PredictionProposer
 from .chat_format import BOS, EncodedPrompt, encode_messages, shared_prefix_length
 from .completion import (
@@ -358,22 +363,29 @@ def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict
 # ---- /v1/completions ------------------------------------------------------------------------------
 
 
-def completion_prompt(server, body: CompletionRequest) -> list[int]:
+def completion_prompts(server, body: CompletionRequest, add_bos: bool = True) -> list[list[int]]:
+    """The request's prompts as token ids: one text or id list, or a list of them. BOS is prepended to a text
+    that lacks it (unless ``add_bos`` is off); ids are taken as they are."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid("prompt: only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        text = prompt if prompt.startswith(BOS) else BOS + prompt
-        return server.engine.tokenizer.encode(text)
-    return list(prompt)
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    out = []
+    for p in prompt if many else [prompt]:
+        if isinstance(p, str):
+            text = p if p.startswith(BOS) or not add_bos else BOS + p
+            out.append(server.engine.tokenizer.encode(text))
+        else:
+            out.append(list(p))
+    return out
 
 
-def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
-    prompt = completion_prompt(server, body)
-    check_prompt(server, prompt, "prompt")
+def completion_spec(server, body: CompletionRequest, prompt: list[int], param: str) -> CompletionSpec | None:
+    """The generation of one prompt; None when there is none (``max_tokens`` 0, the prompt echoed alone)."""
+    check_prompt(server, prompt, param)
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    if max_tokens == 0:
+        if not body.echo:
+            raise invalid("max_tokens: 0 generates nothing; it needs echo=true", "max_tokens")
+        return None
     grammar, json_schema = (
         structured_rule(body.structured_outputs) if body.structured_outputs else (None, None)
     )
@@ -414,17 +426,89 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _prompt_logprobs(engine, prompt: list[int], top: int) -> dict:
+    """The legacy logprobs of the prompt's own tokens (``echo``): ``log_softmax`` of :meth:`Engine.score` at the
+    position before each token, and its ``top`` alternatives there; the first token has none (null)."""
+    tok = engine.tokenizer
+    lp = torch.log_softmax(engine.score(prompt).float(), dim=-1).cpu()
+    tokens = [tok.decode([t]) for t in prompt]
+    token_lps: list[float | None] = [None]
+    tops: list[dict | None] = [None]
+    for i, t in enumerate(prompt[1:]):
+        token_lps.append(float(lp[i, t]))
+        vals, ids = lp[i].topk(top) if top else (lp[i, :0], lp[i, :0])
+        tops.append({tok.decode([int(k)]): float(v) for k, v in zip(ids, vals)})
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass
+class _Echo:
+    """What an echoed prompt puts before its choices' text: the prompt's text and, with ``logprobs``, its own."""
+
+    text: str = ""
+    logprobs: dict | None = None
+
+    def joined(self, logprobs: dict) -> dict:
+        """``logprobs`` of generated tokens after the prompt's own."""
+        if self.logprobs is None:
+            return logprobs
+        return {k: self.logprobs[k] + logprobs[k] for k in logprobs}
+
+    @property
+    def offset(self) -> int:
+        """Where the generated tokens' ``text_offset`` starts."""
+        return 0 if self.logprobs is None else sum(len(t) for t in self.logprobs["tokens"])
+
+
+async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> list[_Echo]:
+    if not body.echo:
+        return [_Echo() for _ in prompts]
+    tok, out = server.engine.tokenizer, []
+    texts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else None
+    for i, prompt in enumerate(prompts):
+        text = body.prompt if isinstance(body.prompt, str) else texts[i] if texts else tok.decode(prompt)
+        lps = None
+        if body.logprobs is not None:
+            if server.engine.parked:
+                raise APIError.from_code(
+                    ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
+                )
+            lps = await asyncio.to_thread(_prompt_logprobs, server.engine, prompt, body.logprobs)
+        out.append(_Echo(text, lps))
+    return out
+
+
+def _summed(usages: list[dict]) -> dict:
+    """The usage of several prompts' choices: counts and work summed, the first token's time the first prompt's
+    (a draft's statistics only with one prompt)."""
+
+    def add(a: dict, b: dict) -> dict:
+        return {
+            k: add(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items() if k != "speculative"
+        }
+
+    total = functools.reduce(add, usages)
+    total["timings"]["first_token_ms"] = usages[0]["timings"]["first_token_ms"]
+    return total
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     server = request.app.state.server
-    choices = Choices(server, request, completion_spec(server, body), body.n)
-    choices.start()
+    prompts = completion_prompts(server, body)
+    params = [f"prompt.{i}" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+    specs = [completion_spec(server, body, p, param) for p, param in zip(prompts, params)]
+    groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
+    if groups:
+        groups[0].start()
+    echoes = await _echoes(server, body, prompts)
     model = body.model or server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
-    if not body.stream:
-        outputs = await choices.collect()
+    if not groups:  # max_tokens 0: the prompts echoed
+        total = sum(map(len, prompts))
         return JSONResponse(
             {
                 "id": rid,
@@ -433,17 +517,45 @@ async def completions(body: CompletionRequest, request: Request):
                 "model": model,
                 "choices": [
                     {
-                        "index": i,
-                        "text": "".join(p.delta.content for p in pieces),
-                        "logprobs": _legacy_logprobs(tok, pieces, 0) if want_lp else None,
-                        "finish_reason": c.finish_reason,
+                        "index": i * body.n + j,
+                        "text": echo.text,
+                        "logprobs": echo.logprobs,
+                        "finish_reason": "length",
                     }
-                    for i, (c, pieces) in enumerate(zip(choices.completions, outputs))
+                    for i, echo in enumerate(echoes)
+                    for j in range(body.n)
                 ],
-                "usage": choices.usage(),
+                "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total},
             }
         )
-    stream = await choices.opened()
+    if not body.stream:
+        outputs = []
+        for k, group in enumerate(groups):
+            if k:
+                group.start()
+            outputs.append(await group.collect())
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i * body.n + j,
+                        "text": echo.text + "".join(p.delta.content for p in pieces),
+                        "logprobs": echo.joined(_legacy_logprobs(tok, pieces, echo.offset))
+                        if want_lp
+                        else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for i, (group, echo, output) in enumerate(zip(groups, echoes, outputs))
+                    for j, (c, pieces) in enumerate(zip(group.completions, output))
+                ],
+                "usage": _summed([g.usage() for g in groups]),
+            }
+        )
+    first = await groups[0].opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
@@ -458,15 +570,37 @@ async def completions(body: CompletionRequest, request: Request):
         )
 
     async def events() -> AsyncIterator[str]:
-        offset = 0
-        async for i, piece in stream:
-            if piece is None:
-                yield chunk(i, "", choices.completions[i].finish_reason, None)
-                offset = 0
-                continue
-            lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
-            offset += len(piece.delta.content)
-            yield chunk(i, piece.delta.content, None, lps)
+        for k, (group, echo) in enumerate(zip(groups, echoes)):
+            if k:
+                group.start()
+            stream = first if k == 0 else await group.opened()
+            started = -1
+            async for i, piece in stream:
+                index = k * body.n + i
+                if i > started:
+                    started, offset = i, echo.offset
+                    if echo.text or echo.logprobs:
+                        yield chunk(index, echo.text, None, echo.logprobs if want_lp else None)
+                if piece is None:
+                    yield chunk(index, "", group.completions[i].finish_reason, None)
+                    continue
+                lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
+                offset += len(piece.delta.content)
+                yield chunk(index, piece.delta.content, None, lps)
 
     usage_head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    return _sse_response(choices, events(), usage_head if include_usage else None)
+    return _sse_response(_Usage(groups), events(), usage_head if include_usage else None)
+
+
+class _Usage:
+    """What :func:`_sse_response` needs of the choices of several prompts: their summed usage, and closing."""
+
+    def __init__(self, groups: list[Choices]):
+        self.groups, self.server = groups, groups[0].server
+
+    def usage(self) -> dict:
+        return _summed([g.usage() for g in self.groups if g.completions])
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.close()

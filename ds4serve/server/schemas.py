@@ -202,19 +202,12 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(default=16, ge=1)
+    prompt: str | list[int] | list[str] | list[list[int]]  # a list of texts or of id lists: one prompt each
+    max_tokens: int = Field(default=16, ge=0)  # 0 only with echo: the prompt's own logprobs
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     user: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     @field_validator("suffix")
     @classmethod
