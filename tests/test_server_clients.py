@@ -292,3 +292,67 @@ def test_context_overflow_reports_the_completion_asked_for(oai):
         oai.completions.create(model="tiny", prompt=list(range(1, 300)), max_tokens=10)
     assert exc.value.code == "context_length_exceeded"
     assert "(299 in the messages, 10 in the completion)" in exc.value.message
+
+
+@pytest.fixture(scope="module")
+def guarded(engine):
+    """A server with an API key that lets one web origin call it."""
+    config = ServerConfig(model_name="tiny", api_key=KEY, allowed_origins=("http://localhost:3000",))
+    with running(create_app(engine, config)) as url:
+        yield url
+
+
+def test_health_answers_head_and_metrics_need_no_key(guarded):
+    assert httpx.head(f"{guarded}/health").status_code == 200
+    metrics = httpx.get(f"{guarded}/metrics")
+    assert metrics.status_code == 200 and "ds4serve_requests_total" in metrics.text
+    assert httpx.get(f"{guarded}/v1/models").status_code == 401
+
+
+def test_a_json_body_without_a_json_content_type(base):
+    body = '{"prompt": "Hi", "max_tokens": 2}'
+    r = httpx.post(
+        f"{base}/v1/completions", content=body, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    r = httpx.post(f"{base}/v1/completions", data={"prompt": "Hi"})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "not JSON" in message and "application/x-www-form-urlencoded" in message
+
+
+# ---- 9: browsers -----------------------------------------------------------------------------------
+
+
+def test_cors_preflight_and_headers_for_an_allowed_origin_only(guarded, base):
+    origin = {"Origin": "http://localhost:3000"}
+    preflight = httpx.options(
+        f"{guarded}/v1/chat/completions",
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    r = httpx.get(f"{guarded}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    refused = httpx.get(
+        f"{guarded}/v1/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
+    )
+    assert "access-control-allow-origin" not in refused.headers
+    assert "access-control-allow-origin" not in httpx.get(f"{base}/health", headers=origin).headers
+
+
+def test_the_built_in_model_folder_loads_in_transformers(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from ds4serve.cli import default_model_dir
+    from ds4serve.tokenizer import Tokenizer
+
+    monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
+    folder = default_model_dir()
+    text = "<｜begin▁of▁sentence｜>Hello, 世界 <think>"
+    assert AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] == Tokenizer(folder).encode(text)
