@@ -3,6 +3,8 @@ agents and browsers send, through the live server."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -356,3 +358,107 @@ def test_the_built_in_model_folder_loads_in_transformers(tmp_path, monkeypatch):
     folder = default_model_dir()
     text = "<｜begin▁of▁sentence｜>Hello, 世界 <think>"
     assert AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] == Tokenizer(folder).encode(text)
+
+
+# ---- 8: vLLM's extra fields --------------------------------------------------------------------------
+
+
+def test_guided_fields_are_structured_outputs(oai):
+    colours = ["red", "green", "blue"]
+    r = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "A colour?"}],
+        max_tokens=10,
+        extra_body={"guided_choice": colours},
+    )
+    assert r.choices[0].message.content in colours
+    r = oai.completions.create(
+        model="tiny", prompt="Digits:", max_tokens=10, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = oai.completions.create(
+        model="tiny", prompt="JSON:", max_tokens=20, extra_body={"guided_json": json.dumps(schema)}
+    )
+    assert json.loads(r.choices[0].text) in ({"ok": True}, {"ok": False})
+    r = oai.completions.create(
+        model="tiny", prompt="Say:", max_tokens=10, extra_body={"guided_grammar": 'start: "yes" | "no"'}
+    )
+    assert r.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),
+        ({"guided_regex": "(?=a)a"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"min_tokens": 9}, "min_tokens"),
+    ],
+)
+def test_a_constraint_that_cannot_be_held_is_refused_by_name(oai, extra, field):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body=extra)
+    assert exc.value.body["param"] == field
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(oai, engine):
+    eos = str(engine.cfg.eos_token_id)
+    r = oai.completions.create(model="tiny", prompt="Hi", max_tokens=8, temperature=0, logit_bias={eos: 100})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(
+        model="tiny",
+        prompt="Hi",
+        max_tokens=8,
+        temperature=0,
+        logit_bias={eos: 100},
+        extra_body={"min_tokens": 5},
+    )
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"
+    free = oai.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    stopped = oai.completions.create(
+        model="tiny", prompt="Hello", max_tokens=8, temperature=0, stop=[free[0]]
+    )
+    assert stopped.choices[0].text == ""
+    held = oai.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        stop=[free[0]],
+        extra_body={"min_tokens": 4},
+    )
+    assert (
+        held.choices[0].text and free.startswith(held.choices[0].text) and held.usage.completion_tokens >= 4
+    )
+
+
+def test_special_tokens_leave_no_text_unless_asked(oai):
+    kw = dict(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logit_bias={"128000": 100})
+    assert oai.completions.create(**kw).choices[0].text == ""
+    kept = oai.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert kept == "<｜place▁holder▁no▁0｜>" * 3
+    chat = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={"128000": 100},
+    )
+    assert chat.choices[0].message.content == ""
+
+
+def test_top_k_minus_one_is_off(oai):
+    kw = dict(model="tiny", prompt="Sample", max_tokens=5, temperature=1.0, seed=9)
+    assert (
+        oai.completions.create(**kw, extra_body={"top_k": -1}).choices[0].text
+        == oai.completions.create(**kw).choices[0].text
+    )

@@ -30,7 +30,7 @@ from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .sse import OPENAI_PING, event_stream
-from .structured import structured_rule
+from .structured import requested_rule, structured_rule
 from .tool_grammar import forced_tool_call, strict_tool_calls
 
 router = APIRouter()
@@ -121,17 +121,17 @@ def _answer_rule(
     parameters held (the content a document of ``response_format``'s schema, if any); else that schema alone."""
     choice = body.tool_choice
     tok, parallel = server.engine.tokenizer, body.parallel_tool_calls is not False
-    if body.structured_outputs is not None:
+    rule = requested_rule(body)
+    if rule is not None:
         held_tools = tools and (
             choice not in (None, "auto") or any(t["function"].get("strict") for t in tools)
         )
         if response_format is not None or held_tools:
             raise invalid(
-                "structured_outputs: cannot be combined with response_format, a forced tool call or "
-                "strict functions",
-                "structured_outputs",
+                f"{rule[1]}: cannot be combined with response_format, a forced tool call or strict functions",
+                rule[1],
             )
-        return structured_rule(body.structured_outputs)
+        return structured_rule(*rule)
     if tools and choice not in (None, "auto"):
         if response_format is not None:
             raise invalid(
@@ -187,6 +187,8 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         ignore_eos=body.ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
+        stop_token_ids=body.stop_token_ids,
+        min_tokens=body.min_tokens,
         vocab=server.engine.cfg.vocab_size,
     )
     return CompletionSpec(
@@ -197,6 +199,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         tools={t["function"]["name"] for t in tools} if tools else None,
         cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
         speculative=_prediction(server, body),
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 
@@ -386,9 +389,8 @@ def completion_spec(server, body: CompletionRequest, prompt: list[int], param: s
         if not body.echo:
             raise invalid("max_tokens: 0 generates nothing; it needs echo=true", "max_tokens")
         return None
-    grammar, json_schema = (
-        structured_rule(body.structured_outputs) if body.structured_outputs else (None, None)
-    )
+    rule = requested_rule(body)
+    grammar, json_schema = structured_rule(*rule) if rule is not None else (None, None)
     params = build_params(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -404,12 +406,15 @@ def completion_spec(server, body: CompletionRequest, prompt: list[int], param: s
         ignore_eos=body.ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
+        stop_token_ids=body.stop_token_ids,
+        min_tokens=body.min_tokens,
         vocab=server.engine.cfg.vocab_size,
     )
     return CompletionSpec(
         prompt=prompt,
         params=params,
         stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 

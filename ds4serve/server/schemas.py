@@ -160,7 +160,7 @@ class StructuredOutputs(_Body):
 class SamplingFields(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -173,6 +173,11 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM's: generation also ends at these tokens
+    min_tokens: int | None = Field(
+        default=None, ge=0
+    )  # vLLM's: no stop token or stop string before this many
+    skip_special_tokens: bool = True  # vLLM's: special tokens (BOS, placeholders) leave no text
 
     @field_validator("stop")
     @classmethod
