@@ -144,18 +144,13 @@ def _encode(server, body: CountTokensRequest):
 
 def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tuple[str | None, dict | None]:
     """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
-    "any" or "tool" forces; under "auto", content (a document of ``output_config.format``'s schema, if any)
+    "any" or "tool" forces (``output_config.format`` then holds a later answer); under "auto", content (a document of ``output_config.format``'s schema, if any)
     then maybe calls with the ``strict`` tools' inputs held; else that schema alone."""
     choice, schema = body.tool_choice, _output_schema(body)
     if not tools:
         return None, schema
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
     if choice is not None and choice.type in ("any", "tool"):
-        if schema is not None:
-            raise invalid(
-                "output_config.format: cannot be combined with a forced tool call (tool_choice)",
-                "output_config.format",
-            )
         name = choice.name if choice.type == "tool" else None
         return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema"), None
     strict = strict_tool_calls(

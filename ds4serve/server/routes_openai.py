@@ -117,7 +117,8 @@ def _answer_rule(
     server, body: ChatRequest, tools: list[dict] | None, response_format: dict | None
 ) -> tuple[str | None, dict | None]:
     """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
-    "required" or a named tool forces; under "auto", content then maybe calls with the ``strict`` functions'
+    "required" or a named tool forces (with a ``response_format`` too: it holds a later answer, the one after the
+    tool's result, as OpenAI does); under "auto", content then maybe calls with the ``strict`` functions'
     parameters held (the content a document of ``response_format``'s schema, if any); else that schema alone."""
     choice = body.tool_choice
     tok, parallel = server.engine.tokenizer, body.parallel_tool_calls is not False
@@ -133,10 +134,6 @@ def _answer_rule(
             )
         return structured_rule(*rule)
     if tools and choice not in (None, "auto"):
-        if response_format is not None:
-            raise invalid(
-                "response_format: cannot be combined with a forced tool call (tool_choice)", "response_format"
-            )
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
