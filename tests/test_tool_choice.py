@@ -388,9 +388,17 @@ def test_anthropic_structured_output(base, engine):
         counted.input_tokens
         > claude.messages.count_tokens(model="tiny", messages=ask["messages"]).input_tokens
     )
-    tools = [{"name": "note", "input_schema": {"type": "object"}}]
-    forced = claude.messages.create(**{**ask, "max_tokens": 300}, tools=tools, tool_choice={"type": "any"})
+    kind = {"type": "string", "enum": ["a", "b"]}
+    shape = {
+        "type": "object",
+        "properties": {"kind": kind},
+        "required": ["kind"],
+        "additionalProperties": False,
+    }
+    tools = [{"name": "note", "input_schema": shape}]
+    forced = claude.messages.create(**{**ask, "max_tokens": 100}, tools=tools, tool_choice={"type": "any"})
     assert forced.stop_reason == "tool_use" and forced.content[-1].name == "note"
+    assert forced.content[-1].input["kind"] in ("a", "b")
 
 
 @pytest.mark.parametrize(
