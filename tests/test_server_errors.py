@@ -192,12 +192,6 @@ CASES = [
         400,
         "tools.0.function.parameters.properties.a.pattern",
     ),
-    (
-        CHAT,
-        chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
-        400,
-        "response_format",
-    ),
     (CHAT, chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages"),
     (CHAT, chat(max_tokens=250, messages=[{"role": "user", "content": "word " * 20}]), 400, "messages"),
     (CHAT, chat(messages=[{"role": "user", "content": "x" * 40000}]), 413, None),
