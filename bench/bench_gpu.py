@@ -29,15 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemv_tables import arm_scope, load  # noqa: E402
 from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
 from ds4serve.engine.engine import Engine  # noqa: E402
-from ds4serve.kernels.switches import parse, using  # noqa: E402
-
-NO_EFFECT_ON_BF16: tuple[str, ...] = ()  # switches that change FP8 / MXFP4 kernels only
 
 
 def log(msg: str) -> None:
@@ -131,19 +127,11 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     with torch.inference_mode():
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
-            # every A/B arm commits its warm-up and measured steps to the same state
-            state = model.new_state(ctx + (args.steps + 4) * max(2, len(args.arms) * args.rounds) + 16)
+            state = model.new_state(ctx + (args.steps + 4) * 2 + 16)
             t0 = time.perf_counter()
             prefill(model, state, ids, 2048)
             torch.cuda.synchronize()
             log(f"ctx {ctx}: prefilled in {time.perf_counter() - t0:.1f} s")
-            if args.arms:
-                out[f"decode_{ctx}"] = decode_arms(model, state, variant, ids[-1], args, out, ceil)
-                out.pop("arms_so_far", None)
-                del state
-                gc.collect()
-                torch.cuda.empty_cache()
-                continue
             row: dict = {}
             if variant == "bf16" and ctx == args.contexts[0]:
                 with kernels.disabled():
@@ -180,102 +168,29 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
         if variant in args.prefill_variants:
             active = params_per_token(model)
             state = model.new_state(max(args.chunks) + 16)
-            arms = [("", {})]  # the defaults, then the defaults with --prefill-switches on (or a whole set)
-            if args.prefill_switches:
-                spec = args.prefill_switches
-                arms.append((spec, parse(spec if spec.startswith("defaults") else f"defaults+{spec}")))
             for chunk in args.chunks:
                 ids = torch.randint(3, 128000, (chunk,), generator=gen).tolist()
                 run = partial(prefill_once, Engine(model, tokenizer=None, chunk_size=chunk), state, ids)
-                timings = prefill_rounds(run, chunk, arms, args.rounds if len(arms) > 1 else 1)
-                for arm, _ in arms:
-                    key = f"prefill_{chunk}" + (f"_{arm}" if arm else "")
-                    if timings[arm] is None:
-                        out[key] = {"error": "out of memory"}
-                        log(f"prefill {chunk}{' ' + arm if arm else ''}: out of memory")
-                        continue
-                    ms = timings[arm]
-                    tps = chunk / ms * 1e3
-                    frac = 2 * active * tps / (ceil["bf16_matmul_TFLOPs"] * 1e12)
-                    out[key] = {"ms": ms, "tokens_per_s": tps, "weight_flops_fraction_of_matmul": frac}
-                    log(
-                        f"prefill chunk {chunk}{' with ' + arm if arm else ''}: {ms:.0f} ms, {tps:.0f} tok/s, "
-                        f"{100 * frac:.1f}% of the matmul rate"
-                    )
+                key = f"prefill_{chunk}"
+                try:
+                    ms = cuda_ms(run, 2 if chunk < 8192 else 1, warmup=1)
+                except torch.OutOfMemoryError:
+                    out[key] = {"error": "out of memory"}
+                    log(f"prefill {chunk}: out of memory")
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
+                tps = chunk / ms * 1e3
+                frac = 2 * active * tps / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+                out[key] = {"ms": ms, "tokens_per_s": tps, "weight_flops_fraction_of_matmul": frac}
+                log(
+                    f"prefill chunk {chunk}: {ms:.0f} ms, {tps:.0f} tok/s, {100 * frac:.1f}% of the matmul rate"
+                )
             del state
     del model
     gc.collect()
     torch.cuda.empty_cache()
     return out
-
-
-def prefill_rounds(run, chunk: int, arms: list[tuple[str, dict]], rounds: int) -> dict[str, float | None]:
-    """Median ms of ``run`` (one prefill chunk) under each arm's switches, the arms timed in turn for ``rounds``
-    rounds (a drift of the machine falls on every arm alike); None for an arm that ran out of memory."""
-    times: dict[str, list[float] | None] = {arm: [] for arm, _ in arms}
-    for _ in range(rounds):
-        for arm, switches in arms:
-            if times[arm] is None:
-                continue
-            try:
-                with using(**switches):
-                    times[arm].append(cuda_ms(run, 2 if chunk < 8192 else 1, warmup=1))
-            except torch.OutOfMemoryError:
-                times[arm] = None
-                gc.collect()
-                torch.cuda.empty_cache()
-    return {arm: None if t is None else statistics.median(t) for arm, t in times.items()}
-
-
-def decode_arms(model, state, variant: str, token: int, args, out: dict, ceil: dict) -> dict:
-    """Graph decode for each A/B arm of switches over the same prefilled state: every arm is captured
-    first, then ``args.rounds`` rounds time the arms in turn and an arm's figure is its median round,
-    so that a drift of the machine during the run falls on every arm alike (between processes the same
-    figure moves by a few percent, more than some of the differences an A/B is for)."""
-    rows: dict = {}
-    graphs: dict[str, DecodeGraph] = {}
-    for arm in args.arms:
-        if variant == "bf16" and arm in NO_EFFECT_ON_BF16:
-            continue
-        t0 = time.perf_counter()
-        try:
-            with arm_scope(arm, args.tables):
-                graphs[arm] = DecodeGraph(model, state)
-        except Exception as exc:  # noqa: BLE001 - a failed arm is a result
-            traceback.print_exc()
-            rows[arm] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-            continue
-        rows[arm] = {"capture_s": time.perf_counter() - t0, "rounds_ms": []}
-    for _ in range(args.rounds):
-        for arm, graph in graphs.items():
-            with arm_scope(arm, args.tables):
-                ms, tokens = decode_ms(graph_step(graph), state, args.steps, token)
-            rows[arm]["rounds_ms"].append(ms)
-            rows[arm].setdefault("first_tokens", tokens[:8])
-        out["arms_so_far"] = rows
-        if args.save_partial is not None:
-            args.save_partial(variant, out)
-    for arm, graph in graphs.items():
-        ms = statistics.median(rows[arm]["rounds_ms"])
-        replay = cuda_ms(graph.graph.replay, 10)
-        rows[arm].update(
-            {
-                "graph_ms": ms,
-                "graph_replay_gpu_ms": replay,
-                "tokens_per_s": 1e3 / ms,
-                "GBps": out["bytes_per_token_GB"] / ms * 1e3,
-                "fraction_of_copy_bw": out["bytes_per_token_GB"] / ms * 1e3 / ceil["copy_GBps"],
-                "replay_fraction_of_copy_bw": out["bytes_per_token_GB"] / replay * 1e3 / ceil["copy_GBps"],
-            }
-        )
-        rounds = ", ".join(f"{r:.2f}" for r in rows[arm]["rounds_ms"])
-        log(
-            f"{variant} arm {arm}: graph {ms:.2f} ms/token (rounds {rounds}), replay {replay:.2f} ms "
-            f"({100 * rows[arm]['fraction_of_copy_bw']:.1f}% of copy), capture+compile {rows[arm]['capture_s']:.0f} s"
-        )
-    graphs.clear()
-    gc.collect()
-    return rows
 
 
 def bench_peer(args) -> dict:
@@ -325,12 +240,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="bf16,fp8,fp8+fp4")
     p.add_argument("--prefill-variants", default="bf16")
-    p.add_argument(
-        "--prefill-switches",
-        default="",
-        help="also time each prefill chunk with these kernels.switches on besides the defaults "
-        "(NAME or NAME+NAME, e.g. dequant_kernel), or with a set such as defaults-chunk_regions",
-    )
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--chunks", default="512,2048,8192")
@@ -338,33 +247,12 @@ def main() -> None:
     p.add_argument("--peer-steps", type=int, default=6)
     p.add_argument("--no-peer", action="store_true")
     p.add_argument(
-        "--arms",
-        default="",
-        help="A/B arms of kernels.switches (base, all, a name, a+b), "
-        "graph decode only; SWITCHES@TABLE also uses a GEMV tile table of --tables",
-    )
-    p.add_argument("--tables", type=Path, default=None, help="GEMV tile tables (bench/gemv_tables.py)")
-    p.add_argument(
-        "--table-arms", action="store_true", help="arms: the defaults, then defaults@TABLE for every table"
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="with --arms or --prefill-switches: rounds that time every arm in turn",
-    )
-    p.add_argument(
         "--verify-widths",
         default="",
         help="also time a captured verify block of these widths (comma-separated) at each context",
     )
     args = p.parse_args()
-    args.arms = [a for a in args.arms.split(",") if a]
-    args.tables = load(args.tables) if args.tables is not None else {}
-    if args.table_arms:
-        args.arms = [*(args.arms or ["defaults"]), *(f"defaults@{name}" for name in args.tables)]
     args.verify_widths = [int(w) for w in args.verify_widths.split(",") if w]
-    args.save_partial = None
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
     args.chunks = [int(c) for c in args.chunks.split(",") if c]
     args.prefill_variants = args.prefill_variants.split(",")
@@ -385,11 +273,6 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
-    def save_partial(variant: str, out: dict) -> None:
-        results[variant] = out
-        save()
-
-    args.save_partial = save_partial
     results["ceilings"] = ceil = ceilings()
     log(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     save()
@@ -417,16 +300,6 @@ def summary(r: dict, layers: int) -> str:
         "| variant | ctx | eager torch ms | eager kernels ms | graph ms | tok/s | GB/s | % copy | replay % copy |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for v in ("bf16", "fp8", "fp8+fp4"):
-        for key, arms in sorted((k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_")):
-            for arm, row in arms.items() if "graph_ms" not in arms else ():
-                if "graph_ms" in row:
-                    lines.append(
-                        f"| {v} [{arm}] | {key[7:]} | - | - | {row['graph_ms']:.2f} | "
-                        f"{row['tokens_per_s']:.1f} | {row['GBps']:.0f} | "
-                        f"{100 * row['fraction_of_copy_bw']:.1f} | "
-                        f"{100 * row['replay_fraction_of_copy_bw']:.1f} |"
-                    )
     for v in ("bf16", "fp8", "fp8+fp4"):
         for key, row in sorted(
             (k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_") and "graph_ms" in x

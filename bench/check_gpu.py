@@ -6,9 +6,8 @@
    checkpoint, unquantized and FP8+MXFP4 kept quantized;
 3. greedy tokens with the CUDA-graph decode equal to eager decode (engine, fp32 and bf16), and the
    graph's logits bitwise equal to the same static step run eagerly;
-4. verify graphs (``SWITCHES.speculative_graphs``): a captured block's logits bitwise equal to the same
-   static block run eagerly and close to the chunk forward, the state after ``commit_static`` equal
-   to the chunk's commit, and speculative greedy tokens through the graphs (verify blocks, MTP and
+4. verify graphs: a captured block's logits bitwise equal to the same static block run eagerly and
+   close to the chunk forward, the state after ``commit_static`` equal to the chunk's commit, and speculative greedy tokens through the graphs (verify blocks, MTP and
    DSpark draft passes) equal to plain decoding; in bf16, a captured block no further from the float32
    CPU forward than the bf16 chunk forward;
 5. a layer split (cuda:0 and the last GPU; both on cuda:0 on a one-GPU machine) decoding through one
@@ -40,12 +39,11 @@ from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_pair, g
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
-from ds4serve.kernels.switches import SWITCHES, parse, using
 from ds4serve.model import DeepSeekV4
 from ds4serve.model.hyper import HCSite, hc_merge, hc_split, sum_terms
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
-from ds4serve.model.linear import FP4Weight, quantize_fp8
 from ds4serve.model.norms import rms_norm
+from ds4serve.quant import FP4Weight, quantize_fp8
 from ds4serve.tiny import TinySpec, make_tiny
 from ds4serve.weights import Checkpoint
 
@@ -214,7 +212,7 @@ def check_kernels() -> None:
 
 
 def check_hc_pre() -> None:
-    """The fused mHC pre site (SWITCHES.hc_fused) at the real size (hc=4, D=4096) against hc_split then
+    """The fused mHC pre site at the real size (hc=4, D=4096) against hc_split then
     rms_norm run as torch code, outputs poisoned; a second launch and three replays of a captured one give
     the same bits (the arrival counters are left at zero). ms is one launch outside a graph."""
     hc, D, iters, eps = 4, 4096, 20, 1e-6
@@ -243,9 +241,8 @@ def check_hc_pre() -> None:
 
 
 def check_hc_merge_pre() -> None:
-    """The same with the merge before the site (hc_merge_pre, the attention -> MoE boundary with
-    SWITCHES.hc_fused) against hc_merge, hc_split and rms_norm run as torch code. The merged streams round as
-    hc_merge's product-sum does: equal up to the summation order of the fp32 stream mix and fused multiply-adds
+    """The same with the merge before the site (hc_merge_pre, the attention -> MoE boundary) against hc_merge,
+    hc_split and rms_norm run as torch code. The merged streams round as hc_merge's product-sum does: equal up to the summation order of the fp32 stream mix and fused multiply-adds
     (fp32), which in bf16 can move a rare value by an ulp. The sublayer output is given as is, or (S = 1, 4)
     as the fused MoE's 7 fp32 slot terms ``[S, 7, D]``, which the kernel sums as the MoE's slot-sum launch
     does: every output must then have the bits it has with their sum given instead (``sum_terms``, what that
@@ -367,16 +364,6 @@ def check_tiny(root: Path) -> None:
         gpu32 = _chunked_logits(DeepSeekV4.load(ckpt, device="cuda", quantized=kept), ids, sizes)
         err32 = float((gpu32 - ref).abs().max() / ref.abs().max())
         record(f"tiny fp32 GPU (kernels) vs fp32 CPU logits, quantize={quant}", err32 <= 1e-4, max_rel=err32)
-        if kept:
-            with using(dequant_kernel=True):
-                gpu32 = _chunked_logits(DeepSeekV4.load(ckpt, device="cuda", quantized=True), ids, sizes)
-            err32 = float((gpu32 - ref).abs().max() / ref.abs().max())
-            record(
-                f"tiny fp32 GPU, dequant_kernel (one-pass dequantisation, expert groups) vs fp32 CPU logits, "
-                f"quantize={quant}",
-                err32 <= 1e-4,
-                max_rel=err32,
-            )
         cpu16 = _chunked_logits(DeepSeekV4.load(ckpt, dtype=torch.bfloat16), ids, sizes)
         gpu16 = _chunked_logits(
             DeepSeekV4.load(ckpt, dtype=torch.bfloat16, device="cuda", quantized=kept), ids, sizes
@@ -458,7 +445,7 @@ def check_verify_graphs(root: Path) -> None:
     engine = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
     plain = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     model = engine.model
-    with torch.inference_mode(), using(speculative_graphs=True):
+    with torch.inference_mode():
         a, b, c = (model.new_state(160) for _ in range(3))
         for s in (a, b, c):
             s.commit(model.forward(prompt, s).delta, len(prompt))
@@ -499,15 +486,13 @@ def check_verify_graphs(root: Path) -> None:
         )  # a predicted output with an insert and a cut
         for spec in (
             OracleProposer(known, 0.7, 2),
+            OracleProposer(known, 0.7, 4),
             OracleProposer(known, 0.7, 6),
             OracleProposer(known, 0.7, 12),
             "mtp:3",
             PredictionProposer(edited),
         ):
             _check_speculative(engine, prompt, plain.tokens, spec)
-        with using(static_commit=True):  # the accepted prefix written by captured device commits
-            for spec in (OracleProposer(known, 0.7, 4), "mtp:3"):
-                _check_speculative(engine, prompt, plain.tokens, spec, "static_commit, ")
         dspark = Engine.from_pretrained(
             make_tiny(root / "dspark", TinySpec(seed=7, dspark=True)),
             device="cuda",
@@ -540,34 +525,23 @@ def check_split_graphs(root: Path) -> None:
         graph=kind,
         error=res.error_message,
     )
-    with using(speculative_graphs=True, split_verify_graphs=True):
-        _check_speculative(
-            split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, "
-        )
-        with using(static_commit=True):
-            _check_speculative(
-                split,
-                prompt,
-                plain.tokens,
-                OracleProposer(prompt + plain.tokens, 0.7, 3),
-                "split, static_commit, ",
-            )
-        _check_split_drafts(split, prompt, plain.tokens, "mtp:3")
-        dspark = make_tiny(root / "split-dspark", TinySpec(seed=7, dspark=True))
-        reference = Engine.from_pretrained(dspark, device="cuda", dtype="float32", max_context=160)
-        n = reference.cfg.num_layers
-        _check_split_drafts(
-            Engine.from_pretrained(
-                dspark,
-                devices=["cuda:0", last],
-                layer_split=[n // 2, n - n // 2],
-                dtype="float32",
-                max_context=160,
-            ),
-            prompt,
-            reference.generate(prompt, params).tokens,
-            "dspark",
-        )
+    _check_speculative(split, prompt, plain.tokens, OracleProposer(prompt + plain.tokens, 0.7, 4), "split, ")
+    _check_split_drafts(split, prompt, plain.tokens, "mtp:3")
+    dspark = make_tiny(root / "split-dspark", TinySpec(seed=7, dspark=True))
+    reference = Engine.from_pretrained(dspark, device="cuda", dtype="float32", max_context=160)
+    n = reference.cfg.num_layers
+    _check_split_drafts(
+        Engine.from_pretrained(
+            dspark,
+            devices=["cuda:0", last],
+            layer_split=[n // 2, n - n // 2],
+            dtype="float32",
+            max_context=160,
+        ),
+        prompt,
+        reference.generate(prompt, params).tokens,
+        "dspark",
+    )
 
 
 def _check_split_drafts(split: Engine, prompt: list[int], plain: list[int], spec: str) -> None:
@@ -625,7 +599,7 @@ def check_bf16_verify_block(root: Path) -> None:
 
 
 def _check_speculative(engine: Engine, prompt: list[int], plain: list[int], spec, where: str = "") -> None:
-    """Greedy speculative decoding with ``spec`` through the graphs (switch on) equals plain decoding."""
+    """Greedy speculative decoding with ``spec`` through the graphs equals plain decoding."""
     res = engine.generate(
         prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=spec
     )
@@ -748,11 +722,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
-        "--switches",
-        default="defaults",
-        help="kernels.switches: base, all, defaults, NAME+NAME, or defaults+NAME (switches.parse)",
-    )
-    p.add_argument(
         "--only", default="", help=f"comma-separated checks to run (default: all): {', '.join(CHECKS)}"
     )
     args = p.parse_args()
@@ -761,9 +730,6 @@ def main() -> None:
         raise SystemExit(
             f"--only: unknown {sorted(set(only) - set(CHECKS))}; expected some of {list(CHECKS)}"
         )
-    for name, value in parse(args.switches).items():
-        setattr(SWITCHES, name, value)
-    print(f"switches: {SWITCHES}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in only:
             try:

@@ -8,7 +8,7 @@ For each context of one weight variant, captures the proxy's decode graph and re
   summed kernel time, the idle time between consecutive kernels (histogram, and by the kernel that
   precedes each gap), and the kernel table (appended to ``--kernels``);
 - with ``--sequence FILE``, the kernels of one replay in launch order (start and duration in us), to
-  see what one layer launches; ``--switches defaults-pdl`` makes each duration the kernel's own
+  see what one layer launches; ``--no-pdl`` makes each duration the kernel's own
   (under PDL a kernel's span includes its wait for the one before it). A last column gives what each
   kernel costs the chain (:func:`chain_costs`), with or without PDL;
 - with ``--inductor-code FILE``, the modules Inductor generated for the compiled regions (the static
@@ -41,7 +41,7 @@ from bench_gpu import cuda_ms, log, prefill  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve.engine.cuda_graphs import DecodeGraph  # noqa: E402
-from ds4serve.kernels.switches import parse, using  # noqa: E402
+from ds4serve.kernels import config  # noqa: E402
 
 GAP_BINS_US = (0.5, 1, 2, 4, 8, 16, 1e9)
 
@@ -198,7 +198,7 @@ def main() -> None:
     p.add_argument("--variant", default="bf16")
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 8192])
     p.add_argument("--layers", type=int, default=43)
-    p.add_argument("--switches", default="defaults", help="kernels.switches set (switches.parse)")
+    p.add_argument("--no-pdl", action="store_true", help="kernels without programmatic dependent launch")
     p.add_argument("--sequence", type=Path, help="append one replay's kernels in launch order here")
     p.add_argument(
         "--inductor-code",
@@ -214,11 +214,12 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "variant": args.variant,
-        "switches": args.switches,
+        "pdl": not args.no_pdl,
     }
     gen = torch.Generator().manual_seed(0)
     graphs = {}
-    with torch.inference_mode(), using(**parse(args.switches)):
+    config.configure(pdl=not args.no_pdl)
+    with torch.inference_mode():
         model = build_proxy(args.variant, layers=args.layers)
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
@@ -239,10 +240,10 @@ def main() -> None:
             row.update(
                 trace_gaps(
                     graph,
-                    f"{args.variant} ctx {ctx} [{args.switches}]",
+                    f"{args.variant} ctx {ctx}" + (" [no PDL]" if args.no_pdl else ""),
                     args.kernels,
                     sequence=args.sequence,
-                    pdl=parse(args.switches)["pdl"],
+                    pdl=not args.no_pdl,
                 )
             )
             pr = row["per_replay"]

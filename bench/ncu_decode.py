@@ -64,10 +64,11 @@ def run(args: argparse.Namespace) -> None:
     from proxy import build_proxy
 
     from ds4serve.engine.cuda_graphs import DecodeGraph
-    from ds4serve.kernels.switches import parse, using
+    from ds4serve.kernels import config
 
     gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode(), using(**parse(args.switches)):
+    config.configure(pdl=not args.no_pdl)
+    with torch.inference_mode():
         model = build_proxy(args.variant, layers=args.layers)
         ids = torch.randint(3, 128000, (args.context,), generator=gen).tolist()
         state = model.new_state(args.context + 64)
@@ -187,7 +188,7 @@ def main() -> None:
     r.add_argument("--variant", default="fp8")
     r.add_argument("--layers", type=int, default=4)
     r.add_argument("--context", type=int, default=512)
-    r.add_argument("--switches", default="defaults")
+    r.add_argument("--no-pdl", action="store_true", help="kernels without programmatic dependent launch")
     s = sub.add_parser(
         "summarize", help="per kernel, per kernel name and per layer, from ncu's --page raw --csv"
     )

@@ -1,25 +1,19 @@
 """Where prefill time goes: one chunk through a 4-layer bf16 proxy (bench/proxy.py: layers 0-3 are
 sliding, sliding, CSA, HCA), GPU only. Usage (repository root)::
 
-    PYTHONPATH=. python3 bench/prefill_profile.py [--chunk 2048] [--starts 0,512,8192] \
-        [--arms new,old_attn,old_moe,old,no_regions] [--ops] [--host]
+    PYTHONPATH=. python3 bench/prefill_profile.py [--chunk 2048] [--starts 0,512,8192] [--ops] [--host]
 
-For each chunk start (the state prefilled up to it first) and each arm it times the forward of one
+For each chunk start (the state prefilled up to it first) it times the forward of one
 chunk (median of CUDA-event timings after a warm-up; "host": the forward call alone, the GPU not waited
 for, which is the whole when the chunk is bound by the host's launches) and each layer in it, and reports
 tokens/s and the weight-FLOP fraction of the bf16 matmul rate measured in the same run (``ceilings()`` of
 bench/bench_gpu.py): ``2 * weights multiplied per token * tokens/s / rate``, top-k of the routed
 experts per token. ``est. 43 layers`` scales the per-layer times to the full proxy (2 sliding, 21 CSA,
 20 HCA layers) and counts its head as bench_gpu.py does, so its fraction compares with bench_gpu's
-prefill line. Then, for the first arm at the first start, the phase table of ds4serve's profiler
+prefill line. Then, at the first start, the phase table of ds4serve's profiler
 and torch.profiler's kernel table (top 30 by GPU time).
 
-Arms: ``new`` the current chunk paths; ``no_regions`` those without ``SWITCHES.chunk_regions`` (the
-chunk regions run as written instead of compiled); ``old_attn`` the previous dense masked chunk
-attention (one ``[H, S, window + S + entries]`` matrix through ``attention._core``); ``old_moe`` the
-routed experts expert by expert after a host read of the group sizes (the previous loop's launches and
-sync); ``old`` both; ``switches:SET`` the switch set ``SET`` (``kernels.switches.parse``, e.g.
-``switches:defaults-rope_in_place``). ``--host`` adds a cProfile of one forward's host part;
+Two versions compare by running this in two commits (bench/ab_commits.sh). ``--host`` adds a cProfile of one forward's host part;
 ``--launches`` the GPU launches (kernels, copies, fills) of one forward by the ds4serve function that made
 them, where the trace has Python frames (the H200 machine's had none: then by kernel name only).
 """
@@ -32,7 +26,7 @@ import gc
 import statistics
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -44,51 +38,12 @@ from bench_gpu import ceilings, log  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve import profiler  # noqa: E402
-from ds4serve.kernels.switches import parse, using  # noqa: E402
-from ds4serve.model import attention, deepseek4, moe_grouped  # noqa: E402
+from ds4serve.model import deepseek4  # noqa: E402
 from ds4serve.model.deepseek4 import _tensors_of  # noqa: E402
 from ds4serve.profile_cli import format_table, summarize  # noqa: E402
 
-ARMS = ("new", "old_attn", "old_moe", "old", "no_regions")
 FULL_PROXY = {"sliding": 2, "csa": 21, "hca": 20}  # layer counts of the 43-layer proxy
 LAYER_KIND = ("sliding", "sliding", "csa", "hca")  # layers 0-3 of the proxy
-
-
-def dense_chunk_attention(
-    q: torch.Tensor,
-    seq: torch.Tensor,
-    start: int,
-    entries: torch.Tensor | None,
-    visible: torch.Tensor | None,
-    sinks: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The previous chunk attention: every window row in reach and every entry in one masked matrix."""
-    S = q.shape[0]
-    window = seq.shape[0] - S + 1
-    reach = min(start, window - 1)
-    keys = seq[window - 1 - reach :]
-    key_pos = torch.arange(start - reach, start + S, device=q.device)
-    q_pos = key_pos[reach:].unsqueeze(-1)
-    allowed = (key_pos <= q_pos) & (key_pos > q_pos - window)
-    if entries is not None and entries.shape[0]:
-        keys, allowed = torch.cat([keys, entries]), torch.cat([allowed, visible], dim=-1)
-    return attention._core(q, keys, allowed, sinks, scale)
-
-
-@contextmanager
-def arm(name: str) -> Iterator[None]:
-    """The chunk paths of arm ``name`` (see the module docstring)."""
-    with ExitStack() as stack:
-        if name in ("old_attn", "old"):
-            stack.enter_context(_patched(attention, "chunk_attention", dense_chunk_attention))
-        if name in ("old_moe", "old"):
-            stack.enter_context(_patched(moe_grouped, "grouped_mm_applies", lambda a: False))
-        if name == "no_regions":
-            stack.enter_context(using(chunk_regions=False))
-        if name.startswith("switches:"):
-            stack.enter_context(using(**parse(name.removeprefix("switches:"))))
-        yield
 
 
 @contextmanager
@@ -306,9 +261,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--starts", default="0,512,8192")
-    p.add_argument(
-        "--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)} and switches:SET"
-    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="also the ops by GPU time with their call sites")
     p.add_argument("--host", action="store_true", help="also a cProfile of the host's part of one forward")
@@ -317,10 +269,6 @@ def main() -> None:
     )
     args = p.parse_args()
     starts = [int(s) for s in args.starts.split(",")]
-    arms = args.arms.split(",")
-    unknown = {a for a in arms if not a.startswith("switches:")} - set(ARMS)
-    if unknown:
-        raise SystemExit(f"--arms: unknown {sorted(unknown)}; expected some of {ARMS}")
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     rate = ceilings()["bf16_matmul_TFLOPs"]
     log(f"bf16 matmul {rate:.0f} TFLOP/s")
@@ -337,42 +285,29 @@ def main() -> None:
                 part = ids[i : min(i + args.chunk, start)]
                 state.commit(model.forward(part, state).delta, len(part))
             chunk = ids[start : start + args.chunk]
-            first = None
-            for name in arms:
-                with arm(name):
-                    ms, host_ms, per_layer, logits = time_chunk(model, state, chunk, args.reps)
-                report(name, start, args.chunk, ms, host_ms, per_layer, params, head_params, rate)
-                first = logits if first is None else first
-                diff = float((logits - first).abs().max() / first.abs().max())
-                log(f"{name:>8} start {start:>5}: last-row logits vs arm {arms[0]}: max rel {diff:.2e}")
+            ms, host_ms, per_layer, _ = time_chunk(model, state, chunk, args.reps)
+            report("chunk", start, args.chunk, ms, host_ms, per_layer, params, head_params, rate)
             if n == 0:
-                with arm(arms[0]):
-                    if args.launches:
-                        print(
-                            f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}",
-                            flush=True,
-                        )
+                if args.launches:
                     print(
-                        f"\n## phases of a {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True
+                        f"## launches by call site, same chunk\n\n{launch_table(model, state, chunk)}",
+                        flush=True,
                     )
-                    print(phase_table(model, state, chunk, args.reps), flush=True)
+                print(f"\n## phases of a {args.chunk}-token chunk at {start}\n", flush=True)
+                print(phase_table(model, state, chunk, args.reps), flush=True)
+                print(f"## kernels of one {args.chunk}-token chunk at {start}\n", flush=True)
+                print(kernel_table(model, state, chunk), flush=True)
+                if args.ops:
                     print(
-                        f"## kernels of one {args.chunk}-token chunk at {start}, arm {arms[0]}\n", flush=True
+                        f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}",
+                        flush=True,
                     )
-                    print(kernel_table(model, state, chunk), flush=True)
-                    if args.ops:
-                        print(
-                            f"## ops and their call sites, same chunk\n\n{op_table(model, state, chunk)}",
-                            flush=True,
-                        )
-                    if args.host:
-                        print(
-                            f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True
-                        )
-                        print(
-                            f"## the host's time by phase\n\n{phase_table(model, state, chunk, args.reps, 'host')}",
-                            flush=True,
-                        )
+                if args.host:
+                    print(f"## the host's part, same chunk\n\n{host_table(model, state, chunk)}", flush=True)
+                    print(
+                        f"## the host's time by phase\n\n{phase_table(model, state, chunk, args.reps, 'host')}",
+                        flush=True,
+                    )
             del state
             gc.collect()
             torch.cuda.empty_cache()

@@ -6,18 +6,16 @@ committed. This times that loop end to end on the proxy (bench/proxy.py; bf16 un
 routed experts unless ``--experts``), GPU only::
 
     PYTHONPATH=. python3 bench/prompt_prefill.py [--variant fp8+fp4] [--experts 256] [--layers 43] \
-        [--prompts 2048,8192,32768] [--chunks 2048,4096,8192] [--arms defaults,defaults-prefill_graphs] \
+        [--prompts 2048,8192,32768] [--chunks 2048,4096,8192] [--eager] [--no-pdl] \
         [--reps 2] [--kernels 25] [--out results.json]
 
-For each prompt length, chunk size and switch set (``--arms``, ``kernels.switches.parse``): median ms of
-the whole prefill (the last position's logits on the host's side of a synchronisation, as a server's
-first token needs them) after one warm-up, tokens/s, the peak GPU memory of the loop, and how far the
-last position's logits are from the first arm's (max abs difference over max abs value) and whether
-their greedy tokens agree. ``--kernels N``: for each prompt and chunk, one more prefill of the first arm
-under torch.profiler (through the engine just timed), and its N kernels with the most GPU time (list
-``defaults-prefill_graphs`` first to profile the chunks eagerly). Under PDL (``SWITCHES.pdl``) a kernel
-starts before the one it follows has ended and its duration includes that wait, so the small kernels after
-long ones read long; a first arm with ``-pdl`` gives exclusive times.
+For each prompt length and chunk size: median ms of the whole prefill (the last position's logits on the
+host's side of a synchronisation, as a server's first token needs them) after one warm-up, tokens/s and the
+peak GPU memory of the loop. ``--kernels N``: for each prompt and chunk, one more prefill under
+torch.profiler (through the engine just timed), and its N kernels with the most GPU time (``--eager``: the
+chunks launched eagerly, no first-chunk graphs). Under PDL a kernel starts before the one it follows has
+ended and its duration includes that wait, so the small kernels after long ones read long; ``--no-pdl``
+gives exclusive times. Two versions compare by running this in two commits (bench/ab_commits.sh).
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from bench_gpu import log  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve.engine.engine import Engine  # noqa: E402
-from ds4serve.kernels.switches import parse, using  # noqa: E402
+from ds4serve.kernels import config  # noqa: E402
 
 
 def time_prompt(engine: Engine, ids: list[int], reps: int) -> tuple[float, float, torch.Tensor]:
@@ -79,14 +77,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--prompts", default="2048,8192,32768")
     p.add_argument("--chunks", default="2048,4096,8192")
-    p.add_argument("--arms", default="defaults")
+    p.add_argument("--eager", action="store_true", help="an eager engine: no first-chunk CUDA graphs")
+    p.add_argument("--no-pdl", action="store_true", help="kernels without programmatic dependent launch")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--kernels", type=int, default=0, help="the top N kernels of one prefill of the first arm")
+    p.add_argument("--kernels", type=int, default=0, help="the top N kernels of one more prefill")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     prompts = [int(n) for n in args.prompts.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
-    arms = args.arms.split(",")
+    config.configure(pdl=not args.no_pdl)
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     model = build_proxy(args.variant, layers=args.layers, experts=args.experts)
     log(f"{args.layers}-layer {args.variant} proxy with {args.experts} experts built")
@@ -96,38 +95,17 @@ def main() -> None:
         for n in prompts:
             ids = torch.randint(3, 128000, (n,), generator=gen).tolist()
             for c in sorted({min(c, n) for c in chunks}):  # chunks past the prompt: one chunk, timed once
-                first, top = None, []
-                for arm in arms:
-                    with using(**parse(arm)):
-                        engine = Engine(model, tokenizer=None, chunk_size=c)
-                        ms, peak, logits = time_prompt(engine, ids, args.reps)
-                        if (
-                            args.kernels and first is None
-                        ):  # the first arm's engine, its graphs captured by now
-                            top = kernel_table(engine, ids, args.kernels)
-                    first = logits if first is None else first
-                    diff = float((logits - first).abs().max() / first.abs().max())
-                    same = int(logits.argmax()) == int(first.argmax())
-                    rows.append(
-                        {
-                            "prompt": n,
-                            "chunk": c,
-                            "arm": arm,
-                            "ms": ms,
-                            "tok_s": n / ms * 1e3,
-                            "peak_GiB": peak,
-                            "logits_max_rel_vs_first_arm": diff,
-                            "same_greedy_token": same,
-                        }
-                    )
-                    log(
-                        f"prompt {n:>6} in chunks of {c:>5}, {arm}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak "
-                        f"{peak:5.1f} GiB; last logits vs {arms[0]}: max rel {diff:.1e}, "
-                        f"greedy token {'same' if same else 'differs'}"
-                    )
-                if top:
-                    rows.append({"prompt": n, "chunk": c, "arm": arms[0], "kernels": top})
-                    log(f"prompt {n} in chunks of {c}, {arms[0]}: top kernels by GPU time")
+                engine = Engine(model, tokenizer=None, chunk_size=c)
+                engine.eager = args.eager
+                ms, peak, _ = time_prompt(engine, ids, args.reps)
+                rows.append({"prompt": n, "chunk": c, "ms": ms, "tok_s": n / ms * 1e3, "peak_GiB": peak})
+                log(
+                    f"prompt {n:>6} in chunks of {c:>5}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak {peak:5.1f} GiB"
+                )
+                if args.kernels:  # the engine just timed, its graphs captured by now
+                    top = kernel_table(engine, ids, args.kernels)
+                    rows.append({"prompt": n, "chunk": c, "kernels": top})
+                    log(f"prompt {n} in chunks of {c}: top kernels by GPU time")
                     for k in top:
                         print(
                             f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f}% {k['launches']:5d}x  {k['kernel'][:110]}"
@@ -137,6 +115,8 @@ def main() -> None:
             json.dumps(
                 {
                     "variant": args.variant,
+                    "eager": args.eager,
+                    "pdl": not args.no_pdl,
                     "experts": args.experts,
                     "layers": args.layers,
                     "gpu": torch.cuda.get_device_name(),

@@ -18,9 +18,9 @@ from ds4serve.model.attention import AttentionWeights, IndexerWeights, concatena
 from ds4serve.model.compressor import CompressorWeights
 from ds4serve.model.deepseek4 import BlockWeights, HeadWeights
 from ds4serve.model.hyper import HCSite
-from ds4serve.model.linear import FP4Weight, FP8Weight, Weight
 from ds4serve.model.moe import MoEWeights
 from ds4serve.model.mtp import MTPWeights
+from ds4serve.quant import FP4Weight, FP8Weight, Weight
 
 VARIANTS = ("bf16", "fp8", "fp8+fp4")
 BLOCK = (128, 128)

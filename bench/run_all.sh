@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 # the host's cores; none of them asserts a timing, and the check log's kernel timings are only
 # informational): the GPU tests, and bench/check_gpu.py in two halves.
 python3 -m pytest tests/test_kernels*.py tests/test_pdl.py tests/test_regions.py tests/test_prefill_paths.py \
-    tests/test_routing.py tests/test_projections.py tests/test_decode_switches.py tests/test_prefill_graphs.py \
+    tests/test_routing.py tests/test_projections.py tests/test_decode_kernels.py tests/test_prefill_graphs.py \
     -q -p no:cacheprovider \
     > "$OUT/pytest.log" 2>&1 &
 tests=$!

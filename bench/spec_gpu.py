@@ -3,16 +3,16 @@
 The proxy (bench/proxy.py: random weights, no MTP block) has no real draft, so the drafts come from
 :class:`~ds4serve.engine.drafts.OracleProposer`: it knows the continuation the verify path emits
 at that width (:func:`verifier_sequence`) and gets each draft right with probability ``p``. For every
-width and ``p`` the same prompt is generated with the verify steps (and any MTP passes) eager, with
-``SWITCHES.speculative_graphs`` committing on the host, and with ``static_commit`` too, against plain
-decoding (CUDA-graph decode): tokens/s, tokens per verify step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not:
-near-tied greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one).
+width and ``p`` the same prompt is generated through the verify graphs (mode ``graphs``) or an eager engine
+(``eager``: every step eager), against plain decoding (CUDA-graph decode): tokens/s, tokens per verify
+step, and whether the tokens equal plain decoding's (in bf16 on random weights they need not: near-tied
+greedy choices flip with the rounding; the exact check is check_gpu.py's float32 one).
 ``--model DIR`` runs a checkpoint instead of the proxy (and adds its MTP draft, if any). ``--predictions`` adds
 OpenAI's predicted outputs (:class:`~ds4serve.engine.drafts.PredictionProposer`, up to 8 drafts a step): a prediction
 equal to the continuation the verify path emits at width 9, and the same with 4 of its tokens cut and 4 replaced.
 
     PYTHONPATH=. python3 bench/spec_gpu.py --out $OUT/spec.json [--variant bf16] [--widths 2,3,4,6]
-        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes eager,graphs,graphs+static_commit] [--predictions]
+        [--accept 0.5,0.9] [--prompt 512] [--tokens 64] [--modes graphs,eager] [--predictions]
 """
 
 from __future__ import annotations
@@ -32,14 +32,9 @@ from proxy import build_proxy  # noqa: E402
 
 from ds4serve import Engine, SamplingParams  # noqa: E402
 from ds4serve.engine.drafts import OracleProposer, PredictionProposer  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 
-MODES = {
-    "eager": {"speculative_graphs": False},
-    "graphs": {"speculative_graphs": True, "static_commit": False},
-    "graphs+static_commit": {"speculative_graphs": True, "static_commit": True},
-}
+MODES = {"graphs": False, "eager": True}  # mode -> the engine's eager flag
 
 
 def timed(engine: Engine, prompt: list[int], params: SamplingParams, speculative=None):
@@ -98,9 +93,7 @@ def main() -> None:
     p.add_argument("--accept", default="0.5,0.9")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument(
-        "--modes", default="eager,graphs,graphs+static_commit", help=f"comma-separated, of {', '.join(MODES)}"
-    )
+    p.add_argument("--modes", default="graphs", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--predictions", action="store_true", help="also time predicted outputs, exact and edited")
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
@@ -130,41 +123,42 @@ def main() -> None:
         "runs": [],
     }
     for mode in modes:
-        with using(**MODES[mode]):
-            drafts = []
-            for w in widths:
-                known, runs = verifier_sequence(engine, prompt, params, w, plain.tokens)
-                log(f"{mode:>6} width {w}: the verify path's own continuation after {runs} run(s)")
-                drafts += [
-                    (f"oracle width {w} p {a}", lambda known=known, w=w, a=a: OracleProposer(known, a, w))
-                    for a in accepts
-                ]
-            if args.predictions:
-                drafts += prediction_drafts(engine, prompt, params, plain.tokens)
-            if args.model is not None and engine.cfg.n_mtp_layers:
-                drafts.append(("mtp", lambda: "mtp"))
-            for name, make in drafts:
-                t0 = time.perf_counter()
-                timed(engine, prompt, params, make())  # compiles and captures this width's graphs
-                first_s = time.perf_counter() - t0
-                res, tps = timed(engine, prompt, params, make())
-                spec = res.stats.speculative
-                row = {
-                    "mode": mode,
-                    "draft": name,
-                    "tokens_per_s": tps,
-                    "speedup": tps / plain_tps,
-                    "tokens_per_verify": spec["tokens_per_forward"],
-                    "acceptance": spec["acceptance_rate"],
-                    "equal_to_plain": res.tokens == plain.tokens,
-                    "first_run_s": first_s,
-                }
-                out["runs"].append(row)
-                log(
-                    f"{mode:>6} {name}: {tps:.1f} tok/s ({row['speedup']:.2f}x plain), "
-                    f"{row['tokens_per_verify']:.2f} tokens/verify, equal to plain: {row['equal_to_plain']}, "
-                    f"first run {first_s:.1f} s"
-                )
+        engine.eager = MODES[mode]
+        drafts = []
+        for w in widths:
+            known, runs = verifier_sequence(engine, prompt, params, w, plain.tokens)
+            log(f"{mode:>6} width {w}: the verify path's own continuation after {runs} run(s)")
+            drafts += [
+                (f"oracle width {w} p {a}", lambda known=known, w=w, a=a: OracleProposer(known, a, w))
+                for a in accepts
+            ]
+        if args.predictions:
+            drafts += prediction_drafts(engine, prompt, params, plain.tokens)
+        if args.model is not None and engine.cfg.n_mtp_layers:
+            drafts.append(("mtp", lambda: "mtp"))
+        for name, make in drafts:
+            t0 = time.perf_counter()
+            timed(engine, prompt, params, make())  # compiles and captures this width's graphs
+            first_s = time.perf_counter() - t0
+            res, tps = timed(engine, prompt, params, make())
+            spec = res.stats.speculative
+            row = {
+                "mode": mode,
+                "draft": name,
+                "tokens_per_s": tps,
+                "speedup": tps / plain_tps,
+                "tokens_per_verify": spec["tokens_per_forward"],
+                "acceptance": spec["acceptance_rate"],
+                "equal_to_plain": res.tokens == plain.tokens,
+                "first_run_s": first_s,
+            }
+            out["runs"].append(row)
+            log(
+                f"{mode:>6} {name}: {tps:.1f} tok/s ({row['speedup']:.2f}x plain), "
+                f"{row['tokens_per_verify']:.2f} tokens/verify, equal to plain: {row['equal_to_plain']}, "
+                f"first run {first_s:.1f} s"
+            )
+    engine.eager = False
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sweep_gemv import graph_seconds  # noqa: E402
 
 from ds4serve.kernels import grouped_experts as ge  # noqa: E402
-from ds4serve.model.linear import FP4Weight, FP8Weight  # noqa: E402
+from ds4serve.quant import FP4Weight, FP8Weight  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 4096, 2048, 6
 SHAPES = [

@@ -11,7 +11,7 @@ Gate-up tiles are swept with the format's default down tile, then down tiles wit
 tile. The best pair per format is printed as a ``CONFIGS`` literal for ds4serve/kernels/moe.py.
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=. python3 bench/sweep_moe.py --out $OUT/sweep_moe.json [--quick] [--switches defaults+NAME]
+    PYTHONPATH=. python3 bench/sweep_moe.py --out $OUT/sweep_moe.json [--quick]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch
 
 from ds4serve.kernels import moe
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref
-from ds4serve.kernels.switches import SWITCHES, parse
 from ds4serve.quant import dequant_fp4, dequant_fp8
 
 E, K, D, INTER, LIMIT = 32, 6, 4096, 2048, 10.0
@@ -351,14 +350,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write every candidate's numbers as JSON")
     p.add_argument("--quick", action="store_true", help="3 gate-up and 3 down tiles per format")
     p.add_argument("--formats", default="bf16,fp8,fp4", help="bf16, fp8 (FP8 shared) and fp4 (FP8 shared)")
-    p.add_argument(
-        "--switches",
-        default="defaults",
-        help="the switch set the kernels run under (kernels.switches.parse, e.g. defaults+moe_fp4_words)",
-    )
     args = p.parse_args()
-    for name, value in parse(args.switches).items():
-        setattr(SWITCHES, name, value)
     if not torch.cuda.is_available():
         sys.exit("sweep_moe.py needs a GPU")
     t0 = time.perf_counter()

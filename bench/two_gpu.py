@@ -36,8 +36,7 @@ reports what it did):
   acceptance, and whether the tokens equal plain decoding's (the baseline, also timed; in bf16 on
   random weights they need not, near-tied greedy choices flip with the rounding);
 * on GPUs: whole prompts of ``--prompts`` tokens through ``Engine.prefill``, eagerly and through one
-  first-chunk graph per shard (``split_prefill_graphs``) or per rank (``pipeline_prefill_graphs``), and how far
-  apart their last logits are;
+  first-chunk graph per shard or per rank, and how far apart their last logits are;
 * with ``--mtp K`` (the split only: model drafts need the embedding and head in this process), an
   MTP draft block with random weights on the last GPU drafting ``K`` tokens per step (fixed width
   ``K + 1``), its passes eager and as CUDA graphs: random drafts are rejected, so the two tokens/s
@@ -76,8 +75,6 @@ from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
 from ds4serve.engine.drafts import MTPProposer, OracleProposer, target_parts
-from ds4serve.kernels.switches import NAMES, SWITCHES, using
-from ds4serve.kernels.switches import parse as parse_switches
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
 from ds4serve.parallel.split_model import SplitModel, handoff
@@ -412,28 +409,28 @@ def run_split(args: argparse.Namespace, cfg: ModelConfig, results: dict, save: S
     save()
     measure(model, args, devices, section, save)
     if all(d.type == "cuda" for d in devices) and args.prompts:
-        section["first_chunks"] = first_chunks(model, args, devices, "split_prefill_graphs")
+        section["first_chunks"] = first_chunks(model, args, devices, "split first chunks")
         save()
     section["memory_end"] = [memory(d) for d in devices]
     save()
 
 
 def first_chunks(
-    model: SplitModel | PipelineModel, args: argparse.Namespace, devices: list[torch.device], switch: str
+    model: SplitModel | PipelineModel, args: argparse.Namespace, devices: list[torch.device], label: str
 ) -> list[dict]:
-    """Whole prompts of ``--prompts`` tokens (one chunk each) through ``Engine.prefill``, eagerly and through
-    one first-chunk graph per shard or rank (``switch``: ``split_prefill_graphs`` or
-    ``pipeline_prefill_graphs``): median wall ms of 3 after a warm-up (which captures), and how far the
-    graphs' last logits are from the eager ones."""
+    """Whole prompts of ``--prompts`` tokens (one chunk each) through ``Engine.prefill``, eagerly (an eager
+    engine) and through one first-chunk graph per shard or rank (``label``: which, for the log): median wall ms
+    of 3 after a warm-up (which captures), and how far the graphs' last logits are from the eager ones."""
     rows = []
     for n in args.prompts:
         ids = random_ids(n, seed=n)
         arms = {}
-        for name, on in (("eager", False), ("graphs", True)):
+        for name in ("eager", "graphs"):
             engine = Engine(model, Tokenizer(), max_context=n, chunk_size=max(args.prompts))
+            engine.eager = name == "eager"
             state = model.new_state(n)
             times = []
-            with torch.inference_mode(), using(**{switch: on}):
+            with torch.inference_mode():
                 for _ in range(4):
                     state.reset()
                     sync(devices)
@@ -452,7 +449,7 @@ def first_chunks(
             }
         )
         log(
-            f"{switch}: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
+            f"{label}: {n}-token prompt {eager_ms:.1f} ms eagerly, {graph_ms:.1f} ms through the first-chunk graphs "
             f"(logits max rel {rows[-1]['logits_max_rel']:.1e})"
         )
     return rows
@@ -569,7 +566,7 @@ def measure_pipeline(
     try:
         measure(model, args, [shard.device], section, save)
         if shard.device.type == "cuda" and args.prompts:
-            section["first_chunks"] = first_chunks(model, args, [shard.device], "pipeline_prefill_graphs")
+            section["first_chunks"] = first_chunks(model, args, [shard.device], "pipeline first chunks")
             save()
     finally:
         model.close()
@@ -625,7 +622,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--prompts",
         default="512,2048",
         help="on GPUs: whole prompts through Engine.prefill, eagerly "
-        "and through the first-chunk graphs (switch split_prefill_graphs or pipeline_prefill_graphs)",
+        "and through the first-chunk graphs (one per shard or rank)",
     )
     p.add_argument("--steps", type=int, default=8, help="decode steps per context")
     p.add_argument("--reps", type=int, default=20, help="repetitions of each boundary timing")
@@ -647,17 +644,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="split: also time K random MTP drafts per step, eager and as graphs (0: not)",
     )
     p.add_argument("--timeout-s", type=float, default=300.0, help="pipeline: longest wait for a peer")
-    p.add_argument(
-        "--switches", default="", help="kernels.switches to turn on besides the defaults (NAME+NAME)"
-    )
     p.add_argument("--copy-gbps", default=None, help=argparse.SUPPRESS)  # measured once, handed to the ranks
     p.add_argument("--pipeline-rank", action="store_true", help=argparse.SUPPRESS)  # set by launch_pipeline
     args = p.parse_args(argv)
     args.argv = argv
-    try:
-        args.switches = parse_switches("defaults+" + args.switches)
-    except ValueError as exc:
-        raise SystemExit(f"--switches: {exc}") from exc
     args.split = args.split or -(-args.layers // 2)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
     args.prompts = [int(n) for n in args.prompts.split(",") if n]
@@ -672,8 +662,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    for name, value in args.switches.items():
-        setattr(SWITCHES, name, value)
     cfg = model_config(args)
     if args.pipeline_rank:
         pipeline_rank(args, cfg)
@@ -689,7 +677,6 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "experts": args.experts,
         "split_at_layer": args.split,
-        "switches": {n: getattr(SWITCHES, n) for n in NAMES},
     }
 
     def save() -> None:

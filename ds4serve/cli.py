@@ -120,12 +120,16 @@ def _make_tiny_args(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-@command("inspect", "print a checkpoint's config summary, layer pattern, parameters and bytes per dtype")
+@command(
+    "inspect",
+    "print a checkpoint's config, layer pattern, parameters (total, active per token) and bytes per dtype, "
+    "from the shards' headers alone",
+)
 def _inspect_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("model_dir")
 
     def run(a: argparse.Namespace) -> int:
-        from .weights import Checkpoint
+        from .weights import Checkpoint, parameter_counts
 
         ckpt = Checkpoint(a.model_dir)
         cfg = ckpt.cfg
@@ -151,14 +155,23 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
         print(f"indexer      {cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk}")
         print(f"drafts       mtp blocks {cfg.n_mtp_layers}, dspark {'yes' if cfg.dspark else 'no'}")
         print(f"quant        fp8 block {cfg.quant.fp8_block}, experts {cfg.quant.expert_dtype}")
-        params, nbytes = Counter(), Counter()
-        for name in ckpt.names():
-            t = ckpt.raw(name)
-            params[str(t.dtype)] += t.numel()
-            nbytes[str(t.dtype)] += t.numel() * t.element_size()
-        print(f"parameters   {sum(params.values()):,} stored values, {sum(nbytes.values()) / 1e6:.1f} MB")
+        counts = parameter_counts(ckpt)
+        print(
+            f"parameters   {counts.main + counts.drafts:,} = {counts.main:,} main + {counts.drafts:,} drafts; "
+            f"active per token {counts.active:,} (top-{cfg.top_k} of {cfg.n_routed_experts} routed experts, "
+            f"{cfg.n_shared_experts} shared, embedding and head)"
+        )
+        if ckpt.ignored:
+            print(
+                f"vision       {len(ckpt.ignored)} tensors, {counts.ignored:,} parameters, not loaded (text only)"
+            )
+        tensors, nbytes = Counter(), Counter()
+        for st in ckpt.stored.values():
+            tensors[st.dtype] += 1
+            nbytes[st.dtype] += st.nbytes
+        print(f"stored       {sum(nbytes.values()) / 1e6:,.1f} MB in {sum(tensors.values()):,} tensors")
         for dt in sorted(nbytes):
-            print(f"  {dt:<24} {params[dt]:>14,} values {nbytes[dt] / 1e6:>10.1f} MB")
+            print(f"  {dt:<10} {tensors[dt]:>8,} tensors {nbytes[dt] / 1e6:>12,.1f} MB")
         return 0
 
     return run

@@ -6,9 +6,9 @@ Two layouts exist for DeepSeek-V4 checkpoints:
   ``num_nextn_predict_layers``, ``quantization_config``, ``expert_dtype``, DSpark fields), and
 * the transformers one (``layer_types``, ``mlp_layer_types``, ``rope_parameters``, ``compress_rates``).
 
-Both are normalised into one :class:`ModelConfig`. The layer pattern always comes from the
-checkpoint: a config that names neither ``compress_ratios`` nor ``layer_types`` is rejected rather
-than silently given a default pattern.
+Both are normalised into one :class:`ModelConfig`. The layer patterns always come from the
+checkpoint: a config that names neither ``compress_ratios`` nor ``layer_types``, or neither
+``num_hash_layers`` nor ``mlp_layer_types``, is rejected rather than silently given a default.
 """
 
 from __future__ import annotations
@@ -437,7 +437,11 @@ def _mlp_pattern(raw: dict[str, Any], n_layers: int) -> tuple[str, ...]:
         if bad:
             raise ConfigError(f"mlp_layer_types: expected entries from {list(MLP_TYPES)}, got {bad}")
         return tuple(types[:n_layers])
-    n_hash = raw.get("num_hash_layers", 3)
+    if "num_hash_layers" not in raw:  # every released config names it; the count differs between models
+        raise ConfigError(
+            "num_hash_layers: missing (neither 'mlp_layer_types' nor 'num_hash_layers' is in config.json)"
+        )
+    n_hash = raw["num_hash_layers"]
     if isinstance(n_hash, bool) or not isinstance(n_hash, int) or not 0 <= n_hash <= n_layers:
         raise ConfigError(f"num_hash_layers: expected an integer in [0, {n_layers}], got {n_hash!r}")
     return tuple(["hash_moe"] * n_hash + ["moe"] * (n_layers - n_hash))

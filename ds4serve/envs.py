@@ -81,6 +81,12 @@ def _declare(name: str, kind: str, default: Any, doc: str) -> EnvVar:
     return var
 
 
+API_KEY = _declare(
+    "DS4SERVE_API_KEY",
+    "str",
+    None,
+    "The API key `ds4serve serve` requires when --api-key is not given (kept out of the process list).",
+)
 CACHE_DIR = _declare(
     "DS4SERVE_CACHE_DIR",
     "path",

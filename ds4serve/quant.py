@@ -6,12 +6,14 @@
   scale per 32 consecutive inputs of a row.
 
 Dequantising either to bf16 or fp32 is exact: a power-of-two scale times a code of at most three
-mantissa bits fits both.
+mantissa bits fits both. :class:`FP8Weight` and :class:`FP4Weight` hold such weights as the model and the
+kernels read them; their ``dequantize`` is the torch reference.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -109,3 +111,68 @@ def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = codes | ((scaled < 0).to(torch.uint8) << 3)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
     return packed, float_to_e8m0(scale)
+
+
+@dataclass
+class FP8Weight:
+    data: torch.Tensor  # float8_e4m3fn [..., out, in]
+    scale: torch.Tensor  # fp32 [..., ceil(out/b0), ceil(in/b1)]
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_fp8(self.data, self.scale, self.block, dtype)
+
+    def __getitem__(self, e: int | slice) -> "FP8Weight":
+        return FP8Weight(self.data[e], self.scale[e], self.block)
+
+
+@dataclass
+class FP4Weight:
+    data: torch.Tensor  # int8 [..., out, in/2], low nibble = even input
+    scale: torch.Tensor  # uint8 e8m0 exponents [..., out, in/32]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_fp4(self.data, self.scale, dtype)
+
+    def __getitem__(self, e: int | slice) -> "FP4Weight":
+        return FP4Weight(self.data[e], self.scale[e])
+
+
+# A weight as the model holds it: dense (bf16 / fp32), FP8 with block scales, or MXFP4.
+Weight = torch.Tensor | FP8Weight | FP4Weight
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Weight:
+    """Quantize a dense ``[out, in]`` (or stacked ``[E, out, in]``) weight on its own device."""
+    if w.dim() == 3:
+        parts = [quantize_fp8(m, block) for m in w]
+        return FP8Weight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), block)
+    rows, cols = w.shape
+    br, bc = -(-rows // block[0]), -(-cols // block[1])
+    padded = w.new_zeros((br * block[0], bc * block[1]), dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    amax = padded.view(br, block[0], bc, block[1]).abs().amax(dim=(1, 3)).clamp_min(1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return FP8Weight((w.float() / full).to(torch.float8_e4m3fn), scale, block)
+
+
+def fp8_from_checkpoint(
+    data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], device: torch.device | str
+) -> FP8Weight:
+    """An :class:`FP8Weight` from stored e4m3 data and ue8m0 scales."""
+    return FP8Weight(data.to(device), e8m0_to_float(scale).to(device), block)
+
+
+def fp4_from_checkpoint(data: torch.Tensor, scale: torch.Tensor, device: torch.device | str) -> FP4Weight:
+    """An :class:`FP4Weight` from stored packed codes and ue8m0 scales (kept as uint8 exponents)."""
+    exps = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
+    return FP4Weight(data.view(torch.int8).to(device), exps.to(device))

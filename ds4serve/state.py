@@ -282,10 +282,8 @@ class SequenceState:
             self._commit.upload()
 
     def _commit_kernel_on(self) -> bool:
-        from .kernels.switches import SWITCHES
-
         first = next(iter(self.layers.values()), None)
-        return first is not None and SWITCHES.commit_kernel and kernels.enabled(first.window)
+        return first is not None and kernels.enabled(first.window)
 
     def _commit_plan(self, delta: "ChunkDelta") -> "CommitPlan | None":
         """The commit kernel's plan for ``delta`` (the cached one while the addresses are the same), or

@@ -4,6 +4,11 @@ The defaults exercise every part of the model: sliding, CSA and HCA layers, hash
 an HCA ratio small enough that a 200-token prompt closes many windows, and an ``index_topk``
 small enough that the lightning indexer is selective. The vocabulary and tokenizer are the real
 ones (129,280 tokens), so chat formatting and special tokens behave as with the full model.
+
+A quantized tiny checkpoint (``fp8``, ``fp8+fp4``) is stored as the released ones are: the same
+names, dtypes (F8_E4M3 with F8_E8M0 block scales, MXFP4 experts as I8 with F8_E8M0 scales, BF16 /
+F32 elsewhere, I64 ``tid2eid``), packing, shard and index names, with the MTP and DSpark blocks
+quantized like the trunk. ``none`` keeps every weight in float32: an exact reference.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, cfg: ModelCon
         return (
             torch.rand(shape[0], cfg.n_routed_experts, generator=gen)
             .argsort(-1)[:, : shape[1]]
-            .to(torch.int32)
+            .to(torch.int64)
         )
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
@@ -148,13 +153,27 @@ def draft_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Float32 random weights (official names) for every tensor the config implies."""
+    """Float32 random weights (official names; ``tid2eid`` int64) for every tensor the config implies."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {**expected_shapes(cfg), **draft_shapes(cfg)}
     return {name: _init(name, shape, gen, cfg) for name, shape in shapes.items()}
 
 
+def _released_dtype(name: str) -> torch.dtype:
+    """The dtype a released (FP8) checkpoint stores an unquantized tensor in: the mHC mixers, attention
+    sinks, compressor position biases, router biases and the DSpark confidence head in F32, the rest
+    (embedding, head, norms, routers, compressor and indexer projections, the Markov head) in BF16."""
+    if name.endswith(
+        ("_fn", "_base", "_scale", "attn_sink", ".ape", "gate.bias", "confidence_head.proj.weight")
+    ):
+        return torch.float32
+    return torch.bfloat16
+
+
 def _quantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors as a released checkpoint stores them: FP8 projections (trunk, MTP and DSpark
+    blocks alike), FP8 or MXFP4 routed experts, each with its F8_E8M0 scales, the rest in
+    :func:`_released_dtype` and ``tid2eid`` in I64."""
     out: dict[str, torch.Tensor] = {}
     block = cfg.quant.fp8_block
     for name, t in tensors.items():
@@ -163,11 +182,17 @@ def _quantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         base = name[: -len(".weight")]
         if is_expert and cfg.quant.expert_dtype == "fp4":
             out[name], out[base + ".scale"] = quant_fp4(t)
-        elif is_expert or suffix in FP8_LAYER_WEIGHTS or name.endswith(("e_proj.weight", "h_proj.weight")):
+        elif is_expert or suffix in FP8_LAYER_WEIGHTS or suffix in _FP8_DRAFT_WEIGHTS:
             out[name], out[base + ".scale"] = quant_fp8(t, block)
+        elif t.is_floating_point():
+            out[name] = t.to(_released_dtype(name))
         else:
             out[name] = t
     return out
+
+
+# Draft projections stored as FP8 besides FP8_LAYER_WEIGHTS: MTP's e_proj / h_proj, DSpark's main_proj.
+_FP8_DRAFT_WEIGHTS = ("e_proj.weight", "h_proj.weight", "main_proj.weight")
 
 
 def _to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -187,10 +212,29 @@ def _to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
+def _shard_groups(names: list[str]) -> list[list[str]]:
+    """Names by shard, as the released checkpoints are sharded: the embedding, then one shard per
+    layer, then the final merge, norm and head, then one shard per ``mtp.K`` block."""
+    embed, head = [], []
+    layers: dict[int, list[str]] = {}
+    drafts: dict[int, list[str]] = {}
+    for name in names:
+        bare = name.removeprefix("model.")
+        kind, _, rest = bare.partition(".")
+        if kind in ("layers", "mtp"):
+            (layers if kind == "layers" else drafts).setdefault(int(rest.partition(".")[0]), []).append(name)
+        elif bare.startswith("embed"):
+            embed.append(name)
+        else:
+            head.append(name)
+    return [embed, *(layers[k] for k in sorted(layers)), head, *(drafts[k] for k in sorted(drafts))]
+
+
 def write_checkpoint(
-    out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], fmt: str, shards: int = 2
+    out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], fmt: str
 ) -> Path:
-    """Write ``config.json``, safetensors shards + index and the tokenizer files."""
+    """Write ``config.json``, the safetensors shards (``model-0000i-of-0000n.safetensors``, grouped
+    as :func:`_shard_groups`) with ``model.safetensors.index.json``, and the tokenizer files."""
     if fmt not in FORMATS:
         raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
     out = Path(out_dir)
@@ -205,13 +249,12 @@ def write_checkpoint(
     else:
         config = cfg.to_official_dict()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    names = sorted(tensors)
+    groups = _shard_groups(sorted(tensors))
     weight_map: dict[str, str] = {}
-    for i in range(shards):
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n].contiguous() for n in names[i::shards]}
-        save_file(part, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in group}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in group})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

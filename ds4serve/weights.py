@@ -1,17 +1,23 @@
 """Loading a directory of safetensors shards in the official or the transformers layout.
 
 Everything inside ds4serve uses the *official* tensor names (``layers.L.attn.wq_a.weight``...).
-A transformers-layout checkpoint is read through a name map (and its stacked ``gate_up_proj`` /
-``down_proj`` expert tensors are viewed per expert), so both layouts produce the same tensors.
+Other layouts are read through :func:`official_name`: transformers' in-memory names (whose stacked
+``gate_up_proj`` / ``down_proj`` expert tensors are viewed per expert) and what transformers'
+``save_pretrained`` writes, so every layout produces the same tensors. Routed experts are
+recognised in the trunk (``layers.L``) and in the draft blocks (``mtp.K``, MTP and DSpark) alike.
+The vision release's image-only tensors are recognised and left unloaded.
 
-Tensors are memory-mapped by safetensors and read one at a time. :meth:`Checkpoint.dense`
-dequantizes FP8 / MXFP4 exactly; :meth:`Checkpoint.raw` hands out the stored tensors so that GPU
-kernels can keep them quantized.
+Names, shapes and dtypes come from the shards' headers (:func:`read_header`); tensors are
+memory-mapped by safetensors and read one at a time. :meth:`Checkpoint.dense` dequantizes FP8 /
+MXFP4 exactly; :meth:`Checkpoint.raw` hands out the stored tensors so that GPU kernels can keep
+them quantized.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +28,8 @@ from safetensors import safe_open
 
 from .config import CSA, SLIDING, ModelConfig
 from .quant import FP4_BLOCK, dequant_fp4, dequant_fp8
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -71,9 +79,17 @@ _TOP_NAMES = {
     "hc_head_base": "model.hc_head.hc_base",
     "hc_head_scale": "model.hc_head.hc_scale",
 }
-_HF_TO_OFFICIAL_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_TO_OFFICIAL_TOP = {v: k for k, v in _TOP_NAMES.items()}
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+# transformers' names (in memory, and as ``save_pretrained`` writes some of them) -> official names
+_BLOCK_ALIASES = {
+    **{v: k for k, v in _LAYER_NAMES.items()},
+    "attn.norm.weight": "attn.kv_norm.weight",
+    "self_attn.norm.weight": "attn.kv_norm.weight",
+    "self_attn.compressor.norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.norm.weight": "attn.indexer.compressor.norm.weight",
+}
+_TOP_ALIASES = {v.removeprefix("model."): k for k, v in _TOP_NAMES.items()}
+# A routed expert's matrix or scale, in the trunk (``layers.L``) or a draft block (``mtp.K``: MTP and DSpark).
+_EXPERT_RE = re.compile(r"^(?:layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 
 # Dense projections stored as FP8 in official checkpoints (``make-tiny --quantize`` mirrors this).
 FP8_LAYER_WEIGHTS = (
@@ -180,33 +196,100 @@ def block_shapes(
     return s
 
 
-@dataclass
-class _Source:
-    """Where one logical tensor lives: a key in a shard, optionally a slice of it."""
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a shard's header describes it (nothing of its data is read)."""
 
     shard: Path
     key: str
+    dtype: str  # the safetensors dtype name: "BF16", "F8_E4M3", "F8_E8M0", "I8", ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+_MAX_HEADER = 100 << 20
+
+
+def read_header(shard: Path) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file holds, from its header alone (the first 8 + N bytes)."""
+    try:
+        with open(shard, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= _MAX_HEADER:
+                raise CheckpointError(f"{shard.name}: not a safetensors file (header length {size})")
+            header = json.loads(f.read(size))
+    except FileNotFoundError:
+        raise CheckpointError(f"{shard.name}: named in the index but missing on disk") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{shard.name}: the safetensors header is not valid JSON ({exc})") from exc
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        begin, stop = info["data_offsets"]
+        out[key] = StoredTensor(shard, key, info["dtype"], tuple(info["shape"]), stop - begin)
+    return out
+
+
+@dataclass
+class _Source:
+    """Where one logical tensor lives: a stored tensor, optionally a slice of it."""
+
+    stored: StoredTensor
     index: tuple | None = None  # a slice of the stored tensor (stacked transformers experts)
 
 
+# The tensors of DeepSeek-V4-Flash-Vision-Exp that only images use: recognised, reported, not loaded.
+_VISION_RE = re.compile(r"^(?:vision\.|aligner\.|image_)|\.(?:ffn|mlp)\.gate\.bias_vl$")
+_STACKED_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def official_name(key: str) -> str:
+    """The official name of a stored tensor name in any layout: official, transformers' in-memory
+    names, or what transformers' ``save_pretrained`` writes (``model.``-prefixed official names with
+    some names kept in memory form, and the attention ``kv_norm`` saved as ``norm``). A name no layout
+    knows comes back unchanged (stacked experts are mapped by :class:`Checkpoint`)."""
+    name = key.removeprefix("model.")
+    if name.endswith(".weight_scale_inv"):  # transformers' name of an FP8 block scale
+        return official_name(name.removesuffix("_scale_inv")).removesuffix(".weight") + ".scale"
+    if name in _TOP_ALIASES:
+        return _TOP_ALIASES[name]
+    m = re.match(r"^((?:layers|mtp)\.\d+)\.(.+)$", name)
+    if m and m.group(2) in _BLOCK_ALIASES:
+        return f"{m.group(1)}.{_BLOCK_ALIASES[m.group(2)]}"
+    return name
+
+
 class Checkpoint:
-    """A checkpoint directory opened lazily; tensors are addressed by their official names."""
+    """A checkpoint directory opened lazily; tensors are addressed by their official names.
+
+    Names, shapes and dtypes come from the shards' headers; a tensor's data is read (memory-mapped)
+    only by :meth:`raw` and what builds on it. Tensors of the vision release that text does not use
+    are listed in :attr:`ignored` and logged once."""
 
     def __init__(self, path: str | Path, cfg: ModelConfig | None = None):
         self.path = Path(path)
         self.cfg = cfg if cfg is not None else ModelConfig.from_dir(self.path)
         self._handles: dict[Path, object] = {}
-        stored = self._scan()
-        self.layout = (
-            "hf" if any(k.startswith("model.") or k == "lm_head.weight" for k in stored) else "official"
-        )
-        self.sources: dict[str, _Source] = (
-            self._hf_sources(stored) if self.layout == "hf" else {k: _Source(p, k) for k, p in stored.items()}
-        )
+        self.stored: dict[str, StoredTensor] = self._scan()
+        self.sources: dict[str, _Source] = {}
+        self.ignored: list[str] = []
+        self._duplicates: list[str] = []
+        renamed = False
+        for key, st in self.stored.items():
+            renamed |= self._add_source(key, st)
+        self.layout = "transformers" if renamed else "official"
+        if self.ignored:
+            log.info(
+                "%s: %d tensors of the vision release (vision.*, aligner.*, image_*, ffn.gate.bias_vl) "
+                "are not loaded: text only",
+                self.path,
+                len(self.ignored),
+            )
         self._validate()
 
     # ---- discovery -----------------------------------------------------------------------------
-    def _scan(self) -> dict[str, Path]:
+    def _scan(self) -> dict[str, StoredTensor]:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -215,64 +298,55 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{index.name}: expected a JSON object with 'weight_map' ({exc})"
                 ) from exc
-            return {k: self.path / v for k, v in weight_map.items()}
+            headers = {f: read_header(self.path / f) for f in sorted(set(weight_map.values()))}
+            missing = [k for k, f in weight_map.items() if k not in headers[f]]
+            if missing:
+                raise CheckpointError(
+                    f"{index.name}: {len(missing)} tensor(s) are not in the shard the index names, "
+                    f"e.g. {missing[0]} in {weight_map[missing[0]]}"
+                )
+            return {k: headers[f][k] for k, f in weight_map.items()}
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{self.path}: no *.safetensors files")
-        found: dict[str, Path] = {}
-        for shard in shards:
-            for key in self._handle(shard).keys():
-                found[key] = shard
-        return found
+        return {k: st for shard in shards for k, st in read_header(shard).items()}
+
+    def _add_source(self, key: str, st: StoredTensor) -> bool:
+        """Record where stored tensor ``key`` lives under its official name(s); True if renamed."""
+        name = official_name(key)
+        if _VISION_RE.search(name):
+            self.ignored.append(key)
+            return name != key
+        stacked = _STACKED_RE.match(name)
+        if stacked:
+            prefix, inter = stacked.group(1), self.cfg.moe_inter
+            for e in range(st.shape[0]):
+                p = f"{prefix}.ffn.experts.{e}"
+                if stacked.group(2) == "gate_up_proj":
+                    self._put(f"{p}.w1.weight", _Source(st, (e, slice(0, inter))))
+                    self._put(f"{p}.w3.weight", _Source(st, (e, slice(inter, 2 * inter))))
+                else:
+                    self._put(f"{p}.w2.weight", _Source(st, (e,)))
+            return True
+        self._put(name, _Source(st))
+        return name != key
+
+    def _put(self, name: str, src: _Source) -> None:
+        if name in self.sources:
+            self._duplicates.append(
+                f"tensor {name} is stored twice ({self.sources[name].stored.key}, {src.stored.key})"
+            )
+        self.sources[name] = src
 
     def _handle(self, shard: Path):
         if shard not in self._handles:
-            if not shard.is_file():
-                raise CheckpointError(f"{shard.name}: named in the index but missing on disk")
             self._handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
         return self._handles[shard]
-
-    def _hf_sources(self, stored: dict[str, Path]) -> dict[str, _Source]:
-        out: dict[str, _Source] = {}
-        inter = self.cfg.moe_inter
-        for key, shard in stored.items():
-            if key.endswith(".weight_scale_inv"):
-                base = key[: -len("_scale_inv")]
-                name = self._hf_name(base)
-                if name is not None:
-                    out[name[: -len(".weight")] + ".scale"] = _Source(shard, key)
-                continue
-            m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", key)
-            if m:
-                layer = int(m.group(1))
-                n_exp = self._handle(shard).get_slice(key).get_shape()[0]
-                for e in range(n_exp):
-                    prefix = f"layers.{layer}.ffn.experts.{e}"
-                    if m.group(2) == "gate_up_proj":
-                        out[f"{prefix}.w1.weight"] = _Source(shard, key, (e, slice(0, inter)))
-                        out[f"{prefix}.w3.weight"] = _Source(shard, key, (e, slice(inter, 2 * inter)))
-                    else:
-                        out[f"{prefix}.w2.weight"] = _Source(shard, key, (e,))
-                continue
-            name = self._hf_name(key)
-            out[name if name is not None else key] = _Source(shard, key)
-        return out
-
-    @staticmethod
-    def _hf_name(key: str) -> str | None:
-        if key in _HF_TO_OFFICIAL_TOP:
-            return _HF_TO_OFFICIAL_TOP[key]
-        m = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
-        if m and m.group(2) in _HF_TO_OFFICIAL_LAYER:
-            return f"layers.{m.group(1)}.{_HF_TO_OFFICIAL_LAYER[m.group(2)]}"
-        if key.startswith("mtp.") or key.startswith("model.mtp."):
-            return key.removeprefix("model.")
-        return None
 
     # ---- validation ----------------------------------------------------------------------------
     def stored_shape(self, name: str) -> tuple[int, ...]:
         src = self.sources[name]
-        shape = list(self._handle(src.shard).get_slice(src.key).get_shape())
+        shape = list(src.stored.shape)
         if src.index is not None:
             for i, idx in enumerate(src.index):
                 shape[i] = -1 if isinstance(idx, int) else len(range(*idx.indices(shape[i])))
@@ -280,8 +354,8 @@ class Checkpoint:
         return tuple(shape)
 
     def stored_dtype(self, name: str) -> str:
-        src = self.sources[name]
-        return self._handle(src.shard).get_slice(src.key).get_dtype()
+        """The safetensors dtype name of tensor ``name`` (from its shard's header)."""
+        return self.sources[name].stored.dtype
 
     def _logical_shape(self, name: str) -> tuple[int, ...]:
         shape = self.stored_shape(name)
@@ -291,7 +365,7 @@ class Checkpoint:
 
     def _validate(self) -> None:
         expected = expected_shapes(self.cfg)
-        problems: list[str] = []
+        problems: list[str] = list(self._duplicates)
         for name, shape in expected.items():
             if name not in self.sources:
                 problems.append(f"missing tensor {name} (expected shape {list(shape)})")
@@ -326,10 +400,10 @@ class Checkpoint:
     def raw(self, name: str) -> torch.Tensor:
         """The stored tensor, as on disk (memory-mapped; FP8 / MXFP4 stay quantized)."""
         src = self.sources[name]
-        handle = self._handle(src.shard)
+        handle = self._handle(src.stored.shard)
         if src.index is None:
-            return handle.get_tensor(src.key)
-        return handle.get_slice(src.key)[src.index]
+            return handle.get_tensor(src.stored.key)
+        return handle.get_slice(src.stored.key)[src.index]
 
     def has(self, name: str) -> bool:
         return name in self.sources
@@ -374,6 +448,38 @@ class Checkpoint:
         return [n for n in self.sources if n.startswith(prefix)]
 
 
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Logical parameters of a checkpoint (an MXFP4 byte holds two; block scales and the hash
+    routers' ``tid2eid`` tables are not parameters)."""
+
+    main: int  # the trunk: embedding, layers, final merge, norm, head
+    drafts: int  # the MTP / DSpark blocks (mtp.*)
+    active: int  # what one token's trunk forward uses: all but the routed experts it does not select
+    ignored: int  # vision-release tensors that text does not load
+
+
+def parameter_counts(ckpt: Checkpoint) -> ParameterCounts:
+    """Count ``ckpt``'s parameters from its headers alone (no tensor data is read)."""
+    main = drafts = routed = 0
+    for name in ckpt.names():
+        if name.endswith(".scale") or ckpt.stored_dtype(name) in _INTEGER_DTYPES:
+            continue
+        n = math.prod(ckpt._logical_shape(name))
+        if name.startswith("mtp."):
+            drafts += n
+        else:
+            main += n
+            routed += n if _EXPERT_RE.match(name) else 0
+    cfg = ckpt.cfg
+    active = main - routed + routed * cfg.top_k // cfg.n_routed_experts
+    ignored = sum(math.prod(ckpt.stored[k].shape) for k in ckpt.ignored)
+    return ParameterCounts(main, drafts, active, ignored)
+
+
+_INTEGER_DTYPES = ("I64", "I32", "I16")
+
+
 def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
@@ -385,6 +491,11 @@ def _infer_block(weight_shape: torch.Size, scale_shape: torch.Size) -> tuple[int
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "ParameterCounts",
+    "StoredTensor",
+    "official_name",
+    "parameter_counts",
+    "read_header",
     "expected_shapes",
     "block_shapes",
     "official_to_hf",

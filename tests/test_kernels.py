@@ -17,7 +17,7 @@ from ds4serve.kernels.gemv import gemv_ref  # noqa: E402
 from ds4serve.kernels.hyper import hc_coefficients  # noqa: E402
 from ds4serve.kernels.moe import moe_ref  # noqa: E402
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref  # noqa: E402
-from ds4serve.model.linear import quantize_fp8  # noqa: E402
+from ds4serve.quant import quantize_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

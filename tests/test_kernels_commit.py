@@ -9,7 +9,6 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import commit  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.state import ChunkDelta, CompressorDelta, LayerDelta, SequenceState  # noqa: E402
 from ds4serve.tiny import TinySpec, tiny_config  # noqa: E402
 from tests.helpers import static_decode_setup, static_step  # noqa: E402
@@ -44,7 +43,7 @@ def _write_both(
 ) -> None:
     """The torch ``write_token`` on ``reference``, the kernel's on ``state``."""
     where = _at(pos)
-    with using(commit_kernel=False):
+    with kernels.disabled():
         reference.write_token(delta, where)
     with kernels.on_any_device():
         state.write_token(delta, where)
@@ -110,9 +109,9 @@ def test_kernel_commit_of_bf16_rows_at_every_position():
     assert state._commit is not None
 
 
-def test_unaligned_rows_and_the_switch_fall_back_to_torch(monkeypatch):
+def test_unaligned_rows_and_the_torch_reference_fall_back_to_torch(monkeypatch):
     """A bf16 row at an odd element offset is not whole words: the torch code commits it; with the
-    switch off the kernel is not used at all."""
+    kernels disabled the kernel is not used at all."""
     launches = []
     real = commit._launch
     monkeypatch.setattr(commit, "_launch", lambda *a: launches.append(a) or real(*a))
@@ -127,7 +126,7 @@ def test_unaligned_rows_and_the_switch_fall_back_to_torch(monkeypatch):
     _write_both(reference, state, delta, 3, 0)
     _assert_same(reference, state, "unaligned")
     assert not launches
-    with using(commit_kernel=False), kernels.on_any_device():
+    with kernels.on_any_device(), kernels.disabled():
         state.write_token(_random_delta(state, g, 4), _at(4))
     assert not launches
 

@@ -14,7 +14,6 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.decode_attention import DecodeAttentionConfig, decode_attention  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model.attention import _attend, _core  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,8 +114,7 @@ def test_op_fake_shape_and_one_traced_node():
 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_attend_with_kernels_matches_reference(parts):
-    """``_attend`` (the static step's attention and inverse RoPE) through the op equals the torch path,
-    and the switch turns the op off."""
+    """``_attend`` (the static step's attention and inverse RoPE) through the op equals the torch path."""
     q, keys, allowed, sinks = _inputs(11, 1, 16, 64, [16, 40][:parts], 2.0)
     angle = torch.rand(1, 8, generator=torch.Generator().manual_seed(2)) * 6.3
     cos, sin = angle.cos().to(DEVICE), angle.sin().to(DEVICE)
@@ -124,8 +122,6 @@ def test_attend_with_kernels_matches_reference(parts):
         want = _attend.eager(q, keys, allowed, sinks, 0.125, cos, sin)
     with kernels.on_any_device():
         got = _attend.eager(q, keys, allowed, sinks, 0.125, cos, sin)
-        with using(decode_attention=False):
-            assert torch.equal(_attend.eager(q, keys, allowed, sinks, 0.125, cos, sin), want)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 

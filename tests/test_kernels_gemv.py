@@ -27,8 +27,8 @@ from ds4serve.kernels.gemv import (  # noqa: E402
     gemv_ref,
     weight_kind,
 )
-from ds4serve.kernels.switches import using  # noqa: E402
-from ds4serve.model.linear import grouped_linear, linear, linear_pair, quantize_fp8  # noqa: E402
+from ds4serve.model.linear import grouped_linear, linear, linear_pair  # noqa: E402
+from ds4serve.quant import quantize_fp8  # noqa: E402
 from tests.helpers import spy_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,8 +154,7 @@ def test_default_config_fills_the_device_and_table_entries_run():
     assert weight_kind(torch.float32, torch.float8_e4m3fn, True) == "fp32"
 
 
-@pytest.mark.parametrize("dense_on", [True, False])
-def test_linear_dispatches_to_the_gemv(monkeypatch, dense_on):
+def test_linear_dispatches_to_the_gemv(monkeypatch):
     calls = []
     op = ops.gemv
     monkeypatch.setattr(ops, "gemv", lambda *args: calls.append(args[2] is None) or op(*args))
@@ -163,7 +162,7 @@ def test_linear_dispatches_to_the_gemv(monkeypatch, dense_on):
     w = (torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE, torch.bfloat16)
     q = quantize_fp8(w.float(), BLOCK)
     x = torch.randn(2, 2, K, generator=gen).to(DEVICE, torch.bfloat16)
-    with kernels.on_any_device(), using(gemv_dense=dense_on):
+    with kernels.on_any_device():
         got = [linear(x[:, 0], w), linear(x[:, 0], q), grouped_linear(x, w, 2), grouped_linear(x, q, 2)]
     want = [
         gemv_ref(x[:, 0], w),
@@ -173,7 +172,7 @@ def test_linear_dispatches_to_the_gemv(monkeypatch, dense_on):
     ]
     for g, r in zip(got, want):
         assert g.shape == r.shape and _rel(g, r) <= 1e-2
-    assert calls == ([True, False, True, False] if dense_on else [False, False])
+    assert calls == [True, False, True, False]
 
 
 def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypatch):
@@ -187,7 +186,7 @@ def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypat
     q = quantize_fp8(torch.randn(R, K, generator=gen) / K**0.5, BLOCK)
     q = type(q)(q.data.to(DEVICE), q.scale.to(DEVICE), q.block)
     x = torch.randn(12, 2, K, generator=gen).to(DEVICE, torch.bfloat16)
-    with kernels.on_any_device(), using(gemv_dense=True):
+    with kernels.on_any_device():
         got = [
             linear(x[:, 0], q),
             grouped_linear(x, q, 2),
@@ -277,8 +276,7 @@ def test_gemv_pair_falls_back_to_two_launches(monkeypatch, tiles):
     assert _rel(ya, gemv_ref(x, *a)) <= 1e-5 and _rel(yb, gemv_ref(x, *b)) <= 1e-5
 
 
-@pytest.mark.parametrize("pair_on", [True, False])
-def test_linear_pair_uses_the_pair_op_with_the_switch(monkeypatch, pair_on):
+def test_linear_pair_uses_the_pair_op(monkeypatch):
     calls = []
     op = ops.gemv_pair
     monkeypatch.setattr(ops, "gemv_pair", lambda *args: calls.append(len(args)) or op(*args))
@@ -286,10 +284,10 @@ def test_linear_pair_uses_the_pair_op_with_the_switch(monkeypatch, pair_on):
     w = (torch.randn(R, K, generator=gen) / K**0.5).to(DEVICE, torch.bfloat16)
     q = quantize_fp8(torch.randn(R // 2, K, generator=gen).to(DEVICE) / K**0.5, BLOCK)
     x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
-    with kernels.on_any_device(), using(gemv_pair=pair_on):
+    with kernels.on_any_device():
         ya, yb = linear_pair(x, q, w)
     assert _rel(ya, gemv_ref(x, q.data, q.scale, q.block)) <= 1e-2 and _rel(yb, gemv_ref(x, w)) <= 1e-2
-    assert calls == ([9] if pair_on else [])
+    assert calls == [9]
 
 
 def test_pair_op_traces_as_one_node():

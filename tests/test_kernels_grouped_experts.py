@@ -19,11 +19,15 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.prefill_graphs import graphs_apply  # noqa: E402
 from ds4serve.kernels import grouped_experts as ge  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import moe_grouped  # noqa: E402
-from ds4serve.model.linear import FP4Weight, FP8Weight, dense, quantize_fp8  # noqa: E402
+from ds4serve.model.linear import dense  # noqa: E402
 from ds4serve.model.moe_grouped import routed_experts  # noqa: E402
-from ds4serve.quant import quant_fp4  # noqa: E402
+from ds4serve.quant import (  # noqa: E402
+    FP4Weight,
+    FP8Weight,
+    quant_fp4,  # noqa: E402
+    quantize_fp8,
+)
 from tests.helpers import random_prompt, without_host_sync  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,11 +107,10 @@ def test_grouped_quant_gate_up_equals_reference(poisoned, fmt, limit, dtype, swa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [False, True])
-def test_mxfp4_tiles_decode_every_code_exactly(poisoned, bits, dtype):
+def test_mxfp4_tiles_decode_every_code_exactly(poisoned, dtype):
     """Every byte value (two e2m1 codes) under group exponents from 0 to 192 (bf16: from 64, where no value is
-    subnormal), through both decodes of the MXFP4 tiles (``grouped_fp4_bits``): the identity's rows times the
-    experts give the dequantised weights exactly."""
+    subnormal), through the MXFP4 tiles' decode: the identity's rows times the experts give the dequantised
+    weights exactly."""
     N, K = 16, 64
     codes = torch.arange(N * K // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(torch.int8)
     exponents = torch.tensor(
@@ -117,8 +120,7 @@ def test_mxfp4_tiles_decode_every_code_exactly(poisoned, bits, dtype):
     scale = exponents[torch.arange(N * K // 32) % len(exponents)]
     w = FP4Weight(codes.reshape(1, N, K // 2).to(DEVICE), scale.reshape(1, N, K // 32).to(DEVICE))
     a, ends = torch.eye(K, dtype=dtype, device=DEVICE), torch.tensor([K], dtype=torch.int32, device=DEVICE)
-    with using(grouped_fp4_bits=bits):
-        got = ge.grouped_quant_mm(a, w, ends, SMALL)
+    got = ge.grouped_quant_mm(a, w, ends, SMALL)
     assert torch.equal(got.cpu(), dense(w, dtype)[0].T.cpu())
 
 
@@ -179,9 +181,9 @@ def test_unsupported_operands_are_refused():
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_routed_experts_with_the_switch_equal_the_quantized_path(monkeypatch, fmt, dtype):
+def test_routed_experts_through_the_kernels_equal_the_torch_code(monkeypatch, fmt, dtype):
     """``routed_experts`` of a tiny chunk (24 tokens, top-2 of 6 experts, two of them unused) through the
-    grouped kernels equals it through the existing quantized path (the switch off)."""
+    grouped kernels equals the torch code (expert by expert)."""
     gen = torch.Generator().manual_seed(8)
     N, D, inter, E, k = 24, 64, 32, 6, 2
     x = torch.randn(N, D, generator=gen).to(dtype)
@@ -189,10 +191,10 @@ def test_routed_experts_with_the_switch_equal_the_quantized_path(monkeypatch, fm
     w2 = _experts(fmt, E, D, inter, seed=11)
     idx = torch.stack([torch.randperm(E - 2, generator=gen)[:k] + 1 for _ in range(N)])  # experts 0, 5 unused
     weights = torch.rand(N, k, generator=gen).to(dtype)
+    with kernels.disabled():
+        want = routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
     with kernels.on_any_device():
-        with using(quant_grouped_mm=False):
-            want = routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
-        with using(quant_grouped_mm=True), monkeypatch.context() as m:
+        with monkeypatch.context() as m:
             m.setattr(moe_grouped, "_expert_groups", None)  # the new path must not fall back
             m.setattr(moe_grouped, "_expert_by_expert", None)
             got = routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
@@ -200,9 +202,8 @@ def test_routed_experts_with_the_switch_equal_the_quantized_path(monkeypatch, fm
     torch.testing.assert_close(got, want, **tol)
 
 
-def test_first_chunk_graphs_take_quantized_experts_with_the_switch():
-    """``graphs_apply``: dense bf16 experts always, quantized ones with the switch where the kernels take
-    them (a stand-in model whose tensors the kernels accept, as CUDA tensors would be)."""
+def test_first_chunk_graphs_take_quantized_experts():
+    """``graphs_apply``: dense bf16 experts always, quantized ones where the kernels take them (a stand-in model whose tensors the kernels accept, as CUDA tensors would be)."""
     w = torch.randn(4, 32, 64)
     fp8 = [quantize_fp8(w, (32, 32))] * 2 + [quantize_fp8(w.transpose(1, 2).contiguous(), (32, 32))]
     odd = [quantize_fp8(w, (32, 24))] * 3
@@ -218,12 +219,11 @@ def test_first_chunk_graphs_take_quantized_experts_with_the_switch():
 
     with kernels.on_any_device():
         assert graphs_apply(model([w.bfloat16()] * 3))
-        with using(quant_grouped_mm=False):
-            assert not graphs_apply(model(fp8))
-        with using(quant_grouped_mm=True):
-            assert graphs_apply(model(fp8))
-            assert not graphs_apply(model(odd))
-            assert not graphs_apply(model(fp8, torch.float16))
+        assert graphs_apply(model(fp8))
+        assert not graphs_apply(model(odd))
+        assert not graphs_apply(model(fp8, torch.float16))
+    with kernels.disabled():
+        assert not graphs_apply(model(fp8))
 
 
 def test_long_groups_keep_the_dequantised_path_unless_captured(monkeypatch):
@@ -243,12 +243,12 @@ def test_long_groups_keep_the_dequantised_path_unless_captured(monkeypatch):
     monkeypatch.setattr(
         ge, "grouped_quant_mm", lambda *a, **kw: calls.append("in place") or torch.zeros(N * k, D)
     )
-    monkeypatch.setattr(moe_grouped, "IN_PLACE_MAX_ROWS_PER_EXPERT", {"fp8": 0, "fp4": 0})
+    monkeypatch.setattr(ge, "IN_PLACE_MAX_ROWS_PER_EXPERT", {"fp8": 0, "fp4": 0})
     for path in ("_expert_groups", "_expert_by_expert"):
         monkeypatch.setattr(
             moe_grouped, path, lambda *a: calls.append("dequantised") or torch.zeros(N * k, D)
         )
-    with kernels.on_any_device(), using(quant_grouped_mm=True):
+    with kernels.on_any_device():
         routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
         assert calls == ["dequantised"]
         monkeypatch.setattr(moe_grouped, "_in_place_pays", lambda rows, w: True)  # as under a capture
@@ -294,8 +294,8 @@ def test_captured_kernels_replay_over_other_group_ends(fmt, swap):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 @pytest.mark.parametrize("fmt", ["fp8-128", "fp4"])
 def test_chunk_routed_experts_never_synchronise_on_cuda(fmt):
-    """With the switch, a chunk's quantized routed experts run without a host synchronisation and equal the
-    existing quantized path (experts dequantised by groups)."""
+    """A chunk's quantized routed experts run without a host synchronisation and equal the torch code (expert by
+    expert)."""
     gen = torch.Generator(device="cuda").manual_seed(16)
     N, D, inter, E, k = 300, 512, 256, 8, 2
     x = torch.randn(N, D, device="cuda", generator=gen).bfloat16()
@@ -303,10 +303,9 @@ def test_chunk_routed_experts_never_synchronise_on_cuda(fmt):
     w2 = _experts(fmt, E, D, inter, seed=19)
     idx = torch.rand(N, E, device="cuda", generator=gen).topk(k, dim=-1).indices
     weights = torch.rand(N, k, device="cuda", generator=gen).bfloat16()
-    with using(quant_grouped_mm=False):
+    with kernels.disabled():
         want = routed_experts(x, idx, weights, w1, w3, w2, LIMIT)
-    with using(quant_grouped_mm=True):
-        got = without_host_sync(lambda: routed_experts(x, idx, weights, w1, w3, w2, LIMIT))
+    got = without_host_sync(lambda: routed_experts(x, idx, weights, w1, w3, w2, LIMIT))
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
@@ -320,12 +319,11 @@ def test_captured_first_chunks_of_a_quantized_model(tiny_factory):
 
     path = tiny_factory(seed=3, window=8, hca_rate=8, index_topk=5, quantize="fp8+fp4")
     model = DeepSeekV4.load(Checkpoint(path), dtype=torch.bfloat16, device="cuda")
-    with using(quant_grouped_mm=True):
-        assert graphs_apply(model)
-        graphs = FirstChunkGraphs(model)
-        for n, seed in ((70, 1), (80, 2), (20, 3)):
-            ids = random_prompt(n, seed=seed)
-            states = model.new_state(256), model.new_state(256)
-            want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
-            got = graphs.forward(ids, states[0])
-            assert (got.logits - want.logits).abs().max() <= 0.05 * want.logits.abs().max()
+    assert graphs_apply(model)
+    graphs = FirstChunkGraphs(model)
+    for n, seed in ((70, 1), (80, 2), (20, 3)):
+        ids = random_prompt(n, seed=seed)
+        states = model.new_state(256), model.new_state(256)
+        want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
+        got = graphs.forward(ids, states[0])
+        assert (got.logits - want.logits).abs().max() <= 0.05 * want.logits.abs().max()

@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
 from ds4serve import kernels  # noqa: E402
+from ds4serve.kernels import hc_pre as hc_pre_module  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.arrival import counters  # noqa: E402
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 from ds4serve.model.norms import rms_norm  # noqa: E402
 from tests.helpers import loads_before_pdl_wait, sm90_ptx  # noqa: E402
@@ -55,8 +55,7 @@ def _reference_merge(
     X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """hc_merge as written, on its decode-sized branch (the product-sum)."""
-    with using(merge_product_sum=True):
-        return hyper.hc_merge.eager(X, out, post, comb)
+    return hyper.hc_merge.eager(X, out, post, comb)
 
 
 def _check_merged(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -82,18 +81,15 @@ def _check(got, want, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("S, D, block", [(1, 64, 32), (3, 200, 128), (3, 200, 32)])
-@pytest.mark.parametrize("sinkhorn", [True, False])
-def test_kernel_matches_torch_composition(dtype, S, D, block, sinkhorn):
+def test_kernel_matches_torch_composition(dtype, S, D, block):
     """Several programs per row (8, 7 and 25; 800 values are no multiple of 128 or 32, D = 200 no power
-    of two), so the last program of each row combines partials (and each row's Sinkhorn program waits for them,
-    ``hc_sinkhorn_program``); the arrival counters and the flags are left at zero, so a second launch on the
+    of two), so the last program of each row combines partials (and each row's Sinkhorn program waits for them); the arrival counters and the flags are left at zero, so a second launch on the
     same inputs gives the same bits."""
     X, site, norm_w = _inputs(S, D, dtype, seed=S * D + block)
-    with using(hc_sinkhorn_program=sinkhorn):
-        got = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
-        _check(got, _reference(X, site, norm_w), dtype)
-        assert not counters(X.device, 2 * S)[: 2 * S].any()
-        again = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
+    got = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
+    _check(got, _reference(X, site, norm_w), dtype)
+    assert not counters(X.device, 2 * S)[: 2 * S].any()
+    again = hc_pre(X, site.fn, site.base, site.scale, norm_w, HC, ITERS, EPS, NORM_EPS, block=block)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
@@ -144,20 +140,17 @@ def test_op_traces_as_one_node():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_model_function_uses_the_kernel_for_decode_sized_chunks_with_the_switch_on(monkeypatch):
+def test_model_function_uses_the_kernel_for_decode_sized_chunks(monkeypatch):
     calls = []
     real = ops.hc_pre
     monkeypatch.setattr(ops, "hc_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
-    S_long = hyper.FUSED_SITE_MAX_ROWS + 1
+    S_long = hc_pre_module.MAX_ROWS + 1
     for S in (1, hyper.MIX_REDUCE_MAX_ROWS + 1, S_long):
         X, site, norm_w = _inputs(S, 32, torch.float32, seed=S)
         want = _reference(X, site, norm_w)
-        with using(hc_fused=True):
-            with kernels.disabled():
-                _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
-            with kernels.on_any_device():
-                _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
-        with using(hc_fused=False), kernels.on_any_device():
+        with kernels.disabled():
+            _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
+        with kernels.on_any_device():
             _check(hyper.hc_pre(X, site, norm_w, HC, ITERS, EPS, NORM_EPS), want, torch.float32)
     assert calls == [1, hyper.MIX_REDUCE_MAX_ROWS + 1]
 
@@ -202,11 +195,11 @@ def test_merge_op_traces_as_one_node():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks_with_the_switch_on(monkeypatch):
+def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks(monkeypatch):
     calls = []
     real = ops.hc_merge_pre
     monkeypatch.setattr(ops, "hc_merge_pre", lambda X, *a: calls.append(X.shape[0]) or real(X, *a))
-    for S in (1, hyper.FUSED_SITE_MAX_ROWS, hyper.FUSED_SITE_MAX_ROWS + 1):
+    for S in (1, hc_pre_module.MAX_ROWS, hc_pre_module.MAX_ROWS + 1):
         X, out, post, comb, site, norm_w = _merge_inputs(S, 32, torch.float32, seed=S)
         want_X = _reference_merge(X, out, post, comb)
         want = _reference(want_X, site, norm_w)
@@ -215,14 +208,11 @@ def test_model_merge_pre_uses_the_kernel_for_decode_sized_chunks_with_the_switch
             _check_merged(got[0], want_X)
             _check(got[1:], want, torch.float32)
 
-        with using(hc_fused=True):
-            with kernels.disabled():
-                check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
-            with kernels.on_any_device():
-                check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
-        with using(hc_fused=False), kernels.on_any_device():
+        with kernels.disabled():
             check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
-    assert calls == [1, hyper.FUSED_SITE_MAX_ROWS]
+        with kernels.on_any_device():
+            check(hyper.hc_merge_pre(X, out, post, comb, site, norm_w, HC, ITERS, EPS, NORM_EPS))
+    assert calls == [1, hc_pre_module.MAX_ROWS]
 
 
 _COMPILE_MERGE = """
@@ -237,7 +227,7 @@ sig = {name: "*fp32" for name in ("post_in_ptr", "comb_in_ptr", "fn_ptr", "base_
                                   "part_ptr", "post_ptr", "comb_ptr")}
 sig.update(x_ptr="*bf16", out_ptr="*bf16", merged_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", flag_ptr="*i32",
            D="i32", iters="i32", eps="fp32", norm_eps="fp32")
-consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7, SINKHORN=1)
+consts = dict(HC=4, BLOCK=128, MIX_PAD=32, P_PAD=128, D_PAD=4096, MERGE=True, SLOTS=7)
 ptx = {}
 for name, options, early, pdl in (("exact", EXACT_ROUNDING, True, False), ("fused", {}, True, False),
                                   ("early", EXACT_ROUNDING, True, True), ("late", EXACT_ROUNDING, False, True)):
@@ -271,7 +261,7 @@ def test_sinkhorn_program_waits_on_the_flag_with_acquire(merge_ptx):
     assert "atom.global.gpu.release.exch.b32" in ptx and "atom.global.acquire.gpu.cas.b32" in ptx
 
 
-def test_fn_loads_before_the_pdl_wait_only_with_the_switch(merge_ptx):
+def test_fn_loads_before_the_pdl_wait_only_with_early_fn(merge_ptx):
     """With ``EARLY_FN`` the programs' loads of fn come before ``griddepcontrol.wait``; without it, nothing is read
     before the wait (every other input may be the kernel before's output)."""
     assert loads_before_pdl_wait(merge_ptx["early"]) > 0 and loads_before_pdl_wait(merge_ptx["late"]) == 0

@@ -9,7 +9,6 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels.hc_streams import MIX_TILE_LONG, hc_collapse, hc_merge, hc_mixes  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
 from ds4serve.model import hyper  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,7 +71,5 @@ def test_model_functions_use_the_kernels_for_long_chunks_only(monkeypatch):
         for S in (1, S_long):
             X, out, post, comb, _ = _inputs(S, 4, 32, torch.bfloat16, seed=S)
             hyper.hc_merge(X, out, post, comb)
-            for mix_kernel in (False, True):
-                with using(chunk_mix_kernel=mix_kernel):
-                    hyper.hc_split(X, site, 4, 3, 1e-6, 1e-6)
-    assert calls == ["merge", "mixes"]  # the merge of the long chunk; its mixes with the switch on
+            hyper.hc_split(X, site, 4, 3, 1e-6, 1e-6)
+    assert calls == ["merge", "mixes"]  # the merge and the mixes of the long chunk

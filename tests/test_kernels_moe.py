@@ -16,9 +16,9 @@ from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import moe  # noqa: E402
 from ds4serve.kernels.moe import ExpertStack, MoEConfig, Tile, moe_fused, moe_ref  # noqa: E402
 from ds4serve.model.hyper import sum_terms  # noqa: E402
-from ds4serve.model.linear import FP4Weight, Weight, dense, quantize_fp8  # noqa: E402
+from ds4serve.model.linear import dense  # noqa: E402
 from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
-from ds4serve.quant import dequant_fp4, quant_fp4  # noqa: E402
+from ds4serve.quant import FP4Weight, Weight, dequant_fp4, quant_fp4, quantize_fp8  # noqa: E402
 from tests.helpers import sm90_ptx  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,9 +113,8 @@ def test_the_widest_verify_block_stays_on_the_fused_kernel():
     experts have no grouped path that keeps off the host: it must stay on the fused kernel (DeepSeek-V4-Flash
     routes 6 experts a token). Then 17 rows (top-2 of this test's 5 FP8 experts) through it, against the reference."""
     from ds4serve.engine.drafts import MAX_DRAFT_TOKENS
-    from ds4serve.model import moe as model_moe
 
-    assert (MAX_DRAFT_TOKENS + 1) * 6 <= model_moe.FUSED_MAX_PAIRS
+    assert (MAX_DRAFT_TOKENS + 1) * 6 <= moe.MAX_PAIRS
     x, idx, weights, w, routed, shared = _case("fp8", MAX_DRAFT_TOKENS + 1)
     with kernels.on_any_device():
         out = _moe_fused(w, x, idx, weights, LIMIT)

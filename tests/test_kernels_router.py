@@ -14,10 +14,10 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve import kernels  # noqa: E402
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.arrival import counters  # noqa: E402
+from ds4serve.kernels.router import MAX_ROWS as ROUTER_FUSED_MAX_ROWS  # noqa: E402
 from ds4serve.kernels.router import RouterConfig, default_config, route_decode, route_ref  # noqa: E402
-from ds4serve.kernels.switches import using  # noqa: E402
-from ds4serve.model.moe import ROUTER_FUSED_MAX_ROWS, MoEWeights, route  # noqa: E402
-from tests.test_decode_switches import _INTERPRETER_ONLY, _static_step_error  # noqa: E402
+from ds4serve.model.moe import MoEWeights, route  # noqa: E402
+from tests.test_decode_kernels import _INTERPRETER_ONLY, _static_step_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALING = 1.5
@@ -204,7 +204,7 @@ def _weights(gate: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tenso
     )
 
 
-def test_route_uses_the_kernel_for_decode_rows_with_the_switch_on(monkeypatch):
+def test_route_uses_the_kernel_for_decode_rows(monkeypatch):
     """Up to 16 rows go through the op and give the torch code's routing; more rows take the torch code."""
     calls = []
     real = ops.route_decode
@@ -215,21 +215,19 @@ def test_route_uses_the_kernel_for_decode_rows_with_the_switch_on(monkeypatch):
         w = _weights(gate, bias, None)
         with kernels.disabled():
             want = route.eager(w, x, ids, 4, SCALING)
-        with kernels.on_any_device(), using(router_fused=True):
+        with kernels.on_any_device():
             _check(route.eager(w, x, ids, 4, SCALING), want)
     assert calls == [1, ROUTER_FUSED_MAX_ROWS]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason=_INTERPRETER_ONLY)
-def test_router_fused_static_step_matches_unfused(tiny_factory, monkeypatch):
-    """One static decode step gives the unfused logits, with every MoE layer (hash and scored) routed by the
+def test_router_fused_static_step_matches_torch_code(tiny_factory, monkeypatch):
+    """One static decode step gives the torch code's logits, with every MoE layer (hash and scored) routed by the
     kernel."""
     calls = []
     real = ops.route_decode
     monkeypatch.setattr(ops, "route_decode", lambda *a: calls.append(a[3] is not None) or real(*a))
-    err, model = _static_step_error(
-        tiny_factory, "router_fused", calls, seed=4, prompt_seed=7, length=12, capacity=24
-    )
+    err, model = _static_step_error(tiny_factory, calls, seed=4, prompt_seed=7, length=12, capacity=24)
     assert calls == [t == "hash_moe" for t in model.cfg.mlp_types]
     assert err <= 1e-5, f"relative error {err:.3g}"
 
@@ -244,21 +242,17 @@ from ds4serve.kernels import router
 sig = dict(x_ptr="*bf16", gate_ptr="*bf16", bias_ptr="*fp32", tid2eid_ptr="*i32", ids_ptr="*i64", part_ptr="*fp32",
            count_ptr="*i32", w_out_ptr="*bf16", idx_out_ptr="*i64", n_tokens="i32", n_experts="i32", dim="i32",
            x_stride="i32", k_per_split="i32", tid2eid_stride="i32", scaling="fp32")
-ptx = {}
-for early in (True, False):
-    consts = dict(K=6, N_PAD=1, E_PAD=32, K_PAD=8, BLOCK_E=8, BLOCK_K=512, SPLIT=8, STAGES=2, HASH=False,
-                  HAS_BIAS=True, BF16=True, EARLY_GATE=early, PDL=True)
-    source = ASTSource(router._router_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
-    ptx[str(early)] = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-json.dump(ptx, sys.stdout)
+consts = dict(K=6, N_PAD=1, E_PAD=32, K_PAD=8, BLOCK_E=8, BLOCK_K=512, SPLIT=8, STAGES=2, HASH=False,
+              HAS_BIAS=True, BF16=True, PDL=True)
+source = ASTSource(router._router_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+json.dump({"ptx": ptx}, sys.stdout)
 """
 
 
-def test_gate_read_before_the_pdl_wait_only_with_the_switch():
+def test_gate_read_before_the_pdl_wait():
     """Compiled for sm_90 at the FP8 proxy's router size (32 experts, 8 slices of 512 inputs), the programs read
-    their gate tile before ``griddepcontrol.wait`` with ``EARLY_GATE`` and nothing before it without (the tokens'
-    inputs are the kernel before's output)."""
+    their gate tile before ``griddepcontrol.wait`` (the tokens' inputs, the kernel before's output, after it)."""
     from tests.helpers import loads_before_pdl_wait, sm90_ptx
 
-    ptx = sm90_ptx(_COMPILE)
-    assert loads_before_pdl_wait(ptx["True"]) > 0 and loads_before_pdl_wait(ptx["False"]) == 0
+    assert loads_before_pdl_wait(sm90_ptx(_COMPILE)["ptx"]) > 0

@@ -1,9 +1,8 @@
-"""Programmatic dependent launch (``SWITCHES.pdl``, kernels/pdl.py) and benchmark switch sets.
+"""Programmatic dependent launch (``config.current().pdl``, kernels/pdl.py).
 
 The launches themselves need a Hopper GPU (bench/check_gpu.py runs the model checks with PDL on).
-Here: the CPU path ignores the switch, a kernel compiles for sm_90 with the grid-dependency
-instructions where they make it safe (the wait before any load, then the release of the next grid),
-and benchmark switch sets parse as documented.
+Here: the CPU path ignores it, and a kernel compiles for sm_90 with the grid-dependency
+instructions where they make it safe (the wait before any load, then the release of the next grid).
 """
 
 from __future__ import annotations
@@ -12,26 +11,10 @@ import pytest
 import torch
 
 from ds4serve import kernels
-from ds4serve.kernels import pdl
-from ds4serve.kernels.switches import NAMES, Switches, parse, using
+from ds4serve.kernels import config, pdl
 from tests.helpers import sm90_ptx
 
 triton = pytest.importorskip("triton")
-
-
-def test_parse_switch_sets():
-    defaults = Switches()
-    assert parse("base") == dict.fromkeys(NAMES, False)
-    assert parse("all") == dict.fromkeys(NAMES, True)
-    assert parse("defaults") == {n: getattr(defaults, n) for n in NAMES}
-    assert parse("defaults+pdl") == {n: getattr(defaults, n) or n == "pdl" for n in NAMES}
-    assert parse("pdl+static_commit") == {n: n in ("pdl", "static_commit") for n in NAMES}
-    assert defaults.pdl and not parse("defaults-pdl")["pdl"]
-    assert parse("defaults+gather_entries-pdl") == {
-        n: (getattr(defaults, n) or n == "gather_entries") and n != "pdl" for n in NAMES
-    }
-    with pytest.raises(ValueError, match="unknown switches.*'pdll'"):
-        parse("defaults+pdll")
 
 
 @pytest.mark.skipif(
@@ -43,7 +26,7 @@ def test_cpu_launches_ignore_pdl():
 
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
-    with using(pdl=True):
+    with config.using(pdl=True):
         assert pdl.launch(x) == {"PDL": False}
         with kernels.on_any_device():
             got = gemv(x, w)

@@ -11,13 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from ds4serve import kernels
-from ds4serve.kernels.switches import using
+from ds4serve import quant as quant_module
 from ds4serve.model import chunk_attention as ca
-from ds4serve.model import linear as linear_module
 from ds4serve.model import moe_grouped
-from ds4serve.model.linear import FP4Weight, linear, quantize_fp8
+from ds4serve.model.linear import linear
 from ds4serve.model.moe_grouped import routed_experts, sort_pairs
-from ds4serve.quant import quant_fp4
+from ds4serve.quant import FP4Weight, quant_fp4, quantize_fp8
 from tests.helpers import without_host_sync
 
 
@@ -148,7 +147,6 @@ def test_slot_sum_equals_putting_the_rows_back_then_summing(traced):
     """The routed experts' slot sum reads each pair's row through the inverse permutation: bit for bit what
     weighting the expert-ordered rows, putting them back in (token, slot) order and summing gives."""
     from ds4serve.kernels import regions
-    from ds4serve.kernels.switches import using
 
     gen = torch.Generator().manual_seed(5)
     N, k, D, E = 37, 3, 16, 6
@@ -161,7 +159,7 @@ def test_slot_sum_equals_putting_the_rows_back_then_summing(traced):
     sum_slots = (
         regions.region(moe_grouped.slot_sum.eager, chunks=True) if traced else moe_grouped.slot_sum.eager
     )
-    with regions.forced("aot_eager"), using(chunk_regions=True):
+    with regions.forced("aot_eager"):
         got = sum_slots(y, inverse, weights, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
@@ -230,10 +228,10 @@ def test_quantized_experts_in_dequantised_groups_equal_the_expert_loop(monkeypat
     weights = torch.rand(N, k, generator=gen)
     per_expert = 4 * 3 * D * inter
     monkeypatch.setattr(moe_grouped, "EXPERT_GROUP_BYTES", group_experts * per_expert)
-    with monkeypatch.context() as m, kernels.on_any_device(), using(dequant_kernel=True):
+    with monkeypatch.context() as m, kernels.on_any_device():
         m.setattr(moe_grouped, "_expert_by_expert", None)  # the grouped path must not fall back,
         for name in ("dequant_fp8", "dequant_fp4"):  # nor dequantise through the torch chain
-            m.setattr(linear_module, name, None)
+            m.setattr(quant_module, name, None)
         got = routed_experts(x, idx, weights, w1, w3, w2, 1.5)
     torch.testing.assert_close(got, _expert_loop(x, idx, weights, w1, w3, w2, 1.5), rtol=1e-5, atol=1e-6)
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from ds4serve.model.linear import FP8Weight, linear, quantize_fp8
+from ds4serve.model.linear import linear
 from ds4serve.model.projections import Projections, concatenate
+from ds4serve.quant import FP8Weight, quantize_fp8
 
 
 def _parts() -> dict:
@@ -59,11 +60,10 @@ def test_separate_runs_one_product_per_part():
     "without a GPU; on a GPU tests/test_kernels_gemv.py checks gemv_pair itself",
 )
 def test_two_groups_go_through_one_pair_product(monkeypatch):
-    """A layer's FP8 group and bf16 group (decode GEMVs) are one gemv_pair call with the switch on."""
+    """A layer's FP8 group and bf16 group (decode GEMVs) are one gemv_pair call."""
     pytest.importorskip("triton")
     from ds4serve import kernels
     from ds4serve.kernels import ops
-    from ds4serve.kernels.switches import using
 
     g = torch.Generator().manual_seed(2)
     parts = {
@@ -76,7 +76,7 @@ def test_two_groups_go_through_one_pair_product(monkeypatch):
     calls = []
     op = ops.gemv_pair
     monkeypatch.setattr(ops, "gemv_pair", lambda *args: calls.append(args[1].shape) or op(*args))
-    with kernels.on_any_device(), using(gemv_pair=True):
+    with kernels.on_any_device():
         got = proj(x)
     assert calls == [torch.Size([256, 256])]
     for name, w in parts.items():

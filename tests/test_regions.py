@@ -7,15 +7,12 @@ functionalised as Inductor would receive them) must reproduce the plain static s
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from ds4serve import kernels
 from ds4serve.engine.cuda_graphs import delta_at
-from ds4serve.kernels import regions
-from ds4serve.kernels.switches import using
+from ds4serve.kernels import config, regions
 from ds4serve.model.norms import rms_norm
 from tests.helpers import static_decode_setup, static_step
 
@@ -26,26 +23,26 @@ def test_region_runs_plain_outside_a_static_step():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
 
 
-def test_inductor_switches_give_a_region_its_own_compile(monkeypatch):
-    """A region compiles once per set of the switches that Inductor reads (an A/B's arms each run their own
-    code), and Inductor gets them as options."""
+def test_pdl_gives_a_region_its_own_compile(monkeypatch):
+    """A region compiles once per set of Inductor's options (PDL on or off: the configuration, set once by the
+    engine, but tests change it), and Inductor gets them."""
     compiles = []
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or real(fn, **kw))
     monkeypatch.setattr(regions, "_active", lambda args, kwargs, chunks: "eager")
     double = regions.region(lambda x: x * 2)
     x = torch.randn(3, 8)
-    for combo in (False, True, False):
-        with using(combo_kernels=combo):
+    for pdl in (False, True, False):
+        with config.using(pdl=pdl):
             assert torch.equal(double(x), x * 2)
     assert len(compiles) == 2
-    with using(combo_kernels=False, pdl=True):
+    with config.using(pdl=False):
         options = regions.inductor_options()
-    assert options["combo_kernels"] is False and options["triton.enable_pdl"] is True
+    assert options["combo_kernels"] is True and options["triton.enable_pdl"] is False
 
 
 def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factory, monkeypatch):
-    """``chunk_regions``: the norms, RoPE, mHC mixes and routed slot sums of prefill chunks run traced (whole
+    """The norms, RoPE, mHC mixes and routed slot sums of prefill chunks run traced (whole
     graphs, dynamic shapes: chunks of two lengths and a ring that wraps) and give the plain logits."""
     from ds4serve.model import DeepSeekV4
     from ds4serve.weights import Checkpoint
@@ -62,7 +59,7 @@ def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factor
         for lo, hi in ((0, 16), (16, 40)):
             ref = model.forward(ids[lo:hi], plain, logit_rows=slice(None))
             plain.commit(ref.delta, hi - lo)
-            with regions.forced("aot_eager"), using(chunk_regions=True):
+            with regions.forced("aot_eager"):
                 out = model.forward(ids[lo:hi], traced, logit_rows=slice(None))
             traced.commit(out.delta, hi - lo)
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -74,15 +71,12 @@ def test_chunk_regions_compile_once_for_every_length_and_match_plain(tiny_factor
     assert graphs[1] == graphs[0]  # the second chunk length reused the traced graphs
 
 
-@pytest.mark.parametrize("block_regions", [False, True])
-def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_regions):
-    """Static decode with every region traced (CSA and HCA windows close, the ring wraps); with
-    ``block_regions`` each whole decoder block is one traced graph calling the kernels as custom ops
-    (run by Triton's interpreter on CPU)."""
-    if block_regions:
-        pytest.importorskip("triton", reason="the block regions call the Triton kernels")
-        if torch.cuda.is_available():
-            pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
+def test_static_step_with_compiled_regions_matches_plain(tiny_factory):
+    """Static decode with each decoder block one traced graph calling the kernels as custom ops (run by Triton's
+    interpreter on CPU; CSA and HCA windows close, the ring wraps)."""
+    pytest.importorskip("triton", reason="the block regions call the Triton kernels")
+    if torch.cuda.is_available():
+        pytest.skip("runs the kernels in Triton's interpreter on CPU; bench/check_gpu.py covers the GPU")
     model, ids, (plain, traced) = static_decode_setup(
         tiny_factory, seed=2, prompt_seed=5, length=30, prefilled=14, capacity=40
     )
@@ -91,8 +85,7 @@ def test_static_step_with_compiled_regions_matches_plain(tiny_factory, block_reg
             pos = plain.pos
             ref, _ = static_step(model, plain, t)
             plain.commit(delta_at(ref.delta, pos, t), 1)
-            kernel_scope = kernels.on_any_device() if block_regions else contextlib.nullcontext()
-            with regions.forced("aot_eager"), using(block_regions=block_regions), kernel_scope:
+            with regions.forced("aot_eager"), kernels.on_any_device():
                 out, _ = static_step(model, traced, t)
             traced.commit(delta_at(out.delta, pos, t), 1)
             err = (out.logits - ref.logits).abs().max() / ref.logits.abs().max()

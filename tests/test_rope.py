@@ -8,7 +8,6 @@ import torch
 
 from ds4serve.config import RopeSpec
 from ds4serve.kernels import regions
-from ds4serve.kernels.switches import using
 from ds4serve.model.rope import Rope
 
 
@@ -23,7 +22,7 @@ def test_in_place_rotation_equals_the_concatenation_and_keeps_the_other_channels
     target = x.clone()
     # traced: a region of its own (the model's compiles are counted elsewhere), functionalised as Inductor gets it
     rotate = regions.region(Rope.apply_in_place.eager, chunks=True) if traced else Rope.apply_in_place.eager
-    with regions.forced("aot_eager"), using(chunk_regions=True):
+    with regions.forced("aot_eager"):
         out = rotate(target, cos, sin, inverse)
     assert out.data_ptr() == target.data_ptr()
     assert torch.equal(target, expected)

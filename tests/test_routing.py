@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4serve.model.moe import RANK_MAX_ROWS, top_k_indices
+from ds4serve.kernels.reference import RANK_MAX_ROWS, top_k_indices
 
 
 @pytest.mark.parametrize("rows,experts,k", [(1, 32, 6), (5, 256, 8), (3, 7, 7), (RANK_MAX_ROWS + 1, 16, 4)])

@@ -40,14 +40,16 @@ def test_quantized_checkpoint_gives_logits_of_its_dequantized_weights(tiny_facto
     assert torch.equal(quantized, plain)
 
 
-def test_tid2eid_int64_and_no_index_file(tiny_factory, tmp_path):
+def test_tid2eid_int32_and_no_index_file(tiny_factory, tmp_path):
+    """The released shards hold tid2eid as I64; one port writes I32: both route alike."""
     src = tiny_factory(seed=5)
     out = tmp_path / "one_shard"
     out.mkdir()
     tensors = {}
     for shard in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(shard))
-    tensors = {n: (t.to(torch.int64) if n.endswith("tid2eid") else t) for n, t in tensors.items()}
+    assert tensors["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+    tensors = {n: (t.to(torch.int32) if n.endswith("tid2eid") else t) for n, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"))
     shutil.copy(src / "config.json", out / "config.json")
     ids = random_prompt(20, seed=2)
@@ -110,6 +112,7 @@ def _edit_config(src: Path, dst: Path, edit) -> Path:
         (lambda c: c.pop("hidden_size"), r"hidden_size: missing"),
         (lambda c: c.update(hidden_size="64"), r"hidden_size: expected an integer, got '64'"),
         (lambda c: c.pop("compress_ratios"), r"layer_types: missing"),
+        (lambda c: c.pop("num_hash_layers"), r"num_hash_layers: missing"),
         (lambda c: c.update(compress_ratios=[0, 0, 4, 1, 4, 16]), r"compress_ratios\[3\]: expected 0, 4"),
         (lambda c: c.update(num_key_value_heads=2), r"num_key_value_heads: expected 1"),
         (lambda c: c.update(quantization_config={"quant_method": "awq"}), r"quant_method: expected 'fp8'"),

@@ -25,7 +25,6 @@ import torch
 from .. import profiler
 from ..config import SLIDING, ModelConfig
 from ..devices import on_device
-from ..kernels.switches import SWITCHES
 from ..model import DeepSeekV4
 from ..model.dspark import (
     DSparkWeights,
@@ -551,7 +550,7 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
     target = target_parts(engine._require_model())
     weights = _engine_drafts(engine).get(name)
     # the drafts' passes run on the device of the target's head: graphs there, for a whole model or a split
-    static = SWITCHES.speculative_graphs and not engine.eager and target.device.type == "cuda"
+    static = not engine.eager and target.device.type == "cuda"
     if name == "mtp":
         return MTPProposer(weights, target, *(() if k is None else (k,)), static_passes=static)
     return DSparkProposer(weights, target, k, static_passes=static)

@@ -9,7 +9,6 @@ Failures never escape :meth:`Engine.generate`: they come back as a :class:`Gener
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import threading
@@ -21,7 +20,6 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
-from ..kernels.switches import SWITCHES
 from ..model import DeepSeekV4
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
@@ -207,12 +205,14 @@ class Engine:
         chunk_sizes: list[int] | None = None,
         all_logits: bool = False,
         on_chunk: "PromptFeed | None" = None,
+        cancel: threading.Event | None = None,
     ) -> torch.Tensor | None:
         """Forward ``ids`` chunk by chunk, committing each chunk.
 
         Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
         ``all_logits``). Intermediate chunks skip the output head. ``on_chunk`` receives each
-        committed chunk's forward result (with the layers it asks to capture).
+        committed chunk's forward result (with the layers it asks to capture). ``cancel`` set
+        before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
         """
         capture = () if on_chunk is None else on_chunk.capture_layers
         sizes = chunk_sizes or _even_chunks(len(ids), self.chunk_size)
@@ -220,6 +220,10 @@ class Engine:
         outs: list[torch.Tensor] = []
         offset = 0
         for n, size in enumerate(sizes):
+            if cancel is not None and cancel.is_set():
+                raise GenerateError(
+                    ErrorCode.CANCELLED, f"cancelled during prefill, {offset} of {len(ids)} tokens done"
+                )
             chunk = ids[offset : offset + size]
             last = n == len(sizes) - 1
             rows = slice(None) if all_logits else (slice(size - 1, size) if last else None)
@@ -321,7 +325,12 @@ class Engine:
                     proposer = self._proposer(speculative)
                     feed = None if proposer is None else PromptFeed(proposer)
                     state, logits = self._start(
-                        prompt, params.max_tokens, snapshot or self._pending_restore, res, feed
+                        prompt,
+                        params.max_tokens,
+                        snapshot or self._pending_restore,
+                        res,
+                        feed,
+                        handle._cancel,
                     )
                     self._pending_restore = None
                     if (
@@ -336,7 +345,8 @@ class Engine:
                     else:
                         yield from speculative_decode(self, handle, state, logits, start, feed, constraint)
             except GenerateError as exc:
-                res.error, res.error_message, res.finish_reason = exc.code, exc.message, "error"
+                res.error, res.error_message = exc.code, exc.message
+                res.finish_reason = "cancelled" if exc.code is ErrorCode.CANCELLED else "error"
             except torch.OutOfMemoryError as exc:
                 res.error, res.error_message, res.finish_reason = ErrorCode.OUT_OF_MEMORY, str(exc), "error"
                 self._state = None
@@ -377,6 +387,7 @@ class Engine:
         snapshot: Snapshot | None,
         res: GenerateResult,
         feed: "PromptFeed | None" = None,
+        cancel: threading.Event | None = None,
     ) -> tuple[SequenceState, torch.Tensor]:
         """A clean or restored state with the prompt prefilled, and the logits after its last token.
 
@@ -397,7 +408,7 @@ class Engine:
             feed.proposer.begin(prompt[:reuse], state.max_context)
         if reuse == len(prompt):
             return state, state.last_logits
-        return state, self.prefill(state, prompt[reuse:], on_chunk=feed)
+        return state, self.prefill(state, prompt[reuse:], on_chunk=feed, cancel=cancel)
 
     def _acquire_state(self, need: int) -> SequenceState:
         if self._state is None or self._state.max_context < need:
@@ -446,7 +457,7 @@ class Engine:
 
         model = self._require_model()
         kinds = self._graph_kinds(model)
-        eager_verify = kinds is not None and (kinds[1] is None or not SWITCHES.speculative_graphs)
+        eager_verify = kinds is not None and kinds[1] is None
         if eager_verify and not self._warned_eager_verify:
             self._warned_eager_verify = True
             log.warning(
@@ -491,35 +502,23 @@ class Engine:
         if self._graphs_apply(model):
             return DecodeGraph, VerifyGraph
         if isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
-            return SplitDecodeGraph, SplitVerifyGraph if SWITCHES.split_verify_graphs else None
-        if isinstance(model, PipelineModel) and model.device.type == "cuda" and SWITCHES.pipeline_graphs:
-            # its verify graphs commit by device writes only (SWITCHES.static_commit)
-            verify = SWITCHES.pipeline_verify_graphs and SWITCHES.static_commit
-            return PipelineModel.decode_graph, PipelineModel.verify_graph if verify else None
+            return SplitDecodeGraph, SplitVerifyGraph
+        if isinstance(model, PipelineModel) and model.device.type == "cuda":
+            return PipelineModel.decode_graph, PipelineModel.verify_graph
         return None
 
     def _prefill_graphs(self) -> FirstChunkGraphs | PipelineFirstChunks | None:
         """The captured first prefill chunks of the model (:mod:`.prefill_graphs`; None: prefill eagerly)."""
         model = self._require_model()
-        switches = dataclasses.astuple(SWITCHES)
         judged = self._first_chunks_apply
-        if judged is None or judged[0] is not model or judged[1:3] != (self.eager, switches):
+        if judged is None or judged[0] is not model or judged[1] != self.eager:
             if isinstance(model, PipelineModel):  # each rank judges its own experts (PipelineFirstChunks)
-                apply = (
-                    SWITCHES.prefill_graphs
-                    and SWITCHES.pipeline_prefill_graphs
-                    and not self.eager
-                    and model.device.type == "cuda"
-                )
+                apply = not self.eager and model.device.type == "cuda"
             else:
-                split = not self.eager and isinstance(model, SplitModel) and SWITCHES.split_prefill_graphs
-                apply = (
-                    SWITCHES.prefill_graphs
-                    and (split or self._graphs_apply(model))
-                    and prefill_graphs_apply(model)
-                )
-            judged = self._first_chunks_apply = (model, self.eager, switches, apply)
-        if not judged[3]:
+                split = not self.eager and isinstance(model, SplitModel)
+                apply = (split or self._graphs_apply(model)) and prefill_graphs_apply(model)
+            judged = self._first_chunks_apply = (model, self.eager, apply)
+        if not judged[2]:
             return None
         limit = min(MAX_GRAPH_TOKENS, self.chunk_size)
         if (
@@ -551,7 +550,7 @@ class Engine:
         """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Its accepted
         prefix is committed with ``state.commit_static``, or with the graph's own ``commit``
         (``SWITCHES.static_commit``)."""
-        kinds = self._graph_kinds(model) if SWITCHES.speculative_graphs else None
+        kinds = self._graph_kinds(model)
         if kinds is None or kinds[1] is None:
             return None
         key = (width, tuple(capture))

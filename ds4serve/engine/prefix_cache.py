@@ -6,10 +6,14 @@ with no cached descendant, so a prefix shared by several cached sequences (a sys
 early turns of a chat) outlives the branches that extend it.
 
 The optional disk tier writes every inserted snapshot to ``<dir>/<model_id>/<sha256>.safetensors``
-(the hash covers the model identity and the token ids). On start the files of the same model are
-indexed into the tree without loading them; a lookup that ends on a disk-only node loads the file and
-promotes it to memory. Disk files outlive memory eviction and restarts; the disk tier has its own
-byte budget, evicted oldest first.
+(the name hashes the model identity and the token ids; the file carries a checksum of its contents,
+model and tokens: :mod:`.snapshot_file`). On start the files of the same model are indexed into the
+tree without loading them (leftover temporaries, symbolic links and files whose header is unreadable
+or foreign are removed with a warning, and the disk budget is applied); a lookup that ends on a
+disk-only node loads and verifies the file and promotes it to memory, and a file that fails is
+removed with a warning and the next shorter prefix is tried. A cache never changes an answer. Disk
+files outlive memory eviction and restarts; the disk tier has its own byte budget, evicted oldest
+first.
 """
 
 from __future__ import annotations
@@ -23,14 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..state import Snapshot
+from .snapshot_file import SUFFIX, TMP_SUFFIX, BadEntry, read_entry, read_header, write_entry
 
 log = logging.getLogger("ds4serve.prefix_cache")
-
-LOGITS_KEY = "last_logits"
 
 
 @dataclass
@@ -54,6 +55,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     disk_hits: int = 0
+    disk_dropped: int = 0  # disk entries removed as unreadable, damaged or foreign
     inserts: int = 0
     evictions: int = 0
 
@@ -101,23 +103,23 @@ class PrefixCache:
         left to forward).
         """
         with self._lock:
-            best: _Node | None = None
-            for node in self._path(tokens):
-                if node.cached and (node.depth < len(tokens) or node.has_logits):
-                    best = node
-            if best is None:
-                self.stats.misses += 1
-                return None
-            snap = best.snapshot
-            if snap is None:
-                snap = self._load(best)
-                if snap is None:
+            while True:
+                best: _Node | None = None
+                for node in self._path(tokens):
+                    if node.cached and (node.depth < len(tokens) or node.has_logits):
+                        best = node
+                if best is None:
                     self.stats.misses += 1
                     return None
-                self.stats.disk_hits += 1
-            self.stats.hits += 1
-            best.last_used = time.monotonic()
-            return snap
+                snap = best.snapshot
+                if snap is None:
+                    snap = self._load(best)  # a bad file is dropped: try the next shorter prefix
+                    if snap is None:
+                        continue
+                    self.stats.disk_hits += 1
+                self.stats.hits += 1
+                best.last_used = time.monotonic()
+                return snap
 
     def insert(self, snapshot: Snapshot) -> bool:
         """Cache ``snapshot`` under its tokens (moved to the cache device); False if it cannot fit."""
@@ -264,51 +266,21 @@ class PrefixCache:
         return h.hexdigest()
 
     def _write(self, snap: Snapshot) -> Path | None:
-        path = self.disk_dir / f"{self.key(snap.tokens)}.safetensors"
-        tensors = {
-            f"{layer}.{name}": t.contiguous().cpu()
-            for layer, saved in snap.layers.items()
-            for name, t in saved.items()
-        }
-        if snap.last_logits is not None:
-            tensors[LOGITS_KEY] = snap.last_logits.contiguous().cpu()
-        meta = {
-            "model_id": self.model_id,
-            "pos": str(snap.pos),
-            "tokens": json.dumps(snap.tokens),
-            "layers": json.dumps(sorted(snap.layers)),
-            "has_logits": "1" if snap.last_logits is not None else "0",
-        }
-        tmp = path.with_suffix(".tmp")
         try:
-            save_file(tensors, str(tmp), metadata=meta)
-            tmp.replace(path)
+            return write_entry(self.disk_dir, self.key(snap.tokens), snap, self.model_id)
         except OSError as exc:
-            log.warning("prefix cache: could not write %s: %s", path, exc)
-            tmp.unlink(missing_ok=True)
+            log.warning("prefix cache: could not write %s: %s", self.disk_dir / self.key(snap.tokens), exc)
             return None
-        return path
 
     def _load(self, node: _Node) -> Snapshot | None:
+        """The verified snapshot of a disk-only node (promoted to memory), or None after dropping its file."""
         try:
-            with safe_open(str(node.disk_path), framework="pt") as f:
-                meta = f.metadata()
-                layers: dict[int, dict[str, torch.Tensor]] = {int(i): {} for i in json.loads(meta["layers"])}
-                logits = None
-                for key in f.keys():
-                    if key == LOGITS_KEY:
-                        logits = f.get_tensor(key)
-                        continue
-                    layer, name = key.split(".", 1)
-                    layers[int(layer)][name] = f.get_tensor(key)
-        except (OSError, KeyError, ValueError) as exc:
-            log.warning("prefix cache: dropping unreadable %s: %s", node.disk_path, exc)
+            snap = read_entry(node.disk_path, self.model_id, self._tokens_of(node)).to(self.device)
+        except (BadEntry, OSError) as exc:
+            self._drop_file(node.disk_path, exc)
             node.disk_path = None
             self._prune(node)
             return None
-        snap = Snapshot(
-            pos=int(meta["pos"]), tokens=json.loads(meta["tokens"]), layers=layers, last_logits=logits
-        ).to(self.device)
         size = snap.nbytes()
         if size <= self.max_bytes:
             node.snapshot = snap
@@ -316,19 +288,41 @@ class PrefixCache:
             self._evict(keep=node)
         return snap
 
+    def _drop_file(self, path: Path, why: object) -> None:
+        log.warning("prefix cache: removing bad entry %s: %s", path, why)
+        self.stats.disk_dropped += 1
+        path.unlink(missing_ok=True)
+
     def _index_disk(self) -> None:
-        for path in sorted(self.disk_dir.glob("*.safetensors")):
-            meta = _disk_meta(path)
-            if meta.get("model_id") != self.model_id or "tokens" not in meta:
-                continue
-            tokens = json.loads(meta["tokens"])
-            if not tokens or path.stem != self.key(tokens):
-                continue
-            node = self._node_for(tokens)
-            node.disk_path = path
-            node.has_logits = meta.get("has_logits") == "1"
-            node.last_used = path.stat().st_mtime - time.time() + time.monotonic()
+        """Index this model's entries by their headers; remove temporaries, links and bad entries."""
+        for path in sorted(self.disk_dir.iterdir()):
+            if path.is_symlink():
+                self._drop_file(path, "a symbolic link (never followed)")
+            elif path.name.endswith(TMP_SUFFIX):
+                log.info("prefix cache: removing the leftover temporary %s", path)
+                path.unlink(missing_ok=True)
+            elif path.name.endswith(SUFFIX) and path.is_file():
+                try:
+                    meta = read_header(path)
+                    tokens = json.loads(meta["tokens"])
+                    ok = (
+                        meta.get("model_id") == self.model_id
+                        and isinstance(tokens, list)
+                        and tokens
+                        and path.name == self.key(tokens) + SUFFIX
+                    )
+                except (BadEntry, KeyError, TypeError, ValueError, RecursionError) as exc:
+                    self._drop_file(path, exc)
+                    continue
+                if not ok:
+                    self._drop_file(path, "the entry belongs to another model or token prefix")
+                    continue
+                node = self._node_for(tokens)
+                node.disk_path = path
+                node.has_logits = meta.get("has_logits") == "1"
+                node.last_used = path.stat().st_mtime - time.time() + time.monotonic()
         self._prune_all()
+        self._trim_disk()
 
 
 def model_identity(path: str | Path, dtype: str) -> str:
@@ -355,16 +349,6 @@ def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _disk_meta(path: Path | None) -> dict[str, str]:
-    if path is None:
-        return {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _file_size(path: Path) -> int:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .. import profiler
-from ..kernels.switches import SWITCHES
 from ..model import ForwardResult
 from ..state import SequenceState
 from .constraint import Constraint
@@ -331,7 +330,7 @@ def speculative_decode(
                 if done or not ok:
                     break
             committed_at = state.pos
-            if graph is not None and SWITCHES.static_commit:
+            if graph is not None:
                 graph.commit(block[:emitted])
             elif graph is not None:
                 state.commit_static(out.delta, block[:emitted])

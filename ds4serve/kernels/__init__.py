@@ -1,8 +1,8 @@
 """Triton kernels for the GPU hot spots, each beside the torch reference it must match.
 
-The model code in :mod:`ds4serve.model` stays the reference; it calls :func:`enabled` to decide,
-per call, whether a kernel applies (CUDA tensors, Triton importable, kernels not switched off).
-On CPU the tests run the kernels themselves under ``TRITON_INTERPRET=1``.
+The model code in :mod:`ds4serve.model` stays the reference; it calls :func:`enabled` to decide whether
+a kernel applies to tensors like ``t`` (CUDA tensors, Triton importable, ``config.current().triton``).
+On CPU the tests run the kernels themselves under ``TRITON_INTERPRET=1`` (:func:`on_any_device`).
 """
 
 from __future__ import annotations
@@ -12,35 +12,24 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .scoped import Scoped
+from . import config
 
 # Checked without importing triton, so that tests can still choose the interpreter before it loads.
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
-_SWITCHED_OFF = Scoped(False)
-_ON_ANY_DEVICE = Scoped(False)  # tests: kernels on CPU tensors too (Triton's interpreter)
-
 
 def enabled(t: torch.Tensor) -> bool:
-    """True when the model should dispatch to a Triton kernel for tensors like ``t``.
-
-    While torch.compile traces a region (:mod:`ds4serve.kernels.regions`), False unless the
-    kernels are traced as custom ops (:mod:`ds4serve.kernels.ops`, ``SWITCHES.block_regions``):
-    Inductor then sees the torch reference of the small regions and fuses it with its neighbours.
-    """
-    if not (HAVE_TRITON and (t.is_cuda or _ON_ANY_DEVICE.value) and not _SWITCHED_OFF.value):
-        return False
-    from .switches import SWITCHES
-
-    return SWITCHES.block_regions or not torch.compiler.is_compiling()
+    """True when the model should dispatch to a Triton kernel for tensors like ``t``. Inside a compiled
+    region the kernels are traced as custom ops (:mod:`ds4serve.kernels.ops`)."""
+    cfg = config.current()
+    return HAVE_TRITON and cfg.triton and (t.is_cuda or cfg.any_device)
 
 
 def disabled() -> AbstractContextManager:
-    """Run the torch reference path everywhere inside this scope (baselines, A/B checks); compiled
-    regions (:mod:`ds4serve.kernels.regions`) check :func:`enabled` too, so they are off as well."""
-    return _SWITCHED_OFF.set(True)
+    """The torch reference everywhere inside this scope, compiled regions included."""
+    return config.using(triton=False)
 
 
 def on_any_device() -> AbstractContextManager:
     """Tests: dispatch to the kernels for CPU tensors as well (run with ``TRITON_INTERPRET=1``)."""
-    return _ON_ANY_DEVICE.set(True)
+    return config.using(any_device=True)

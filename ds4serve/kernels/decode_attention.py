@@ -14,7 +14,7 @@ place (the window ring, then the compressed entries when the layer has them; K =
 * :func:`_combine_kernel`: one program per (query row, head) and slice of the head dim merges
   the chunks' partials with the sink logit in the denominator, in a fixed order (deterministic).
   It runs without FP contraction (``hc_streams.EXACT_ROUNDING``: each product rounded, none folded
-  into a multiply-add), the launch that the thirteenth run's GPU checks passed and its decode timings measured.
+  into a multiply-add).
 
 A query row that sees no key gets only the sink's weight: its output is 0, as in the reference.
 The scores stay in fp32 (the reference rounds them to the keys' dtype) and, with bf16 keys, the

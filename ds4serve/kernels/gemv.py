@@ -1,58 +1,35 @@
 """GEMV for a few activation rows (decode): ``y = x W^T`` with every weight byte read once per call.
 
-``x [N, K]`` (N independent tokens, up to 8 in the model, 16 at most) times ``W [R, K]`` gives
-``[N, R]`` in ``x``'s dtype with fp32 accumulation. ``W`` is dense (bf16 / fp32) or float8 e4m3
-with fp32 block scales ``[ceil(R/b0), ceil(K/b1)]``, dequantised in registers. ``groups > 1`` is
-the grouped low-rank output projection of DeepSeek-V4: output rows ``[g R/G, (g+1) R/G)`` read
-input group ``g`` of ``x [N, G, K]``. :func:`gemv_ref` is the torch reference.
+``x [N, K]`` (N independent tokens, up to 8 in the model, 16 at most) times ``W [R, K]`` gives ``[N, R]`` in
+``x``'s dtype with fp32 accumulation. ``W`` is dense (bf16 / fp32) or float8 e4m3 with fp32 block scales
+``[ceil(R/b0), ceil(K/b1)]``, dequantised in registers. ``groups > 1`` is the grouped low-rank output projection:
+output rows ``[g R/G, (g+1) R/G)`` read input group ``g`` of ``x [N, G, K]``. :func:`gemv_ref` is the torch
+reference.
 
-Batch-1 decode streams weights, so what counts is the bytes in flight per SM. Two kernels share one
-launcher and one :class:`GemvConfig`; a loop step reads ``BLOCK_K`` inputs as sub-tiles of one FP8
-scale column each (the whole step for dense weights), so a block scale is one number per sub-tile:
+One launcher, three kinds of tile (:class:`GemvConfig`); a loop step reads ``BLOCK_K`` inputs as sub-tiles of one
+FP8 scale column each, so a block scale is one number per sub-tile:
 
-* CUDA cores (``dot=False``): a ``[N, BLOCK_R, sub-tile]`` fp32 accumulator, reduced over K once
-  at the end; a program's rows lie in one scale row, so an FP8 scale multiplies the activations
-  rather than every weight. Any dtype; the only path for fp32 activations.
-* tensor cores (``dot=True``, bf16 activations): ``tl.dot`` of the weight sub-tile with the
-  activations as a ``[sub-tile, 16]`` tile, tokens padded to 16. Dense bf16 multiplies as is. FP8
-  multiplies in fp16: e4m3 -> fp16 is one packed conversion per two weights (exact), where bf16
-  would take a chain of three; the activations are scaled by ``2**-8`` on the way to fp16 (and the
-  partial back by ``2**8``), which keeps every bf16 value from ``2**-6`` to ``2**24`` exact, and
-  only the real tokens are converted (the tile repeats them to 16 columns). Products are exact and
-  accumulate in fp32; an FP8 block scale multiplies the partial of its sub-tile (per row when a
-  tile spans scale rows), exact up to summation order for the power-of-two scales of real
-  checkpoints. Tiles of 16 rows per warp: more warps would replicate the operands.
+* CUDA cores (``dot=False``): an fp32 accumulator reduced over K once at the end; a program's rows lie in one
+  scale row, so an FP8 scale multiplies the activations. Any dtype; the only path for fp32 activations.
+* tensor cores (``dot=True``, bf16 activations, tokens padded to 16): FP8 multiplies in fp16 (e4m3 -> fp16 is
+  exact), the activations scaled by ``2**-8`` on the way (every bf16 value from ``2**-6`` to ``2**24`` stays
+  exact) and the partial scaled back; products exact, sums in fp32.
+* vector tiles (``vec=True``, one token): :func:`ds4serve.kernels.tl_common.rows_dot`, the fused MoE's down
+  product; with ``early`` the first step's weights are read before the PDL wait.
 
-* vector tiles (``vec=True``, one token): the fused MoE's down-projection product
-  (:func:`ds4serve.kernels.moe._rows_dot`): each thread sums its 16-byte vectors of weights in
-  registers against the activations loaded as a tile of the weight tile's shape (one row repeated,
-  so the two meet with no data moved between threads), no masked load (the tile divides the
-  matrix) and one scale row a program. The first step is peeled; with ``early`` its weights and
-  scales are read before the PDL wait (a weight no kernel writes), as the router's gate is. That
-  product streams FP8 experts at ~3.5-3.7 TB/s inside the decode graph, where the 33.5 MB FP8
-  projections on the other tiles reach ~2.3-3.1 (twenty-fourth run); not yet timed as a GEMV, so
-  no table entry takes it (docs/BENCHMARKS.md, known gaps).
-
-The loops run under ``tl.range(num_stages=...)``: Triton 3.6 pipelines the weight loads with
-``cp.async`` only when the stage count is given on the loop (a plain ``range`` without a ``tl.dot``
-issues one tile at a time and waits for it). Split-K (``split > 1``) gives a projection with few
-output rows enough programs: each reads one slice of the input and writes an fp32 partial, and a
-second launch sums the slices in a fixed order (deterministic, unlike atomics).
-
-:func:`default_config` reads :data:`TABLE`, filled by ``bench/sweep_gemv.py`` on the target GPU,
-and falls back to a heuristic for other shapes. :func:`gemv_pair` runs two products of one input in one
-launch when both tables pick CUDA-core tiles, or both vector tiles, without split-K (an FP8 layer's FP8
-and bf16 input products): the first programs are the first product's, the rest the second's, each with
-its own tiles, so the results are those of the two launches, bit for bit.
+Loops run under ``tl.range(num_stages=...)`` so that Triton pipelines the weight loads. Split-K (``split > 1``)
+writes fp32 partials that a second launch sums in a fixed order (deterministic). :func:`default_config` reads
+:data:`TABLE` (per shape; a heuristic for other shapes). :func:`gemv_pair` runs two products of one input in one
+launch when both take CUDA-core or both vector tiles without split-K: the results are the two launches', bit for
+bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import triton
@@ -60,8 +37,7 @@ import triton.language as tl
 
 from ..quant import dequant_fp8
 from . import pdl
-from .moe import DENSE, FP8, _accumulate, _activations, _rows_dot, _scale_row, _step_scales, _weight_tile
-from .scoped import overridden
+from .tl_common import DENSE, FP8, accumulate, activations, rows_dot, scale_row, step_scales, weight_tile
 
 DOT_ROWS = 16  # activation rows of the tensor-core tile: tl.dot needs at least 16
 SMS = 132  # streaming multiprocessors of the target GPU (H200)
@@ -81,8 +57,8 @@ class GemvConfig:
 
 
 # (kind, R, K, N bucket (1 or 4), groups) -> config, for DeepSeek-V4-Flash's decode projections; FP8
-# entries hold for 128x128 scale blocks. Filled from `bench/sweep_gemv.py` on the H200 (2026-11-29,
-# bench/results/2026-11-29-h200-sweep-gemv.log): the fastest passing config per shape.
+# entries hold for 128x128 scale blocks. The fastest passing config per shape of `bench/sweep_gemv.py`
+# (docs/KERNELS.md).
 TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("bf16", 64, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
     ("bf16", 64, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
@@ -106,9 +82,7 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("bf16", 32768, 1024, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=8, stages=3, dot=True),
     ("bf16", 129280, 4096, 1, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=4, dot=True),
     ("bf16", 129280, 4096, 4, 1): GemvConfig(block_r=128, block_k=128, split=1, warps=4, stages=4, dot=True),
-    # FP8 with fp16 tensor-core operands, swept again with PDL on and longer-step tiles: bench/sweep_gemv.py
-    # --kinds fp8 (2026-11-29, H200, bench/results/2026-11-29-h200-round9-sweep-gemv.json; one layer's FP8
-    # projections at N=1: 110.1 -> 99.0 us against the previous table)
+    # FP8 with fp16 tensor-core operands, swept with PDL on: bench/sweep_gemv.py --kinds fp8
     ("fp8", 64, 4096, 1, 1): GemvConfig(block_r=4, block_k=1024, split=2, warps=1, stages=4, dot=False),
     ("fp8", 64, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=4, warps=2, stages=4, dot=False),
     ("fp8", 256, 4096, 1, 1): GemvConfig(block_r=4, block_k=1024, split=2, warps=1, stages=4, dot=False),
@@ -134,7 +108,6 @@ TABLE: dict[tuple[str, int, int, int, int], GemvConfig] = {
     ("fp8", 40960, 1024, 1, 1): GemvConfig(block_r=32, block_k=256, split=1, warps=2, stages=6, dot=True),
     ("fp8", 40960, 1024, 4, 1): GemvConfig(block_r=16, block_k=256, split=1, warps=1, stages=4, dot=True),
     # concatenated input projections (model/projections.py): bench/sweep_gemv.py --only fused --quick
-    # (2026-11-29, H200, bench/results/2026-11-29-h200-sweep-gemv-fused.log)
     ("bf16", 1536, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
     ("bf16", 1536, 4096, 4, 1): GemvConfig(block_r=4, block_k=512, split=1, warps=2, stages=4, dot=False),
     ("bf16", 2560, 4096, 1, 1): GemvConfig(block_r=8, block_k=512, split=1, warps=2, stages=4, dot=False),
@@ -497,8 +470,8 @@ def _first_step(
 ):
     # A vector tile's first step: its weight tile and their scales.
     return (
-        _weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
-        _step_scales(_scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+        weight_tile(w, rows, 0, n_in, QUANT, BLOCK_K),
+        step_scales(scale_row(s, first, s_cols, QUANT, SB_R), rows, 0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
     )
 
 
@@ -673,16 +646,16 @@ def _vec_program(
     if not EARLY:
         w_first, s_first = _first_step(w, s, first, rows, n_in, s_cols, QUANT, SB_R, SB_C, VEC, BLOCK_K)
     x = x_ptr + (first // rows_per_group) * n_in + k_lo
-    acc = _accumulate(
+    acc = accumulate(
         tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32),
         w_first,
         s_first,
-        _activations(x, rows, 0, QUANT, BLOCK_K, 1.0),
+        activations(x, rows, 0, QUANT, BLOCK_K, 1.0),
         QUANT,
         VEC,
         BLOCK_K,
     )
-    y = _rows_dot(
+    y = rows_dot(
         x,
         w,
         s,
@@ -720,16 +693,6 @@ def weight_kind(x_dtype: torch.dtype, weight_dtype: torch.dtype, scaled: bool) -
     if x_dtype == torch.bfloat16 and (scaled or weight_dtype == torch.bfloat16):
         return "fp8" if scaled else "bf16"
     return "fp32"
-
-
-@contextmanager
-def table_overrides(entries: dict[tuple[str, int, int, int, int], GemvConfig]) -> Iterator[None]:
-    """:data:`TABLE` with ``entries`` replacing (or adding) some configurations inside the scope: benchmarks
-    time other tiles inside the decode graph, where a kernel's neighbours shape its cost
-    (``bench/bench_gpu.py`` ``--tables``). Launches read the table when they are issued, so a graph keeps
-    the tiles it was captured with."""
-    with overridden(TABLE, entries):
-        yield
 
 
 def table_key(
@@ -795,10 +758,18 @@ TABLED_TOKENS = 8  # the table's four-token entries serve up to this many tokens
 def default_config(
     kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int = 1, block: tuple[int, int] | None = None
 ) -> GemvConfig:
-    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`).
+    """The swept :data:`TABLE` entry for this product, else a heuristic guess (``kind``: :func:`weight_kind`),
+    decided once per shape.
 
     Past ``TABLED_TOKENS`` tokens only a tensor-core entry is taken: its tile pads the tokens to
     ``DOT_ROWS`` anyway, where a CUDA-core tile's accumulator grows with every token."""
+    return _default_config(kind, n_rows, n_in, n_tokens, groups, None if block is None else tuple(block))
+
+
+@functools.cache
+def _default_config(
+    kind: str, n_rows: int, n_in: int, n_tokens: int, groups: int, block: tuple[int, int] | None
+) -> GemvConfig:
     if kind == "bf16" or (kind == "fp8" and block == TABLED_BLOCK):
         hit = TABLE.get(table_key(kind, n_rows, n_in, n_tokens, groups))
         if (

@@ -11,7 +11,7 @@ CUDA graph. Each program loads ``ends`` as one vector, counts the row tiles of e
 cumulative sum, and finds its expert as the number of experts whose tiles all come before its own index;
 programs past the last tile return at once.
 
-Weight tiles are dequantised to the activations' dtype exactly as :func:`ds4serve.model.linear.dense` does
+Weight tiles are dequantised to the activations' dtype exactly as the weights' ``dequantize`` does
 (code times scale in fp32, then one rounding; for MXFP4 and the power-of-two FP8 scales of ds4serve every
 value is exact), so the products are the dense path's up to the fp32 summation order.
 :func:`grouped_quant_gate_up` runs the gate and up products of a tile together and applies the clamped
@@ -29,14 +29,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..model.linear import FP4Weight, FP8Weight, Weight, dense
-from ..model.moe_grouped import swiglu_gate
+from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
-from .dequant import _e2m1, _pow2
-from .moe import X_SCALE, _group_scale
-from .moe import _e2m1 as _e2m1_times_2_pow_m126
-from .router import _round
-from .switches import SWITCHES
+from .reference import swiglu_gate
+from .tl_common import X_SCALE, e2m1, group_scale, round_bf16
 
 
 @dataclass(frozen=True)
@@ -60,14 +56,11 @@ class Tiles:
 
 
 # By format and by whether the groups are long (at least LONG_GROUP rows per expert on average): the best of
-# six tiles, in either operand order, on the H200 (bench/sweep_grouped.py, 2026-11-30, DeepSeek-V4-Flash
-# expert shapes, top-6 routing; bench/results/2026-11-30-h200-round19-d-sweep-grouped.log). 256 experts at
-# 2048 tokens (48 rows an expert): FP8 gate-up 2.08 ms (2.25 unswapped) / down 1.10, MXFP4 3.32 (3.48) / 1.28
-# (1.63); 32 experts at 8192 tokens (1536 rows an expert): FP8 gate-up 5.25 (5.44), MXFP4 6.76 (8.16) / 2.79.
-# Whole prompts against the previous tiles (none swapped; bench/prompt_prefill.py): 6 Flash-shaped layers,
-# FP8+MXFP4, 2048 / 8192 tokens 53.8 / 189.0 -> 51.8 / 181.2 ms; FP8 41.7 / 150.5 -> 40.8 / 148.0; the 43-layer
-# FP8+MXFP4 proxy (32 experts), 2048 tokens 281.2 -> 250.6 ms; the same logits.
+# six tiles, in either operand order, of bench/sweep_grouped.py at DeepSeek-V4-Flash's expert shapes.
 LONG_GROUP = 256
+# Average (token, slot) rows per expert up to which the model runs a chunk's quantized experts in place (these
+# kernels) rather than dequantising groups of experts, at the Flash expert shapes (docs/KERNELS.md).
+IN_PLACE_MAX_ROWS_PER_EXPERT = {"fp8": 192, "fp4": 384}
 TILES: dict[tuple[str, bool], Tiles] = {
     ("fp8", False): Tiles(GroupedTile(64, 64, 128, 4, 3, swap=True), GroupedTile(64, 128, 128, 8, 3)),
     ("fp4", False): Tiles(
@@ -119,7 +112,6 @@ def _weight_tile(
     B0: tl.constexpr,
     B1: tl.constexpr,
     FP4: tl.constexpr,
-    BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -128,9 +120,9 @@ def _weight_tile(
     dequantised to ``DTYPE``. FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
     so that each group of 32 inputs meets its exponent by broadcasting, and the low / high nibbles are
-    interleaved back into input order by a join. With ``BITS`` a code is decoded by the fused MoE's integer
-    multiply (:func:`ds4serve.kernels.moe._e2m1`: three operations instead of about fifteen, exact for group
-    exponents up to 192) and scaled by two exact powers of two."""
+    interleaved back into input order by a join; a code is decoded by an integer multiply
+    (:func:`ds4serve.kernels.tl_common.e2m1`, exact for group exponents up to 192) and scaled by two exact
+    powers of two."""
     if FP4:
         g = tl.arange(0, BLOCK_K // 32)
         j = tl.arange(0, 16)
@@ -139,15 +131,9 @@ def _weight_tile(
         exponents = tl.load(
             s_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :], mask=n_ok[:, None], other=127
         ).to(tl.int32)
-        if BITS:
-            lo, hi = _e2m1_times_2_pow_m126(codes)  # the value times 2^-126; _group_scale: 2^(e - 127 + 62)
-            factor = _group_scale(exponents)[:, :, None]
-            w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
-        else:
-            factor = _pow2(exponents)[:, :, None]
-            w = tl.reshape(
-                tl.join(_e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor), (BLOCK_N, BLOCK_K)
-            )
+        lo, hi = e2m1(codes)  # the value times 2^-126; group_scale: 2^(e - 127 + 62)
+        factor = group_scale(exponents)[:, :, None]
+        w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
@@ -179,14 +165,14 @@ def _product(a, w, acc, SWAP: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
-    """:func:`ds4serve.model.moe_grouped.swiglu_gate` of the fp32 products, rounded where the torch code
+    """:func:`ds4serve.kernels.reference.swiglu_gate` of the fp32 products, rounded where the torch code
     rounds (each product, then silu); the caller rounds the result. Clamping before rounding gives the
     same values (rounding is monotone)."""
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    g = _round(g, BF16)
-    return _round(g / (1.0 + tl.exp(-g)), BF16) * _round(u, BF16)
+    g = round_bf16(g, BF16)
+    return round_bf16(g / (1.0 + tl.exp(-g)), BF16) * round_bf16(u, BF16)
 
 
 @triton.jit
@@ -207,7 +193,6 @@ def _grouped_kernel(
     B0: tl.constexpr,
     B1: tl.constexpr,
     FP4: tl.constexpr,
-    BITS: tl.constexpr,
     GATE_UP: tl.constexpr,
     CLAMP: tl.constexpr,
     BF16: tl.constexpr,
@@ -248,12 +233,12 @@ def _grouped_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
         w = _weight_tile(
-            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K, DTYPE
+            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BLOCK_N, BLOCK_K, DTYPE
         )
         acc = _product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
             v = _weight_tile(
-                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BITS, BLOCK_N, BLOCK_K, DTYPE
+                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BLOCK_N, BLOCK_K, DTYPE
             )
             acc_v = _product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:
@@ -264,7 +249,7 @@ def _grouped_kernel(
     else:
         out = out_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
         out_ok = r_ok[:, None] & n_ok[None, :]
-    tl.store(out, _round(acc, BF16).to(DTYPE), mask=out_ok)
+    tl.store(out, round_bf16(acc, BF16).to(DTYPE), mask=out_ok)
 
 
 def _block_k(dtype: torch.dtype, w: Weight, tile: GroupedTile) -> int:
@@ -394,7 +379,6 @@ def _launch(
         B0=b0,
         B1=b1,
         FP4=isinstance(w, FP4Weight),
-        BITS=SWITCHES.grouped_fp4_bits,
         GATE_UP=w3 is not None,
         CLAMP=limit > 0,
         BF16=a.dtype == torch.bfloat16,
@@ -412,9 +396,9 @@ def _launch(
 
 
 def grouped_quant_mm_ref(a: torch.Tensor, w: Weight, ends: torch.Tensor) -> torch.Tensor:
-    """Torch reference of :func:`grouped_quant_mm`: the experts dequantised by ``dense``, a product per
+    """Torch reference of :func:`grouped_quant_mm`: the experts dequantised by ``dequantize``, a product per
     expert over host-read group ends; rows from ``ends[-1]`` on are zero."""
-    return _per_expert(a, ends, lambda part, e: F.linear(part, dense(w[e], a.dtype)), w.shape[1])
+    return _per_expert(a, ends, lambda part, e: F.linear(part, w[e].dequantize(a.dtype)), w.shape[1])
 
 
 def grouped_quant_gate_up_ref(
@@ -424,7 +408,7 @@ def grouped_quant_gate_up_ref(
 
     def gated(part: torch.Tensor, e: int) -> torch.Tensor:
         return swiglu_gate(
-            F.linear(part, dense(w1[e], a.dtype)), F.linear(part, dense(w3[e], a.dtype)), limit
+            F.linear(part, w1[e].dequantize(a.dtype)), F.linear(part, w3[e].dequantize(a.dtype)), limit
         )
 
     return _per_expert(a, ends, gated, w1.shape[1])

@@ -1,49 +1,23 @@
 """A whole mHC "pre" site of a decode step in one launch: mixes, coefficients, collapse, the sublayer's norm.
 
-In a batch-1 CUDA-graph decode step the torch code of a site (:func:`ds4serve.model.hyper.hc_split` then
-:func:`ds4serve.model.norms.rms_norm`) is four launches: an Inductor reduction for the RMS of the flattened streams
-``X[s].flatten()`` (``hc * D`` = 16384 values), one for the 24 mixes (a product-sum with ``fn [24, 16384]``), the
-one-program Sinkhorn kernel (:mod:`ds4serve.kernels.hyper`) and a kernel for the collapse ``sum_k pre_k X_k`` with
-the weighted RMSNorm. Each moves little data and costs mostly its latency (~8 us per site together), at 86 sites per
-token (2 per layer, 43 layers). Here one launch does the site. With ``MERGE`` (:func:`hc_merge_pre`) the same launch
-first does the merge of the sublayer output before the site, ``X' = hc_merge(X, out, post, comb)``: the boundary
-between the attention and the MoE (otherwise an Inductor merge kernel and the four launches above) is then one
-launch. The sublayer output may also come as the fused MoE's unsummed fp32 slot terms ``[S, slots, D]`` (a block's
-closing merge, :mod:`ds4serve.model.deepseek4`), which the merge sums in fp32, in slot order, and rounds to X's
-dtype, as the MoE's slot-sum launch it saves would have.
+:func:`hc_pre` equals :func:`ds4serve.model.hyper.hc_split` then :func:`ds4serve.model.norms.rms_norm` on streams
+``X [S, hc, D]``; :func:`hc_merge_pre` first merges a sublayer's output into the streams
+(``hc_merge(X, out, post, comb)``), in the same launch. The output may also be the fused MoE's unsummed fp32 slot
+terms ``[S, slots, D]``, which the merge sums in slot order and rounds to X's dtype as the MoE's slot sum would.
 
-Grid ``(P, S)`` (``(P + 1, S)`` with the Sinkhorn programs below): program ``p < P`` of row ``s`` reads ``BLOCK``
-values of the flattened row and the same columns of ``fn`` (each of its 24 rows one contiguous run: the 1.5 MB of
-``fn`` is read once per row, coalesced, spread over P = 128 programs at the real size; read before the PDL wait with
-``SWITCHES.hc_fn_before_wait``, as no kernel writes it), and stores its partial sum of squares and 24 partial dot
-products to an fp32 scratch ``[S, P, 1 + mix]``. With the merge, its ``BLOCK`` values are those of ``X'``: it
-computes them from the ``hc`` streams of ``X`` at the same columns, ``out``, ``post`` and ``comb``, stores them, and
-uses them for its partials. It then increments the row's arrival counter; the program that gets ``P - 1`` back is
-the last of its row, and it finishes the row: it sums the partials in a fixed order (the same whichever program came
-last: deterministic), forms the mixes and the coefficients (the code of
-:func:`ds4serve.kernels.hyper.coefficients`), writes ``post`` and ``comb``, then the collapse and the norm. That
-tail is one program's chain of dependent memory latencies and the 20 Sinkhorn iterations (on the H200, ~3.3 us for
-the partials and the coefficients, ~3.6 us for the collapse and the norm, against ~3.9 us for everything before it).
-The collapse needs only ``pre``; the Sinkhorn iterations only make ``comb``, which the next merge reads. So with
-``SWITCHES.hc_sinkhorn_program`` each row has one more program, launched last: it waits until the row's last arrival
-signals that the partials are in, then forms ``post`` and ``comb`` and writes them, while the last arrival forms
-``pre`` alone and collapses, the two tails side by side. The last program also issues the loads of the ``hc`` rows
-it collapses and of the norm weight before it reads the partials, so that their latency overlaps the coefficients'
-instead of following them; and the kernel runs 8 warps (not 4), which halves each thread's share of the collapse and
-the norm and of the rows held meanwhile: 80 registers a thread in bf16, ~120 in fp32 (~160 and ~210 with 4 warps; no
-spills either way, ptxas for sm_90).
+Grid ``(P + 1, S)``: program ``p < P`` of row ``s`` reads ``BLOCK`` values of the flattened row (merged first, and
+stored, with the merge) and the same columns of ``fn`` (read before the PDL wait when ``fn`` is the caller's fp32
+weight, which no kernel writes), stores its partial sum of squares and 24 partial dot products to an fp32 scratch
+``[S, P, 1 + mix]`` and counts itself in on the row's arrival counter. The last program to arrive signals the row's
+extra program ``P``, forms ``pre`` from the partials (summed in a fixed order: deterministic), collapses the streams
+and applies the norm; program ``P`` meanwhile forms ``post`` and ``comb`` (the Sinkhorn iterations) and writes them.
+The last-program pattern, its memory ordering and the shared counters: :mod:`ds4serve.kernels.arrival`. Two launches
+must not run concurrently on one device (they share the counters).
 
-The last-program pattern, its memory ordering, the flag the Sinkhorn program waits on and the shared counters:
-:mod:`ds4serve.kernels.arrival`. The last program reads the merged rows, stored by the other programs before they
-counted themselves in, as it reads their partials: after the acquire, at L2 (``.cg``).
-
-Rounding follows the torch code. The mixes are ``rsqrt(mean(x^2) + eps) * sum_n x_n fn[m, n]``, where torch scales
-each ``x_n`` before the product-sum: equal up to fp32 rounding (Inductor's and cuBLAS's summation orders differ from
-this one anyway). The collapse sums the ``hc`` streams in fp32, in stream order, and rounds to X's dtype, as
-``_collapse`` does; the norm takes fp32 statistics of that rounded value and casts
-``weight * (y * rsqrt(mean(y^2) + eps))`` once, as ``rms_norm`` does. The merge rounds as ``hc_merge``'s
-decode-sized (product-sum) branch: ``post_k * out`` rounded to X's dtype, the stream mix summed in fp32 in stream
-order and rounded, then their sum rounded (:func:`ds4serve.kernels.hc_streams.merged`).
+Rounding follows the torch code up to fp32 summation order: the norm's factor multiplies each row's 24 sums instead
+of its inputs; the collapse sums the ``hc`` streams in fp32, in stream order, and rounds to X's dtype; the norm takes
+fp32 statistics of that rounded value and casts once; the merge rounds as ``hc_merge``'s product-sum branch
+(:func:`ds4serve.kernels.hc_streams.merged`), launched without FP contraction.
 """
 
 from __future__ import annotations
@@ -56,12 +30,12 @@ from . import pdl
 from .arrival import counters, last_to_arrive, signal, wait_for
 from .hc_streams import EXACT_ROUNDING, merged
 from .hyper import coefficients, pre_coefficients
-from .switches import SWITCHES
 
-BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384 (H200: 132 SMs)
-NUM_WARPS = (
-    8  # the last program's tail (module docstring); alone 10.0 us a site against 10.6 with 4 (eleventh run)
-)
+# Up to this many rows the model runs a site as this kernel (its rows run side by side): the widest verify block
+# whose FP8 projections stay on the GEMV (model/linear.py FP8_GEMV_MAX_ROWS).
+MAX_ROWS = 16
+BLOCK = 128  # flattened-row values per program: P = 128 programs for hc * D = 16384
+NUM_WARPS = 8  # halves each thread's share of the last program's collapse and norm (docs/KERNELS.md)
 
 
 @triton.jit
@@ -92,14 +66,11 @@ def _hc_pre_kernel(
     D_PAD: tl.constexpr,
     MERGE: tl.constexpr,
     SLOTS: tl.constexpr,
-    SINKHORN: tl.constexpr,
     EARLY_FN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     p = tl.program_id(0)
-    n_prog = (
-        tl.num_programs(0) - SINKHORN
-    )  # with SINKHORN (1), each row's last program is its Sinkhorn program
+    n_prog = tl.num_programs(0) - 1  # each row's last program is its Sinkhorn program
     s = tl.program_id(1).to(tl.int64)
     if EARLY_FN:
         # fn is a weight, which no kernel before writes: its loads (the phase's trip to DRAM) can be issued before
@@ -138,14 +109,11 @@ def _hc_pre_kernel(
             part_ptr,
             count_ptr,
             flag_ptr,
-            post_ptr,
-            comb_ptr,
             y_ptr,
             p,
             n_prog,
             s,
             D,
-            iters,
             eps,
             norm_eps,
             HC,
@@ -155,7 +123,6 @@ def _hc_pre_kernel(
             D_PAD,
             MERGE,
             SLOTS,
-            SINKHORN,
         )
 
 
@@ -194,14 +161,11 @@ def _site_part(
     part_ptr,
     count_ptr,
     flag_ptr,
-    post_ptr,
-    comb_ptr,
     y_ptr,
     p,
     n_prog,
     s,
     D,
-    iters,
     eps,
     norm_eps,
     HC: tl.constexpr,
@@ -211,12 +175,10 @@ def _site_part(
     D_PAD: tl.constexpr,
     MERGE: tl.constexpr,
     SLOTS: tl.constexpr,
-    SINKHORN: tl.constexpr,
 ):
     """Program ``p`` of row ``s``: its ``BLOCK`` values' partials with ``f``, its columns of ``fn`` (merged first
-    with ``MERGE``); the last of the row to arrive finishes the row: with ``SINKHORN`` it signals the row's Sinkhorn
-    program and computes only ``pre``, else all the coefficients itself; then it collapses the streams and applies
-    the norm."""
+    with ``MERGE``); the last of the row to arrive finishes the row: it signals the row's Sinkhorn program and
+    computes only ``pre``, then it collapses the streams and applies the norm."""
     MIX: tl.constexpr = (2 + HC) * HC
     WIDTH: tl.constexpr = 1 + MIX
     N = HC * D
@@ -249,19 +211,12 @@ def _site_part(
     tl.store(part, tl.sum(x * x, axis=0))
     tl.store(part + 1 + m, tl.sum(f * x[None, :], axis=1), mask=m < MIX)
     if last_to_arrive(count_ptr + s, n_prog):
-        if SINKHORN:
-            signal(flag_ptr + s)
+        signal(flag_ptr + s)
         # The collapse's rows and the norm weight do not depend on the coefficients: loaded first, their
         # latency overlaps the partials' loads and any Sinkhorn math instead of following them.
         rows, w = _collapse_inputs(site_row, w_ptr, D, HC, D_PAD)
         partials = part_ptr + s * n_prog * WIDTH
-        if SINKHORN:
-            pre = _row_pre(partials, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC, P_PAD)
-        else:
-            pre, post, comb = _row_coefficients(
-                partials, n_prog, N, base_ptr, scale_ptr, iters, eps, norm_eps, HC, P_PAD
-            )
-            _store_post_comb(post_ptr, comb_ptr, s, post, comb, HC)
+        pre = _row_pre(partials, n_prog, N, base_ptr, scale_ptr, eps, norm_eps, HC, P_PAD)
         _collapse_and_norm(rows, w, pre, y_ptr + s * D, D, norm_eps, HC, D_PAD)
 
 
@@ -425,10 +380,9 @@ def _site(
     X = X.contiguous()
     mix = (2 + hc) * hc
     n_prog = triton.cdiv(hc * D, block)
-    sinkhorn = int(SWITCHES.hc_sinkhorn_program)
     fn32 = fn.float().contiguous()
     # read before the PDL wait only when it is the caller's weight: a converted copy is the launch before's output
-    early_fn = SWITCHES.hc_fn_before_wait and fn32 is fn
+    early_fn = fn32 is fn
     part = torch.empty(S, n_prog, 1 + mix, device=X.device, dtype=torch.float32)
     flags = counters(X.device, 2 * S)
     post = torch.empty(S, hc, device=X.device, dtype=torch.float32)
@@ -437,7 +391,7 @@ def _site(
     streams = X if merge is None else torch.empty_like(X)
     out, post_in, comb_in = (X, X, X) if merge is None else merge  # unread without the merge
     slots = out.shape[1] if merge is not None and out.dim() == 3 else 0
-    _hc_pre_kernel[(n_prog + sinkhorn, S)](
+    _hc_pre_kernel[(n_prog + 1, S)](  # one more program a row: its Sinkhorn program
         X,
         out,
         post_in,
@@ -464,7 +418,6 @@ def _site(
         D_PAD=triton.next_power_of_2(D),
         MERGE=merge is not None,
         SLOTS=slots,
-        SINKHORN=sinkhorn,
         EARLY_FN=early_fn,
         num_warps=NUM_WARPS,
         **EXACT_ROUNDING,

@@ -8,14 +8,13 @@ summing it. Here one program per (token, block of D) reads the token's ``hc`` st
 Rounding follows :func:`ds4serve.model.hyper.hc_merge` / ``_collapse``: the merge rounds ``post * out``
 and the fp32 stream mix to the streams' dtype before adding them; the collapse sums in fp32.
 
-The mixes (:func:`hc_mixes`, ``SWITCHES.chunk_mix_kernel``) are the torch code's
+The mixes (:func:`hc_mixes`) are the torch code's
 ``F.linear(unweighted_rms_norm(X.flatten().float()), fn)`` with the norm's factor applied to each row's 24
 sums instead of to its 16,384 inputs, as the decode site's kernel does (:mod:`ds4serve.kernels.hc_pre`). The
 torch code writes the normalised rows in fp32 (twice the streams' bytes) for cuBLAS's fp32 GEMM to read back;
 here the bf16 streams are read once and multiplied on bf16 tensor cores, ``fn`` split in registers into
 three bf16 pieces (``hi + mid + lo`` carries its 24 bits): each product exact, the sums in fp32. So the mixes
-equal the torch code's up to fp32 rounding. (An IEEE fp32 ``tl.dot`` over the fp32 rows instead ran 8x
-slower than the torch code on the H200: sixteenth run, commit 5dc61a6.)
+equal the torch code's up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ BLOCK_D = 1024
 # Launch options of every kernel that calls merged(): without floating-point contraction. With it, the
 # compiler turns "round post_k * out to bf16, then add the rounded mix" into one bf16 fused multiply-add,
 # which skips the product's rounding (sm_90 PTX ``fma.rn.bf16``): the merge then differs from hc_merge's
-# by about one bf16 rounding (relative 2.6e-3 on the H200, eleventh run).
+# by about one bf16 rounding.
 EXACT_ROUNDING = {"enable_fp_fusion": False}
 
 
@@ -137,9 +136,8 @@ class MixTile:
     stages: int = 3
 
 
-# The fastest tiles of bench/sweep_mixes.py on the H200 (2026-11-30, seventeenth run; the torch code 350 /
-# 644 us): 16 rows a program at 2048 tokens (206 us; 64 rows 249 us), 64 rows at 8192 (206 us; 16 rows
-# over 355 us). Fewer rows keep short chunks' programs on every SM; more rows read fn fewer times.
+# The fastest tiles of bench/sweep_mixes.py: fewer rows keep short chunks' programs on every SM, more rows
+# read fn fewer times (docs/KERNELS.md).
 MIX_TILE = MixTile()
 MIX_TILE_LONG = MixTile(rows=64)
 LONG_CHUNK = 4096  # tokens from which a chunk's mixes take MIX_TILE_LONG

@@ -32,6 +32,7 @@ CUDA graph, and a prefill chunk's rows run in parallel, one program each.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +54,8 @@ class ScoresConfig:
 @dataclass(frozen=True)
 class SelectConfig:
     block: int = 1024  # scores read per step of a pass over the row
-    # radix digit width, both paths: 32 // bits passes, each a 2**bits-bin histogram. 4 was fastest on the
-    # H200 for decode rows of 2048 and 8192 entries (bench/sweep_indexer.py, 2026-11-29: 6.4 us / 13.8 us
-    # with 2048 visible against 8.2 / 15.0 at 8 bits)
+    # radix digit width, both paths: 32 // bits passes, each a 2**bits-bin histogram (4: the fastest of
+    # bench/sweep_indexer.py for decode rows of 2048 and 8192 entries)
     bits: int = 4
     warps: int = 8
     # A row of up to this many scores (rounded up to a power of two) is read once into registers and
@@ -67,10 +67,11 @@ class SelectConfig:
             raise ValueError(f"SelectConfig.bits must be 1, 2, 4 or 8, not {self.bits}")
 
 
+@functools.cache
 def default_scores_config(rows: int) -> ScoresConfig:
     """Decode / verify rows: narrow entry tiles, so that a 2048-entry buffer fills 128 programs;
     prefill chunks: two rows per program, so that each key tile is read once for 128 head rows
-    (the fastest of ``bench/sweep_indexer.py`` on the H200, 2026-11-29)."""
+    (the fastest of ``bench/sweep_indexer.py``)."""
     return ScoresConfig(1, 16) if rows <= 8 else ScoresConfig(2, 64)
 
 

@@ -6,7 +6,7 @@ static shapes (CUDA-graph safe):
 
 1. gate-up: one program per (token, slot) pair and block of intermediate rows reads the w1 and w3
    rows together and writes ``h = silu(clamp(w1 x, max=L)) * clamp(w3 x, -L, L)`` in fp32
-   (times 2^64 for MXFP4 experts, see :func:`_e2m1`);
+   (times 2^64 for MXFP4 experts, see :func:`e2m1`);
 2. down: one program per pair and block of output rows writes the fp32 partial
    ``weight * w2 h`` (the shared slot's weight is 1) to ``[N, S, D]``;
 3. a sum over the slots in a fixed order (deterministic), cast to ``x.dtype``.
@@ -25,19 +25,26 @@ come from :data:`CONFIGS`, one entry per format (``bench/sweep_moe.py`` measures
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
-from .scoped import overridden
-
-DENSE, FP8, FP4 = 0, 1, 2
-X_SCALE = tl.constexpr(2.0**64)  # MXFP4: the activations are scaled by this (see _e2m1)
+from .tl_common import (
+    DENSE,
+    FP4,
+    FP8,
+    X_SCALE,
+    accumulate,
+    activations,
+    rows_dot,
+    scale_row,
+    step_scales,
+    weight_tile,
+)
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,8 @@ class Tile:
     load is masked. ``stages`` is the loop's ``tl.range(num_stages=...)``: Triton 3.6 pipelines a
     loop without ``tl.dot`` (these are CUDA-core products) with ``cp.async`` only when the stage count
     is given on the loop, as the GEMV's (:mod:`ds4serve.kernels.gemv`) are; at 1 a program issues one
-    step's loads at a time, and the bytes in flight come from the tile and the programs per SM. On the
-    H200 2 to 4 stages made every format's launches 1.3-3x slower (2026-11-30, bench/RESULTS.md: the
-    shared-memory copies include the activation tile's repeated rows), so the tables keep 1.
+    step's loads at a time, and the bytes in flight come from the tile and the programs per SM; the
+    tables keep 1 (more stages were slower: docs/KERNELS.md).
     """
 
     rows: int
@@ -65,150 +71,18 @@ class MoEConfig:
     down: Tile
 
 
-# Per format (ExpertStack.format): the best of bench/sweep_moe.py on the H200 (2026-11-29, before
-# the MXFP4 + FP8 shared kernel was one launch); fp32 (tests, tiny models) is not swept.
+# (token, expert) pairs up to which the model runs the fused kernels: decode and every verify block (up to 17 rows:
+# 16 drafts, top-6 routing). A captured verify block runs as one compiled region, where quantized experts cannot
+# take the grouped kernels and the other paths read group ends on the host, which a capture refuses.
+MAX_PAIRS = 128
+
+# Per format (ExpertStack.format): the best of bench/sweep_moe.py; fp32 (tests, tiny models) is not swept.
 CONFIGS: dict[str, MoEConfig] = {
     "bf16": MoEConfig(Tile(16, 512), Tile(16, 512)),
     "fp32": MoEConfig(Tile(16, 256), Tile(16, 256)),
     "fp8": MoEConfig(Tile(32, 512), Tile(64, 256)),
     "fp4": MoEConfig(Tile(8, 1024), Tile(16, 2048)),
 }
-
-
-@contextmanager
-def config_overrides(entries: dict[str, MoEConfig]) -> Iterator[None]:
-    """:data:`CONFIGS` with ``entries`` (by format) replacing some tiles inside the scope: benchmarks time
-    other tiles inside the decode graph (``bench/gemv_tables.py`` ``--moe``). Launches read the
-    configurations when they are issued, so a graph keeps the tiles it was captured with."""
-    with overridden(CONFIGS, entries):
-        yield
-
-
-@triton.jit
-def _e2m1(b):
-    """uint8 bytes of two e2m1 codes (low nibble first) -> fp32 values times 2^-126, exactly.
-
-    A code's sign goes to bit 31 and its exponent and mantissa bits to bits 24..22 (one integer
-    multiply places both copies), which reads as the e2m1 value times 2^-126: 0.5 as an fp32
-    subnormal, the others as zero or normals. No exp2 and no select. The products with activations
-    scaled by 2^64 are normal numbers again; the group scale takes the remaining 2^62.
-    """
-    b32 = b.to(tl.int32)
-    lo = ((b32 & 0xF) * 0x10400000) & -2118123520  # mask 0x81C00000
-    hi = ((b32 & 0xF0) * 0x01040000) & -2118123520
-    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _group_scale(e):
-    """uint8 e8m0 exponents -> fp32 ``2^(e - 127) * 2^62`` from its bits (exponents up to 192).
-
-    With the activations' 2^64 (magnitudes below 2^64) every factor is a power of two applied
-    exactly, so the MXFP4 dot products are the exact dequantised ones up to fp32 rounding.
-    """
-    return ((e.to(tl.int32) + 62) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_scales(s_ptr, k0, SB_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The block scales of inputs ``[k0, k0 + BLOCK_K)`` in this program's scale row: a scalar, or
-    ``[1, BLOCK_K]`` picked from one scalar per block (a gather would change the layout)."""
-    first = k0 // SB_C
-    if BLOCK_K <= SB_C:
-        return tl.load(s_ptr + first)
-    else:
-        block = ((k0 + tl.arange(0, BLOCK_K)) // SB_C)[None, :]
-        s = tl.zeros([1, BLOCK_K], dtype=tl.float32)
-        for c in tl.static_range(BLOCK_K // SB_C):
-            s = tl.where(block == first + c, tl.load(s_ptr + first + c), s)
-        return s
-
-
-@triton.jit
-def _activations(x_ptr, rows, k0, QUANT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr):
-    """fp32 activations of inputs ``[k0, k0 + BLOCK_K)``, loaded as a tile of the weight tile's shape.
-
-    The tile repeats one row (row stride 0): Triton gives the loads of one shape in a loop the same
-    register layout, so activations and weights meet with no data moved between threads, and the
-    repeated rows compile to one load. MXFP4: ``[R, BLOCK_K / 2, 2]``, the (even, odd) inputs of
-    each weight byte read as one word, times ``SCALE``.
-    """
-    zero = (rows * 0)[:, None]
-    if QUANT == 2:
-        cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
-        ty: tl.constexpr = x_ptr.dtype.element_ty
-        if ty == tl.float32:
-            w = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + zero + cols)
-            even = w.to(tl.int32).to(tl.float32, bitcast=True)
-            odd = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        else:
-            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + zero + cols)
-            if ty == tl.bfloat16:
-                even = (w << 16).to(tl.float32, bitcast=True)
-                odd = (w & -65536).to(tl.float32, bitcast=True)
-            else:
-                even = w.to(tl.int16).to(ty, bitcast=True).to(tl.float32)
-                odd = (w >> 16).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
-        if SCALE != 1.0:
-            even *= SCALE
-            odd *= SCALE
-        return tl.join(even, odd)
-    else:
-        return tl.load(x_ptr + zero + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
-
-
-@triton.jit
-def _weight_tile(w_ptr, rows, k0, row_len, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One step's weights of the rows ``rows`` and inputs ``[k0, k0 + BLOCK_K)`` as stored (MXFP4: their bytes),
-    for :func:`_accumulate`."""
-    if QUANT == 2:
-        return tl.load(w_ptr + rows[:, None] * row_len + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-    else:
-        return tl.load(w_ptr + rows[:, None] * row_len + (k0 + tl.arange(0, BLOCK_K))[None, :])
-
-
-@triton.jit
-def _scale_row(s_ptr, row0, s_cols, QUANT: tl.constexpr, SB_R: tl.constexpr):
-    """FP8: the scale row of a program's rows from ``row0`` (they lie in one, the launcher makes sure);
-    ``s_ptr`` itself for the other formats."""
-    if QUANT == 1:
-        return s_ptr + (row0 // SB_R) * s_cols
-    else:
-        return s_ptr
-
-
-@triton.jit
-def _step_scales(
-    s_ptr, rows, k0, s_cols, QUANT: tl.constexpr, SB_C: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """The scales of one step's weights (inputs ``[k0, k0 + BLOCK_K)``), for :func:`_accumulate`: FP8 the block
-    scales of the program's scale row ``s_ptr`` (:func:`_scale_row`), MXFP4 the exponent of each row's scale
-    groups, dense weights none (1)."""
-    if QUANT == 2:
-        return tl.load(s_ptr + rows[:, None] * s_cols + (k0 // VEC + tl.arange(0, BLOCK_K // VEC))[None, :])
-    elif QUANT == 1:
-        return _fp8_scales(s_ptr, k0, SB_C, BLOCK_K)
-    else:
-        return 1.0
-
-
-@triton.jit
-def _accumulate(acc, w, scales, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight tile ``w`` (:func:`_weight_tile`) and
-    its ``scales`` (:func:`_step_scales`) with the activations from :func:`_activations`, summed over each
-    thread's 16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
-    and a chain of FMAs, in the registers that hold the vector. FP8 block scales multiply the activations
-    (a program's rows lie in one scale row), not every weight."""
-    R: tl.constexpr = w.shape[0]
-    if QUANT == 2:
-        lo, hi = _e2m1(w)
-        part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
-        acc += part * _group_scale(scales)
-    else:
-        if QUANT == 1:
-            xv = xv * scales
-        acc += tl.sum(tl.reshape(w.to(tl.float32) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
-    return acc
 
 
 @triton.jit
@@ -232,26 +106,26 @@ def _gate_up_rows(
     STAGES: tl.constexpr,
 ):
     """``h`` of one expert's intermediate rows ``[row0, row0 + BLOCK_R)`` (MXFP4: times 2^64)."""
-    s1 = _scale_row(s1, row0, s_cols, QUANT, SB_R)
-    s3 = _scale_row(s3, row0, s_cols, QUANT, SB_R)
+    s1 = scale_row(s1, row0, s_cols, QUANT, SB_R)
+    s3 = scale_row(s3, row0, s_cols, QUANT, SB_R)
     rows = row0 + tl.arange(0, BLOCK_R)
     acc1 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-        xv = _activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
-        acc1 = _accumulate(
+        xv = activations(x, rows, k0, QUANT, BLOCK_K, X_SCALE)
+        acc1 = accumulate(
             acc1,
-            _weight_tile(w1, rows, k0, row_len, QUANT, BLOCK_K),
-            _step_scales(s1, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+            weight_tile(w1, rows, k0, row_len, QUANT, BLOCK_K),
+            step_scales(s1, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
             xv,
             QUANT,
             VEC,
             BLOCK_K,
         )
-        acc3 = _accumulate(
+        acc3 = accumulate(
             acc3,
-            _weight_tile(w3, rows, k0, row_len, QUANT, BLOCK_K),
-            _step_scales(s3, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
+            weight_tile(w3, rows, k0, row_len, QUANT, BLOCK_K),
+            step_scales(s3, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
             xv,
             QUANT,
             VEC,
@@ -266,45 +140,6 @@ def _gate_up_rows(
     if QUANT == 2:
         h *= X_SCALE  # the MXFP4 down projection reads h scaled
     return h
-
-
-@triton.jit
-def _rows_dot(
-    h,
-    w2,
-    s2,
-    row0,
-    k_start,
-    n_inter,
-    row_len,
-    s_cols,
-    acc,
-    QUANT: tl.constexpr,
-    SB_R: tl.constexpr,
-    SB_C: tl.constexpr,
-    VEC: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """``w2 h`` of the rows ``[row0, row0 + BLOCK_R)`` of ``w2`` (rows of ``row_len`` elements), ``h`` one
-    vector: ``acc`` (:func:`_accumulate`'s: zeros, or the steps before ``k_start``) plus the steps over inputs
-    ``[k_start, n_inter)``, summed per row. An expert's down projection, and a one-token GEMV's vector tiles
-    (:mod:`ds4serve.kernels.gemv`, which may take its first step's weights before the PDL wait)."""
-    s2 = _scale_row(s2, row0, s_cols, QUANT, SB_R)
-    rows = row0 + tl.arange(0, BLOCK_R)
-    for k0 in tl.range(k_start, n_inter, BLOCK_K, num_stages=STAGES):
-        hv = _activations(h, rows, k0, QUANT, BLOCK_K, 1.0)
-        acc = _accumulate(
-            acc,
-            _weight_tile(w2, rows, k0, row_len, QUANT, BLOCK_K),
-            _step_scales(s2, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K),
-            hv,
-            QUANT,
-            VEC,
-            BLOCK_K,
-        )
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -469,7 +304,7 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_K // VEC], dtype=tl.float32)
     if MIXED:
         if slot < top_k:
-            y = _rows_dot(
+            y = rows_dot(
                 h,
                 w2_ptr + e * w_stride,
                 s2_ptr + e * s_stride,
@@ -488,7 +323,7 @@ def _down_kernel(
                 STAGES,
             )
         else:
-            y = _rows_dot(
+            y = rows_dot(
                 h,
                 sw2_ptr,
                 ss2_ptr,
@@ -508,7 +343,7 @@ def _down_kernel(
             )
     else:
         shared = slot >= top_k
-        y = _rows_dot(
+        y = rows_dot(
             h,
             tl.where(shared, sw2_ptr, w2_ptr + e * w_stride),
             tl.where(shared, ss2_ptr, s2_ptr + e * s_stride),

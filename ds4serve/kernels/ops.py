@@ -2,7 +2,7 @@
 
 ``torch.compile`` traces a ``torch.library`` custom op as one opaque node whose output shapes come
 from its fake implementation. With the kernels behind these ops, a compiled region can hold a whole
-decoder block (``SWITCHES.block_regions``): the GEMVs, the fused MoE and the mHC Sinkhorn stay
+decoder block (a static step's): the GEMVs, the fused MoE and the mHC Sinkhorn stay
 hand-written launches, and Inductor fuses every elementwise chain between them. Outside compiled
 code an op call is the launcher plus one dispatcher hop.
 """

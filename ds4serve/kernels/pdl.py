@@ -1,15 +1,11 @@
-"""Programmatic dependent launch (PDL) of the hand-written kernels (``SWITCHES.pdl``, Hopper and later).
+"""Programmatic dependent launch (PDL) of the hand-written kernels (``config.current().pdl``, Hopper and later).
 
-A decode step is ~2,000 kernels, most of them a few microseconds long, so the time between kernels
-(the launch of the next grid, the ramp of its first loads) is a large part of the step. A kernel
-launched with PDL may be scheduled while the kernel before it in the stream is still running: every
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still running: every
 such kernel first executes ``griddepcontrol.wait`` (:func:`start`), which returns once the previous grid
 has completed and its writes are visible, so what each kernel computes is unchanged; right after its
 wait it lets the next grid launch (``griddepcontrol.launch_dependents``). Inductor's kernels of the
 compiled regions take part through its ``triton.enable_pdl`` option, so the chain is not broken
-between a hand-written kernel and a fused one.
-
-On CPU tensors (Triton's interpreter) it is off whatever the switch says.
+between a hand-written kernel and a fused one. On CPU tensors (Triton's interpreter) it is off.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .switches import SWITCHES
+from . import config
 
 
 @functools.cache
@@ -30,7 +26,7 @@ def _supported(device: torch.device) -> bool:
 
 def enabled_for(t: torch.Tensor) -> bool:
     """Whether kernels on tensors like ``t`` are launched with PDL now."""
-    return SWITCHES.pdl and t.is_cuda and _supported(t.device)
+    return config.current().pdl and t.is_cuda and _supported(t.device)
 
 
 def launch(t: torch.Tensor) -> dict:

@@ -1,25 +1,16 @@
-"""Compiled regions: the static decode step's small elementwise chains fused by Inductor.
+"""Compiled regions: small elementwise chains of the model fused by Inductor.
 
-A batch-1 decode step is bound by the weights it streams, but its torch code also issues a few
-hundred tiny kernels per layer (norms, RoPE, mHC collapse/merge, compressor pooling, indexer
-masking, the softmax with sinks), a few microseconds each even inside a CUDA graph. Functions of
-:mod:`ds4serve.model` that hold such chains, and read no large weight, are marked with
-:func:`region`. Inside a static step (:func:`static_step`, entered by the forward when it runs the
-CUDA-graph path) on CUDA tensors, a region runs as ``torch.compile`` made it: Inductor fuses each
-chain into one or a few Triton kernels, which the decode graph then captures like any other
-kernel. Everywhere else (CPU, kernels switched off) the function runs as written, so the torch
-code stays the one reference.
+Functions of :mod:`ds4serve.model` that hold chains of small ops and read no large weight (norms, RoPE,
+mHC collapse/merge, compressor pooling, indexer masking, the softmax with sinks) are marked with
+:func:`region`. Inside a static step (:func:`static_step`, the CUDA-graph path) on the kernels' devices a
+region runs as ``torch.compile`` made it, and the decode graph captures the fused kernels. Regions marked
+``chunks=True`` (plain chains with no hand-written kernel inside) also run compiled in chunk forwards, with
+dynamic shapes so that one compile serves every chunk length. Everywhere else, and with
+``config.current().regions`` None, the function runs as written: the torch code stays the one reference.
 
-Prefill and verify chunks issue the same chains over thousands of rows, where each unfused op is a
-full pass over memory (a RoPE's casts, stack and cat; a norm's fp32 copy, square, mean and product).
-Regions marked ``chunks=True`` (the norms, RoPE, the mHC mixes, the routed experts' slot sum: plain
-chains with no hand-written kernel inside) also run compiled in chunk forwards on CUDA when
-``SWITCHES.chunk_regions`` is on, with dynamic shapes so that one compile serves every chunk length.
-
-Regions nest: a region called while another is being traced is traced inline. While tracing,
-:func:`ds4serve.kernels.enabled` is False, so a region never calls a hand-written Triton kernel
-and Inductor sees plain torch ops. Casts between dtypes are kept where the code writes them
-(``emulate_precision_casts``), so fused bf16 chains round where the eager code rounds.
+Regions nest: a region called while another is being traced is traced inline. Casts between dtypes are
+kept where the code writes them (``emulate_precision_casts``), so fused bf16 chains round where the eager
+code rounds.
 """
 
 from __future__ import annotations
@@ -31,25 +22,19 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from .scoped import Scoped
-from .switches import SWITCHES
+from . import config
 
 F = TypeVar("F", bound=Callable)
 
-_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "combo_kernels": True}
 _RECOMPILE_LIMIT = 64  # shapes differ per layer kind and per state size; each is compiled once
 
 _local = threading.local()
-_SWITCHED_OFF = Scoped(False)
-_FORCED_BACKEND: Scoped[str | None] = Scoped(
-    None
-)  # tests: compile on any device with this backend, full graphs
 
 
 def inductor_options() -> dict[str, object]:
-    """Inductor's options for a region compiled now: the fixed ones and those the switches choose (a region
-    compiles once per set, so that the arms of an A/B each run their own code)."""
-    return {**_INDUCTOR_OPTIONS, "combo_kernels": SWITCHES.combo_kernels, "triton.enable_pdl": SWITCHES.pdl}
+    """Inductor's options for a region compiled now (a region compiles once per set)."""
+    return {**_INDUCTOR_OPTIONS, "triton.enable_pdl": config.current().pdl}
 
 
 def _static_depth() -> int:
@@ -67,14 +52,14 @@ def static_step() -> Iterator[None]:
 
 
 def disabled() -> AbstractContextManager:
-    """Run every region as written (A/B timings)."""
-    return _SWITCHED_OFF.set(True)
+    """Run every region as written inside this scope."""
+    return config.using(regions=None)
 
 
 def forced(backend: str = "aot_eager") -> AbstractContextManager:
     """Tests: compile regions on any device with ``backend`` and ``fullgraph=True`` (a graph break
     is then an error), so CPU tests check that every region traces whole and matches eager."""
-    return _FORCED_BACKEND.set(backend)
+    return config.using(regions=backend)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -86,21 +71,22 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _active(args: tuple, kwargs: dict, chunks: bool) -> str | None:
     """The backend to compile with for this call, or None to run the function as written."""
-    if _SWITCHED_OFF.value or (_static_depth() == 0 and not (chunks and SWITCHES.chunk_regions)):
+    backend = config.current().regions
+    if backend is None or (_static_depth() == 0 and not chunks):
         return None
     t = _first_tensor(args, kwargs)
     if t is None:
         return None
-    if _FORCED_BACKEND.value is not None:
-        return _FORCED_BACKEND.value
+    if backend != "inductor":
+        return backend
     from . import enabled
 
-    return "inductor" if enabled(t) else None
+    return backend if enabled(t) else None
 
 
 def region(fn: F | None = None, *, chunks: bool = False) -> F | Callable[[F], F]:
     """Mark ``fn`` as a compiled region (see the module doc); the plain function is ``fn.eager``.
-    ``chunks=True``: also compiled in chunk forwards (``SWITCHES.chunk_regions``)."""
+    ``chunks=True``: also compiled in chunk forwards."""
     if fn is None:
         return functools.partial(region, chunks=chunks)
     compiled: dict[tuple[str, bool, bool], Callable] = {}
@@ -122,7 +108,7 @@ def region(fn: F | None = None, *, chunks: bool = False) -> F | Callable[[F], F]
                 backend=backend,
                 options=options if backend == "inductor" else None,
                 dynamic=dynamic or None,
-                fullgraph=_FORCED_BACKEND.value is not None,
+                fullgraph=backend != "inductor",
             )
         return compiled[key](*args, **kwargs)
 

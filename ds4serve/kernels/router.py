@@ -1,18 +1,13 @@
 """The MoE router of a decode step in one launch: gate product, sqrt-softplus, top-k and weights.
 
-In a batch-1 decode step the router of each MoE layer (43 per token) costs six launches: the gate
-product (a split-K GEMV and its split sum), then Inductor's kernels for sqrt(softplus), the pairwise
-ranks of the top-k, the gather and the normalisation. Each moves a few kilobytes, so the router is
-~12 us of launch latency per layer. Here it is one launch.
-
-Grid ``(ceil(E / block_e), split)``: program ``(b, s)`` multiplies gate rows ``[b block_e, (b+1) block_e)`` by
+:func:`route_decode` equals :func:`route_ref` (:func:`ds4serve.model.moe.route`'s code) for up to
+:data:`MAX_ROWS` tokens. Grid ``(ceil(E / block_e), split)``: program ``(b, s)`` multiplies gate rows ``[b block_e, (b+1) block_e)`` by
 input slice ``s`` of every token (fp32 accumulation, so the 2 MB gate of the real model streams through ~256
-programs; the first step of its gate rows is read before the PDL wait with ``SWITCHES.router_gate_before_wait``,
-as no kernel writes the gate) and stores the fp32 partial to a scratch ``[split, N, E]``. Then it counts itself
+programs; the first step of its gate rows is read before the PDL wait, as no kernel writes the gate) and stores the fp32 partial to a scratch ``[split, N, E]``. Then it counts itself
 in on an arrival counter (:mod:`ds4serve.kernels.arrival`); the last program sums the partials in split order
 (deterministic, whichever program came last) and finishes every row: the scores, the selection (``k`` rounds of
 an argmax whose key packs the value with the expert index, so that a tie goes to the lower index as in
-:func:`ds4serve.model.moe.top_k_indices`) or, for a hash layer, the experts of ``tid2eid[token]``, then the
+:func:`ds4serve.kernels.reference.top_k_indices`) or, for a hash layer, the experts of ``tid2eid[token]``, then the
 gathered scores normalised and scaled.
 
 Rounding follows the torch code (:func:`route_ref`): the logits are rounded to x's dtype, as
@@ -24,6 +19,7 @@ that Triton's CPU interpreter, whose casts truncate, rounds as the GPU and torch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +29,8 @@ import triton.language as tl
 from . import pdl
 from .arrival import counters, last_to_arrive
 from .gemv import SMS
-from .switches import SWITCHES
+from .reference import top_k_indices
+from .tl_common import round_bf16
 
 MAX_ROWS = 16  # tokens a call (decode, short verify blocks)
 MAX_EXPERTS = 512  # the last program holds every row's [N, E] scores in registers
@@ -51,6 +48,7 @@ class RouterConfig:
     stages: int = 2  # loop steps in flight when a slice takes several
 
 
+@functools.cache
 def default_config(n_experts: int, dim: int, n_rows: int) -> RouterConfig:
     """Eight gate rows per program, the input halved until there are as many programs as SMs or a slice
     would fall below :data:`MIN_SLICE` inputs: E=256, D=4096 gives 32 x 8 = 256 programs of 8 KB each, E=32
@@ -63,16 +61,6 @@ def default_config(n_experts: int, dim: int, n_rows: int) -> RouterConfig:
         split *= 2
     warps = 4 if rows * triton.next_power_of_2(n_experts) <= 4096 else 8
     return RouterConfig(block_e=block_e, block_k=512 // rows, split=split, warps=warps)
-
-
-@triton.jit
-def _round(v, BF16: tl.constexpr):
-    """fp32 ``v`` rounded to bf16 (to nearest even, on the bits), still as fp32; ``v`` itself for fp32."""
-    if BF16:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        v = b.to(tl.float32, bitcast=True)
-    return v
 
 
 @triton.jit
@@ -141,7 +129,7 @@ def _finish(
             other=0.0,
             cache_modifier=".cg",
         )
-    scores = _round(tl.sqrt_rn(_round(_softplus(_round(logits, BF16)), BF16)), BF16)
+    scores = round_bf16(tl.sqrt_rn(round_bf16(_softplus(round_bf16(logits, BF16)), BF16)), BF16)
     if HASH:
         ids = tl.load(ids_ptr + tokens, mask=tmask, other=0)
         idx = tl.load(tid2eid_ptr + ids[:, None] * tid2eid_stride + slots[None, :], mask=out_mask, other=0)
@@ -152,9 +140,9 @@ def _finish(
             v += tl.load(bias_ptr + e, mask=emask, other=0.0)[None, :]
         idx = _top_k(v, emask, N_PAD, E_PAD, K, K_PAD)
     w = tl.where(out_mask, tl.gather(scores, idx, axis=1), 0.0)
-    total = _round(tl.sum(w, axis=1), BF16)
-    w = _round(tl.math.div_rn(w, _round(total + 1e-20, BF16)[:, None]), BF16)
-    w = _round(w * scaling, BF16)
+    total = round_bf16(tl.sum(w, axis=1), BF16)
+    w = round_bf16(tl.math.div_rn(w, round_bf16(total + 1e-20, BF16)[:, None]), BF16)
+    w = round_bf16(w * scaling, BF16)
     out = tokens[:, None] * K + slots[None, :]
     tl.store(w_out_ptr + out, w.to(w_out_ptr.dtype.element_ty), mask=out_mask)
     tl.store(idx_out_ptr + out, idx.to(tl.int64), mask=out_mask)
@@ -203,7 +191,6 @@ def _router_kernel(
     HASH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BF16: tl.constexpr,
-    EARLY_GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(1)
@@ -214,13 +201,10 @@ def _router_kernel(
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, dim)
     w_rows = gate_ptr + e[None, :, None].to(tl.int64) * dim
-    if EARLY_GATE:
-        # the gate is a weight, which no kernel before writes: the first step's tile (often the program's whole
-        # slice) is read before the PDL wait, its latency overlapping the kernel before instead of following it
-        w = _gate_tile(w_rows, k_lo, k_hi, emask, BLOCK_K)
+    # the gate is a weight, which no kernel before writes: the first step's tile (often the program's whole
+    # slice) is read before the PDL wait, its latency overlapping the kernel before instead of following it
+    w = _gate_tile(w_rows, k_lo, k_hi, emask, BLOCK_K)
     pdl.start(PDL)
-    if not EARLY_GATE:
-        w = _gate_tile(w_rows, k_lo, k_hi, emask, BLOCK_K)
     x_rows = x_ptr + tokens[:, None, None] * x_stride
     acc = tl.zeros([N_PAD, BLOCK_E, BLOCK_K], tl.float32)
     acc += w * _x_tile(x_rows, k_lo, k_hi, tmask, BLOCK_K)
@@ -321,7 +305,6 @@ def route_decode(
         HASH=tid2eid is not None,
         HAS_BIAS=bias is not None,
         BF16=x.dtype == torch.bfloat16,
-        EARLY_GATE=SWITCHES.router_gate_before_wait,
         num_warps=cfg.warps,
         **pdl.launch(x),
     )
@@ -338,8 +321,6 @@ def route_ref(
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference: :func:`ds4serve.model.moe.route`'s code with ``F.linear`` for the gate product."""
-    from ..model.moe import top_k_indices
-
     scores = torch.nn.functional.softplus(torch.nn.functional.linear(x, gate)).sqrt()
     if tid2eid is not None:
         idx = tid2eid[token_ids]

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from .. import kernels, profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels.regions import region
-from ..kernels.switches import SWITCHES
+from ..quant import Weight
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
 from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
-from .linear import Weight, grouped_linear, linear
+from .linear import grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
 from .projections import Projections, concatenate
 from .rope import Rope
@@ -167,9 +167,9 @@ def _queries_and_keys(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, Window | None]:
     """``(q, kv, window)``: the query ``qr [S, H, d]`` and the key/value rows ``kv [S, d]`` normalised and
-    rotated; for a one-token static step with ``SWITCHES.attention_inputs`` (kernels only) they and the window
+    rotated; for a one-token static step on the kernels' devices they and the window
     keys (:func:`_window_keys_static`) come from one launch, else ``window`` is None."""
-    if chunk.static and qr.shape[0] == 1 and SWITCHES.attention_inputs and kernels.enabled(qr):
+    if chunk.static and qr.shape[0] == 1 and kernels.enabled(qr):
         from ..kernels import ops
 
         q, kv, keys, allowed = ops.attention_inputs(
@@ -181,9 +181,9 @@ def _queries_and_keys(
 
 
 def _rotation(chunk: ChunkInfo) -> Callable[..., torch.Tensor]:
-    """The RoPE of a chunk's fresh query or attention output: in place for a prefill chunk
-    (``SWITCHES.rope_in_place``), else the concatenation that a static step's compiled regions fuse."""
-    return Rope.apply_in_place if not chunk.static and SWITCHES.rope_in_place else Rope.apply
+    """The RoPE of a chunk's fresh query or attention output: in place for a prefill chunk, else the
+    concatenation that a static step's compiled regions fuse."""
+    return Rope.apply if chunk.static else Rope.apply_in_place
 
 
 def _static_pos(chunk: ChunkInfo) -> torch.Tensor | None:
@@ -204,7 +204,7 @@ def _attend_keys(
     window: Window | None = None,
 ) -> torch.Tensor:
     """Attention over the window (and the entries ``visible`` admits: a mask, or in a static step with
-    ``SWITCHES.gather_entries`` the indexer's index slots), then the inverse RoPE.
+    the kernels the indexer's index slots), then the inverse RoPE.
 
     A static step reads the whole ring and entry buffers, masked (:func:`_attend`; ``window``: its keys and mask
     when already made); a chunk runs block-wise over the ring rows in reach and its own rows
@@ -295,7 +295,7 @@ def _indexer_select(
         return delta, visible
     cos, sin = chunk.rope["compress"]
     q = qp["indexer.wq_b"].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-    slots = chunk.static and SWITCHES.gather_entries and SWITCHES.decode_attention and kernels.enabled(q)
+    slots = chunk.static and kernels.enabled(q)
     return delta, _index_top(
         q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries), slots
     )
@@ -350,7 +350,7 @@ def _attend(
     With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
     attention is two launches instead of the cat, two products and the softmax kernels between them.
     """
-    if kernels.enabled(q) and SWITCHES.decode_attention:
+    if kernels.enabled(q):
         from ..kernels import ops
 
         out = ops.decode_attention(q, keys, allowed, sinks, scale)

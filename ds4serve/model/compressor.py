@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.regions import region
+from ..quant import Weight
 from ..state import CompressorDelta, CompressorState
-from .linear import Weight
 from .norms import rms_norm
 from .rope import Rope
 

@@ -19,13 +19,13 @@ from .. import profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels import regions
 from ..kernels.regions import region
-from ..kernels.switches import SWITCHES
+from ..quant import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint
 from ..state import ChunkDelta, LayerDelta, LayerState, SequenceState
 from ..weights import Checkpoint
 from .attention import AttentionWeights, ChunkInfo, IndexerWeights, attention, concatenate_projections
 from .compressor import CompressorWeights
 from .hyper import HCSite, fused_sites, hc_head, hc_merge, hc_merge_pre, hc_pre
-from .linear import FP4Weight, FP8Weight, Weight, fp4_from_checkpoint, fp8_from_checkpoint, linear
+from .linear import linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
 from .rope import Rope
@@ -221,15 +221,15 @@ def block_forward(
     ``pending`` (the previous block's MoE output with its ``post`` and ``comb``) is merged into ``X`` by the
     block's first mHC site, in the same call (:func:`~ds4serve.model.hyper.hc_merge_pre`); ``defer`` leaves
     this block's own closing merge to the next block that way: it then returns ``(X before that merge,
-    delta, its pending merge)``. With the fused sites (``SWITCHES.hc_fused``) every mHC boundary of a
-    decode step is then one launch; the results are those of merging first.
+    delta, its pending merge)``. With the fused sites every mHC boundary of a decode step is then one launch;
+    the results are those of merging first.
 
-    A static step with ``SWITCHES.block_regions`` runs the block as one compiled region. Its chunk
+    A static step runs the block as one compiled region. Its chunk
     start is then given as 0: the compiled code must not depend on the host position (a new
     position would recompile), and the only use of it, the delta's ``first_entry``, is set per step
     by :func:`ds4serve.engine.cuda_graphs.delta_at` anyway.
     """
-    if chunk.static and SWITCHES.block_regions:
+    if chunk.static:
         return _static_block(b, X, dataclasses.replace(chunk, start=0), ls, ids, cfg, ropes, pending, defer)
     return _block(b, X, chunk, ls, ids, cfg, ropes, pending, defer)
 
@@ -262,7 +262,7 @@ def _block(
     defer: bool,
 ) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
     hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    # "hc_pre" includes the sublayer's input norm, fused (SWITCHES.hc_fused) or not, so that the phases
+    # "hc_pre" includes the sublayer's input norm, fused or not, so that the phases
     # measure the same work either way
     with profiler.phase("hc_pre"):
         if pending is None:
@@ -271,7 +271,7 @@ def _block(
             X, post, comb, x = hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
     with profiler.phase("attention"):
         a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
-    # The attention output's merge and the MoE's pre site are one call (one launch with SWITCHES.hc_fused):
+    # The attention output's merge and the MoE's pre site are one call (one launch when fused):
     # both are timed as "hc_pre", fused or not, and "hc_post" is the block-end merge alone
     with profiler.phase("hc_pre"):
         X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SLIDING, DSparkSpec, ModelConfig
+from ..quant import Weight
 from ..weights import Checkpoint
 from .attention import AttentionWeights, _core
 from .deepseek4 import BlockWeights, load_block
 from .hyper import hc_head, hc_merge, hc_merge_pre, hc_pre
-from .linear import Weight, grouped_linear, linear
+from .linear import grouped_linear, linear
 from .moe import moe
 from .norms import rms_norm, unweighted_rms_norm
 from .rope import Rope

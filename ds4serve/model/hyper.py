@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels.regions import region
-from ..kernels.switches import SWITCHES
 from .norms import rms_norm, unweighted_rms_norm
 
 
@@ -55,7 +54,7 @@ def hc_pre(
     """A whole pre site: ``(post [S,hc], comb [S,hc,hc], x_in [S,D])``, ``x_in`` the collapsed streams
     through the sublayer's input norm ``rms_norm(., norm_w, norm_eps)``.
 
-    With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch (:mod:`ds4serve.kernels.hc_pre`);
+    A decode-sized chunk on the kernels' devices is one launch (:mod:`ds4serve.kernels.hc_pre`);
     otherwise :func:`hc_split` and :func:`~ds4serve.model.norms.rms_norm`, the reference.
     """
     if fused_sites(X):
@@ -82,7 +81,7 @@ def hc_merge_pre(
     ``X' = hc_merge(X, out, post, comb)`` and ``hc_pre(X', site, norm_w, ...)``.
 
     ``out`` is ``[S, D]``, or the fused MoE's fp32 slot terms ``[S, slots, D]`` (their sum is the output,
-    :func:`sum_terms`). With ``SWITCHES.hc_fused``, a decode-sized chunk is one launch
+    :func:`sum_terms`). A decode-sized chunk on the kernels' devices is one launch
     (:mod:`ds4serve.kernels.hc_pre`), whose merge rounds as the product-sum branch of :func:`hc_merge` does;
     otherwise the two functions.
     """
@@ -107,16 +106,16 @@ def sum_terms(terms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fused_sites(X: torch.Tensor) -> bool:
-    """Whether a pre site on the streams ``X`` is the one-launch kernel (``SWITCHES.hc_fused``, decode-sized or a
-    verify block), with or without the merge before it."""
-    return SWITCHES.hc_fused and kernels.enabled(X) and X.shape[0] <= FUSED_SITE_MAX_ROWS
+    """Whether a pre site on the streams ``X`` is the one-launch kernel (decode-sized or a verify block), with or
+    without the merge before it."""
+    if not kernels.enabled(X):
+        return False
+    from ..kernels.hc_pre import MAX_ROWS
+
+    return X.shape[0] <= MAX_ROWS
 
 
 MIX_REDUCE_MAX_ROWS = 8  # up to this many rows the mixes are a product-sum (fused), else a matmul
-# Up to this many rows a site is the one-launch kernel (its rows run side by side): the widest verify block whose
-# FP8 projections stay on the GEMV (model/linear.py FP8_GEMV_MAX_ROWS); its mixes are product-sums, equal to the
-# matmul's up to fp32 summation order.
-FUSED_SITE_MAX_ROWS = 16
 
 
 @region(chunks=True)
@@ -134,8 +133,8 @@ def _hc_mixes(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tenso
 
 
 def _mix_kernel(X: torch.Tensor) -> bool:
-    """A long chunk's mixes through :func:`ds4serve.kernels.hc_streams.hc_mixes` (``SWITCHES.chunk_mix_kernel``)."""
-    if not (SWITCHES.chunk_mix_kernel and _stream_kernels(X)):
+    """A long chunk's mixes through :func:`ds4serve.kernels.hc_streams.hc_mixes`."""
+    if not _stream_kernels(X):
         return False
     from ..kernels.hc_streams import mixes_apply
 
@@ -146,8 +145,7 @@ def _stream_kernels(X: torch.Tensor) -> bool:
     """Chunks of more than ``MIX_REDUCE_MAX_ROWS`` rows run eagerly use :mod:`ds4serve.kernels.hc_streams`. A
     decode step's products, and a wider verify block's inside a compiled region, stay torch code, which
     Inductor fuses with their neighbours: Inductor compiles a raw Triton kernel from its source in a worker
-    process, where the ``pdl`` helpers those kernels call are not defined (a verify block of 9 rows failed
-    so on the H200, twenty-second run)."""
+    process, where the ``pdl`` helpers those kernels call are not defined."""
     return X.shape[0] > MIX_REDUCE_MAX_ROWS and kernels.enabled(X) and not torch.compiler.is_compiling()
 
 
@@ -187,7 +185,7 @@ def hc_merge(X: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
         return merge(X, out, post, comb)
     dtype = X.dtype
     mix_t = comb.to(dtype).transpose(-1, -2)
-    if X.shape[0] <= MIX_REDUCE_MAX_ROWS and SWITCHES.merge_product_sum:  # fp32 sums, as the matmul's
+    if X.shape[0] <= MIX_REDUCE_MAX_ROWS:  # fp32 sums, as the matmul's
         mixed = (mix_t.float().unsqueeze(-1) * X.float().unsqueeze(-3)).sum(-2).to(dtype)
     else:
         mixed = torch.matmul(mix_t, X)

@@ -9,16 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.reference import swiglu_gate, top_k_indices
 from ..kernels.regions import region
-from ..kernels.switches import SWITCHES
-from .linear import FP8Weight, Weight, linear
-from .moe_grouped import routed_experts, swiglu_gate
-
-# (token, expert) pairs up to which the fused kernel runs: decode and every verify block (up to 17 rows: 16 drafts,
-# top-6 routing). A captured verify block runs as one compiled region, where quantized experts cannot take the
-# grouped kernels and the other paths read group ends on the host, which a capture refuses.
-FUSED_MAX_PAIRS = 128
-ROUTER_FUSED_MAX_ROWS = 16  # tokens up to which the one-launch router runs (kernels/router.py takes 16)
+from ..quant import FP8Weight, Weight
+from .linear import linear
+from .moe_grouped import routed_experts
 
 
 @dataclass
@@ -43,7 +38,7 @@ def route(
         from ..kernels import ops
 
         return ops.route_decode(x, w.gate, w.bias, w.tid2eid, token_ids, top_k, scaling)
-    scores = F.softplus(linear(x, w.gate) if SWITCHES.router_gemv else F.linear(x, w.gate)).sqrt()
+    scores = F.softplus(linear(x, w.gate)).sqrt()
     if w.tid2eid is not None:
         idx = w.tid2eid[token_ids]
     else:
@@ -54,39 +49,20 @@ def route(
 
 
 def _router_fused_applies(w: MoEWeights, x: torch.Tensor) -> bool:
-    """The one-launch router (``SWITCHES.router_fused``) takes a few rows (decode) of bf16 / fp32 tokens
+    """The one-launch router takes a few rows (decode: up to ``kernels.router.MAX_ROWS``) of bf16 / fp32 tokens
     with a dense contiguous gate."""
+    if not kernels.enabled(x):
+        return False
+    from ..kernels.router import MAX_ROWS
+
     return (
-        SWITCHES.router_fused
-        and kernels.enabled(x)
-        and x.dim() == 2
-        and x.shape[0] <= ROUTER_FUSED_MAX_ROWS
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float32)
         and isinstance(w.gate, torch.Tensor)
         and w.gate.dim() == 2
         and w.gate.is_contiguous()
     )
-
-
-RANK_MAX_ROWS = 64  # up to this many rows, top-k by pairwise ranks (decode, verify); else torch.topk
-
-
-def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest values of each row of ``x [N, E]`` (best first; ties: lower index).
-
-    For a few rows the ranks come from pairwise comparisons (``[N, E, E]``): plain elementwise work
-    that a compiled decode region fuses into the router's kernel, where ``torch.topk`` would launch
-    a sort of its own per layer. Any NaN still yields indices in range.
-    """
-    if x.shape[0] > RANK_MAX_ROWS:
-        return torch.topk(x, k, dim=-1).indices
-    E = x.shape[-1]
-    e = torch.arange(E, device=x.device)
-    mine, other = x.unsqueeze(-1), x.unsqueeze(-2)
-    above = (other > mine) | ((other == mine) & (e < e.unsqueeze(-1)))  # [N, me, other]: other ranks above me
-    rank = above.sum(-1)
-    slot = torch.arange(k, device=x.device).view(1, k, 1)
-    return torch.where(rank.unsqueeze(1) == slot, e, E).amin(-1).clamp(max=E - 1)
 
 
 def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, limit: float) -> torch.Tensor:
@@ -107,10 +83,19 @@ def moe(
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
     them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
-    if kernels.enabled(x) and idx.numel() <= FUSED_MAX_PAIRS:
+    if _fused_applies(x, idx):
         return _moe_fused(w, x, idx, weights, limit, not slot_terms)
     out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
+
+
+def _fused_applies(x: torch.Tensor, idx: torch.Tensor) -> bool:
+    """The fused decode kernels take up to ``kernels.moe.MAX_PAIRS`` (token, expert) pairs."""
+    if not kernels.enabled(x):
+        return False
+    from ..kernels.moe import MAX_PAIRS
+
+    return idx.numel() <= MAX_PAIRS
 
 
 def _moe_fused(

@@ -4,11 +4,11 @@ The (token, slot) pairs are sorted by expert so that every expert's rows are con
 int32 cumulative row counts stay on the device. Dense bf16 experts on CUDA then run as one grouped
 GEMM per projection (``torch._grouped_mm``: ``[M, K] @ [E, K, N]`` with the group ends ``offs``,
 no host sync on SM90+); each expert output is weighted, put back in (token, slot) order and the
-``k`` slots of a token are summed. Quantized (FP8 / MXFP4) experts, with ``SWITCHES.quant_grouped_mm``,
+``k`` slots of a token are summed. Quantized (FP8 / MXFP4) experts on the kernels' devices
 run as grouped GEMMs that read them in place (:mod:`ds4serve.kernels.grouped_experts`: gate-up with the
 SwiGLU in one launch, then down), also without a host sync: always while a CUDA graph is captured, and
 eagerly where the experts' groups are short enough for that to be faster. Otherwise quantized experts of
-a long chunk, with ``SWITCHES.dequant_kernel``, run as ``torch._grouped_mm`` over groups of experts
+a long chunk run as ``torch._grouped_mm`` over groups of experts
 dequantised together (one pass each, :mod:`ds4serve.kernels.dequant`), and the rest (and dtypes the
 grouped products do not take) expert by expert; both read the group ends on the host once, and
 dequantise only the experts in use.
@@ -17,22 +17,14 @@ dequantise only the experts in use.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels.reference import swiglu_gate
 from ..kernels.regions import region
-from ..kernels.switches import SWITCHES
-from .linear import FP4Weight, Weight, dense, linear
+from ..quant import FP4Weight, Weight
+from .linear import dense, linear
 
 EXPERT_GROUP_BYTES = 1 << 30  # dense bytes of the experts dequantised at once (grouped quantized path)
-
-
-def swiglu_gate(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(clamp(g, max=limit)) * clamp(u, -limit, limit)`` (no clamp when ``limit <= 0``)."""
-    if limit > 0:
-        g = g.clamp(max=limit)
-        u = u.clamp(min=-limit, max=limit)
-    return F.silu(g) * u
 
 
 def sort_pairs(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,21 +108,14 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
 
 def quant_grouped_applies(like: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> bool:
     """Whether quantized experts run through :mod:`ds4serve.kernels.grouped_experts` for activations like
-    ``like`` (dtype and device): with ``SWITCHES.quant_grouped_mm``, on the kernels' devices, outside
+    ``like`` (dtype and device): on the kernels' devices, outside
     compiled regions (the kernels are not custom ops that Dynamo could trace), and for experts the kernels
     take (FP8 / MXFP4 with scale blocks they handle)."""
-    if not (SWITCHES.quant_grouped_mm and kernels.enabled(like) and not torch.compiler.is_compiling()):
+    if not (kernels.enabled(like) and not torch.compiler.is_compiling()):
         return False
     from ..kernels import grouped_experts
 
     return grouped_experts.supports(like.dtype, w1, w3) and grouped_experts.supports(like.dtype, w2)
-
-
-# Average (token, slot) rows per expert up to which the in-place grouped kernels beat dequantising groups of
-# experts (H200, 2026-11-30, routed_experts at the Flash expert shapes, top-6: FP8 at 48 rows an expert 11.5 ->
-# 3.9 ms, at 192 13.0 -> 12.6, at 384 2.7 -> 3.0 (32 experts); MXFP4 at 48 52.5 -> 7.7, 192 53.8 -> 24.3,
-# 384 8.1 -> 4.9, 1536 11.1 -> 16.5).
-IN_PLACE_MAX_ROWS_PER_EXPERT = {"fp8": 192, "fp4": 384}
 
 
 def _in_place_pays(rows: torch.Tensor, w1: Weight) -> bool:
@@ -138,20 +123,16 @@ def _in_place_pays(rows: torch.Tensor, w1: Weight) -> bool:
     other paths read the group ends on the host), or where the groups are short enough to be faster so."""
     if rows.is_cuda and torch.cuda.is_current_stream_capturing():
         return True
+    from ..kernels.grouped_experts import IN_PLACE_MAX_ROWS_PER_EXPERT
+
     fmt = "fp4" if isinstance(w1, FP4Weight) else "fp8"
     return rows.shape[0] <= IN_PLACE_MAX_ROWS_PER_EXPERT[fmt] * w1.shape[0]
 
 
 def _expert_groups_apply(rows: torch.Tensor, n_experts: int) -> bool:
-    """Quantized experts as grouped GEMMs over dequantised groups: with the switch, on the kernels'
-    devices, where the grouped product takes the rows, and for chunks with at least as many
+    """Quantized experts as grouped GEMMs over dequantised groups: on the kernels' devices, where the grouped product takes the rows, and for chunks with at least as many
     (token, slot) pairs as experts (most experts in use, so dequantising whole groups wastes little)."""
-    return (
-        SWITCHES.dequant_kernel
-        and kernels.enabled(rows)
-        and grouped_mm_applies(rows)
-        and rows.shape[0] >= n_experts
-    )
+    return kernels.enabled(rows) and grouped_mm_applies(rows) and rows.shape[0] >= n_experts
 
 
 def _expert_groups(

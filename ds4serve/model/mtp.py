@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SLIDING, ModelConfig
+from ..quant import Weight
 from ..state import LayerDelta, LayerState
 from ..weights import Checkpoint
 from .attention import ChunkInfo
 from .deepseek4 import BlockWeights, HeadWeights, block_forward, head_logits, load_block
-from .linear import Weight, linear
+from .linear import linear
 from .norms import rms_norm
 from .rope import Rope
 

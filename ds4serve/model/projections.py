@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .linear import FP8Weight, Weight, linear, linear_pair
+from ..quant import FP8Weight, Weight
+from .linear import linear, linear_pair
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,8 @@ class Rope:
         """:meth:`apply` written into ``x`` itself (returned): only the rotated channels are stored.
 
         For a chunk's fresh query or attention output ``[S, H, dim]``, whose copy through :meth:`apply`'s
-        concatenation rewrites all ``dim`` channels to rotate the last ``rope_dim`` (1.85 ms, 11% of a
-        2048-token chunk's GPU time on the 4-layer proxy: bench/RESULTS.md, fifteenth run). A decode step
-        keeps :meth:`apply`, which its compiled regions fuse into the consumer.
+        concatenation rewrites all ``dim`` channels to rotate the last ``rope_dim``. A decode step keeps
+        :meth:`apply`, which its compiled regions fuse into the consumer.
         """
         rotated = _rotated(x, cos, sin, inverse)
         x[..., -rotated.shape[-1] :] = rotated

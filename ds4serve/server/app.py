@@ -6,9 +6,11 @@ The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -20,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine
 from ..engine.prefix_cache import PrefixCache
-from .errors import APIError, body_for, invalid
+from .errors import APIError, body_for, invalid, unavailable
 from .metrics import Metrics
+from .prepare import PREP_THREADS
 from .response_store import ResponseStore
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
@@ -40,10 +43,14 @@ ROUTES = (
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
     "/admin/park",
     "/admin/unpark",
 )
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' label of every model's route
+RESPONSE_ROUTE = "/v1/responses/{id}"  # the metrics' label of a stored response's routes (GET, cancel)
 UNAUTHENTICATED = ("/health", "/metrics")  # probes and scrapers carry no key
 
 
@@ -60,6 +67,7 @@ class ServerConfig:
         10.0  # a stream starts without its first token after this, then pings (0: never)
     )
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none by default
+    shutdown_timeout: float = 30.0  # after SIGTERM, running requests get this long to finish
 
 
 class Server:
@@ -73,7 +81,27 @@ class Server:
         self.scheduler = Scheduler(engine, self.metrics, max_queue=config.max_queue, cache=cache)
         self.responses = ResponseStore(config.responses_store_bytes)
         self.background: dict[str, object] = {}  # background /v1/responses still generating, by id
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="ds4serve-prep")  # see .prepare
         self.started = int(time.time())
+        self.draining = False  # shutting down: new work gets 503
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_shutdown(self) -> None:
+        """Start a graceful shutdown (safe from a signal handler): new requests and queued jobs get a 503 with
+        Retry-After, the running job goes on and is stopped after ``shutdown_timeout`` seconds, its stream
+        ending with its terminal event either way."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info(
+            "shutting down: refusing new requests, %d queued request(s) refused", self.scheduler.queue_depth
+        )
+        self.scheduler.drain()
+        self.loop.call_later(self.config.shutdown_timeout, self.scheduler.cancel_running, "shutdown")
 
 
 def error_response(path: str, err: APIError) -> JSONResponse:
@@ -106,6 +134,8 @@ class _Gate:
 
         try:
             err = self._check_auth(scope)
+            if err is None and self.server.draining and path not in ("/health", "/metrics"):
+                err = unavailable("the server is shutting down")
             body = None
             if err is None:
                 body, err = await self._read_body(scope, receive)
@@ -116,7 +146,15 @@ class _Gate:
                 return
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
-            route = path if path in ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
+            route = (
+                path
+                if path in ROUTES
+                else MODEL_ROUTE
+                if path.startswith("/v1/models/")
+                else RESPONSE_ROUTE
+                if path.startswith("/v1/responses/")
+                else "other"
+            )
             self.server.metrics.requests.labels(route, str(status["code"])).inc()
 
     def _check_auth(self, scope) -> APIError | None:
@@ -124,7 +162,10 @@ class _Gate:
         if key is None or scope["path"] in UNAUTHENTICATED:
             return None
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key:
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        given = [bearer.strip()] if scheme.lower() == "bearer" else []  # the scheme in any case
+        given.append(headers.get("x-api-key", ""))
+        if any(hmac.compare_digest(g.encode(), key.encode()) for g in given):  # in constant time
             return None
         return APIError(
             401,
@@ -218,11 +259,13 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        server.loop = asyncio.get_running_loop()
         server.scheduler.start()
         try:
             yield
         finally:
             await asyncio.to_thread(server.scheduler.stop)
+            server.prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ds4serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -265,7 +308,12 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        return {"status": "ok", "model_parked": engine.parked, "queue_depth": server.scheduler.queue_depth}
+        body = {
+            "status": "shutting_down" if server.draining else "ok",
+            "model_parked": engine.parked,
+            "queue_depth": server.scheduler.queue_depth,
+        }
+        return JSONResponse(body, status_code=503 if server.draining else 200)
 
     def model_card() -> dict:
         return {

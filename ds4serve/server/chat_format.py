@@ -258,6 +258,14 @@ def encode_messages(
     return EncodedPrompt(text=text, thinking=thinking, reasoning_dropped=thinking and drop)
 
 
+def cache_points(prompt: list[int], user_id: int, shared: int) -> tuple[int, ...]:
+    """Where a chat prompt is worth snapshotting, ascending: before each ``<｜User｜>`` (the end of the system
+    prompt and tools block, and of every earlier turn: what other requests share) and at ``shared`` (what the
+    next turn of this chat repeats, :func:`shared_prefix_length`)."""
+    turns = [i for i, token in enumerate(prompt[:shared]) if token == user_id and i > 1]
+    return (*turns, shared)
+
+
 def shared_prefix_length(prompt_len: int, encoded: EncodedPrompt, ends_with_think: bool) -> int:
     """How many leading prompt tokens the next turn of this chat will repeat.
 

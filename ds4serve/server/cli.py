@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 
+from .. import envs
 from ..cli import Handler, at_least, command, engine_args, load_engine, port, speculative
 
 log = logging.getLogger("ds4serve.server")
+
+STOP_GRACE_S = 5  # after --shutdown-timeout, the stopped requests' last events get this long to go out
 
 
 @command("serve", "serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs")
@@ -24,7 +28,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health and /metrics",
+        help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health and /metrics "
+        "(default: $DS4SERVE_API_KEY; unset: no key)",
     )
     p.add_argument(
         "--allowed-origins",
@@ -70,6 +75,19 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         "keepalive whenever this long passes without an event (0: wait, never ping)",
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=at_least(0, float),
+        default=30.0,
+        help="on SIGTERM, new and queued requests get 503 and running ones this many seconds to finish "
+        "(then they are stopped, their streams ending with an error event); the process then exits 0",
+    )
+    p.add_argument(
+        "--idle-timeout-s",
+        type=at_least(1),
+        default=5,
+        help="close a connection that sends no request for this long, new or kept alive",
+    )
+    p.add_argument(
         "--no-warm-up",
         action="store_true",
         help="start serving without first running one short "
@@ -81,6 +99,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
 
         from ..engine.prefix_cache import PrefixCache, model_identity
         from .app import ServerConfig, create_app
+        from .http_server import GracefulServer, IdleClosingH11
 
         engine, model, dtype = load_engine(a)
         cache = None
@@ -94,7 +113,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             )
         config = ServerConfig(
             model_name=a.served_model_name or model.name,
-            api_key=a.api_key,
+            api_key=a.api_key or envs.get(envs.API_KEY) or None,
             max_queue=a.max_queue,
             max_body_bytes=int(a.max_body_mb * 2**20),
             max_tokens_limit=a.max_tokens_limit,
@@ -102,6 +121,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             responses_store_bytes=int(a.responses_store_mb * 2**20),
             stream_keepalive_s=a.stream_keepalive_s,
             allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
+            shutdown_timeout=a.shutdown_timeout,
         )
         if not a.no_warm_up:
             log.info(
@@ -122,7 +142,17 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             a.port,
             engine.max_context,
         )
-        uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5)
+        graceful = math.ceil(a.shutdown_timeout) + STOP_GRACE_S
+        config = uvicorn.Config(
+            app,
+            host=a.host,
+            port=a.port,
+            log_level="info",
+            http=IdleClosingH11,
+            timeout_keep_alive=a.idle_timeout_s,
+            timeout_graceful_shutdown=graceful,
+        )
+        GracefulServer(config, app.state.server).run()
         return 0
 
     return run

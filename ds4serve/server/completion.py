@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ..engine import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
-from .errors import APIError, context_overflow, invalid
+from .errors import APIError, context_overflow, invalid, unavailable
 from .output_parser import OutputParser, ParsedDelta
 from .scheduler import Job
 from .textstream import Detokenizer, StopMatcher
@@ -33,7 +33,7 @@ class CompletionSpec:
     stops: list[str] = field(default_factory=list)
     thinking: bool = False
     tools: set[str] | None = None  # callable tool names; None: no tool-call parsing
-    cache_at: int | None = None
+    cache_at: tuple[int, ...] = ()  # prompt positions to snapshot at (ascending; chat_format.cache_points)
     speculative: object | None = None  # this request's draft (a predicted output); None: the server's
     skip_special_tokens: bool = True  # special tokens (BOS, placeholders) leave no text
 
@@ -162,6 +162,8 @@ class Completion:
             res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "stop_sequence"
         ):
             return
+        if res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "shutdown":
+            raise unavailable("the server is shutting down; this request did not finish")
         if res.error is ErrorCode.CONTEXT_OVERFLOW:
             raise context_overflow(
                 self.server.engine.max_context, len(self.spec.prompt), self.spec.params.max_tokens

@@ -61,6 +61,11 @@ class APIError(Exception):
         return cls(STATUS[code], message, code.value, param, headers)
 
 
+def unavailable(message: str) -> APIError:
+    """503 with Retry-After: the server is shutting down."""
+    return APIError(503, message, "unavailable", headers={"Retry-After": "5"})
+
+
 def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, ErrorCode.INVALID_REQUEST.value, param)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .chat_format import encode_messages, shared_prefix_length
+from .chat_format import cache_points, encode_messages, shared_prefix_length
 from .completion import (
     Completion,
     CompletionSpec,
@@ -20,9 +20,10 @@ from .completion import (
 )
 from .errors import APIError, anthropic_body, invalid
 from .output_parser import merged
+from .prepare import json_body, offload
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
 from .sse import ANTHROPIC_PING, event_stream
-from .tool_grammar import forced_tool_call, strict_tool_calls
+from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -147,6 +148,8 @@ def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tup
     "any" or "tool" forces (``output_config.format`` then holds a later answer); under "auto", content (a document of ``output_config.format``'s schema, if any)
     then maybe calls with the ``strict`` tools' inputs held; else that schema alone."""
     choice, schema = body.tool_choice, _output_schema(body)
+    if schema is not None:
+        validate_schema(schema, "output_config.format.schema")
     if not tools:
         return None, schema
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
@@ -187,7 +190,9 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
         stops=list(body.stop_sequences or []),
         thinking=encoded.thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
-        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+        cache_at=cache_points(
+            prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
+        ),
     )
 
 
@@ -218,15 +223,15 @@ def _event(kind: str, data: dict) -> str:
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request):
-    _, prompt, _ = _encode(request.app.state.server, body)
+async def count_tokens(request: Request, body: CountTokensRequest = Depends(json_body(CountTokensRequest))):
+    _, prompt, _ = await offload(request, _encode, request.app.state.server, body)
     return {"input_tokens": len(prompt)}
 
 
 @router.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request):
+async def messages(request: Request, body: MessagesRequest = Depends(json_body(MessagesRequest))):
     server = request.app.state.server
-    completion = Completion(server, request, messages_spec(server, body))
+    completion = Completion(server, request, await offload(request, messages_spec, server, body))
     completion.start()
     mid = mint_id("msg_")
     model = body.model or server.config.model_name

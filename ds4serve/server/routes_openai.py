@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import ErrorCode
 from ..engine.drafts import PredictionProposer
-from .chat_format import BOS, EncodedPrompt, encode_messages, shared_prefix_length
+from .chat_format import BOS, EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
     Choices,
     Completion,
@@ -28,10 +28,11 @@ from .completion import (
 )
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
+from .prepare import json_body, offload
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .sse import OPENAI_PING, event_stream
 from .structured import requested_rule, structured_rule
-from .tool_grammar import forced_tool_call, strict_tool_calls
+from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -137,6 +138,8 @@ def _answer_rule(
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
+    if strict is None and response_format is not None:
+        validate_schema(response_format, "response_format")
     return (strict, None) if strict is not None else (None, response_format)
 
 
@@ -194,7 +197,9 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         thinking=thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
-        cache_at=shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id),
+        cache_at=cache_points(
+            prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
+        ),
         speculative=_prediction(server, body),
         skip_special_tokens=body.skip_special_tokens,
     )
@@ -249,9 +254,9 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request):
+async def chat_completions(request: Request, body: ChatRequest = Depends(json_body(ChatRequest))):
     server = request.app.state.server
-    choices = Choices(server, request, chat_spec(server, body), body.n)
+    choices = Choices(server, request, await offload(request, chat_spec, server, body), body.n)
     choices.start()
     model = body.model or server.config.model_name
     rid, created = mint_id("chatcmpl-"), int(time.time())
@@ -415,6 +420,13 @@ def completion_spec(server, body: CompletionRequest, prompt: list[int], param: s
     )
 
 
+def completion_specs(server, body: CompletionRequest) -> tuple[list[list[int]], list[CompletionSpec | None]]:
+    """The request's prompts as token ids and the generation of each (see :func:`completion_spec`)."""
+    prompts = completion_prompts(server, body)
+    params = [f"prompt.{i}" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+    return prompts, [completion_spec(server, body, p, param) for p, param in zip(prompts, params)]
+
+
 def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
     for p in pieces:
@@ -496,11 +508,9 @@ def _summed(usages: list[dict]) -> dict:
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
     server = request.app.state.server
-    prompts = completion_prompts(server, body)
-    params = [f"prompt.{i}" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
-    specs = [completion_spec(server, body, p, param) for p, param in zip(prompts, params)]
+    prompts, specs = await offload(request, completion_specs, server, body)
     groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
     if groups:
         groups[0].start()

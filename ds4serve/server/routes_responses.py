@@ -29,13 +29,14 @@ import re
 import time
 from typing import Any, AsyncIterator, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from .completion import Completion, CompletionSpec, Piece, mint_id, run_to_end, usage
 from .errors import APIError, invalid
 from .output_parser import ParsedDelta
+from .prepare import json_body, offload
 from .response_store import StoredResponse
 from .routes_openai import chat_spec, token_logprobs
 from .schemas import (
@@ -537,7 +538,7 @@ CANCELLED_BY_CLIENT = "cancel_request"  # the job's cancel reason after POST /v1
 
 
 @router.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request):
+async def responses(request: Request, body: ResponsesRequest = Depends(json_body(ResponsesRequest))):
     server = request.app.state.server
     if body.background and not _stored_here(server, body):
         raise invalid(
@@ -545,7 +546,8 @@ async def responses(body: ResponsesRequest, request: Request):
             "takes no store: false, and a server that stores responses",
             "background",
         )
-    completion = Completion(server, None if body.background else request, _fitted_spec(server, body))
+    spec = await offload(request, _fitted_spec, server, body)
+    completion = Completion(server, None if body.background else request, spec)
     completion.start()
     response = _Response(server, body, completion)
     if body.background:

@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes): what a prompt is as tokens, and back.
 
 ``/tokenize`` takes a completions-style ``prompt`` (text, or token ids) or a chat request's ``messages`` (with
-its ``tools``, ``response_format`` and thinking switches), encoded exactly as those routes encode them, and
+its ``tools``, ``response_format`` and thinking options), encoded exactly as those routes encode them, and
 answers ``{"count", "max_model_len", "tokens"}``; a prompt longer than the context is reported, not refused.
 ``add_special_tokens: false`` leaves out the BOS a text ``prompt`` would get (a chat prompt's BOS is part of its
 encoding and stays).
@@ -10,11 +10,12 @@ encoding and stays).
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from .errors import invalid
+from .prepare import json_body, offload
 from .routes_openai import chat_prompt, completion_prompts
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest
 
@@ -30,8 +31,13 @@ def _validated(model: type[BaseModel], body: dict) -> BaseModel:
 
 
 @router.post("/tokenize")
-async def tokenize(body: dict, request: Request):
+async def tokenize(request: Request, body: dict = Depends(json_body(dict))):
     server = request.app.state.server
+    tokens = await offload(request, _tokens, server, body)
+    return {"count": len(tokens), "max_model_len": server.engine.max_context, "tokens": tokens}
+
+
+def _tokens(server, body: dict) -> list[int]:
     add_special_tokens = body.get("add_special_tokens", True)
     if not isinstance(add_special_tokens, bool):
         raise invalid("add_special_tokens: expected a boolean", "add_special_tokens")
@@ -46,11 +52,11 @@ async def tokenize(body: dict, request: Request):
         tokens = prompts[0]
     else:
         raise invalid("expected a 'prompt' (text or token ids) or chat 'messages'", "prompt")
-    return {"count": len(tokens), "max_model_len": server.engine.max_context, "tokens": tokens}
+    return tokens
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request):
+async def detokenize(request: Request, body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))):
     tok, vocab = request.app.state.server.engine.tokenizer, request.app.state.server.engine.cfg.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -1,13 +1,15 @@
 """FIFO admission in front of the engine, which runs on its own worker thread.
 
-Requests wait in a bounded queue (a full queue is refused with 429), run one at a time, and stream
+Requests wait in a bounded queue (a full queue is refused with 429; with a queue of 0, a request runs
+if the engine is free and is refused otherwise), run one at a time, and stream
 their tokens back to the event loop through an asyncio queue, so the loop never blocks on a forward.
 Cancelling a job (client gone, stop string hit) removes it from the queue or stops its generation
-before the next forward.
+before the next forward, a prefill before its next chunk (the staged one included).
 
-The prefix cache lives here: a job restores the longest cached prefix of its prompt; when it names a
-``cache_at`` position (the part of the prompt the next turn will repeat) the prompt is prefilled up to
-there first and snapshotted; after generation the whole sequence is snapshotted too.
+The prefix cache lives here: a job restores the longest cached prefix of its prompt; the ``cache_at``
+positions past it (where a chat's turns end, and the part of the prompt the next turn will repeat) are
+prefilled one after another and snapshotted there first, so a prefix other requests share is cached the
+first time it is seen; after generation the whole sequence is snapshotted too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from ..engine import Engine, ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
 from ..engine.prefix_cache import PrefixCache
-from .errors import APIError
+from .errors import APIError, unavailable
 from .metrics import Metrics
 
 log = logging.getLogger("ds4serve.server")
@@ -46,7 +48,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    cache_at: int | None = None
+    cache_at: tuple[int, ...] = ()
     speculative: object | None = None
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
@@ -101,17 +103,34 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._current: Job | None = None  # the job on the engine
         self._thread = threading.Thread(target=self._worker, name="ds4serve-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def drain(self) -> None:
+        """Refuse new jobs (503) and end every queued one (cancelled, reason ``shutdown``); the job on the
+        engine runs on, and the worker stops after it."""
         with self._cond:
             self._stopping = True
-            for job in self._waiting:
-                job.cancel("shutdown")
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self.metrics.queue_depth.set(0)
             self._cond.notify_all()
+        for job in waiting:
+            job.cancel("shutdown")
+            self._withdrawn(job)
+
+    def cancel_running(self, reason: str) -> None:
+        """Stop the job on the engine before its next forward or prefill chunk."""
+        job = self._current
+        if job is not None:
+            job.cancel(reason)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Drain, then wait up to ``timeout`` seconds for the job on the engine to end."""
+        self.drain()
         self._thread.join(timeout)
 
     @property
@@ -119,13 +138,12 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; raises a 429 :class:`APIError` (with Retry-After) when the queue is full."""
+        """Queue ``job``; raises a 429 :class:`APIError` (with Retry-After) when the queue is full (a job the free
+        engine takes at once does not count as waiting)."""
         with self._cond:
             if self._stopping:
-                raise APIError(
-                    503, "the server is shutting down", "unavailable", headers={"Retry-After": "5"}
-                )
-            if len(self._waiting) >= self.max_queue:
+                raise unavailable("the server is shutting down")
+            if len(self._waiting) >= self.max_queue + (self._current is None):
                 raise APIError(
                     429,
                     f"the request queue is full ({self.max_queue} waiting); retry later",
@@ -146,7 +164,18 @@ class Scheduler:
                 self.metrics.queue_depth.set(len(self._waiting))
         job.cancel(reason)
         if queued:
-            self._deliver(job, _cancelled(job))
+            self._withdrawn(job)
+
+    def _withdrawn(self, job: Job) -> None:
+        """End a job taken out of the queue before it started: counted, logged, its stream ended."""
+        self.metrics.cancelled.labels(job.cancel_reason or "unknown").inc()
+        log.info(
+            "request %d withdrawn from the queue (%s) after %.2f s waiting",
+            job.id,
+            job.cancel_reason,
+            time.perf_counter() - job.submitted,
+        )
+        self._deliver(job, _cancelled(job))
 
     # ---- worker thread -------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -156,7 +185,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._waiting.popleft()
+                job = self._current = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
             self.metrics.running.set(1)
             try:
@@ -172,6 +201,7 @@ class Scheduler:
                     ),
                 )
             finally:
+                self._current = None
                 self.metrics.running.set(0)
 
     def _deliver(self, job: Job, item: TokenEvent | GenerateResult) -> None:
@@ -189,10 +219,13 @@ class Scheduler:
         calls0 = self.engine.forward_calls
         try:
             snap, cached = self._cached_prefix(job)
-        except GenerateError as exc:
-            self._deliver(
-                job, GenerateResult(finish_reason="error", error=exc.code, error_message=exc.message)
+        except GenerateError as exc:  # the staged prefill failed, or its client left during it
+            cancelled = exc.code is ErrorCode.CANCELLED
+            res = GenerateResult(
+                finish_reason="cancelled" if cancelled else "error", error=exc.code, error_message=exc.message
             )
+            self._record(job, res)
+            self._deliver(job, res)
             return
         staged_s = time.perf_counter() - t0
         handle = self.engine.stream(job.prompt, job.params, speculative=job.speculative, snapshot=snap)
@@ -225,24 +258,24 @@ class Scheduler:
     def _cached_prefix(self, job: Job):
         """The snapshot to start from and how many prompt tokens it covers.
 
-        With ``job.cache_at`` beyond the cached prefix, the prompt is prefilled up to it on a
-        separate state and snapshotted (and cached) there; the engine then prefills only the rest.
+        The ``job.cache_at`` positions beyond the cached prefix are prefilled in turn on a separate
+        state and snapshotted (and cached) at each; the engine then prefills only the rest.
         """
         if self.cache is None:
             return None, 0
         snap = self.cache.lookup(job.prompt)
         cached = snap.pos if snap is not None else 0
         (self.metrics.cache_hits if snap is not None else self.metrics.cache_misses).inc()
-        at = job.cache_at
-        if at is not None and cached < at <= len(job.prompt) and not job.cancelled:
+        points = [at for at in job.cache_at if cached < at <= len(job.prompt)]
+        if points and not job.cancelled:
             with self.engine._lock, torch.inference_mode():
-                state = self.engine.new_sequence(at)
+                state = self.engine.new_sequence(points[-1])
                 if snap is not None:
                     state.restore(snap)
-                self.engine.prefill(state, job.prompt[state.pos : at])
-                staged = state.snapshot(self.cache.device)
-            self._insert(staged)
-            snap = staged
+                for at in points:
+                    self.engine.prefill(state, job.prompt[state.pos : at], cancel=job._cancel)
+                    snap = state.snapshot(self.cache.device)
+                    self._insert(snap)
         return snap, cached
 
     def _insert(self, snap) -> None:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from .errors import invalid
 from .schemas import StructuredOutputs
-from .tool_grammar import lark_regex, validate_lark
+from .tool_grammar import lark_regex, validate_lark, validate_schema
 
 FIELD = "structured_outputs"
 GUIDED = {
@@ -67,6 +67,7 @@ def structured_rule(spec: StructuredOutputs, field: str = FIELD) -> tuple[str | 
     if len(given) != 1:
         raise invalid(f"{FIELD}: expected exactly one of choice, regex, json, grammar", FIELD)
     if spec.json_ is not None:
+        validate_schema(spec.json_, f"{FIELD}.json")
         return None, spec.json_
     if spec.choice is not None:
         grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)

@@ -105,6 +105,22 @@ def validate_lark(grammar: str, where: str) -> None:
         raise invalid(f"{where}: not a rule the grammar can hold ({problem.strip().splitlines()[0]})", where)
 
 
+def validate_schema(schema: dict, where: str) -> None:
+    """A 400 naming ``where`` when llguidance cannot hold ``schema`` as the rule of a JSON document (found before
+    the request is queued, not when the engine compiles it)."""
+    llg = _llguidance(where)
+    try:
+        problem = llg.LLMatcher.validate_grammar(
+            llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        )
+    except (ValueError, TypeError) as exc:
+        problem = str(exc) or type(exc).__name__
+    if problem:
+        raise invalid(
+            f"{where}: not a schema the grammar can hold ({problem.strip().splitlines()[0]})", where
+        )
+
+
 class _Grammar:
     """Rules for the invokes; a property it cannot hold is a 400 naming the property (``where``: its field)."""
 
