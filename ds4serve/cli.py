@@ -69,13 +69,15 @@ def speculative(text: str) -> str:
 
 
 def default_model_dir() -> Path:
-    """The built-in default model: a tiny random checkpoint created once in the cache directory."""
+    """The built-in default model: a tiny random checkpoint created once in the cache directory, in the
+    transformers layout (its config names its own compression rates, so ``transformers.AutoTokenizer``, which
+    reads config.json, can load the folder; the official layout's ratios name only the real model's)."""
     from .tiny import TinySpec, make_tiny
 
-    path = envs.get(envs.CACHE_DIR) / "tiny-default-v1"
+    path = envs.get(envs.CACHE_DIR) / "tiny-default-v2"
     if not (path / "model.safetensors.index.json").is_file():
         tmp = path.with_name(path.name + ".tmp")
-        make_tiny(tmp, TinySpec(mtp=1))
+        make_tiny(tmp, TinySpec(mtp=1, fmt="hf"))
         tmp.rename(path)
     return path
 

@@ -32,7 +32,7 @@ def test_make_tiny_inspect_generate(tmp_path, capsys, monkeypatch):
 def test_generate_uses_the_cached_default_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
     assert main(["generate", "--max-tokens", "2", "Hi"]) == 0
-    assert (tmp_path / "tiny-default-v1" / "config.json").is_file()
+    assert (tmp_path / "tiny-default-v2" / "config.json").is_file()
     assert "2 generated" in capsys.readouterr().err
 
 

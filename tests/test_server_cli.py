@@ -54,9 +54,9 @@ def test_serve_builds_the_default_model_and_answers(tmp_path):
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.25)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny-default-v1"]
+        assert [m.id for m in client.models.list().data] == ["tiny-default-v2"]
         r = client.chat.completions.create(
-            model="tiny-default-v1", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+            model="tiny-default-v2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
         )
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
         assert list((tmp_path / "snapshots").rglob("*.safetensors")), (

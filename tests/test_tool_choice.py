@@ -265,10 +265,35 @@ def test_openai_streamed_forced_call_without_parallel_calls(oai):
     assert len({c.index for c in calls}) == 1 and calls[0].function.name in ("get_weather", "now", "note")
 
 
-def test_openai_a_forced_call_and_a_response_format_are_refused(oai):
-    with pytest.raises(openai.BadRequestError) as err:
-        _ask(oai, tool_choice="required", response_format={"type": "json_object"})
-    assert err.value.body["param"] == "response_format"
+def test_openai_a_forced_call_with_a_response_format(oai):
+    """What the OpenAI Agents SDK sends for an agent with an output type and a required tool: the forced call is
+    held to its tool's schema; the format holds the plain answer of the turn after the tool's result."""
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "out",
+            "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    r = _ask(oai, tool_choice={"type": "function", "function": {"name": "get_weather"}}, response_format=fmt)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    _check_weather(json.loads(call.function.arguments))
+    after = oai.chat.completions.create(
+        model="tiny",
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": call.id, "type": "function", "function": call.function.model_dump()}],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ],
+        max_tokens=60,
+        tools=TOOLS,
+        response_format=fmt,
+    )
+    assert isinstance(json.loads(after.choices[0].message.content), dict)
 
 
 def test_anthropic_any_and_named_tool(base):
@@ -335,7 +360,7 @@ def test_openai_auto_tool_choice_holds_a_strict_function(oai):
 
 def test_anthropic_structured_output(base, engine):
     """``output_config.format`` (Anthropic's structured outputs): the answer is a document of the schema, streamed
-    or not, with the response-format block in the prompt; with a forced tool call it is a 400."""
+    or not, with the response-format block in the prompt; with a forced tool call the call is held."""
     claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
     schema = {
         "type": "object",
@@ -363,10 +388,17 @@ def test_anthropic_structured_output(base, engine):
         counted.input_tokens
         > claude.messages.count_tokens(model="tiny", messages=ask["messages"]).input_tokens
     )
-    tools = [{"name": "note", "input_schema": {"type": "object"}}]
-    with pytest.raises(anthropic.BadRequestError) as err:
-        claude.messages.create(**ask, tools=tools, tool_choice={"type": "any"})
-    assert "output_config.format" in err.value.message
+    kind = {"type": "string", "enum": ["a", "b"]}
+    shape = {
+        "type": "object",
+        "properties": {"kind": kind},
+        "required": ["kind"],
+        "additionalProperties": False,
+    }
+    tools = [{"name": "note", "input_schema": shape}]
+    forced = claude.messages.create(**{**ask, "max_tokens": 100}, tools=tools, tool_choice={"type": "any"})
+    assert forced.stop_reason == "tool_use" and forced.content[-1].name == "note"
+    assert forced.content[-1].input["kind"] in ("a", "b")
 
 
 @pytest.mark.parametrize(

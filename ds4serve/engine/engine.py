@@ -443,7 +443,7 @@ class Engine:
             handle.result,
             self.cfg,
             self.tokenizer,
-            logits.device,
+            self.device,  # where the logits land; a snapshot's host copy of them is moved there to sample
             start,
             constraint,
         )

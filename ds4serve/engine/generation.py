@@ -69,13 +69,18 @@ class Generation:
         forced = self.forced()
         if forced is not None:
             return (
-                torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1]).float().to(logits.device)
+                torch.nn.functional.one_hot(torch.tensor(forced), logits.shape[-1])
+                .float()
+                .to(self.sampler.device)
             )
         return self.sampler.distribution(self._constrained(logits), self.prompt, self.output)
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with what cannot continue the answer's schema or grammar masked (answer tokens of a request
-        with one)."""
+        with one), and the stop tokens while fewer than ``min_tokens`` were generated."""
+        if len(self.output) < self.params.min_tokens and self.stops:
+            stops = torch.tensor(sorted(self.stops), dtype=torch.long, device=logits.device)
+            logits = logits.index_fill(-1, stops, float("-inf"))
         return logits if self.constraint is None or self.reasoning else self.constraint.mask(logits)
 
     def accept(self, token: int, logits: torch.Tensor) -> bool:

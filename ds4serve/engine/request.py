@@ -44,6 +44,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0  # the stop tokens are masked until this many tokens were generated
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: sampled token's logprob plus the top N
     reasoning_budget: int | None = None  # max reasoning tokens before </think> is forced
@@ -78,6 +79,11 @@ class SamplingParams:
                 isinstance(self.penalty_window, int) and self.penalty_window >= 0,
                 "penalty_window",
                 "an integer >= 0",
+            ),
+            (
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "an integer in [0, max_tokens]",
             ),
             (
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),

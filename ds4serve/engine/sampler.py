@@ -17,6 +17,10 @@ Order of operations (each documented where the sampler tests check it):
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before any of
 the above), like OpenAI's API.
+
+A sampler works on one device, the one its generator lives on: logits handed to it from anywhere (a
+prefix-cache snapshot's host copy, say) are moved there first, so a draw never mixes devices and a
+seeded request draws the same numbers whether or not its prompt was cached.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 class Sampler:
-    """Per-request sampling state: the parameters and a private random generator."""
+    """Per-request sampling state: the parameters and a private random generator on ``device`` (where the
+    engine's logits land); every tensor it is given is read on that device."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu"):
         self.params = params
@@ -55,7 +60,7 @@ class Sampler:
     def adjusted(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         """Steps 1-3: bias and penalties applied to float32 ``logits [V]``."""
         p = self.params
-        x = logits.float().clone()
+        x = logits.to(self.device, torch.float32, copy=True)
         if self._bias is not None:
             x.index_add_(0, self._bias[0], self._bias[1])
         window = p.penalty_window
@@ -91,7 +96,7 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor) -> int:
         """Draw from an explicit distribution with this request's generator."""
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(probs.to(self.device), 1, generator=self.generator))
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.generator, device=self.device))

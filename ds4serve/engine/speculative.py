@@ -273,7 +273,7 @@ def speculative_decode(
     proposer = feed.proposer
     res, params = handle.result, handle.params
     gen = Generation(
-        handle.prompt, params, res, engine.cfg, engine.tokenizer, logits.device, start, constraint
+        handle.prompt, params, res, engine.cfg, engine.tokenizer, engine.device, start, constraint
     )
     stats = SpeculativeStats(proposer.name)
     policy = WidthPolicy(proposer)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,7 +51,7 @@ ROUTES = (
 )
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' label of every model's route
 RESPONSE_ROUTE = "/v1/responses/{id}"  # the metrics' label of a stored response's routes (GET, cancel)
-UNAUTHENTICATED = ("/health",)
+UNAUTHENTICATED = ("/health", "/metrics")  # probes and scrapers carry no key
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ServerConfig:
     stream_keepalive_s: float = (
         10.0  # a stream starts without its first token after this, then pings (0: never)
     )
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); none by default
     shutdown_timeout: float = 30.0  # after SIGTERM, running requests get this long to finish
 
 
@@ -111,6 +113,8 @@ class _Gate:
 
     The body is read here (up to the limit) and replayed, so an oversized body is a 413 whether or
     not it declares its length; after the body, ``receive`` reaches the client again (disconnects).
+    A body sent without a JSON ``Content-Type`` (``curl -d`` sends a form's) is taken as JSON when it
+    parses as JSON, else refused with a message that says so.
     """
 
     def __init__(self, app, server: Server):
@@ -135,6 +139,8 @@ class _Gate:
             body = None
             if err is None:
                 body, err = await self._read_body(scope, receive)
+            if err is None:
+                scope, err = _as_json(scope, body)
             if err is not None:
                 await error_response(path, err)(scope, receive, counting_send)
                 return
@@ -185,6 +191,22 @@ class _Gate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+def _as_json(scope, body: bytes) -> tuple[dict, APIError | None]:
+    """``scope`` with a JSON content type when ``body`` is JSON sent as another type; a 400 when it is not JSON."""
+    ctype = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"").decode("latin-1")
+    if not body.strip() or not ctype or "json" in ctype.lower():
+        return scope, None  # no declared type: the framework reads JSON already
+    try:
+        json.loads(body)
+    except ValueError:
+        return scope, invalid(
+            f"the request body is not JSON (it was sent as Content-Type: {ctype}); send a JSON object "
+            "with Content-Type: application/json"
+        )
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}, None
 
 
 def _replay(body: bytes, receive):
@@ -248,6 +270,14 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     app = FastAPI(title="ds4serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.add_middleware(_Gate, server=server)
+    if config.allowed_origins:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(tokens_router)
@@ -276,7 +306,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
         log.exception("unhandled error on %s", request.url.path)
         return error_response(request.url.path, APIError(500, f"{type(exc).__name__}: {exc}", "internal"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         body = {
             "status": "shutting_down" if server.draining else "ok",

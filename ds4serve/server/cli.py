@@ -28,8 +28,14 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health "
+        help="require 'Authorization: Bearer KEY' (or x-api-key) on every route but /health and /metrics "
         "(default: $DS4SERVE_API_KEY; unset: no key)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated browser origins allowed to call the API (CORS), or '*' for any; "
+        "default none (a web page cannot drive this server)",
     )
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses")
     p.add_argument("--max-queue", type=at_least(0), default=64, help="requests allowed to wait; more get 429")
@@ -114,6 +120,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             speculative=a.speculative,
             responses_store_bytes=int(a.responses_store_mb * 2**20),
             stream_keepalive_s=a.stream_keepalive_s,
+            allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
             shutdown_timeout=a.shutdown_timeout,
         )
         if not a.no_warm_up:

@@ -35,6 +35,7 @@ class CompletionSpec:
     tools: set[str] | None = None  # callable tool names; None: no tool-call parsing
     cache_at: tuple[int, ...] = ()  # prompt positions to snapshot at (ascending; chat_format.cache_points)
     speculative: object | None = None  # this request's draft (a predicted output); None: the server's
+    skip_special_tokens: bool = True  # special tokens (BOS, placeholders) leave no text
 
 
 @dataclass
@@ -79,8 +80,6 @@ def check_prompt(server, prompt: list[int], param: str) -> None:
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise invalid(f"{param}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
-    if len(prompt) >= server.engine.max_context:
-        raise context_overflow(server.engine.max_context, len(prompt), 1)
 
 
 class Completion:
@@ -94,7 +93,7 @@ class Completion:
         hidden = set(spec.params.stop_token_ids) | (
             {server.engine.cfg.eos_token_id} if not spec.params.ignore_eos else set()
         )
-        self.detok = Detokenizer(tok, hidden)
+        self.detok = Detokenizer(tok, hidden, spec.skip_special_tokens)
         self.stopper = StopMatcher(spec.stops)
         self.parser = OutputParser(spec.thinking, spec.tools)
         self.job = Job(
@@ -136,10 +135,12 @@ class Completion:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Parsed output as it becomes certain; raises :class:`APIError` if generation fails."""
         pending: list[TokenLogprob] = []
+        count = 0
         async for event in self.job.stream():
+            count += 1
             if event.logprob is not None:
                 pending.append(event.logprob)
-            text = self.stopper.feed(self.detok.feed(event.token))
+            text = self.stopper.feed(self.detok.feed(event.token), count >= self.spec.params.min_tokens)
             if self.stopper.hit is not None and not self.job.cancelled:
                 self.server.scheduler.withdraw(self.job, "stop_sequence")
             segments = self.parser.feed(text)
@@ -327,6 +328,8 @@ def build_params(
     ignore_eos: bool = False,
     json_schema: dict | None = None,
     grammar: str | None = None,
+    stop_token_ids: list[int] | None = None,
+    min_tokens: int | None = None,
     vocab: int,
 ) -> SamplingParams:
     """SamplingParams from request fields (provider defaults: temperature 1), validated."""
@@ -340,7 +343,7 @@ def build_params(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=top_k or 0,
+        top_k=max(top_k or 0, 0),  # -1 is off, as 0
         min_p=min_p or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         frequency_penalty=frequency_penalty or 0.0,
@@ -353,6 +356,8 @@ def build_params(
         ignore_eos=ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
+        stop_token_ids=list(stop_token_ids or []),
+        min_tokens=min_tokens or 0,
     )
     try:
         params.validate(vocab)

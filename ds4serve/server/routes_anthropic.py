@@ -34,10 +34,12 @@ def _text(content: str | list[TextBlock]) -> str:
 
 def _messages(body: CountTokensRequest) -> list[dict]:
     """Anthropic turns as OpenAI-style messages: tool results become ``tool`` messages."""
+    system = [_text(body.system)] if body.system else []
     out: list[dict] = []
-    if body.system:
-        out.append({"role": "system", "content": _text(body.system)})
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            system.append(_system_text(m, i))
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -72,9 +74,22 @@ def _messages(body: CountTokensRequest) -> list[dict]:
                     f"messages.{i}.content",
                 )
         out.append(msg)
-    if out and out[-1]["role"] == "assistant":
+    if not out:
+        raise invalid("messages: expected a user or assistant message besides system ones", "messages")
+    if out[-1]["role"] == "assistant":
         out[-1]["prefix"] = True  # prefill: the model continues this message
-    return out
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
+
+
+def _system_text(m, i: int) -> str:
+    """A ``system`` message inside ``messages``: its text, for the system prompt."""
+    if isinstance(m.content, str):
+        return m.content
+    if any(b.type != "text" for b in m.content):
+        raise invalid(
+            f"messages.{i}.content: a system message holds text blocks only", f"messages.{i}.content"
+        )
+    return _text(m.content)
 
 
 def _tools(body: CountTokensRequest) -> list[dict] | None:
@@ -115,7 +130,7 @@ def _output_schema(body: CountTokensRequest) -> dict | None:
 
 
 def _encode(server, body: CountTokensRequest):
-    thinking = body.thinking is not None and body.thinking.type == "enabled"
+    thinking = body.thinking is not None and body.thinking.on
     effort = body.output_config.effort if body.output_config is not None else None
     tools = _tools(body)
     encoded = encode_messages(
@@ -130,7 +145,7 @@ def _encode(server, body: CountTokensRequest):
 
 def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tuple[str | None, dict | None]:
     """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
-    "any" or "tool" forces; under "auto", content (a document of ``output_config.format``'s schema, if any)
+    "any" or "tool" forces (``output_config.format`` then holds a later answer); under "auto", content (a document of ``output_config.format``'s schema, if any)
     then maybe calls with the ``strict`` tools' inputs held; else that schema alone."""
     choice, schema = body.tool_choice, _output_schema(body)
     if schema is not None:
@@ -139,11 +154,6 @@ def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tup
         return None, schema
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
     if choice is not None and choice.type in ("any", "tool"):
-        if schema is not None:
-            raise invalid(
-                "output_config.format: cannot be combined with a forced tool call (tool_choice)",
-                "output_config.format",
-            )
         name = choice.name if choice.type == "tool" else None
         return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema"), None
     strict = strict_tool_calls(
@@ -194,14 +204,18 @@ def _stop_reason(completion: Completion) -> str:
     return "max_tokens" if completion.finish_reason == "length" else "end_turn"
 
 
-def _usage(completion: Completion) -> dict:
-    res = completion.result
+def _input_usage(completion: Completion, cached: int) -> dict:
+    """Anthropic's input counts: ``input_tokens`` are the prompt tokens not read from the cache."""
     return {
-        "input_tokens": len(completion.spec.prompt),
-        "output_tokens": len(res.tokens),
-        "cache_read_input_tokens": res.stats.cached_tokens,
+        "input_tokens": len(completion.spec.prompt) - cached,
+        "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
+
+
+def _usage(completion: Completion) -> dict:
+    res = completion.result
+    return {**_input_usage(completion, res.stats.cached_tokens), "output_tokens": len(res.tokens)}
 
 
 def _event(kind: str, data: dict) -> str:
@@ -318,7 +332,10 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
                         "content": [],
                         "stop_reason": None,
                         "stop_sequence": None,
-                        "usage": {"input_tokens": len(completion.spec.prompt), "output_tokens": 0},
+                        "usage": {
+                            **_input_usage(completion, completion.job.cached_tokens),
+                            "output_tokens": 0,
+                        },
                     }
                 },
             )
@@ -337,7 +354,7 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
                         "stop_reason": _stop_reason(completion),
                         "stop_sequence": completion.stop_sequence,
                     },
-                    "usage": {"output_tokens": len(completion.result.tokens)},
+                    "usage": _usage(completion),
                 },
             )
             yield _event("message_stop", {})

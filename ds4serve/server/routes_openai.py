@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
+import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine import ErrorCode
 from ..engine.drafts import PredictionProposer
 from .chat_format import BOS, EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
@@ -26,7 +31,7 @@ from .output_parser import merged
 from .prepare import json_body, offload
 from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
 from .sse import OPENAI_PING, event_stream
-from .structured import structured_rule
+from .structured import requested_rule, structured_rule
 from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
@@ -43,7 +48,7 @@ def _thinking(body: ChatRequest) -> tuple[bool, str | None]:
     ``reasoning_effort`` (first one given wins); chat mode by default."""
     effort = "max" if body.reasoning_effort in _EFFORT_MAX else None
     if body.thinking is not None:
-        return body.thinking.type == "enabled", effort
+        return body.thinking.on, effort
     kwargs = body.chat_template_kwargs or {}
     for key in ("thinking", "enable_thinking"):
         if key in kwargs:
@@ -113,26 +118,23 @@ def _answer_rule(
     server, body: ChatRequest, tools: list[dict] | None, response_format: dict | None
 ) -> tuple[str | None, dict | None]:
     """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
-    "required" or a named tool forces; under "auto", content then maybe calls with the ``strict`` functions'
+    "required" or a named tool forces (with a ``response_format`` too: it holds a later answer, the one after the
+    tool's result, as OpenAI does); under "auto", content then maybe calls with the ``strict`` functions'
     parameters held (the content a document of ``response_format``'s schema, if any); else that schema alone."""
     choice = body.tool_choice
     tok, parallel = server.engine.tokenizer, body.parallel_tool_calls is not False
-    if body.structured_outputs is not None:
+    rule = requested_rule(body)
+    if rule is not None:
         held_tools = tools and (
             choice not in (None, "auto") or any(t["function"].get("strict") for t in tools)
         )
         if response_format is not None or held_tools:
             raise invalid(
-                "structured_outputs: cannot be combined with response_format, a forced tool call or "
-                "strict functions",
-                "structured_outputs",
+                f"{rule[1]}: cannot be combined with response_format, a forced tool call or strict functions",
+                rule[1],
             )
-        return structured_rule(body.structured_outputs)
+        return structured_rule(*rule)
     if tools and choice not in (None, "auto"):
-        if response_format is not None:
-            raise invalid(
-                "response_format: cannot be combined with a forced tool call (tool_choice)", "response_format"
-            )
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
@@ -185,6 +187,8 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         ignore_eos=body.ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
+        stop_token_ids=body.stop_token_ids,
+        min_tokens=body.min_tokens,
         vocab=server.engine.cfg.vocab_size,
     )
     return CompletionSpec(
@@ -197,6 +201,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
             prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
         ),
         speculative=_prediction(server, body),
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 
@@ -363,25 +368,31 @@ def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict
 # ---- /v1/completions ------------------------------------------------------------------------------
 
 
-def completion_prompt(server, body: CompletionRequest) -> list[int]:
+def completion_prompts(server, body: CompletionRequest, add_bos: bool = True) -> list[list[int]]:
+    """The request's prompts as token ids: one text or id list, or a list of them. BOS is prepended to a text
+    that lacks it (unless ``add_bos`` is off); ids are taken as they are."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid("prompt: only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        text = prompt if prompt.startswith(BOS) else BOS + prompt
-        return server.engine.tokenizer.encode(text)
-    return list(prompt)
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    out = []
+    for p in prompt if many else [prompt]:
+        if isinstance(p, str):
+            text = p if p.startswith(BOS) or not add_bos else BOS + p
+            out.append(server.engine.tokenizer.encode(text))
+        else:
+            out.append(list(p))
+    return out
 
 
-def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
-    prompt = completion_prompt(server, body)
-    check_prompt(server, prompt, "prompt")
+def completion_spec(server, body: CompletionRequest, prompt: list[int], param: str) -> CompletionSpec | None:
+    """The generation of one prompt; None when there is none (``max_tokens`` 0, the prompt echoed alone)."""
+    check_prompt(server, prompt, param)
     max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
-    grammar, json_schema = (
-        structured_rule(body.structured_outputs) if body.structured_outputs else (None, None)
-    )
+    if max_tokens == 0:
+        if not body.echo:
+            raise invalid("max_tokens: 0 generates nothing; it needs echo=true", "max_tokens")
+        return None
+    rule = requested_rule(body)
+    grammar, json_schema = structured_rule(*rule) if rule is not None else (None, None)
     params = build_params(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -397,13 +408,23 @@ def completion_spec(server, body: CompletionRequest) -> CompletionSpec:
         ignore_eos=body.ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
+        stop_token_ids=body.stop_token_ids,
+        min_tokens=body.min_tokens,
         vocab=server.engine.cfg.vocab_size,
     )
     return CompletionSpec(
         prompt=prompt,
         params=params,
         stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def completion_specs(server, body: CompletionRequest) -> tuple[list[list[int]], list[CompletionSpec | None]]:
+    """The request's prompts as token ids and the generation of each (see :func:`completion_spec`)."""
+    prompts = completion_prompts(server, body)
+    params = [f"prompt.{i}" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+    return prompts, [completion_spec(server, body, p, param) for p, param in zip(prompts, params)]
 
 
 def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
@@ -419,17 +440,87 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _prompt_logprobs(engine, prompt: list[int], top: int) -> dict:
+    """The legacy logprobs of the prompt's own tokens (``echo``): ``log_softmax`` of :meth:`Engine.score` at the
+    position before each token, and its ``top`` alternatives there; the first token has none (null)."""
+    tok = engine.tokenizer
+    lp = torch.log_softmax(engine.score(prompt).float(), dim=-1).cpu()
+    tokens = [tok.decode([t]) for t in prompt]
+    token_lps: list[float | None] = [None]
+    tops: list[dict | None] = [None]
+    for i, t in enumerate(prompt[1:]):
+        token_lps.append(float(lp[i, t]))
+        vals, ids = lp[i].topk(top) if top else (lp[i, :0], lp[i, :0])
+        tops.append({tok.decode([int(k)]): float(v) for k, v in zip(ids, vals)})
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass
+class _Echo:
+    """What an echoed prompt puts before its choices' text: the prompt's text and, with ``logprobs``, its own."""
+
+    text: str = ""
+    logprobs: dict | None = None
+
+    def joined(self, logprobs: dict) -> dict:
+        """``logprobs`` of generated tokens after the prompt's own."""
+        if self.logprobs is None:
+            return logprobs
+        return {k: self.logprobs[k] + logprobs[k] for k in logprobs}
+
+    @property
+    def offset(self) -> int:
+        """Where the generated tokens' ``text_offset`` starts."""
+        return 0 if self.logprobs is None else sum(len(t) for t in self.logprobs["tokens"])
+
+
+async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> list[_Echo]:
+    if not body.echo:
+        return [_Echo() for _ in prompts]
+    tok, out = server.engine.tokenizer, []
+    texts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else None
+    for i, prompt in enumerate(prompts):
+        text = body.prompt if isinstance(body.prompt, str) else texts[i] if texts else tok.decode(prompt)
+        lps = None
+        if body.logprobs is not None:
+            if server.engine.parked:
+                raise APIError.from_code(
+                    ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
+                )
+            lps = await asyncio.to_thread(_prompt_logprobs, server.engine, prompt, body.logprobs)
+        out.append(_Echo(text, lps))
+    return out
+
+
+def _summed(usages: list[dict]) -> dict:
+    """The usage of several prompts' choices: counts and work summed, the first token's time the first prompt's
+    (a draft's statistics only with one prompt)."""
+
+    def add(a: dict, b: dict) -> dict:
+        return {
+            k: add(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items() if k != "speculative"
+        }
+
+    total = functools.reduce(add, usages)
+    total["timings"]["first_token_ms"] = usages[0]["timings"]["first_token_ms"]
+    return total
+
+
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))):
     server = request.app.state.server
-    choices = Choices(server, request, await offload(request, completion_spec, server, body), body.n)
-    choices.start()
+    prompts, specs = await offload(request, completion_specs, server, body)
+    groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
+    if groups:
+        groups[0].start()
+    echoes = await _echoes(server, body, prompts)
     model = body.model or server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
-    if not body.stream:
-        outputs = await choices.collect()
+    if not groups:  # max_tokens 0: the prompts echoed
+        total = sum(map(len, prompts))
         return JSONResponse(
             {
                 "id": rid,
@@ -438,17 +529,45 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
                 "model": model,
                 "choices": [
                     {
-                        "index": i,
-                        "text": "".join(p.delta.content for p in pieces),
-                        "logprobs": _legacy_logprobs(tok, pieces, 0) if want_lp else None,
-                        "finish_reason": c.finish_reason,
+                        "index": i * body.n + j,
+                        "text": echo.text,
+                        "logprobs": echo.logprobs,
+                        "finish_reason": "length",
                     }
-                    for i, (c, pieces) in enumerate(zip(choices.completions, outputs))
+                    for i, echo in enumerate(echoes)
+                    for j in range(body.n)
                 ],
-                "usage": choices.usage(),
+                "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total},
             }
         )
-    stream = await choices.opened()
+    if not body.stream:
+        outputs = []
+        for k, group in enumerate(groups):
+            if k:
+                group.start()
+            outputs.append(await group.collect())
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i * body.n + j,
+                        "text": echo.text + "".join(p.delta.content for p in pieces),
+                        "logprobs": echo.joined(_legacy_logprobs(tok, pieces, echo.offset))
+                        if want_lp
+                        else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for i, (group, echo, output) in enumerate(zip(groups, echoes, outputs))
+                    for j, (c, pieces) in enumerate(zip(group.completions, output))
+                ],
+                "usage": _summed([g.usage() for g in groups]),
+            }
+        )
+    first = await groups[0].opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
@@ -463,15 +582,37 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
         )
 
     async def events() -> AsyncIterator[str]:
-        offset = 0
-        async for i, piece in stream:
-            if piece is None:
-                yield chunk(i, "", choices.completions[i].finish_reason, None)
-                offset = 0
-                continue
-            lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
-            offset += len(piece.delta.content)
-            yield chunk(i, piece.delta.content, None, lps)
+        for k, (group, echo) in enumerate(zip(groups, echoes)):
+            if k:
+                group.start()
+            stream = first if k == 0 else await group.opened()
+            started = -1
+            async for i, piece in stream:
+                index = k * body.n + i
+                if i > started:
+                    started, offset = i, echo.offset
+                    if echo.text or echo.logprobs:
+                        yield chunk(index, echo.text, None, echo.logprobs if want_lp else None)
+                if piece is None:
+                    yield chunk(index, "", group.completions[i].finish_reason, None)
+                    continue
+                lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
+                offset += len(piece.delta.content)
+                yield chunk(index, piece.delta.content, None, lps)
 
     usage_head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    return _sse_response(choices, events(), usage_head if include_usage else None)
+    return _sse_response(_Usage(groups), events(), usage_head if include_usage else None)
+
+
+class _Usage:
+    """What :func:`_sse_response` needs of the choices of several prompts: their summed usage, and closing."""
+
+    def __init__(self, groups: list[Choices]):
+        self.groups, self.server = groups, groups[0].server
+
+    def usage(self) -> dict:
+        return _summed([g.usage() for g in self.groups if g.completions])
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.close()

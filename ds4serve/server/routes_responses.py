@@ -270,17 +270,20 @@ class _Items:
         ]
 
     def piece(self, piece: Piece) -> list[dict]:
-        """The events of one piece of the answer; the logprobs of its tokens go with its output text, if any."""
+        """The events of one piece of the answer; the logprobs of its tokens go with its output text, if any (those
+        of tokens that leave no text, special ones, with the message being written)."""
         delta: ParsedDelta = piece.delta
         events = []
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning, [])
-        if delta.content:
-            events += self._text(
-                "message",
-                delta.content,
-                [] if self.tokenizer is None else token_logprobs(self.tokenizer, piece),
-            )
+        logprobs = [] if self.tokenizer is None else token_logprobs(self.tokenizer, piece)
+        textless = (
+            not (delta.reasoning or delta.tool_calls)
+            and self.open is not None
+            and self.open["type"] == "message"
+        )
+        if delta.content or (logprobs and textless):
+            events += self._text("message", delta.content, logprobs)
         for call in delta.tool_calls:
             if call.name is not None:
                 events += self._start(

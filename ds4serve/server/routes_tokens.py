@@ -3,6 +3,8 @@
 ``/tokenize`` takes a completions-style ``prompt`` (text, or token ids) or a chat request's ``messages`` (with
 its ``tools``, ``response_format`` and thinking options), encoded exactly as those routes encode them, and
 answers ``{"count", "max_model_len", "tokens"}``; a prompt longer than the context is reported, not refused.
+``add_special_tokens: false`` leaves out the BOS a text ``prompt`` would get (a chat prompt's BOS is part of its
+encoding and stays).
 ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}`` (special tokens kept).
 """
 
@@ -14,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import invalid
 from .prepare import json_body, offload
-from .routes_openai import chat_prompt, completion_prompt
+from .routes_openai import chat_prompt, completion_prompts
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest
 
 router = APIRouter()
@@ -36,10 +38,18 @@ async def tokenize(request: Request, body: dict = Depends(json_body(dict))):
 
 
 def _tokens(server, body: dict) -> list[int]:
+    add_special_tokens = body.get("add_special_tokens", True)
+    if not isinstance(add_special_tokens, bool):
+        raise invalid("add_special_tokens: expected a boolean", "add_special_tokens")
     if "messages" in body:
         _, tokens, _, _ = chat_prompt(server, _validated(ChatRequest, body))
     elif "prompt" in body:
-        tokens = completion_prompt(server, _validated(CompletionRequest, {"max_tokens": 1, **body}))
+        prompts = completion_prompts(
+            server, _validated(CompletionRequest, {**body, "max_tokens": 1}), add_special_tokens
+        )
+        if len(prompts) != 1:
+            raise invalid("prompt: expected one prompt (text or token ids)", "prompt")
+        tokens = prompts[0]
     else:
         raise invalid("expected a 'prompt' (text or token ids) or chat 'messages'", "prompt")
     return tokens

@@ -74,6 +74,12 @@ class Job:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens restored from the prefix cache, known once the engine has started on the prompt (0
+        before)."""
+        return 0 if self._handle is None else self._handle.result.stats.cached_tokens
+
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """Tokens as the engine commits them; ``self.result`` is set when this ends."""
         while True:

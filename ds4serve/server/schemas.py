@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI and Anthropic APIs, validated by pydantic.
 
 Unknown fields are accepted and ignored (clients send many); known fields are checked for type and
-range so a bad value is a 400 naming it. Fields the server cannot honour are refused explicitly
+range so a bad value is a 400 naming it. An explicit JSON ``null`` is the field left out (typed clients send
+``null`` for every optional field they do not set), so a default applies and a required field is missing. Fields the server cannot honour are refused explicitly
 (``n`` above 16, images, ``echo``) rather than ignored.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
@@ -33,6 +34,13 @@ def _lone_surrogate(value: Any) -> str | None:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if v is not None}
+        return value
 
     @field_validator("*")
     @classmethod
@@ -115,8 +123,16 @@ class StreamOptions(_Body):
 
 
 class ThinkingOption(_Body):
-    type: Literal["enabled", "disabled"]
+    """Anthropic's ``thinking`` (also taken on chat): ``enabled`` with a budget, ``adaptive`` (the model decides
+    how long to think), ``disabled``; a type newer than these asks for thinking too, and unknown fields are
+    ignored, so a client ahead of this server still gets an answer."""
+
+    type: str
     budget_tokens: int | None = Field(default=None, ge=0)
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
 
 
 class Prediction(_Body):
@@ -144,7 +160,7 @@ class StructuredOutputs(_Body):
 class SamplingFields(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -157,6 +173,11 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM's: generation also ends at these tokens
+    min_tokens: int | None = Field(
+        default=None, ge=0
+    )  # vLLM's: no stop token or stop string before this many
+    skip_special_tokens: bool = True  # vLLM's: special tokens (BOS, placeholders) leave no text
 
     @field_validator("stop")
     @classmethod
@@ -186,19 +207,12 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(default=16, ge=1)
+    prompt: str | list[int] | list[str] | list[list[int]]  # a list of texts or of id lists: one prompt each
+    max_tokens: int = Field(default=16, ge=0)  # 0 only with echo: the prompt's own logprobs
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     user: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     @field_validator("suffix")
     @classmethod
@@ -375,7 +389,7 @@ Block = Annotated[
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # a system message joins the system prompt, in order
     content: str | list[Block]
 
 

@@ -8,13 +8,15 @@ from ..tokenizer import Tokenizer
 class Detokenizer:
     """Decodes a growing list of ids, emitting only text that later tokens cannot change.
 
-    Special tokens stay in the text (the chat parser needs ``</think>`` and ``｜DSML｜``); ids in
-    ``hidden`` (the stop tokens) produce no text.
+    Ids in ``hidden`` (the stop tokens) produce no text; with ``skip_special`` neither do the tokenizer's
+    special tokens (BOS, placeholders). The tags the chat parser reads (``</think>``, ``｜DSML｜``) are not
+    special tokens, so they always stay in the text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, hidden: set[int]):
+    def __init__(self, tokenizer: Tokenizer, hidden: set[int], skip_special: bool = False):
         self.tokenizer = tokenizer
         self.hidden = hidden
+        self.skip_special = skip_special
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] were decoded already, for context
         self.read = 0
@@ -23,22 +25,26 @@ class Detokenizer:
         if token in self.hidden:
             return ""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         if text.endswith("\ufffd") or len(text) <= len(before):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before) :]
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
     def finish(self) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return text[len(before) :]
 
 
 class StopMatcher:
-    """Cuts the text stream at the first stop string, holding back what could start one."""
+    """Cuts the text stream at the first stop string, holding back what could start one. Text fed while not
+    ``active`` (before ``min_tokens``) passes unmatched: a stop string is looked for from the first active text on."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
@@ -46,10 +52,10 @@ class StopMatcher:
         self.buf = ""
         self.hit: str | None = None
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, active: bool = True) -> str:
         if self.hit is not None:
             return ""
-        if not self.stops:
+        if not self.stops or not active:
             return text
         self.buf += text
         found = [(self.buf.find(s), s) for s in self.stops if s in self.buf]

@@ -1,0 +1,37 @@
+"""Requests as the server runs them on CUDA (issue 36): greedy, sampled and seeded, plain and speculative, each
+uncached and then restoring its whole prompt from a host snapshot, as the prefix cache keeps them (the first token
+is sampled from the snapshot's host copy of the logits). All succeed; greedy and seeded plain ones give the
+uncached answer. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4serve import Engine, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(tiny_dir):
+    return Engine.from_pretrained(tiny_dir, device="cuda:0", max_context=512)
+
+
+@pytest.mark.parametrize("speculative", [None, "mtp"])
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.8, 7), (0.8, None)])
+def test_a_whole_prompt_restored_from_a_host_snapshot(gpu_engine, speculative, temperature, seed):
+    prompt = [0, *range(1000, 1040)]
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=seed)
+    uncached = gpu_engine.generate(prompt, params, speculative=speculative)
+    assert uncached.ok, uncached.error_message
+    gpu_engine.generate(prompt, SamplingParams(max_tokens=1))  # the state now ends with the prompt
+    snapshot = gpu_engine.snapshot("cpu")
+    assert snapshot.last_logits.device.type == "cpu"
+    hits = [gpu_engine.generate(prompt, params, speculative=speculative, snapshot=snapshot) for _ in range(2)]
+    for hit in hits:
+        assert hit.ok, hit.error_message
+        assert hit.stats.cached_tokens == len(prompt) and hit.stats.prefilled_tokens == 0
+    if temperature == 0 or (seed is not None and speculative is None):
+        # a sampled speculative answer draws as its drafts go, and those follow the proposer's own history
+        assert hits[0].tokens == hits[1].tokens == uncached.tokens

@@ -1,0 +1,464 @@
+"""Clients nobody here wrote (issue 36): what the openai and anthropic SDKs, evaluation harnesses, coding
+agents and browsers send, through the live server."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+
+from ds4serve import Engine, SamplingParams
+from ds4serve.engine.prefix_cache import PrefixCache
+from ds4serve.engine.sampler import Sampler
+from ds4serve.server.app import ServerConfig, create_app
+
+from .server_harness import running
+
+KEY = "clients-key"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return Engine.from_pretrained(tiny_dir, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    app = create_app(engine, ServerConfig(model_name="tiny", max_tokens_limit=200), PrefixCache(64 << 20))
+    with running(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(base):
+    return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+
+
+# ---- 1: sampling from a snapshot's logits ------------------------------------------------------------
+
+
+class _Elsewhere:
+    """Logits on a device the sampler does not sample on: only ``.to`` reads them (as a host tensor can only
+    meet a CUDA generator once moved)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.moved_to = tensor, []
+
+    def to(self, device, *args, **kwargs):
+        self.moved_to.append(torch.device(device))
+        return self.tensor.to(device, *args, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_sampler_moves_logits_to_its_generators_device(temperature):
+    params = SamplingParams(max_tokens=4, temperature=temperature, seed=5, top_k=10, logit_bias={3: 1.0})
+    logits = torch.randn(64)
+    expected = Sampler(params, 64, "cpu").sample(logits, [1, 2], [])
+    sampler = Sampler(params, 64, "cpu")
+    elsewhere = _Elsewhere(logits)
+    assert sampler.sample(elsewhere, [1, 2], []) == expected
+    assert elsewhere.moved_to == [sampler.generator.device]
+
+
+def test_a_seeded_sampled_request_on_a_fully_cached_prompt_is_the_uncached_one(oai):
+    """The second request restores its whole prompt from the prefix cache and samples its first token from the
+    snapshot's host copy of the logits: the same seeded tokens as the first, which prefilled it."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "fully cached, sampled"}], max_tokens=8)
+    first = oai.chat.completions.create(temperature=0.8, seed=17, **kw)
+    second = oai.chat.completions.create(temperature=0.8, seed=17, **kw)
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens
+    assert second.choices[0].message.content == first.choices[0].message.content
+    greedy = [oai.chat.completions.create(temperature=0, **kw).choices[0].message.content for _ in range(2)]
+    assert greedy[0] == greedy[1]
+
+
+# ---- 3, 4: what a current coding agent sends on the Anthropic API -------------------------------------
+
+
+def test_adaptive_thinking_and_system_messages_inside_messages(claude):
+    r = claude.messages.create(
+        model="tiny",
+        max_tokens=4,
+        thinking={"type": "adaptive"},
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "system", "content": [{"type": "text", "text": "Answer in English."}]},
+            {"role": "user", "content": "Again"},
+        ],
+    )
+    assert r.content[0].type == "thinking"  # thinking mode: four tokens of the random model stay reasoning
+    newer = claude.messages.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"thinking": {"type": "interleaved-2027", "display": "summarized"}},
+    )
+    assert newer.stop_reason == "max_tokens"
+
+
+def test_system_messages_join_the_system_prompt_in_order():
+    from ds4serve.server.routes_anthropic import _messages
+    from ds4serve.server.schemas import MessagesRequest
+
+    body = MessagesRequest.model_validate(
+        {
+            "max_tokens": 1,
+            "system": "first",
+            "messages": [
+                {"role": "system", "content": "second"},
+                {"role": "user", "content": "Hi"},
+                {"role": "system", "content": [{"type": "text", "text": "third"}]},
+                {"role": "assistant", "content": "Hello"},
+            ],
+        }
+    )
+    assert _messages(body) == [
+        {"role": "system", "content": "first\n\nsecond\n\nthird"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "prefix": True},
+    ]
+
+
+def test_anthropic_input_tokens_exclude_cache_reads(claude):
+    kw = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "cache me, Claude"}])
+    prompt = claude.messages.count_tokens(model="tiny", messages=kw["messages"]).input_tokens
+    claude.messages.create(**kw)
+    again = claude.messages.create(**kw).usage
+    assert again.cache_read_input_tokens > 0
+    assert again.input_tokens + again.cache_read_input_tokens == prompt
+    with claude.messages.stream(**kw) as stream:
+        start = next(e for e in stream if e.type == "message_start").message.usage
+        final = stream.get_final_message().usage
+    assert start.input_tokens + start.cache_read_input_tokens == prompt and start.cache_read_input_tokens > 0
+    assert (final.input_tokens, final.cache_read_input_tokens) == (
+        again.input_tokens,
+        again.cache_read_input_tokens,
+    )
+
+
+# ---- 6: explicit null is a field left out ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi", "name": None}],
+                "max_tokens": 2,
+                **dict.fromkeys(
+                    "model stream n logprobs top_logprobs temperature top_p top_k stop seed tools tool_choice "
+                    "response_format stream_options user ignore_eos logit_bias presence_penalty "
+                    "frequency_penalty max_completion_tokens parallel_tool_calls reasoning_effort thinking "
+                    "prediction structured_outputs min_p repetition_penalty".split()
+                ),
+            },
+        ),
+        (
+            "/v1/completions",
+            {
+                "prompt": "Hi",
+                **dict.fromkeys(
+                    "model stream n logprobs echo suffix max_tokens temperature stop seed user".split()
+                ),
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hi"}],
+                **dict.fromkeys(
+                    "model stream system temperature top_p top_k stop_sequences tools tool_choice thinking "
+                    "metadata output_config".split()
+                ),
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "Hi",
+                "max_output_tokens": 2,
+                **dict.fromkeys(
+                    "model stream instructions tools tool_choice temperature top_p reasoning text store "
+                    "background truncation previous_response_id metadata include top_logprobs "
+                    "parallel_tool_calls seed user".split()
+                ),
+            },
+        ),
+    ],
+)
+def test_explicit_null_is_absent(base, route, body):
+    r = httpx.post(f"{base}{route}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+# ---- 5: /v1/completions as evaluation harnesses use it ------------------------------------------------
+
+
+def _expected_prompt_logprobs(engine, ids: list[int]) -> list[float | None]:
+    lp = torch.log_softmax(engine.score(ids).float(), dim=-1)
+    return [None] + [float(lp[i - 1, t]) for i, t in enumerate(ids) if i]
+
+
+def test_echo_gives_the_prompts_own_logprobs_for_a_list_of_prompts(oai, engine):
+    """lm-evaluation-harness's log-likelihood request: token-id prompts echoed, nothing generated."""
+    prompts = [[0, 50, 60, 70, 80], [0, 91, 92], [0, 5, 6, 7, 8, 9, 10]]
+    r = oai.completions.create(model="tiny", prompt=prompts, echo=True, logprobs=5, max_tokens=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for ids, choice in zip(prompts, r.choices):
+        lps = choice.logprobs
+        assert choice.text == engine.tokenizer.decode(ids) and choice.finish_reason == "length"
+        assert lps.tokens == [engine.tokenizer.decode([t]) for t in ids]
+        expected = _expected_prompt_logprobs(engine, ids)
+        assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+        assert lps.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+        assert all(
+            len(top) == 5 and max(top.values()) >= lp - 1e-6
+            for top, lp in zip(lps.top_logprobs[1:], lps.token_logprobs[1:])
+        )
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 0
+
+
+def test_echo_with_generation_and_prompts_times_n_in_order(oai, engine):
+    texts = ["The first prompt", "A second one"]
+    r = oai.completions.create(
+        model="tiny", prompt=texts, echo=True, logprobs=2, max_tokens=3, n=2, temperature=1.0, seed=4
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for k, choice in enumerate(r.choices):
+        prompt_text, seed = texts[k // 2], 4 + k % 2
+        alone = oai.completions.create(
+            model="tiny", prompt=prompt_text, max_tokens=3, temperature=1.0, seed=seed
+        )
+        assert choice.text == prompt_text + alone.choices[0].text
+        ids = engine.tokenizer.encode("<｜begin▁of▁sentence｜>" + prompt_text)
+        lps = choice.logprobs
+        assert len(lps.tokens) == len(ids) + 3
+        assert lps.token_logprobs[1 : len(ids)] == pytest.approx(
+            _expected_prompt_logprobs(engine, ids)[1:], abs=1e-5
+        )
+    assert r.usage.completion_tokens == 12
+    streamed = list(
+        oai.completions.create(
+            model="tiny", prompt=texts, echo=True, max_tokens=3, n=2, temperature=1.0, seed=4, stream=True
+        )
+    )
+    by_index: dict[int, str] = {}
+    for c in streamed:
+        by_index[c.choices[0].index] = by_index.get(c.choices[0].index, "") + c.choices[0].text
+    assert [by_index[i] for i in range(4)] == [c.text for c in r.choices]
+
+
+def test_a_list_of_prompts_without_echo(oai):
+    r = oai.completions.create(model="tiny", prompt=["one", "two", "three"], max_tokens=2, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for prompt, choice in zip(["one", "two", "three"], r.choices):
+        assert (
+            choice.text
+            == oai.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+            .choices[0]
+            .text
+        )
+
+
+def test_max_tokens_zero_needs_echo(base):
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+# ---- 10: smaller things ------------------------------------------------------------------------------
+
+
+def test_tokenize_honours_add_special_tokens(base, engine):
+    on = httpx.post(f"{base}/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    off = httpx.post(f"{base}/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json()[
+        "tokens"
+    ]
+    assert on == [engine.tokenizer.bos_id, *off] and off == engine.tokenizer.encode("Hello")
+
+
+def test_context_overflow_reports_the_completion_asked_for(oai):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt=list(range(1, 300)), max_tokens=10)
+    assert exc.value.code == "context_length_exceeded"
+    assert "(299 in the messages, 10 in the completion)" in exc.value.message
+
+
+@pytest.fixture(scope="module")
+def guarded(engine):
+    """A server with an API key that lets one web origin call it."""
+    config = ServerConfig(model_name="tiny", api_key=KEY, allowed_origins=("http://localhost:3000",))
+    with running(create_app(engine, config)) as url:
+        yield url
+
+
+def test_health_answers_head_and_metrics_need_no_key(guarded):
+    assert httpx.head(f"{guarded}/health").status_code == 200
+    metrics = httpx.get(f"{guarded}/metrics")
+    assert metrics.status_code == 200 and "ds4serve_requests_total" in metrics.text
+    assert httpx.get(f"{guarded}/v1/models").status_code == 401
+
+
+def test_a_json_body_without_a_json_content_type(base):
+    body = '{"prompt": "Hi", "max_tokens": 2}'
+    r = httpx.post(
+        f"{base}/v1/completions", content=body, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    r = httpx.post(f"{base}/v1/completions", data={"prompt": "Hi"})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "not JSON" in message and "application/x-www-form-urlencoded" in message
+
+
+# ---- 9: browsers -----------------------------------------------------------------------------------
+
+
+def test_cors_preflight_and_headers_for_an_allowed_origin_only(guarded, base):
+    origin = {"Origin": "http://localhost:3000"}
+    preflight = httpx.options(
+        f"{guarded}/v1/chat/completions",
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    r = httpx.get(f"{guarded}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    refused = httpx.get(
+        f"{guarded}/v1/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
+    )
+    assert "access-control-allow-origin" not in refused.headers
+    assert "access-control-allow-origin" not in httpx.get(f"{base}/health", headers=origin).headers
+
+
+def test_the_built_in_model_folder_loads_in_transformers(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from ds4serve.cli import default_model_dir
+    from ds4serve.tokenizer import Tokenizer
+
+    monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
+    folder = default_model_dir()
+    text = "<｜begin▁of▁sentence｜>Hello, 世界 <think>"
+    assert AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] == Tokenizer(folder).encode(text)
+
+
+# ---- 8: vLLM's extra fields --------------------------------------------------------------------------
+
+
+def test_guided_fields_are_structured_outputs(oai):
+    colours = ["red", "green", "blue"]
+    r = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "A colour?"}],
+        max_tokens=10,
+        extra_body={"guided_choice": colours},
+    )
+    assert r.choices[0].message.content in colours
+    r = oai.completions.create(
+        model="tiny", prompt="Digits:", max_tokens=10, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = oai.completions.create(
+        model="tiny", prompt="JSON:", max_tokens=20, extra_body={"guided_json": json.dumps(schema)}
+    )
+    assert json.loads(r.choices[0].text) in ({"ok": True}, {"ok": False})
+    r = oai.completions.create(
+        model="tiny", prompt="Say:", max_tokens=10, extra_body={"guided_grammar": 'start: "yes" | "no"'}
+    )
+    assert r.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),
+        ({"guided_regex": "(?=a)a"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"min_tokens": 9}, "min_tokens"),
+    ],
+)
+def test_a_constraint_that_cannot_be_held_is_refused_by_name(oai, extra, field):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body=extra)
+    assert exc.value.body["param"] == field
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(oai, engine):
+    eos = str(engine.cfg.eos_token_id)
+    r = oai.completions.create(model="tiny", prompt="Hi", max_tokens=8, temperature=0, logit_bias={eos: 100})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(
+        model="tiny",
+        prompt="Hi",
+        max_tokens=8,
+        temperature=0,
+        logit_bias={eos: 100},
+        extra_body={"min_tokens": 5},
+    )
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"
+    free = oai.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    stopped = oai.completions.create(
+        model="tiny", prompt="Hello", max_tokens=8, temperature=0, stop=[free[0]]
+    )
+    assert stopped.choices[0].text == ""
+    held = oai.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        stop=[free[0]],
+        extra_body={"min_tokens": 4},
+    )
+    assert (
+        held.choices[0].text and free.startswith(held.choices[0].text) and held.usage.completion_tokens >= 4
+    )
+
+
+def test_special_tokens_leave_no_text_unless_asked(oai):
+    kw = dict(model="tiny", prompt="Hi", max_tokens=3, temperature=0, logit_bias={"128000": 100})
+    assert oai.completions.create(**kw).choices[0].text == ""
+    kept = oai.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert kept == "<｜place▁holder▁no▁0｜>" * 3
+    chat = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={"128000": 100},
+    )
+    assert chat.choices[0].message.content == ""
+
+
+def test_top_k_minus_one_is_off(oai):
+    kw = dict(model="tiny", prompt="Sample", max_tokens=5, temperature=1.0, seed=9)
+    assert (
+        oai.completions.create(**kw, extra_body={"top_k": -1}).choices[0].text
+        == oai.completions.create(**kw).choices[0].text
+    )
