@@ -174,12 +174,13 @@ def main() -> None:
     args = p.parse_args()
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
     out: dict = {"device": name, "command": " ".join(sys.argv)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.check:
         out["check"] = check(args.device)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.ttft:
         out["ttft"] = ttft(args.variant, args.layers, args.reps)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.check and not all(r["ok"] for r in out["check"]):
         sys.exit(1)
 
