@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install serve test demo clean
+.PHONY: install serve test test-fast demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The edit loop: everything but the tests marked slow (tests/conftest.py); a few minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
