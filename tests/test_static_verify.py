@@ -121,3 +121,26 @@ def test_device_writes_of_the_accepted_prefix_equal_commit_static(tiny_factory, 
             for idx, saved in sa.layers.items():
                 for name, t in saved.items():
                     assert torch.equal(sb.layers[idx][name], t), (reference.pos, idx, name)
+
+
+def test_block_plans_load_the_kernel_for_every_position_a_capture_launches(tiny_factory, monkeypatch):
+    """A verify graph captures ``write_block`` once per accepted count, and a capture cannot load a
+    kernel: ``block_plans`` must have loaded the commit kernel for each alignment of the position views
+    the launches take (Triton compiles one kernel per pointer alignment)."""
+    from ds4serve.kernels import commit
+
+    model, ids, (state, _) = static_decode_setup(
+        tiny_factory, seed=3, prompt_seed=8, length=40, prefilled=14, capacity=48
+    )
+    warmed, launched = set(), set()
+    monkeypatch.setattr(commit, "warm", lambda pos: warmed.add(pos.data_ptr() % 16))
+    monkeypatch.setattr(commit.CommitPlan, "launch", lambda self, pos: launched.add(pos.data_ptr() % 16))
+    writes = DeviceCommit(state)
+    with torch.inference_mode(), regions.disabled(), kernels.on_any_device():
+        positions = torch.arange(state.pos, state.pos + 4)
+        out = model.forward(torch.tensor(ids[14:18]), state, logit_rows=slice(None), positions=positions)
+        for accepted in (1, 2, 3):
+            plans = writes.block_plans(out.delta, accepted, positions)
+            assert plans is not None
+            writes.write_block(out.delta, positions, accepted, plans)
+    assert launched == {0, 8} and launched <= warmed

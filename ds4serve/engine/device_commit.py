@@ -109,7 +109,10 @@ class DeviceCommit:
                 if p is not None:
                     p.stage(positions.device)
             plans.append((plan, over))
-        warm(positions[:1])
+        # a token's launch takes ``positions[i:i + 1]``: int64 views alternate between 16-byte aligned and
+        # not, and Triton compiles one kernel per alignment, so both are loaded before a capture takes them
+        for i in range(min(n, 2)):
+            warm(positions[i : i + 1])
         return plans
 
     def _token_plan(self, delta: ChunkDelta) -> CommitPlan | None:
