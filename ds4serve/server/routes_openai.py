@@ -519,67 +519,39 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     rid, created = mint_id("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if not groups:  # max_tokens 0: the prompts echoed
         total = sum(map(len, prompts))
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": i * body.n + j,
-                        "text": echo.text,
-                        "logprobs": echo.logprobs,
-                        "finish_reason": "length",
-                    }
-                    for i, echo in enumerate(echoes)
-                    for j in range(body.n)
-                ],
-                "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total},
-            }
-        )
+        choices = [
+            {"index": i * body.n + j, "text": echo.text, "logprobs": echo.logprobs, "finish_reason": "length"}
+            for i, echo in enumerate(echoes)
+            for j in range(body.n)
+        ]
+        usage = {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
+        return JSONResponse({**head, "choices": choices, "usage": usage})
     if not body.stream:
         outputs = []
         for k, group in enumerate(groups):
             if k:
                 group.start()
             outputs.append(await group.collect())
-        return JSONResponse(
+        choices = [
             {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": i * body.n + j,
-                        "text": echo.text + "".join(p.delta.content for p in pieces),
-                        "logprobs": echo.joined(_legacy_logprobs(tok, pieces, echo.offset))
-                        if want_lp
-                        else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, (group, echo, output) in enumerate(zip(groups, echoes, outputs))
-                    for j, (c, pieces) in enumerate(zip(group.completions, output))
-                ],
-                "usage": _summed([g.usage() for g in groups]),
+                "index": i * body.n + j,
+                "text": echo.text + "".join(p.delta.content for p in pieces),
+                "logprobs": echo.joined(_legacy_logprobs(tok, pieces, echo.offset)) if want_lp else None,
+                "finish_reason": c.finish_reason,
             }
-        )
+            for i, (group, echo, output) in enumerate(zip(groups, echoes, outputs))
+            for j, (c, pieces) in enumerate(zip(group.completions, output))
+        ]
+        return JSONResponse({**head, "choices": choices, "usage": _summed([g.usage() for g in groups])})
     first = await groups[0].opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
-        return _sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            }
-        )
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({**head, "choices": [choice]})
 
     async def events() -> AsyncIterator[str]:
         for k, (group, echo) in enumerate(zip(groups, echoes)):
@@ -600,8 +572,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
                 offset += len(piece.delta.content)
                 yield chunk(index, piece.delta.content, None, lps)
 
-    usage_head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    return _sse_response(_Usage(groups), events(), usage_head if include_usage else None)
+    return _sse_response(_Usage(groups), events(), head if include_usage else None)
 
 
 class _Usage:
