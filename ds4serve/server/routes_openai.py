@@ -172,29 +172,18 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     )
     params = build_params(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        seed=body.seed,
-        logit_bias=body.logit_bias,
+        **_sampling_fields(body),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         reasoning_budget=body.thinking.budget_tokens if body.thinking else None,
         thinking=thinking,
-        ignore_eos=body.ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
-        stop_token_ids=body.stop_token_ids,
-        min_tokens=body.min_tokens,
         vocab=server.engine.cfg.vocab_size,
     )
     return CompletionSpec(
         prompt=prompt,
         params=params,
-        stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stops=_stops(body.stop),
         thinking=thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
         cache_at=cache_points(
@@ -395,27 +384,16 @@ def completion_spec(server, body: CompletionRequest, prompt: list[int], param: s
     grammar, json_schema = structured_rule(*rule) if rule is not None else (None, None)
     params = build_params(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        seed=body.seed,
-        logit_bias=body.logit_bias,
+        **_sampling_fields(body),
         logprobs=body.logprobs,
-        ignore_eos=body.ignore_eos,
         json_schema=json_schema,
         grammar=grammar,
-        stop_token_ids=body.stop_token_ids,
-        min_tokens=body.min_tokens,
         vocab=server.engine.cfg.vocab_size,
     )
     return CompletionSpec(
         prompt=prompt,
         params=params,
-        stops=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stops=_stops(body.stop),
         skip_special_tokens=body.skip_special_tokens,
     )
 
@@ -587,3 +565,25 @@ class _Usage:
     def close(self) -> None:
         for g in self.groups:
             g.close()
+
+
+def _sampling_fields(body: ChatRequest | CompletionRequest) -> dict:
+    """The sampling fields chat and completions requests share, as :func:`build_params` takes them."""
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "seed": body.seed,
+        "logit_bias": body.logit_bias,
+        "ignore_eos": body.ignore_eos,
+        "stop_token_ids": body.stop_token_ids,
+        "min_tokens": body.min_tokens,
+    }
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
