@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -29,6 +30,9 @@ from .linear import linear
 from .moe import MoEWeights, moe
 from .norms import rms_norm
 from .rope import Rope
+
+if TYPE_CHECKING:
+    from .batch import BatchForward
 
 
 @dataclass
@@ -150,7 +154,7 @@ class DeepSeekV4:
         if state.pos + S > state.max_context:
             raise ValueError(f"chunk of {S} at position {state.pos} exceeds the state's {state.max_context}")
         if self.embed is not None:
-            X = self.embed[ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+            X = self.streams(ids)
         elif hidden is None:
             raise ValueError(f"layer range {self.layers.start}.. needs the incoming hidden streams")
         else:
@@ -182,6 +186,23 @@ class DeepSeekV4:
             tokens = [int(t) for t in token_ids]
         delta = ChunkDelta(start=state.pos, tokens=tokens, layers=deltas)
         return ForwardResult(hidden=X, delta=delta, logits=logits, captured=captured)
+
+    def streams(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of ``ids [S]`` as the ``hc`` identical residual streams ``[S, hc, D]``."""
+        return self.embed[ids].unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def decode_batch(
+        self,
+        token_ids: Sequence[int],
+        states: Sequence[SequenceState],
+        *,
+        hidden: torch.Tensor | None = None,
+    ) -> BatchForward:
+        """One new token for each of N sequences, each row bitwise independent of the others
+        (:func:`ds4serve.model.batch.decode_batch`); writes nothing."""
+        from .batch import decode_batch
+
+        return decode_batch(self, token_ids, states, hidden=hidden)
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Final merge, norm and head for streams ``X [N, hc, D]``: float32 ``[N, V]``."""
@@ -261,27 +282,56 @@ def _block(
     pending: PendingMerge | None,
     defer: bool,
 ) -> tuple[torch.Tensor, LayerDelta, PendingMerge | None]:
-    hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-    # "hc_pre" includes the sublayer's input norm, fused or not, so that the phases
-    # measure the same work either way
-    with profiler.phase("hc_pre"):
-        if pending is None:
-            post, comb, x = hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
-        else:
-            X, post, comb, x = hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
+    X, post, comb, x = attention_site(b, X, pending, cfg)
     with profiler.phase("attention"):
         a, delta = attention(b.attn, x, chunk, ls, cfg, ropes)
-    # The attention output's merge and the MoE's pre site are one call (one launch when fused):
-    # both are timed as "hc_pre", fused or not, and "hc_post" is the block-end merge alone
-    with profiler.phase("hc_pre"):
-        X, post, comb, x = hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
+    X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
     with profiler.phase("moe_ffn"):
         # a deferred merge sums the MoE's slot terms itself: one launch less
         m = moe(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer)
+    X, pending = block_end(X, m, post, comb, defer)
+    return X, delta, pending
+
+
+def attention_site(
+    b: BlockWeights, X: torch.Tensor, pending: PendingMerge | None, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's first mHC site, after the previous block's ``pending`` merge if any: ``(X, post, comb, x)``,
+    ``x`` the attention's normalised input.
+
+    "hc_pre" includes the sublayer's input norm, fused or not, so that the phases measure the same work
+    either way."""
+    hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    with profiler.phase("hc_pre"):
+        if pending is None:
+            return X, *hc_pre(X, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
+        return hc_merge_pre(X, *pending, b.hc_attn, b.attn_norm, hc, iters, eps, neps)
+
+
+def ffn_site(
+    b: BlockWeights,
+    X: torch.Tensor,
+    a: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    cfg: ModelConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention output ``a``'s merge and the MoE's pre site, one call (one launch when fused):
+    ``(X, post, comb, x)``. Both are timed as "hc_pre", fused or not; "hc_post" is the block-end merge alone."""
+    hc, iters, eps, neps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    with profiler.phase("hc_pre"):
+        return hc_merge_pre(X, a, post, comb, b.hc_ffn, b.ffn_norm, hc, iters, eps, neps)
+
+
+def block_end(
+    X: torch.Tensor, m: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, defer: bool
+) -> tuple[torch.Tensor, PendingMerge | None]:
+    """The MoE output ``m``'s merge: ``(X', None)``, or with ``defer`` ``(X, (m, post, comb))`` left to the
+    next block's first site (:func:`attention_site`)."""
     if defer:
-        return X, delta, (m, post, comb)
+        return X, (m, post, comb)
     with profiler.phase("hc_post"):
-        return hc_merge(X, m, post, comb), delta, None
+        return hc_merge(X, m, post, comb), None
 
 
 def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -89,6 +89,29 @@ def moe(
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
 
 
+def moe_rows(
+    w: MoEWeights,
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    limit: float,
+    slot_terms: bool = False,
+) -> torch.Tensor:
+    """:func:`moe` for a tile of rows (a batched decode step) in which each row's result depends on that row
+    alone: the fused decode kernels, where they take the tile, handle every (token, expert) pair on its own;
+    elsewhere the routed experts run row by row (the grouped path's group sizes depend on every row's
+    routing). The router and the shared expert run on the whole tile. ``slot_terms`` as for :func:`moe`."""
+    weights, idx = route(w, x, token_ids, top_k, scaling)
+    if _fused_applies(x, idx):
+        return _moe_fused(w, x, idx, weights, limit, not slot_terms)
+    rows = [
+        routed_experts(x[r : r + 1], idx[r : r + 1], weights[r : r + 1], w.w1, w.w3, w.w2, limit)
+        for r in range(x.shape[0])
+    ]
+    return torch.cat(rows) + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
+
+
 def _fused_applies(x: torch.Tensor, idx: torch.Tensor) -> bool:
     """The fused decode kernels take up to ``kernels.moe.MAX_PAIRS`` (token, expert) pairs."""
     if not kernels.enabled(x):

@@ -1,0 +1,164 @@
+"""Batched decode: one new token for each of N sequences, each row bitwise what it is in any batch.
+
+:func:`decode_batch` runs the rows in tiles of exactly ``ROW_TILE``; the last tile is filled with padding rows
+(token 0, attention output zeros, results discarded). Every token-wise part (the embedding, the mHC sites, the
+MoE router and shared expert, the head) runs on the whole tile, whose shape never changes, so a row's bits
+do not depend on how many rows run, which ones, or where it sits. Attention runs row by row, each exactly a
+batch of one's (the row's own state, position and :class:`~ds4serve.model.attention.ChunkInfo`); the routed
+experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe_rows`).
+A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
+nothing; the caller commits each row's :class:`~ds4serve.state.ChunkDelta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .. import profiler
+from ..config import ModelConfig
+from ..state import ChunkDelta, LayerDelta, SequenceState
+from .attention import AttentionWeights, ChunkInfo, attention
+from .deepseek4 import BlockWeights, DeepSeekV4, PendingMerge, attention_site, block_end, ffn_site
+from .hyper import fused_sites
+from .moe import moe_rows
+from .rope import Rope
+
+ROW_TILE = 8  # rows per tile: every token-wise op of a batched step runs on exactly this many rows
+
+
+@dataclass
+class BatchForward:
+    logits: torch.Tensor | None  # [N, V] float32, row r = after token_ids[r] on states[r]; None: no head
+    deltas: list[
+        ChunkDelta
+    ]  # row r's one-token delta at states[r].pos; commit with states[r].commit(delta, 1)
+    hidden: torch.Tensor  # [N, hc, D] streams after the range's last layer (before the head's merge)
+
+
+Row = tuple[SequenceState, ChunkInfo] | None  # a sequence's state and its token's position; None: padding
+
+
+def decode_batch(
+    model: DeepSeekV4,
+    token_ids: Sequence[int],
+    states: Sequence[SequenceState],
+    *,
+    hidden: torch.Tensor | None = None,
+) -> BatchForward:
+    """Forward ``token_ids[r]`` at ``states[r].pos`` for every row ``r`` over the model's layer range.
+
+    ``hidden [N, hc, D]``: the incoming streams when the range does not start at layer 0. Rows are
+    independent: a row's logits and delta are bit-identical whatever the other rows, their number and order.
+    Raises ValueError for mismatched lengths, no rows, a state given twice or one without room for a token.
+    """
+    ids = [int(t) for t in token_ids]
+    _validate(model, ids, states, hidden)
+    logits, streams, deltas = [], [], []
+    for start in range(0, len(ids), ROW_TILE):
+        tile_states = states[start : start + ROW_TILE]
+        real = len(tile_states)
+        pad = ROW_TILE - real
+        tile_ids = torch.tensor(ids[start : start + real] + [0] * pad, dtype=torch.long, device=model.device)
+        rows: list[Row] = [(s, model.chunk_info(s.pos, 1)) for s in tile_states] + [None] * pad
+        if model.embed is not None:
+            X = model.streams(tile_ids)
+        else:
+            part = hidden[start : start + real].to(device=model.device, dtype=model.dtype)
+            X = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
+        X, layer_deltas = _tile_forward(model, X, tile_ids, rows)
+        if model.head is not None:
+            logits.append(model.logits(X)[:real])
+        streams.append(X[:real])
+        for r, s in enumerate(tile_states):
+            layers = {i: layer_deltas[i][r] for i in model.layers}
+            deltas.append(ChunkDelta(start=s.pos, tokens=[ids[start + r]], layers=layers))
+    return BatchForward(
+        logits=torch.cat(logits) if logits else None, deltas=deltas, hidden=torch.cat(streams)
+    )
+
+
+def _validate(
+    model: DeepSeekV4, ids: list[int], states: Sequence[SequenceState], hidden: torch.Tensor | None
+) -> None:
+    if len(ids) != len(states):
+        raise ValueError(
+            f"token_ids and states: expected one token per state, got {len(ids)} and {len(states)}"
+        )
+    if not ids:
+        raise ValueError("token_ids: expected at least one row")
+    seen: set[int] = set()
+    for r, s in enumerate(states):
+        if id(s) in seen:
+            raise ValueError(f"states[{r}]: a state appears twice in the batch")
+        seen.add(id(s))
+        if s.pos + 1 > s.max_context:
+            raise ValueError(f"states[{r}]: full ({s.pos} of {s.max_context} tokens), no room for one more")
+    if model.embed is None:
+        want = (len(ids), model.cfg.hc_mult, model.cfg.hidden_size)
+        if hidden is None:
+            raise ValueError(f"layer range {model.layers.start}.. needs the incoming hidden streams")
+        if tuple(hidden.shape) != want:
+            raise ValueError(f"hidden: expected shape {want}, got {tuple(hidden.shape)}")
+
+
+def _tile_forward(
+    model: DeepSeekV4, X: torch.Tensor, ids: torch.Tensor, rows: list[Row]
+) -> tuple[torch.Tensor, dict[int, list[LayerDelta | None]]]:
+    """Streams ``X [ROW_TILE, hc, D]`` through the layer range: ``(X, per layer each row's delta)``."""
+    deltas: dict[int, list[LayerDelta | None]] = {}
+    pending = None
+    for i in model.layers:
+        # as in DeepSeekV4.forward: the closing merge joins the next block's first site when that is one launch
+        defer = i != model.layers[-1] and fused_sites(X)
+        X, deltas[i], pending = _tile_block(
+            model.blocks[i], i, X, ids, rows, model.cfg, model.ropes, pending, defer
+        )
+    return X, deltas
+
+
+def _tile_block(
+    b: BlockWeights,
+    layer: int,
+    X: torch.Tensor,
+    ids: torch.Tensor,
+    rows: list[Row],
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+    pending: PendingMerge | None,
+    defer: bool,
+) -> tuple[torch.Tensor, list[LayerDelta | None], PendingMerge | None]:
+    """One decoder block over a tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`)."""
+    X, post, comb, x = attention_site(b, X, pending, cfg)
+    with profiler.phase("attention"):
+        a, deltas = _row_attention(b.attn, layer, x, rows, cfg, ropes)
+    X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
+    with profiler.phase("moe_ffn"):
+        m = moe_rows(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer)
+    X, pending = block_end(X, m, post, comb, defer)
+    return X, deltas, pending
+
+
+def _row_attention(
+    w: AttentionWeights,
+    layer: int,
+    x: torch.Tensor,
+    rows: list[Row],
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+) -> tuple[torch.Tensor, list[LayerDelta | None]]:
+    """Each row's attention as a batch of one's, ``[ROW_TILE, D]``; a padding row's output is zeros."""
+    outs, deltas = [], []
+    for r, row in enumerate(rows):
+        if row is None:
+            outs.append(x.new_zeros(1, cfg.hidden_size))
+            deltas.append(None)
+            continue
+        state, chunk = row
+        # a fresh copy: the row's input never depends on where it sits in the tile (offset, alignment)
+        a, delta = attention(w, x[r : r + 1].clone(), chunk, state.layers[layer], cfg, ropes)
+        outs.append(a)
+        deltas.append(delta)
+    return torch.cat(outs), deltas
