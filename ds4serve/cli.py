@@ -203,6 +203,19 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--eager", action="store_true", help="never capture the decode step as a CUDA graph")
     p.add_argument(
+        "--max-batch",
+        type=at_least(1),
+        default=None,
+        help="sequences decoded together in one step (default: 16; 1 where decode runs as the "
+        "one-sequence CUDA graph)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=at_least(1),
+        default=None,
+        help="prompt tokens forwarded per step, at least one chunk (default: the chunk size)",
+    )
+    p.add_argument(
         "--torch-reference",
         action="store_true",
         help="run the torch reference instead of the Triton kernels on the GPU (slow; for checking)",
@@ -241,6 +254,8 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
         layer_split=_int_list("--layer-split", a.layer_split),
         quantized=False if a.dequantize else None,
         eager=a.eager,
+        max_batch=a.max_batch,
+        max_prefill_tokens=a.max_prefill_tokens,
         kernels=dataclasses.replace(kernel_config.current(), triton=not a.torch_reference, pdl=not a.no_pdl),
     )
     return engine, model, dtype

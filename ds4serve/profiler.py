@@ -12,9 +12,9 @@ Hooks, called from the code they time:
   record (scope ``<mode>_graph``, e.g. ``decode_graph``) and :func:`phase` records nothing inside
   it, since the graph's phases cannot be seen from the host. Never wrap the capture itself: while
   a stream is capturing, both hooks record nothing.
-- :func:`request` around a whole request: with ``DS4SERVE_TIMING`` on, one ``[ds4-timing]`` log
-  line of host wall times and tokens/s per mode, and the same numbers in
-  ``result.stats.host_timing``.
+- :func:`request_timer` per request: with ``DS4SERVE_TIMING`` on, the steps that served it (a batched
+  step serves several) make one ``[ds4-timing]`` log line of host wall times and tokens/s per mode when
+  it ends, and the same numbers in ``result.stats.host_timing``.
 
 Disabled (``DS4SERVE_GPU_PROFILE`` unset or ``0`` and ``DS4SERVE_TIMING`` off) every hook returns one
 shared no-op context manager: no events, no synchronisation, no NVTX, no file, no output.
@@ -114,11 +114,13 @@ def step(
     return _NOOP if _active is None else _active.step(mode, tokens, kv_start, layers, scope, graph)
 
 
-def request(result: Any) -> AbstractContextManager:
-    """Scope of a whole request; with host timing on, fills ``result.stats.host_timing`` and logs it."""
+def request_timer(result: Any) -> "RequestTimer | None":
+    """A request's host timer, None unless host timing is on: the steps it counts are those run inside its
+    :meth:`RequestTimer.active` blocks (a batched step, inside several, counts for each of them);
+    :meth:`RequestTimer.finish` fills ``result.stats.host_timing`` and logs it."""
     if not _configured:
         configure()
-    return _NOOP if _active is None or not _active.timing else _active.request(result)
+    return None if _active is None or not _active.timing else RequestTimer(_active, result)
 
 
 @contextmanager
@@ -202,7 +204,7 @@ class _Thread(threading.local):
     def __init__(self) -> None:
         self.steps: list[_Step] = []
         self.pools: dict[tuple[int, str, int], list[tuple[Any, Any]]] = {}
-        self.request: _RequestTiming | None = None
+        self.requests: list[_RequestTiming] = []  # the host timers of the requests the current step serves
 
 
 class Profiler:
@@ -251,9 +253,6 @@ class Profiler:
         if steps[-1].clock == "cuda_event" and torch.cuda.is_current_stream_capturing():
             return _NOOP
         return _PhaseScope(self, name)
-
-    def request(self, result: Any) -> AbstractContextManager:
-        return _RequestScope(self, result)
 
     def begin_phase(self, name: str) -> None:
         """Open ``name`` in the innermost step (no-op outside a step or for an unknown phase)."""
@@ -334,18 +333,18 @@ class Profiler:
             steps.pop()
         while s.open:  # phases left open by an exception, then the step itself
             self._end(s)
-        req = self._local.request
+        reqs = self._local.requests
         if failed:
             return
         if self.timing:
             if s.clock == "cuda_event":
                 torch.cuda.synchronize()
-            if req is not None:
+            for req in reqs:
                 req.add(s.mode, s.tokens, perf_counter() - s.wall_start)
         if self.gpu:
             began = perf_counter()
             self._emit(s)
-            if req is not None:
+            for req in reqs:
                 req.profiler_s += perf_counter() - began
 
     # ---- records -------------------------------------------------------------------------------
@@ -403,19 +402,26 @@ class _PhaseScope:
         self.profiler.end_phase(self.name)
 
 
-class _RequestScope:
+class RequestTimer:
+    """Host timing of one request (see :func:`request_timer`)."""
+
     def __init__(self, profiler: Profiler, result: Any):
         self.profiler = profiler
         self.result = result
         self.timing = _RequestTiming()
-        self.previous: _RequestTiming | None = None
 
-    def __enter__(self) -> None:
-        local = self.profiler._local
-        self.previous, local.request = local.request, self.timing
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Count the steps run in this block (on this thread) for the request."""
+        reqs = self.profiler._local.requests
+        reqs.append(self.timing)
+        try:
+            yield
+        finally:
+            reqs.remove(self.timing)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.profiler._local.request = self.previous
+    def finish(self) -> None:
+        """Fill ``result.stats.host_timing`` and log the request's line."""
         summary = self.timing.summary()
         self.result.stats.host_timing = summary
         parts = [f"prompt_tokens={self.result.stats.prompt_tokens}", f"generated={len(self.result.tokens)}"]

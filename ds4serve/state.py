@@ -64,7 +64,7 @@ class LayerState:
         return [c for c in (self.compressor, self.indexer) if c is not None]
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceState:
     """The state of one sequence over a range of layers (a whole model or one shard)."""
 

@@ -17,7 +17,8 @@ import httpx
 import uvicorn
 
 from ds4serve import Engine, SamplingParams
-from ds4serve.engine import ErrorCode
+from ds4serve.engine import ErrorCode, RequestHandle
+from ds4serve.engine.step_loop import StepReport
 
 
 def free_port() -> int:
@@ -70,48 +71,34 @@ FAIL = object()  # script marker: the engine fails at this point
 HOLD = object()  # script marker: the engine waits here until ScriptedEngine.release()
 
 
-class ScriptedHandle:
-    def __init__(self, inner: Engine, prompt: list[int], snapshot, script: list, released: threading.Event):
-        self.result = inner.generate(prompt, SamplingParams(max_tokens=1, temperature=0), snapshot=snapshot)
-        self.result.tokens, self.result.finish_reason = [], "length"
-        self.script = script
-        self.released = released
-        self._cancelled = False
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    def __iter__(self):
-        for item in self.script:
-            if self._cancelled:
-                self.result.finish_reason, self.result.error = "cancelled", ErrorCode.CANCELLED
-                return
-            if item is HOLD:  # until released, or cancelled (as the engine stops before its next forward)
-                deadline = time.monotonic() + 30
-                while not self.released.wait(0.01) and not self._cancelled:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("a held script was never released")
-                continue
-            if item is FAIL:
-                self.result.finish_reason, self.result.error = "error", ErrorCode.INTERNAL
-                self.result.error_message = "scripted failure"
-                return
-            self.result.tokens.append(item)
-            yield item
-        self.result.finish_reason = "stop"
-
-
 class ScriptedEngine:
-    """The real engine with scripted generations (queued in ``scripts``); records the prompts."""
+    """The real engine behind the interface the server's scheduler drives (submit, step, withdraw), with
+    scripted generations (queued in ``scripts``) run one at a time; records the prompts.
+
+    Admitting a request runs the real engine on its prompt (so the prefix cache and the stats behave as in
+    production); each step then emits the next scripted token. A ``HOLD`` marker emits nothing until
+    :meth:`release` (as a request in a long prefill), a ``FAIL`` marker ends the request with an engine error."""
+
+    max_batch = 1
 
     def __init__(self, inner: Engine):
         self.inner = inner
         self.scripts: list[list] = []
         self.prompts: list[list[int]] = []
         self.released = threading.Event()
+        self._waiting: list[tuple[RequestHandle, list]] = []
+        self._running: tuple[RequestHandle, list] | None = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    @property
+    def prefix_cache(self):
+        return self.inner.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache) -> None:
+        self.inner.prefix_cache = cache
 
     def script(self, text: str, fail: bool = False, hold: bool = False) -> None:
         """Queue a generation of ``text``; ``fail``: then an engine failure; ``hold``: first wait for
@@ -126,6 +113,70 @@ class ScriptedEngine:
     def release(self) -> None:
         self.released.set()
 
-    def stream(self, prompt, params, *, speculative=None, snapshot=None) -> ScriptedHandle:
-        self.prompts.append(list(prompt))
-        return ScriptedHandle(self.inner, prompt, snapshot, self.scripts.pop(0), self.released)
+    # ---- the scheduler's interface ---------------------------------------------------------------
+    def submit(self, handle: RequestHandle) -> None:
+        self.prompts.append(list(handle.prompt))
+        self._waiting.append((handle, list(self.scripts.pop(0))))
+
+    def withdraw(self, handle: RequestHandle) -> bool:
+        handle.cancel()
+        for item in self._waiting:
+            if item[0] is handle:
+                self._waiting.remove(item)
+                _finish(handle, "cancelled", ErrorCode.CANCELLED)
+                return True
+        return False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return int(self._running is not None)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and self._running is None
+
+    def step(self) -> StepReport:
+        if self._running is None and self._waiting:
+            handle, script = self._running = self._waiting.pop(0)
+            handle.admitted = time.perf_counter()
+            real = self.inner.stream(
+                handle.prompt,
+                SamplingParams(max_tokens=1, temperature=0),
+                snapshot=handle.snapshot,
+                cache_at=handle.cache_at,
+            )
+            for _ in real:
+                pass
+            handle.result.stats, handle.result.timings = real.result.stats, real.result.timings
+        if self._running is not None:
+            handle, script = self._running
+            item = script[0]
+            if handle.cancelled:
+                self._end("cancelled", ErrorCode.CANCELLED)
+            elif item is HOLD:
+                if self.released.wait(0.01):
+                    script.pop(0)
+            elif item is FAIL:
+                handle.result.error_message = "scripted failure"
+                self._end("error", ErrorCode.INTERNAL)
+            else:
+                script.pop(0)
+                handle.result.tokens.append(item)
+                handle._emit(item)
+                if not script:
+                    self._end("stop", None)
+        return StepReport()
+
+    def _end(self, reason: str, error: ErrorCode | None) -> None:
+        handle, _ = self._running
+        self._running = None
+        _finish(handle, reason, error)
+
+
+def _finish(handle: RequestHandle, reason: str, error: ErrorCode | None) -> None:
+    handle.result.finish_reason, handle.result.error = reason, error
+    handle._finish()

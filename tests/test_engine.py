@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from ds4serve import Engine, ErrorCode, SamplingParams
-from ds4serve.engine.engine import MIN_STATE_TOKENS, default_chunk_size, state_capacity
+from ds4serve.engine.engine import default_chunk_size
 from ds4serve.engine.request import GenerateError
+from ds4serve.engine.state_pool import MIN_STATE_TOKENS, state_capacity
 from tests.helpers import random_prompt
 
 

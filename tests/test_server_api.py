@@ -19,12 +19,13 @@ from ds4serve.server.chat_format import encode_messages
 from .server_harness import metric, running, wait_for
 
 KEY = "test-key"
+ROWS = 2  # the server's engine decodes up to this many sequences together
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def base(tiny_dir):
-    engine = Engine.from_pretrained(tiny_dir, max_context=1024)
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=ROWS)
     app = create_app(
         engine,
         ServerConfig(model_name="tiny", api_key=KEY, max_queue=1, max_tokens_limit=512),
@@ -376,17 +377,16 @@ def test_non_streaming_disconnect_cancels(base, oai):
 
 
 def test_full_queue_answers_429_with_retry_after(base, oai):
-    """max_queue=1: one request runs, one waits, the third is refused; the server then recovers."""
+    """max_queue=1: ROWS requests run, one waits, the next is refused; the server then recovers."""
     long_body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "occupy"}],
         "max_tokens": 400,
         "stream": True,
     }
-    started = threading.Event()
     stop = threading.Event()
 
-    def occupy():
+    def occupy(started: threading.Event):
         with httpx.stream(
             "POST", f"{base}/v1/chat/completions", json=long_body, headers=AUTH, timeout=30
         ) as r:
@@ -395,9 +395,12 @@ def test_full_queue_answers_429_with_retry_after(base, oai):
                 if stop.is_set():
                     return
 
-    holder = threading.Thread(target=occupy)
-    holder.start()
-    assert started.wait(20)
+    holders = []
+    for _ in range(ROWS):
+        started = threading.Event()
+        holders.append(threading.Thread(target=occupy, args=(started,)))
+        holders[-1].start()
+        assert started.wait(20)
     waiting = threading.Thread(
         target=lambda: httpx.post(
             f"{base}/v1/chat/completions",
@@ -412,7 +415,8 @@ def test_full_queue_answers_429_with_retry_after(base, oai):
         f"{base}/v1/chat/completions", json={**long_body, "stream": False}, headers=AUTH, timeout=30
     )
     stop.set()
-    holder.join(30)
+    for holder in holders:
+        holder.join(30)
     waiting.join(30)
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error"

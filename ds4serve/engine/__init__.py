@@ -1,7 +1,8 @@
 """The inference engine: prefill, decode, sampling, snapshots and the request lifecycle."""
 
-from .engine import Engine, RequestHandle
+from .engine import Engine
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
+from .step_loop import RequestHandle
 
 __all__ = [
     "Engine",

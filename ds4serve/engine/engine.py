@@ -1,6 +1,8 @@
-"""The engine: one model, one sequence at a time, exact chunked prefill and decode.
+"""The engine: one model, exact chunked prefill and decode, many sequences through one step loop.
 
-Every request starts from a clean :class:`~ds4serve.state.SequenceState` or from a restored
+Requests go through :mod:`.step_loop` (admission, chunked prefill, batched decode, retirement), which
+:meth:`Engine.generate` drives for a lone caller and the server drives for all of its clients. Every
+request starts from a clean :class:`~ds4serve.state.SequenceState` or from a restored
 :class:`~ds4serve.state.Snapshot` whose tokens are a prefix of the prompt (then only the suffix is
 prefilled; an exact-prefix restore forwards nothing and samples from the snapshot's last logits).
 Failures never escape :meth:`Engine.generate`: they come back as a :class:`GenerateResult` with an
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -34,15 +36,14 @@ from ..parallel.split_model import SplitModel
 from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
-from .constraint import Constraint
-from .constraint import for_request as constraint_for
 from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
-from .generation import Generation
 from .prefill_graphs import MAX_GRAPH_TOKENS, FirstChunkGraphs
 from .prefill_graphs import graphs_apply as prefill_graphs_apply
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
-from .speculative import PromptFeed, speculative_decode
+from .speculative import PromptFeed
+from .state_pool import StatePool
+from .step_loop import RequestHandle, StepLoop, StepReport, even_chunks
 
 log = logging.getLogger("ds4serve.engine")
 WARM_UP_PROMPT, WARM_UP_TOKENS = 16, 4  # Engine.warm_up's request: a prefill chunk and a few decode steps
@@ -56,7 +57,7 @@ DTYPES = {
     "fp16": torch.float16,
 }
 PARK_SELECTORS = ("", "all", "target", "draft")
-MIN_STATE_TOKENS = 1024  # the smallest sequence state the engine allocates (see state_capacity)
+DEFAULT_MAX_BATCH = 16  # sequences a decode step takes where the engine batches (see Engine.__init__)
 GPU_CHUNK_TOKENS, CPU_CHUNK_TOKENS = 4096, 512  # default longest prefill chunk (see default_chunk_size)
 
 
@@ -66,35 +67,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
-
-
-class RequestHandle:
-    """A running generation: iterate it for tokens, ``cancel()`` it, read ``result`` when done."""
-
-    def __init__(
-        self,
-        engine: "Engine",
-        prompt: list[int],
-        params: SamplingParams,
-        speculative: object | None,
-        snapshot: Snapshot | None,
-    ):
-        self.prompt = list(prompt) if not isinstance(prompt, list) else prompt
-        self.params = params
-        self.result = GenerateResult()
-        self._cancel = threading.Event()
-        self._tokens = engine._run(self, speculative, snapshot)
-
-    def cancel(self) -> None:
-        """Stop before the next forward; the result ends with ``finish_reason='cancelled'``."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def __iter__(self) -> Iterator[int]:
-        return self._tokens
 
 
 class Engine:
@@ -111,7 +83,15 @@ class Engine:
         chunk_size: int = 512,
         eager: bool = False,
         kernels: KernelConfig | None = None,
+        max_batch: int | None = None,
+        max_prefill_tokens: int | None = None,
     ):
+        """``max_batch``: the most sequences that run at once (decoded together in one batched forward);
+        default :data:`DEFAULT_MAX_BATCH`, except 1 where decode steps run as the one-sequence CUDA graph (on
+        CUDA unless ``eager``) or the model has no batched forward (a pipeline). An engine with
+        ``max_batch`` 1 decodes through the one-sequence step, any other through the batched one, a lone
+        sequence included, so that a sequence's results never depend on what runs beside it.
+        ``max_prefill_tokens``: prompt tokens forwarded per step, at least one chunk (default ``chunk_size``)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
         self.model: DeepSeekV4 | None = model
@@ -124,7 +104,8 @@ class Engine:
         self.max_context = max_context or self.cfg.max_position_embeddings
         self.chunk_size = chunk_size
         self.draft = None  # a draft model with park()/unpark(), set by speculative decoding
-        self._state: SequenceState | None = None
+        self.prefix_cache = None  # a PrefixCache the step loop restores from and fills (set by the server)
+        self._state: SequenceState | None = None  # the state of the request admitted last
         self._pending_restore: Snapshot | None = None
         self._lock = threading.RLock()
         self.forward_calls = 0
@@ -142,6 +123,16 @@ class Engine:
         self._verify_graphs: dict[
             tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
         ] = {}
+        if max_batch is None:
+            one = self._graph_kinds(model) is not None or not hasattr(model, "decode_batch")
+            max_batch = 1 if one else DEFAULT_MAX_BATCH
+        if max_batch > 1 and not hasattr(model, "decode_batch"):
+            raise ValueError(
+                f"max_batch: {type(model).__name__} runs one sequence at a time, got {max_batch}"
+            )
+        self.max_batch = max_batch
+        self._states = StatePool(self.new_sequence, self.max_context, max_batch, self._forget_state)
+        self._loop = StepLoop(self, max_batch, max_prefill_tokens or chunk_size)
 
     @classmethod
     def from_pretrained(
@@ -157,6 +148,8 @@ class Engine:
         quantized: bool | None = None,
         eager: bool = False,
         kernels: KernelConfig | None = None,
+        max_batch: int | None = None,
+        max_prefill_tokens: int | None = None,
     ) -> "Engine":
         """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
 
@@ -164,7 +157,8 @@ class Engine:
         (default: on CUDA devices; elsewhere they are dequantised once at load, exactly);
         ``chunk_size`` is the longest prefill chunk (default :func:`default_chunk_size`);
         ``eager`` runs every step without CUDA graphs; ``kernels``, when given, is installed as the
-        process's kernel configuration (Triton kernels or the torch reference, PDL).
+        process's kernel configuration (Triton kernels or the torch reference, PDL); ``max_batch`` and
+        ``max_prefill_tokens`` as in :class:`Engine`.
         """
         on_cuda = torch.device((devices or [device])[0]).type == "cuda"
         if quantized is None:
@@ -197,6 +191,8 @@ class Engine:
             chunk_size=chunk_size or default_chunk_size(on_cuda),
             eager=eager,
             kernels=kernels,
+            max_batch=max_batch,
+            max_prefill_tokens=max_prefill_tokens,
         )
 
     # ---- forward helpers -----------------------------------------------------------------------
@@ -227,7 +223,7 @@ class Engine:
         before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
         """
         capture = () if on_chunk is None else on_chunk.capture_layers
-        sizes = chunk_sizes or _even_chunks(len(ids), self.chunk_size)
+        sizes = chunk_sizes or even_chunks(len(ids), self.chunk_size)
         graphs = None if all_logits or on_chunk is not None else self._prefill_graphs()
         outs: list[torch.Tensor] = []
         offset = 0
@@ -278,9 +274,32 @@ class Engine:
         *,
         speculative: object | None = None,
         snapshot: Snapshot | None = None,
+        cache_at: tuple[int, ...] = (),
+        on_token: Callable[[int], bool | None] | None = None,
+        on_done: Callable[[GenerateResult], None] | None = None,
     ) -> RequestHandle:
-        """Start a generation; iterate the handle for tokens as they are committed."""
-        return RequestHandle(self, prompt_ids, params, speculative, snapshot)
+        """Submit a generation to the step loop; iterate the handle for tokens as they are committed.
+
+        ``snapshot`` (else one armed by :meth:`restore`, else the longest prefix in ``prefix_cache``) is
+        restored when its tokens begin the prompt; ``cache_at``: prompt positions at which the prefill
+        snapshots the state into ``prefix_cache``. ``on_token`` and ``on_done`` as in :class:`RequestHandle`.
+        """
+        handle = RequestHandle(
+            self,
+            prompt_ids,
+            params,
+            speculative=speculative,
+            snapshot=snapshot,
+            cache_at=cache_at,
+            on_token=on_token,
+            on_done=on_done,
+        )
+        self.submit(handle)
+        return handle
+
+    def submit(self, handle: RequestHandle) -> None:
+        """Queue a request built with this engine (see :meth:`stream`)."""
+        self._loop.submit(handle)
 
     def generate(
         self,
@@ -292,11 +311,40 @@ class Engine:
         snapshot: Snapshot | None = None,
     ) -> GenerateResult:
         """Generate until a stop token, ``max_tokens`` or cancellation (``on_token`` returning False)."""
-        handle = self.stream(prompt_ids, params, speculative=speculative, snapshot=snapshot)
-        for token in handle:
-            if on_token is not None and on_token(token) is False:
-                handle.cancel()
+        handle = self.stream(
+            prompt_ids, params, speculative=speculative, snapshot=snapshot, on_token=on_token
+        )
+        for _ in handle:
+            pass
         return handle.result
+
+    def step(self) -> StepReport:
+        """Run one step of the loop (admit, prefill, decode, retire) for every submitted request."""
+        with self._lock, torch.inference_mode():
+            return self._loop.step()
+
+    def withdraw(self, handle: RequestHandle) -> bool:
+        """Cancel ``handle``; True when it had not started (it has ended now), False when it stops at its next
+        step."""
+        return self._loop.withdraw(handle)
+
+    def withdraw_waiting(self, reason: str) -> list[RequestHandle]:
+        """Cancel and end every request not started yet; returns them."""
+        return self._loop.withdraw_waiting(reason)
+
+    @property
+    def running(self) -> int:
+        """Requests on the engine (admitted, not yet ended)."""
+        return self._loop.running
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted."""
+        return self._loop.waiting
+
+    @property
+    def idle(self) -> bool:
+        return self._loop.idle
 
     def warm_up(self, speculative: object | None = None) -> float:
         """Serve one short request and drop it, so that the first client does not wait for what the first
@@ -321,56 +369,9 @@ class Engine:
         prepare_constraints(self.tokenizer, vocab)
         return time.perf_counter() - start
 
-    def _run(
-        self, handle: RequestHandle, speculative: object | None, snapshot: Snapshot | None
-    ) -> Iterator[int]:
-        res, params = handle.result, handle.params
-        start = time.perf_counter()
-        with self._lock, torch.inference_mode():
-            calls = self.forward_calls
-            try:
-                with profiler.request(res):
-                    self.require_model()
-                    prompt = self._validate(handle.prompt, params)
-                    # compiled before the prompt is prefilled (a bad schema costs no forward)
-                    constraint = constraint_for(params, self.tokenizer, self.cfg.vocab_size)
-                    proposer = self._proposer(speculative)
-                    feed = None if proposer is None else PromptFeed(proposer)
-                    state, logits = self._start(
-                        prompt,
-                        params.max_tokens,
-                        snapshot or self._pending_restore,
-                        res,
-                        feed,
-                        handle._cancel,
-                    )
-                    self._pending_restore = None
-                    if (
-                        logits.is_cuda
-                    ):  # the forward returns before the device has run it: the first token waits
-                        torch.cuda.current_stream(
-                            logits.device
-                        ).synchronize()  # for it anyway, so time it here
-                    res.timings.prefill_s = time.perf_counter() - start
-                    if feed is None:
-                        yield from self._decode_loop(handle, state, logits, start, constraint)
-                    else:
-                        yield from speculative_decode(self, handle, state, logits, start, feed, constraint)
-            except GenerateError as exc:
-                res.error, res.error_message = exc.code, exc.message
-                res.finish_reason = "cancelled" if exc.code is ErrorCode.CANCELLED else "error"
-            except torch.OutOfMemoryError as exc:
-                res.error, res.error_message, res.finish_reason = ErrorCode.OUT_OF_MEMORY, str(exc), "error"
-                self._state = None
-                _free_memory()
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a structured result
-                log.exception("generation failed")
-                res.error, res.finish_reason = ErrorCode.INTERNAL, "error"
-                res.error_message = f"{type(exc).__name__}: {exc}"
-                self._state = None
-            res.stats.forward_calls = self.forward_calls - calls
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+    # ---- what the step loop asks of the engine -------------------------------------------------
+    def validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ids; raises :class:`GenerateError` (invalid request, context overflow)."""
         if not isinstance(params, SamplingParams):
             raise GenerateError(ErrorCode.INVALID_REQUEST, "params: expected a SamplingParams")
         params.validate(self.cfg.vocab_size)
@@ -392,82 +393,58 @@ class Engine:
             )
         return ids
 
-    def _start(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        snapshot: Snapshot | None,
-        res: GenerateResult,
-        feed: "PromptFeed | None" = None,
-        cancel: threading.Event | None = None,
-    ) -> tuple[SequenceState, torch.Tensor]:
-        """A clean or restored state with the prompt prefilled, and the logits after its last token.
-
-        With a speculative ``feed``, the draft proposer starts from the restored tokens and sees
-        every prefilled chunk (its target features captured in the same forward).
-        """
-        res.stats.prompt_tokens = len(prompt)
-        state = self._acquire_state(len(prompt) + max_tokens)
-        reuse = 0
-        if snapshot is not None and _usable(snapshot, prompt):
-            state.restore(snapshot)
-            reuse = snapshot.pos
-        else:
-            state.reset()
-        res.stats.cached_tokens = reuse
-        res.stats.prefilled_tokens = len(prompt) - reuse
-        if feed is not None:
-            feed.proposer.begin(prompt[:reuse], state.max_context)
-        if reuse == len(prompt):
-            return state, state.last_logits
-        return state, self.prefill(state, prompt[reuse:], on_chunk=feed, cancel=cancel)
-
-    def _acquire_state(self, need: int) -> SequenceState:
-        if self._state is None or self._state.max_context < need:
-            self._state, self._graph = None, None  # free the old state and the graphs over it first
-            self._verify_graphs.clear()
-            self._state = self.require_model().new_state(state_capacity(need, self.max_context))
+    def acquire_state(self, need: int) -> SequenceState:
+        """A state for a request that needs ``need`` tokens (from the pool; it is the engine's current one)."""
+        self._state = self._states.acquire(need)
         return self._state
 
-    def _decode_loop(
-        self,
-        handle: RequestHandle,
-        state: SequenceState,
-        logits: torch.Tensor,
-        start: float,
-        constraint: Constraint | None,
-    ) -> Iterator[int]:
-        gen = Generation(
-            handle.prompt,
-            handle.params,
-            handle.result,
-            self.cfg,
-            self.tokenizer,
-            self.device,  # where the logits land; a snapshot's host copy of them is moved there to sample
-            start,
-            constraint,
-        )
-        decode_start = time.perf_counter()
-        while True:
-            if handle.cancelled:
-                gen.cancel()
-                break
-            token = gen.choose(logits)
-            done = gen.accept(token, logits)
-            yield token
-            if done:
-                break
-            if not handle.cancelled:
-                logits = self.decode_step(state, token)
-        handle.result.timings.decode_s = time.perf_counter() - decode_start
+    def release_state(self, state: SequenceState) -> None:
+        """A finished request's state, for the next ones (it stays readable by :meth:`snapshot` until reused)."""
+        self._states.release(state)
 
-    def _proposer(self, speculative: object | None) -> object | None:
+    def drop_state(self, state: SequenceState) -> None:
+        """A failed request's state: never reused."""
+        self._states.drop(state)
+        _free_memory()
+
+    def take_pending_restore(self) -> Snapshot | None:
+        """The snapshot armed by :meth:`restore`, once."""
+        snap, self._pending_restore = self._pending_restore, None
+        return snap
+
+    def _forget_state(self, state: SequenceState) -> None:
+        """``state`` leaves the pool: the graphs captured over it go with it."""
+        if self._state is state:
+            self._state = None
+        if self._graph is not None and self._graph.state is state:
+            self._graph = None
+        if any(g.state is state for g in self._verify_graphs.values()):
+            self._verify_graphs.clear()
+
+    def proposer(self, speculative: object | None) -> object | None:
         """The draft proposer for ``speculative`` (None: plain decoding)."""
         if speculative is None:
             return None
         from .drafts import resolve_proposer
 
         return resolve_proposer(self, speculative)
+
+    def decode_rows(self, states: list[SequenceState], tokens: list[int]) -> list[torch.Tensor]:
+        """Forward ``tokens[i]`` on ``states[i]`` in one step, commit each, return each row's logits: through
+        the one-sequence step where the engine runs one sequence at a time, else the batched forward."""
+        if self.max_batch == 1:
+            (state,), (token,) = states, tokens
+            return [self.decode_step(state, token)]
+        model = self.require_model()
+        self.forward_calls += 1
+        with profiler.step("decode", len(tokens), min(s.pos for s in states), model.layers):
+            out = model.decode_batch(tokens, states)
+        rows = []
+        for i, state in enumerate(states):
+            state.commit(out.deltas[i], 1)
+            state.last_logits = out.logits[i]
+            rows.append(state.last_logits)
+        return rows
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
         """Forward one token, commit it, return the logits after it."""
@@ -580,7 +557,7 @@ class Engine:
 
     # ---- snapshots -----------------------------------------------------------------------------
     def snapshot(self, device: str | torch.device | None = None) -> Snapshot:
-        """Right-sized copy of the current sequence (its tokens, state and last logits)."""
+        """Right-sized copy of the current sequence: the one admitted last (its tokens, state and last logits)."""
         with self._lock:
             if self._state is None or self._state.pos == 0:
                 raise RuntimeError("snapshot: no sequence has been run yet")
@@ -596,12 +573,16 @@ class Engine:
 
     # ---- park / unpark -------------------------------------------------------------------------
     def park(self, what: str = "") -> list[str]:
-        """Free the weights and states of ``what`` ('' / 'all', 'target', 'draft'); return what was parked."""
+        """Free the weights and states of ``what`` ('' / 'all', 'target', 'draft'); return what was parked.
+        The requests running finish first (this call runs their steps; nothing new is admitted meanwhile)."""
+        parts = _selected(what)
         with self._lock:
+            self._drain()
             parked = []
-            for part in _selected(what):
+            for part in parts:
                 if part == "target" and self.model is not None:
                     self.model = None
+                    self._states.clear()
                     self._graph = None
                     self._first_chunks = self._first_chunks_apply = None
                     self._verify_graphs.clear()
@@ -627,15 +608,23 @@ class Engine:
                     loaded.append("draft")
             return loaded
 
+    def _drain(self) -> None:
+        """Run steps until no request is on the engine, admitting none meanwhile."""
+        self._loop.hold_admission()
+        try:
+            while self._loop.running:
+                self.step()
+        finally:
+            self._loop.release_admission()
+
     @property
     def parked(self) -> bool:
         return self.model is None
 
     @property
     def lock(self) -> threading.RLock:
-        """The engine's reentrant lock: every generation, score, snapshot, restore and park holds it. Hold it
-        to run several engine calls (``new_sequence``, ``prefill``, a state's ``snapshot``) with no request
-        in between."""
+        """The engine's reentrant lock: every step, score, snapshot, restore and park holds it. Hold it to run
+        several engine calls (``new_sequence``, ``prefill``, a state's ``snapshot``) with no step in between."""
         return self._lock
 
     def require_model(self) -> DeepSeekV4:
@@ -670,28 +659,10 @@ def default_chunk_size(on_cuda: bool) -> int:
     return GPU_CHUNK_TOKENS if on_cuda else CPU_CHUNK_TOKENS
 
 
-def state_capacity(need: int, max_context: int, floor: int = MIN_STATE_TOKENS) -> int:
-    """The tokens a new sequence state holds for a request that needs ``need``: the next power of two
-    (at least ``floor``), capped at ``max_context``. The state is kept while requests fit, and each new
-    capacity means a new decode graph and, for the compiled regions, a new compile; powers of two
-    bound both to a few per engine instead of one per larger request."""
-    return min(max_context, max(floor, 1 << max(need - 1, 0).bit_length()))
-
-
 def _selected(what: str) -> tuple[str, ...]:
     if what not in PARK_SELECTORS:
         raise ValueError(f"selector: expected one of {list(PARK_SELECTORS)}, got {what!r}")
     return ("target", "draft") if what in ("", "all") else (what,)
-
-
-def _usable(snapshot: Snapshot, prompt: list[int]) -> bool:
-    if snapshot.pos > len(prompt) or prompt[: snapshot.pos] != snapshot.tokens:
-        return False
-    return snapshot.pos < len(prompt) or snapshot.last_logits is not None
-
-
-def _even_chunks(n: int, size: int) -> list[int]:
-    return [min(size, n - i) for i in range(0, n, size)]
 
 
 def _free_memory() -> None:

@@ -46,6 +46,7 @@ class Generation:
         if params.logprobs is not None:
             result.logprobs = []
         self.constraint = constraint
+        self.ended = False  # True once a token ended the generation, or it was cancelled
 
     @property
     def output(self) -> list[int]:
@@ -103,13 +104,13 @@ class Generation:
             res.timings.first_token_s = time.perf_counter() - self.start
         if token in self.stops:
             res.finish_reason = "stop"
-            return True
-        if len(res.tokens) >= self.params.max_tokens:
+        elif len(res.tokens) >= self.params.max_tokens:
             res.finish_reason = "length"
-            return True
-        return False
+        self.ended = token in self.stops or len(res.tokens) >= self.params.max_tokens
+        return self.ended
 
     def cancel(self) -> None:
+        self.ended = True
         res = self.result
         res.finish_reason, res.error = "cancelled", ErrorCode.CANCELLED
         res.error_message = f"cancelled after {len(res.tokens)} tokens"

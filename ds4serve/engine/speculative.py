@@ -29,7 +29,8 @@ from .generation import Generation
 from .sampler import Sampler
 
 if TYPE_CHECKING:
-    from .engine import Engine, RequestHandle
+    from .engine import Engine
+    from .step_loop import RequestHandle
 
 DEFAULT_THRESHOLDS = (0.40, 0.30)  # survival products that widen the verify to 3, then 4 tokens
 DEFAULT_EWMA_ALPHA = 0.3
@@ -259,22 +260,19 @@ def speculative_decode(
     handle: "RequestHandle",
     state: SequenceState,
     logits: torch.Tensor,
-    start: float,
     feed: PromptFeed,
-    constraint: Constraint | None = None,
+    gen: Generation,
 ) -> Iterator[int]:
     """The speculative decode loop: tokens one at a time, as plain decoding would produce them.
 
-    ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine. With a
-    ``constraint`` (structured output) every row's distribution is the masked one, the mask following the
-    tokens accepted before that row, so a draft the rule forbids is rejected like any other the target would
-    not emit, and the tokens are those of plain constrained decoding.
+    ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine; ``gen`` decides
+    and records the request's tokens. With a constraint (structured output, in ``gen``) every row's
+    distribution is the masked one, the mask following the tokens accepted before that row, so a draft the
+    rule forbids is rejected like any other the target would not emit, and the tokens are those of plain
+    constrained decoding.
     """
     proposer = feed.proposer
     res, params = handle.result, handle.params
-    gen = Generation(
-        handle.prompt, params, res, engine.cfg, engine.tokenizer, engine.device, start, constraint
-    )
     stats = SpeculativeStats(proposer.name)
     policy = WidthPolicy(proposer)
     history = list(state.tokens)

@@ -88,7 +88,7 @@ class Server:
 
     def begin_shutdown(self) -> None:
         """Start a graceful shutdown (safe from a signal handler): new requests and queued jobs get a 503 with
-        Retry-After, the running job goes on and is stopped after ``shutdown_timeout`` seconds, its stream
+        Retry-After, the running jobs go on and are stopped after ``shutdown_timeout`` seconds, its stream
         ending with its terminal event either way."""
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._drain)
@@ -312,6 +312,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             "status": "shutting_down" if server.draining else "ok",
             "model_parked": engine.parked,
             "queue_depth": server.scheduler.queue_depth,
+            "running": server.scheduler.running,
         }
         return JSONResponse(body, status_code=503 if server.draining else 200)
 

@@ -54,6 +54,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.step_batch_size = Histogram(
+            p + "step_batch_size",
+            "Sequences per decode step",
+            buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256),
+            registry=r,
+        )
         self.spec_proposed = Counter(p + "speculative_proposed_tokens", "Draft tokens proposed", registry=r)
         self.spec_accepted = Counter(p + "speculative_accepted_tokens", "Draft tokens accepted", registry=r)
         self.cache_hits = Counter(

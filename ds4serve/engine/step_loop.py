@@ -1,0 +1,480 @@
+"""The engine's step loop: every generation, alone or beside others, advances through it.
+
+One :meth:`StepLoop.step`:
+
+1. **admit** waiting requests while fewer than ``max_batch`` rows run: validate, compile the request's
+   constraint, take a state from the pool and restore the given snapshot, else the longest prefix the
+   prefix cache holds;
+2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
+   forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone: the
+   engine's chunk size from the restored prefix on, cut at the positions the request asked to have cached
+   (a snapshot there goes to the prefix cache). A row whose prompt is done chooses its first token;
+3. **decode**: one forward over every row with a token to forward (:meth:`Engine.decode_rows`, a batch of
+   one when alone); each row then chooses its next token;
+4. **retire** finished, failed and cancelled rows: the prefix cache gets the whole sequence, the state goes
+   back to the pool.
+
+Rows never see each other: a row's tokens and logits are what it gets alone (the batched forward is
+batch-invariant, sampling is keyed by (seed, token index)). A speculative request runs alone: it is
+admitted when no other row runs, nothing is admitted beside it, and it emits one token a step.
+A waiting request whose prompt starts with a prefix another row's prefill is about to cache waits for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from .. import profiler
+from ..state import SequenceState, Snapshot
+from .constraint import Constraint
+from .constraint import for_request as constraint_for
+from .generation import Generation
+from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
+from .speculative import PromptFeed, speculative_decode
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("ds4serve.engine")
+
+
+class RequestHandle:
+    """A generation submitted to the engine's step loop.
+
+    Iterate it for its tokens (iterating drives the loop while the tokens are not there yet, so a lone caller
+    needs no other thread), ``cancel()`` it, read ``result`` once it is ``done``. ``on_token(token)`` is called
+    from the loop as each token is committed (returning False cancels the request), ``on_done(result)`` once
+    when it ends.
+    """
+
+    def __init__(
+        self,
+        engine: "Engine",
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        speculative: object | None = None,
+        snapshot: Snapshot | None = None,
+        cache_at: tuple[int, ...] = (),
+        on_token: Callable[[int], bool | None] | None = None,
+        on_done: Callable[[GenerateResult], None] | None = None,
+    ):
+        self.prompt = list(prompt)
+        self.params = params
+        self.speculative = speculative
+        self.snapshot = snapshot
+        self.cache_at = tuple(cache_at)
+        self.result = GenerateResult()
+        self.submitted = time.perf_counter()
+        self._engine = engine
+        self._on_token = on_token
+        self._on_done = on_done
+        self._cancel = threading.Event()
+        self.admitted: float | None = None  # perf_counter() when the step loop admitted it
+        self._done = threading.Event()
+        self._tokens: collections.deque[int] = collections.deque()
+
+    def cancel(self) -> None:
+        """Stop before the request's next forward; the result ends with ``finish_reason='cancelled'``."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def started(self) -> bool:
+        """Admitted by the step loop (it may have ended since)."""
+        return self.admitted is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            if self._tokens:
+                yield self._tokens.popleft()
+            elif self._done.is_set():
+                if not self._tokens:
+                    return
+            else:
+                self._engine.step()
+
+    def _emit(self, token: int) -> None:
+        self._tokens.append(token)
+        if self._on_token is not None and self._on_token(token) is False:
+            self.cancel()
+
+    def _finish(self) -> None:
+        self._done.set()
+        if self._on_done is not None:
+            self._on_done(self.result)
+
+
+@dataclass
+class StepReport:
+    """What one step did."""
+
+    admitted: int = 0
+    prefill_tokens: int = 0
+    decode_rows: int = 0  # sequences in the step's decode forward
+    finished: int = 0
+
+
+class _Row:
+    """A request on the engine: its state, what is left of its prompt, and how it decides tokens."""
+
+    def __init__(self, handle: RequestHandle):
+        self.handle = handle
+        self.prompt: list[int] = handle.prompt
+        self.state: SequenceState | None = None
+        self.chunks: collections.deque[tuple[int, bool]] = (
+            collections.deque()
+        )  # (end, cache a snapshot there)
+        self.logits: torch.Tensor | None = None
+        self.constraint: Constraint | None = None
+        self.feed: PromptFeed | None = None
+        self.gen: Generation | None = None
+        self.spec: Iterator[int] | None = None
+        self.pending: int | None = None  # the token the next decode forward takes
+        self.forwards = 0
+        self.failed = False
+        self.decode_start: float | None = None
+        self.timer = profiler.request_timer(handle.result)
+
+    @property
+    def speculative(self) -> bool:
+        return self.handle.speculative is not None
+
+    @property
+    def ended(self) -> bool:
+        """Finished, cancelled or failed: the row retires at the end of the step."""
+        return self.failed or (self.gen is not None and self.gen.ended)
+
+    def cache_points(self) -> list[int]:
+        """Positions of this row's prompt still to be prefilled and cached."""
+        return [end for end, cached in self.chunks if cached]
+
+
+class StepLoop:
+    """The rows on an engine and the requests waiting for one (see the module docstring). Call :meth:`step`
+    with the engine's lock held; :meth:`submit` and :meth:`withdraw` from any thread."""
+
+    def __init__(self, engine: "Engine", max_batch: int, max_prefill_tokens: int):
+        if max_batch < 1:
+            raise ValueError(f"max_batch: expected an integer >= 1, got {max_batch}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens: expected an integer >= 1, got {max_prefill_tokens}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.rows: list[_Row] = []
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._queue = threading.Lock()
+        self._admission_held = 0
+
+    # ---- queue (any thread) ------------------------------------------------------------------------
+    def submit(self, handle: RequestHandle) -> None:
+        with self._queue:
+            self._waiting.append(handle)
+
+    def withdraw(self, handle: RequestHandle) -> bool:
+        """Cancel ``handle``; if it is still waiting, end it now (True), else it stops at its next step."""
+        handle.cancel()
+        with self._queue:
+            if handle not in self._waiting:
+                return False
+            self._waiting.remove(handle)
+        _end_unstarted(handle, "cancelled before it started")
+        return True
+
+    def withdraw_waiting(self, reason: str) -> list[RequestHandle]:
+        """Cancel and end every waiting request (``reason`` in their error message); returns them."""
+        with self._queue:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for handle in waiting:
+            handle.cancel()
+            _end_unstarted(handle, f"cancelled before it started ({reason})")
+        return waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self._waiting
+
+    def hold_admission(self) -> None:
+        """Admit nothing until :meth:`release_admission` (park drains the rows this way)."""
+        self._admission_held += 1
+
+    def release_admission(self) -> None:
+        self._admission_held -= 1
+
+    # ---- the step (engine lock held) --------------------------------------------------------------
+    def step(self) -> StepReport:
+        report = StepReport()
+        report.admitted = self._admit()
+        report.prefill_tokens = self._prefill()
+        report.decode_rows = self._decode()
+        for row in [r for r in self.rows if r.ended]:
+            self._retire(row)
+            report.finished += 1
+        return report
+
+    def _admit(self) -> int:
+        admitted = 0
+        with self._queue:
+            candidates = list(self._waiting)
+        for handle in candidates:
+            if handle.cancelled:
+                self.withdraw(handle)
+                continue
+            if self._admission_held or len(self.rows) >= self.max_batch:
+                break
+            if any(r.speculative for r in self.rows) or (handle.speculative is not None and self.rows):
+                break
+            if self._awaits_cached_prefix(handle):
+                continue
+            with self._queue:
+                if handle not in self._waiting:
+                    continue
+                self._waiting.remove(handle)
+                handle.admitted = time.perf_counter()
+            row = _Row(handle)
+            self.rows.append(row)
+            admitted += 1
+            self._guarded(row, lambda: self._start(row))
+        return admitted
+
+    def _awaits_cached_prefix(self, handle: RequestHandle) -> bool:
+        """Whether a running row is about to cache a prefix of ``handle``'s prompt."""
+        prompt = handle.prompt
+        return any(
+            p <= len(prompt) and prompt[:p] == row.prompt[:p] for row in self.rows for p in row.cache_points()
+        )
+
+    def _start(self, row: _Row) -> None:
+        """Admission: validate, take a state, restore what can be restored, plan the prompt's chunks."""
+        engine, handle = self.engine, row.handle
+        res, params = handle.result, handle.params
+        engine.require_model()
+        prompt = engine.validate(handle.prompt, params)
+        row.prompt = prompt
+        # compiled before the prompt is prefilled (a bad schema costs no forward)
+        row.constraint = constraint_for(params, engine.tokenizer, engine.cfg.vocab_size)
+        proposer = engine.proposer(handle.speculative)
+        row.feed = None if proposer is None else PromptFeed(proposer)
+        state = row.state = engine.acquire_state(len(prompt) + params.max_tokens)
+        snapshot = handle.snapshot or engine.take_pending_restore()
+        if snapshot is None and engine.prefix_cache is not None:
+            snapshot = engine.prefix_cache.lookup(prompt)
+        reuse = 0
+        if snapshot is not None and _usable(snapshot, prompt):
+            state.restore(snapshot)
+            reuse = snapshot.pos
+        else:
+            state.reset()
+        res.stats.prompt_tokens = len(prompt)
+        res.stats.cached_tokens = reuse
+        res.stats.prefilled_tokens = len(prompt) - reuse
+        if row.feed is not None:
+            row.feed.proposer.begin(prompt[:reuse], state.max_context)
+        cache = engine.prefix_cache is not None
+        points = {p for p in handle.cache_at if reuse < p <= len(prompt) and cache}
+        begin = reuse
+        for end in sorted(points | {len(prompt)}):
+            for size in even_chunks(end - begin, engine.chunk_size):
+                begin += size
+                row.chunks.append((begin, begin == end and end in points))
+        if reuse == len(prompt):
+            row.logits = state.last_logits
+            self._begin_decoding(row)
+
+    def _prefill(self) -> int:
+        budget, forwarded = self.max_prefill_tokens, 0
+        for row in [r for r in self.rows if r.chunks]:
+            while row.chunks and (budget > 0 or not forwarded) and not row.failed:
+                end, cached = row.chunks[0]
+                size = end - row.state.pos
+                self._guarded(row, lambda: self._prefill_chunk(row, end, cached))
+                budget -= size
+                forwarded += size
+            if budget <= 0:
+                break
+        return forwarded
+
+    def _prefill_chunk(self, row: _Row, end: int, cached: bool) -> None:
+        engine, state, handle = self.engine, row.state, row.handle
+        if handle.cancelled:
+            raise GenerateError(
+                ErrorCode.CANCELLED,
+                f"cancelled during prefill, {state.pos - handle.result.stats.cached_tokens} of "
+                f"{handle.result.stats.prefilled_tokens} tokens done",
+            )
+        ids = row.prompt[state.pos : end]
+        with _timed(row):
+            row.logits = engine.prefill(state, ids, chunk_sizes=[len(ids)], on_chunk=row.feed)
+        row.forwards += 1
+        row.chunks.popleft()
+        if cached:
+            cache = engine.prefix_cache
+            cache.insert(state.snapshot(cache.device))
+        if not row.chunks:
+            self._begin_decoding(row)
+
+    def _begin_decoding(self, row: _Row) -> None:
+        """The prompt is in the state: time the prefill, choose the first token."""
+        handle, logits = row.handle, row.logits
+        if logits.is_cuda:  # the forward returns before the device has run it: the first token waits
+            torch.cuda.current_stream(logits.device).synchronize()  # for it anyway, so time it here
+        handle.result.timings.prefill_s = time.perf_counter() - handle.submitted
+        row.decode_start = time.perf_counter()
+        engine = self.engine
+        row.gen = Generation(
+            handle.prompt,
+            handle.params,
+            handle.result,
+            engine.cfg,
+            engine.tokenizer,
+            engine.device,  # where the logits land; a snapshot's host copy of them is moved there to sample
+            handle.submitted,
+            row.constraint,
+        )
+        if row.feed is None:
+            self._choose(row, logits)
+        else:
+            row.spec = speculative_decode(engine, handle, row.state, logits, row.feed, row.gen)
+            self._next_speculative(row)
+
+    def _choose(self, row: _Row, logits: torch.Tensor) -> None:
+        if row.handle.cancelled:
+            row.gen.cancel()
+            return
+        token = row.gen.choose(logits)
+        done = row.gen.accept(token, logits)
+        row.handle._emit(token)
+        row.pending = None if done else token
+
+    def _next_speculative(self, row: _Row) -> None:
+        with _timed(row):
+            calls = self.engine.forward_calls
+            token = next(row.spec, None)
+            if row.gen.ended:  # run the generator's bookkeeping after its last token (commit, statistics)
+                for _ in row.spec:
+                    pass
+            row.forwards += self.engine.forward_calls - calls
+        if token is not None:  # None: the generator saw the cancellation (and ended the generation)
+            row.handle._emit(token)
+
+    def _decode(self) -> int:
+        for row in [r for r in self.rows if r.spec is not None and not r.ended]:
+            self._guarded(row, lambda: self._next_speculative(row))
+        batch = []
+        for row in self.rows:
+            if row.pending is None or row.ended:
+                continue
+            if row.handle.cancelled:
+                row.gen.cancel()
+            else:
+                batch.append(row)
+        if not batch:
+            return 0
+        try:
+            with _timed(*batch):
+                logits = self.engine.decode_rows([r.state for r in batch], [r.pending for r in batch])
+        except Exception as exc:  # noqa: BLE001 - the rows of a failed step fail; the loop goes on
+            for row in batch:
+                self._fail(row, exc)
+            return len(batch)
+        for row, row_logits in zip(batch, logits):
+            row.forwards += 1
+            row.pending = None
+            self._guarded(row, lambda: self._choose(row, row_logits))
+        return len(batch)
+
+    def _guarded(self, row: _Row, work: Callable[[], None]) -> None:
+        """Run a row's own work; a failure ends that row only."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the row's structured result
+            self._fail(row, exc)
+
+    def _fail(self, row: _Row, exc: Exception) -> None:
+        res = row.handle.result
+        drop = True
+        if isinstance(exc, GenerateError):
+            res.error, res.error_message = exc.code, exc.message
+            res.finish_reason = "cancelled" if exc.code is ErrorCode.CANCELLED else "error"
+            drop = False
+        elif isinstance(exc, torch.OutOfMemoryError):
+            res.error, res.error_message, res.finish_reason = ErrorCode.OUT_OF_MEMORY, str(exc), "error"
+        else:
+            log.error("generation failed", exc_info=exc)
+            res.error, res.finish_reason = ErrorCode.INTERNAL, "error"
+            res.error_message = f"{type(exc).__name__}: {exc}"
+        row.failed = True
+        row.pending = None
+        row.chunks.clear()
+        if drop and row.state is not None:
+            self.engine.drop_state(row.state)
+            row.state = None
+
+    def _retire(self, row: _Row) -> None:
+        engine, res = self.engine, row.handle.result
+        res.stats.forward_calls = row.forwards
+        if row.spec is not None:
+            row.spec.close()  # a failed one's cleanup records its statistics and decode time
+        elif row.decode_start is not None:
+            res.timings.decode_s = time.perf_counter() - row.decode_start
+        if row.state is not None:
+            cache = engine.prefix_cache
+            if cache is not None and res.error in (None, ErrorCode.CANCELLED) and res.tokens:
+                cache.insert(row.state.snapshot(cache.device))
+            engine.release_state(row.state)
+        if row.timer is not None:
+            row.timer.finish()
+        self.rows.remove(row)
+        row.handle._finish()
+
+
+@contextlib.contextmanager
+def _timed(*rows: _Row) -> Iterator[None]:
+    """The host timers of ``rows`` count the steps run inside (nothing with host timing off)."""
+    with contextlib.ExitStack() as stack:
+        for row in rows:
+            if row.timer is not None:
+                stack.enter_context(row.timer.active())
+        yield
+
+
+def _end_unstarted(handle: RequestHandle, message: str) -> None:
+    res = handle.result
+    res.finish_reason, res.error, res.error_message = "cancelled", ErrorCode.CANCELLED, message
+    handle._finish()
+
+
+def _usable(snapshot: Snapshot, prompt: list[int]) -> bool:
+    if snapshot.pos > len(prompt) or prompt[: snapshot.pos] != snapshot.tokens:
+        return False
+    return snapshot.pos < len(prompt) or snapshot.last_logits is not None
+
+
+def even_chunks(n: int, size: int) -> list[int]:
+    """``n`` tokens as chunks of ``size`` (the last one shorter)."""
+    return [min(size, n - i) for i in range(0, n, size)]
