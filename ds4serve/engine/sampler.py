@@ -55,7 +55,7 @@ class Stream(IntEnum):
 def splitmix64(x: int) -> int:
     """SplitMix64 (Steele, Lea and Flood, 2014) as a mixing function: the golden-ratio increment, then
     two xor-shift-multiply rounds and a final xor-shift, all modulo 2**64. A bijection on 64-bit integers
-    whose output bits each depend on every input bit."""
+    in which flipping one input bit flips about half of the output bits."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
