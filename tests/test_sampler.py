@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ds4serve.engine.request import SamplingParams
-from ds4serve.engine.sampler import Sampler
+from ds4serve.engine.sampler import Sampler, Stream, counter_key
+from tests.helpers import random_prompt
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
 
@@ -71,21 +72,94 @@ def test_penalty_window_limits_the_history():
     assert out.tolist() == [2.0, 0.0, -0.5, -1.0, -3.0]
 
 
-def test_seeded_generators_are_private_and_reproducible():
+def _sampled(s: Sampler, n: int) -> list[int]:
+    """``s.sample`` for output indexes 0 .. n-1 (no penalties: only the output's length matters)."""
+    output = [0] * n
+    return [s.sample(LOGITS, [], output[:i]) for i in range(n)]
+
+
+def test_seeded_samplers_are_private_and_reproducible():
     a = Sampler(SamplingParams(temperature=1.0, seed=3), 5)
     b = Sampler(SamplingParams(temperature=1.0, seed=3), 5)
     other = Sampler(SamplingParams(temperature=1.0, seed=4), 5)
-    draws_a = [a.sample(LOGITS, [], []) for _ in range(20)]
-    [other.sample(LOGITS, [], []) for _ in range(7)]  # another request must not disturb b
-    assert draws_a == [b.sample(LOGITS, [], []) for _ in range(20)]
+    draws_a = _sampled(a, 40)
+    _sampled(other, 7)  # another request must not disturb b
+    assert draws_a == _sampled(b, 40)
+    assert draws_a != _sampled(other, 40)
+
+
+def test_a_draw_depends_on_its_index_and_stream_only():
+    """The number for token index 5 is the same drawn first or after indexes 0..4 of every stream."""
+    probs = torch.softmax(LOGITS, -1)
+    fresh, used = (Sampler(SamplingParams(temperature=1.0, seed=9), 5) for _ in range(2))
+    for i in range(5):
+        used.sample(LOGITS, [], [0] * i)
+        for stream in Stream:
+            used.draw(probs, i, stream)
+            used.uniform(i, stream)
+    assert used.sample(LOGITS, [], [0] * 5) == fresh.sample(LOGITS, [], [0] * 5)
+    for stream in Stream:
+        assert used.draw(probs, 5, stream) == fresh.draw(probs, 5, stream)
+        assert used.uniform(5, stream) == fresh.uniform(5, stream)
+    dist = fresh.distribution(LOGITS, [], [1, 2, 3, 4, 0])
+    assert fresh.sample(LOGITS, [], [1, 2, 3, 4, 0]) == fresh.draw(dist, 5, Stream.SAMPLE)
+
+
+def test_seeds_indexes_and_streams_give_different_numbers():
+    """1000 indexes: each seed's and each stream's uniforms are distinct, spread over [0, 1) and unrelated to
+    another seed's or stream's at the same indexes."""
+    n = 1000
+    a = Sampler(SamplingParams(temperature=1.0, seed=0), 5)
+    b = Sampler(SamplingParams(temperature=1.0, seed=1), 5)
+    rows = torch.tensor(
+        [[s.uniform(i, stream) for i in range(n)] for s in (a, b) for stream in Stream], dtype=torch.float64
+    )
+    assert all(len(set(row.tolist())) == n for row in rows)
+    assert ((rows >= 0) & (rows < 1)).all()
+    assert (rows.mean(1) - 0.5).abs().max() < 0.05  # the mean of n uniforms: sd 0.009
+    deciles = torch.stack([torch.histc(row, bins=10, min=0, max=1) for row in rows])
+    assert deciles.min() > 60 and deciles.max() < 140  # expected 100 each, sd 9.5
+    corr = torch.corrcoef(rows)
+    assert (corr - torch.eye(len(rows), dtype=torch.float64)).abs().max() < 0.15  # sd ~0.03 if unrelated
+
+
+def test_unseeded_requests_draw_their_own_seeds():
+    a, b = (Sampler(SamplingParams(temperature=1.0), 5) for _ in range(2))
+    assert a.seed != b.seed
+    assert _sampled(a, 40) != _sampled(b, 40)
+
+
+def test_seeds_are_taken_modulo_two_to_the_64():
+    assert Sampler(SamplingParams(seed=-1), 5).seed == 2**64 - 1
+
+
+def test_counter_keys_are_injective_in_each_argument():
+    keys = {counter_key(7, i, Stream.SAMPLE) for i in range(5000)}
+    keys |= {counter_key(s, 3, Stream.SAMPLE) for s in range(5000)}
+    keys |= {counter_key(7, 3, stream) for stream in Stream}
+    assert len(keys) == 5000 + 5000 - 1 + len(Stream) - 1  # (7, 3, SAMPLE) is in all three
+    assert all(0 <= k < 2**64 for k in keys)
 
 
 def test_sampling_frequencies_follow_the_distribution():
     s = Sampler(SamplingParams(temperature=1.0, seed=0), 5)
-    counts = torch.bincount(torch.tensor([s.sample(LOGITS, [], []) for _ in range(4000)]), minlength=5)
+    counts = torch.bincount(torch.tensor(_sampled(s, 4000)), minlength=5)
     expected = torch.softmax(LOGITS, -1) * 4000
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 18.5  # p = 0.001 with 4 degrees of freedom
+
+
+def test_a_seeded_request_samples_the_same_tokens_from_a_restored_prompt(engine):
+    """A prompt restored from a snapshot (all of it, or a prefix) gives the seeded tokens of a cold run."""
+    prompt = random_prompt(40, seed=33)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    cold = engine.generate(prompt, params)
+    for cached in (len(prompt), 25):
+        engine.generate(prompt[:cached], SamplingParams(max_tokens=1))
+        warm = engine.generate(prompt, params, snapshot=engine.snapshot())
+        assert warm.stats.cached_tokens == cached
+        assert warm.tokens == cold.tokens
+    assert len(set(cold.tokens)) > 1
 
 
 def test_logprobs_are_raw_log_softmax_with_top_n():

@@ -59,14 +59,14 @@ class _Elsewhere:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_sampler_moves_logits_to_its_generators_device(temperature):
+def test_the_sampler_moves_logits_to_its_device(temperature):
     params = SamplingParams(max_tokens=4, temperature=temperature, seed=5, top_k=10, logit_bias={3: 1.0})
     logits = torch.randn(64)
     expected = Sampler(params, 64, "cpu").sample(logits, [1, 2], [])
     sampler = Sampler(params, 64, "cpu")
     elsewhere = _Elsewhere(logits)
     assert sampler.sample(elsewhere, [1, 2], []) == expected
-    assert elsewhere.moved_to == [sampler.generator.device]
+    assert elsewhere.moved_to == [sampler.device]
 
 
 def test_a_seeded_sampled_request_on_a_fully_cached_prompt_is_the_uncached_one(oai):

@@ -8,6 +8,7 @@ import pytest
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine import ErrorCode
 from ds4serve.engine.drafts import OracleProposer, PredictionProposer
+from ds4serve.engine.speculative import Draft, DraftProposer
 from tests.helpers import random_prompt
 
 PROMPT = random_prompt(70, seed=11)  # positions 0..~100: many CSA (4) and HCA (16) windows
@@ -212,3 +213,33 @@ def test_seeded_speculative_sampling_is_reproducible(dspark_engine):
     b = eng.generate(PROMPT, params, speculative="dspark")
     assert a.ok and a.tokens == b.tokens and len(a.tokens) == 12
     assert a.stats.speculative == b.stats.speculative
+
+
+class _NoDrafts(DraftProposer):
+    def propose(self, history, k, sampler, index):
+        return Draft()
+
+
+def test_sampled_speculation_without_drafts_is_plain_seeded_sampling(engine):
+    """Every token is then a verify row's bonus token, drawn for its own output index: plain decoding's seeded
+    tokens."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=42, ignore_eos=True)
+    plain = engine.generate(PROMPT, params)
+    res = engine.generate(PROMPT, params, speculative=_NoDrafts())
+    assert res.tokens == plain.tokens and res.stats.speculative["steps"] == MAX_TOKENS - 1
+
+
+def test_seeded_ngram_speculation_gives_the_same_tokens_from_a_restored_prompt(engine):
+    """n-gram drafts depend on the tokens only, so the seeded tokens are the same whether the prompt is
+    prefilled, restored whole or restored in part. The bias makes the output repeat: drafts are accepted and
+    rejected."""
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=1.0, seed=42, logit_bias={500: 12.0, 501: 12.0}, ignore_eos=True
+    )
+    cold = engine.generate(PROMPT, params, speculative="ngram")
+    stats = cold.stats.speculative
+    assert 0 < stats["accepted"] < stats["drafted"]
+    for cached in (len(PROMPT), 40):
+        engine.generate(PROMPT[:cached], SamplingParams(max_tokens=1))
+        warm = engine.generate(PROMPT, params, speculative="ngram", snapshot=engine.snapshot())
+        assert warm.stats.cached_tokens == cached and warm.tokens == cold.tokens

@@ -72,7 +72,7 @@ def test_mtp_window_follows_committed_rows_exactly(mtp_engine):
     for size in (3, 1, 6, 2, 9, 4):  # 25 rows: the 16-row window wraps
         prop.observe(_committed(stop, stop + size, hidden, {}))
         stop += size
-    draft = prop.propose(SEQ[: stop + 1], 2, _sampler(0))
+    draft = prop.propose(SEQ[: stop + 1], 2, _sampler(0), 0)
 
     state = SequenceState(layers={0: _fresh_window(eng)}, max_context=64, window=cfg.sliding_window)
     rows = torch.tensor(SEQ[first + 1 : stop + 1])
@@ -119,8 +119,8 @@ def test_dspark_context_ring_follows_committed_rows_exactly(dspark_dir):
         chunked.observe(_committed(stop, stop + size, hidden, captured))
         stop += size
     whole.observe(_committed(5, stop, hidden, captured))
-    a = chunked.propose(SEQ[: stop + 1], 5, _sampler(1))
-    b = whole.propose(SEQ[: stop + 1], 5, _sampler(1))
+    a = chunked.propose(SEQ[: stop + 1], 5, _sampler(1), 0)
+    b = whole.propose(SEQ[: stop + 1], 5, _sampler(1), 0)
     assert a.tokens == b.tokens
     assert a.confidence == pytest.approx(b.confidence, abs=1e-6)
     for pa, pb in zip(a.probs, b.probs):

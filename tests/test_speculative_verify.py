@@ -7,7 +7,7 @@ import torch
 
 from ds4serve.engine import SamplingParams
 from ds4serve.engine.drafts import NgramProposer
-from ds4serve.engine.sampler import Sampler
+from ds4serve.engine.sampler import Sampler, Stream
 from ds4serve.engine.speculative import Draft, DraftProposer, WidthPolicy, confident_prefix, verify_token
 
 V = 4
@@ -38,14 +38,15 @@ def test_two_draft_chain_samples_the_target_joint_distribution():
     q = _dists(2, 2.0)  # a different, sharper draft
     sampler = Sampler(SamplingParams(temperature=1.0, seed=123), V)
     counts = torch.zeros(V, V)
-    for _ in range(TRIALS):
-        d1 = sampler.draw(q[0])
-        d2 = sampler.draw(q[1 + d1])
-        x1, ok = verify_token(p[0], d1, q[0], sampler)
+    for trial in range(TRIALS):  # output indexes 2 * trial and 2 * trial + 1, as the decode loop numbers them
+        i = 2 * trial
+        d1 = sampler.draw(q[0], i, Stream.DRAFT)
+        d2 = sampler.draw(q[1 + d1], i + 1, Stream.DRAFT)
+        x1, ok = verify_token(p[0], d1, q[0], sampler, i)
         if ok:
-            x2, _ = verify_token(p[1 + x1], d2, q[1 + d1], sampler)
+            x2, _ = verify_token(p[1 + x1], d2, q[1 + d1], sampler, i + 1)
         else:  # a rejection ends the step; the next token comes from the next forward
-            x2 = sampler.draw(p[1 + x1])
+            x2 = sampler.draw(p[1 + x1], i + 1, Stream.SAMPLE)
         counts[x1, x2] += 1
     target = (p[0].unsqueeze(1) * p[1:]).flatten()
     _, p_value = _chi2(counts.flatten(), target)
@@ -60,8 +61,8 @@ def test_deterministic_draft_of_an_unlikely_token_keeps_the_target_distribution(
     sampler = Sampler(SamplingParams(temperature=1.0, seed=7), V)
     unlikely = int(p.argmin())
     counts = torch.zeros(V)
-    for _ in range(TRIALS):
-        counts[verify_token(p, unlikely, None, sampler)[0]] += 1
+    for i in range(TRIALS):
+        counts[verify_token(p, unlikely, None, sampler, i)[0]] += 1
     assert _chi2(counts, p)[1] > ALPHA
 
 
@@ -69,13 +70,26 @@ def test_one_hot_target_accepts_exactly_its_argmax():
     sampler = Sampler(SamplingParams(seed=0), V)
     p = torch.nn.functional.one_hot(torch.tensor(3), V).float()
     q = torch.full((V,), 1.0 / V)
-    assert verify_token(p, 3, q, sampler) == (3, True)
-    assert verify_token(p, 1, q, sampler) == (3, False)
-    assert verify_token(p, 1, None, sampler) == (3, False)
+    assert verify_token(p, 3, q, sampler, 0) == (3, True)
+    assert verify_token(p, 1, q, sampler, 1) == (3, False)
+    assert verify_token(p, 1, None, sampler, 2) == (3, False)
+
+
+def test_a_verify_decision_depends_on_its_index_only():
+    """The same draft checked at the same index gives the same token, whatever was verified before; over many
+    indexes both outcomes occur."""
+    p, q = _dists(4, 1.0)[0], _dists(5, 2.0)[0]
+    draft = int((q / p).argmax())  # q > p there: accepted with probability p/q < 1
+    fresh, used = (Sampler(SamplingParams(temperature=1.0, seed=3), V) for _ in range(2))
+    for i in range(50):
+        verify_token(p, draft, q, used, i)
+    outcomes = [verify_token(p, draft, q, fresh, i) for i in range(50, 250)]
+    assert outcomes == [verify_token(p, draft, q, used, i) for i in range(50, 250)]
+    assert {ok for _, ok in outcomes} == {True, False}
 
 
 class _Fixed(DraftProposer):
-    def propose(self, history, k, sampler):
+    def propose(self, history, k, sampler, index):
         return Draft([1] * k)
 
 
@@ -112,11 +126,11 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
     prop = NgramProposer(4, max_ngram=3)
     history = [5, 6, 7, 8, 9, 1, 2, 3, 50, 60, 2, 3]
     prop.begin(history, 100)
-    assert prop.propose(history, 4, sampler).tokens == [50, 60, 2, 3]  # "2 3" matched at 6-7
+    assert prop.propose(history, 4, sampler, 0).tokens == [50, 60, 2, 3]  # "2 3" matched at 6-7
     history += [50, 61]
-    assert prop.propose(history, 2, sampler).tokens == []  # no earlier "61"
+    assert prop.propose(history, 2, sampler, 0).tokens == []  # no earlier "61"
     history += [7]
-    assert prop.propose(history, 2, sampler).tokens == [8, 9]
+    assert prop.propose(history, 2, sampler, 0).tokens == [8, 9]
     latest = [1, 2, 9, 1, 2, 8, 1, 2]
     prop.begin(latest, 100)
-    assert prop.propose(latest, 2, sampler).tokens == [8, 1]
+    assert prop.propose(latest, 2, sampler, 0).tokens == [8, 1]

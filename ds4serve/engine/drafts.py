@@ -81,7 +81,7 @@ class NgramProposer(DraftProposer):
         self._index = {}
         self._indexed = 0
 
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+    def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         last = len(history) - 1  # n-grams ending before the last token are candidates
         for end in range(self._indexed, last):
             for n in self.sizes:
@@ -135,7 +135,7 @@ class PredictionProposer(DraftProposer):
     def begin(self, history: list[int], max_context: int) -> None:
         self._start, self._cursor = None, 0
 
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+    def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         if self._start is None:  # the first call: the history is the prompt and the first output token
             self._start = len(history) - 1
         out = history[self._start :]
@@ -283,11 +283,11 @@ class MTPProposer(DraftProposer):
         self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0])
 
     @_at_target
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+    def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         if self._last is None or k < 1:
             return Draft()
         G, logits = self._last
-        token, q = pick(logits, sampler)
+        token, q = pick(logits, sampler, index)
         tokens, probs = [token], [q]
         if self._graphs is not None and k > 1:
             self._graphs.start_chain()
@@ -302,7 +302,7 @@ class MTPProposer(DraftProposer):
             else:
                 G = self._run(scratch, G, [token])
                 logits = mtp_logits(self.w, G, self.target.head, self.cfg)[0]
-            token, q = pick(logits, sampler)
+            token, q = pick(logits, sampler, index + len(tokens))
             tokens.append(token)
             probs.append(q)
         return Draft(tokens, None if sampler.greedy else probs)
@@ -364,7 +364,7 @@ class DSparkProposer(DraftProposer):
         self.state.commit(delta, n)
 
     @_at_target
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+    def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         t, spec, pos = self.target, self.w.spec, self.state.pos
         seed = history[-1]
         layers = _draft_layers(self.cfg, len(self.w.stages))
@@ -386,7 +386,7 @@ class DSparkProposer(DraftProposer):
         prev = seed
         for j in range(min(k, spec.block_size)):
             conf.append(confidence(self.w, merged[j], prev))
-            prev, q = pick(logits[j] + markov_bias(self.w, prev), sampler)
+            prev, q = pick(logits[j] + markov_bias(self.w, prev), sampler, index + j)
             tokens.append(prev)
             probs.append(q)
         return Draft(tokens, None if sampler.greedy else probs, conf)
@@ -404,7 +404,7 @@ class OracleProposer(DraftProposer):
         self.sequence, self.p, self.vocab_size = sequence, p, vocab_size
         self.rng = random.Random(seed)
 
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+    def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         truth = self.sequence[len(history) : len(history) + k]
         return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab_size for t in truth])
 

@@ -10,7 +10,7 @@ Order of operations (each documented where the sampler tests check it):
 4. temperature below :data:`GREEDY_BELOW` (0 included) → argmax of the above; otherwise divide by
    the temperature, then keep the ``top_k`` largest, the smallest set whose probability reaches
    ``top_p`` (never empty: the most likely token stays), and the tokens whose probability is at
-   least ``min_p`` times the largest; sample with the request's own generator. A logit that the
+   least ``min_p`` times the largest; sample with the request's counter-based stream (below). A logit that the
    penalties or the temperature push past float32's range is held at its largest value, and a
    repetition penalty beyond float32's range at its nearest end (so a ``-inf`` logit, e.g. one a
    grammar rules out, stays ``-inf``).
@@ -18,12 +18,20 @@ Order of operations (each documented where the sampler tests check it):
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits before any of
 the above), like OpenAI's API.
 
+Randomness is counter-based: every random number a request uses is a pure function of its seed, the
+output token index it decides and the :class:`Stream` it serves (:func:`counter_key`), never of how many
+numbers were drawn before. So a seeded request gives the same tokens however it is batched, whether its
+prompt was restored from a snapshot, and whatever a speculative step drew for earlier rows. A request
+without a seed draws one 64-bit seed from the OS at construction, so unseeded requests stay independent.
+
 A sampler works on one device, the one its generator lives on: logits handed to it from anywhere (a
-prefix-cache snapshot's host copy, say) are moved there first, so a draw never mixes devices and a
-seeded request draws the same numbers whether or not its prompt was cached.
+prefix-cache snapshot's host copy, say) are moved there first, so a draw never mixes devices.
 """
 
 from __future__ import annotations
+
+import secrets
+from enum import IntEnum
 
 import torch
 
@@ -32,21 +40,48 @@ from .request import SamplingParams, TokenLogprob
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): the logits over them leave float32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
+_MASK64 = (1 << 64) - 1
+
+
+class Stream(IntEnum):
+    """What a random number decides; each stream has its own numbers for every token index."""
+
+    SAMPLE = 1  # the token drawn from the request's own distribution
+    DRAFT = 2  # a draft model's sampled proposal for the token
+    ACCEPT = 3  # the speculative test that accepts or rejects a draft of the token
+    RESIDUAL = 4  # the token drawn from the residual distribution after a rejected draft
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64 (Steele, Lea and Flood, 2014) as a mixing function: the golden-ratio increment, then
+    two xor-shift-multiply rounds and a final xor-shift, all modulo 2**64. A bijection on 64-bit integers
+    in which flipping one input bit flips about half of the output bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def counter_key(seed: int, index: int, stream: Stream) -> int:
+    """The 64-bit key of the random number that ``stream`` uses for output token ``index`` (>= 0) of a request
+    seeded ``seed`` (taken modulo 2**64): ``splitmix64(splitmix64(splitmix64(seed) ^ index) ^ stream)``.
+
+    Every step is a bijection, so with any two of the three fixed, distinct values of the third give
+    distinct keys; the mixing spreads them over all 64 bits."""
+    return splitmix64(splitmix64(splitmix64(seed & _MASK64) ^ index) ^ stream)
 
 
 class Sampler:
-    """Per-request sampling state: the parameters and a private random generator on ``device`` (where the
-    engine's logits land); every tensor it is given is read on that device."""
+    """Per-request sampling state: the parameters, the request's seed (``params.seed``, else 64 random bits
+    from the OS) and a generator on ``device`` (where the engine's logits land) that each draw reseeds
+    with its :func:`counter_key`; every tensor it is given is read on that device."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu"):
         self.params = params
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.seed = secrets.randbits(64) if params.seed is None else params.seed & _MASK64
+        self._generator = torch.Generator(device=self.device)
         self._bias = None
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=self.device)
@@ -89,17 +124,25 @@ class Sampler:
         return _filtered_probs((x / self.params.temperature).clamp_(max=_FLOAT32_MAX), self.params)
 
     def sample(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> int:
+        """The next token after ``output``: argmax when greedy, else drawn for index ``len(output)`` from
+        stream :attr:`Stream.SAMPLE`."""
         if self.greedy:
             return int(self.adjusted(logits, prompt, output).argmax())
-        probs = self.distribution(logits, prompt, output)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return self.draw(self.distribution(logits, prompt, output), len(output), Stream.SAMPLE)
 
-    def draw(self, probs: torch.Tensor) -> int:
-        """Draw from an explicit distribution with this request's generator."""
-        return int(torch.multinomial(probs.to(self.device), 1, generator=self.generator))
+    def draw(self, probs: torch.Tensor, index: int, stream: Stream) -> int:
+        """A token drawn from ``probs [V]`` (non-negative, not necessarily normalized) with the numbers of
+        ``stream`` for output token ``index``: the same arguments always give the same token.
 
-    def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, device=self.device))
+        The generator is reseeded with the key for each draw; torch's CPU generator (mt19937) keeps the low
+        32 bits of a seed, its CUDA one (Philox) all 64."""
+        self._generator.manual_seed(counter_key(self.seed, index, stream))
+        return int(torch.multinomial(probs.to(self.device), 1, generator=self._generator))
+
+    def uniform(self, index: int, stream: Stream) -> float:
+        """A number in [0, 1) for output token ``index`` from ``stream``: the top 53 bits of its key, so
+        every double of the form ``m / 2**53`` is equally likely."""
+        return (counter_key(self.seed, index, stream) >> 11) * 2.0**-53
 
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
         lp = torch.log_softmax(logits.float(), dim=-1)

@@ -26,7 +26,7 @@ from ..model import ForwardResult
 from ..state import SequenceState
 from .constraint import Constraint
 from .generation import Generation
-from .sampler import Sampler
+from .sampler import Sampler, Stream
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -89,10 +89,12 @@ class DraftProposer:
     def begin(self, history: list[int], max_context: int) -> None:
         """A new request whose committed tokens are ``history``."""
 
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
-        """Up to ``k`` tokens to follow ``history`` (its last token is the seed, not yet committed).
+    def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
+        """Up to ``k`` tokens to follow ``history`` (its last token is the seed, not yet committed);
+        ``index`` is the output index of the first of them (draft ``j`` proposes output token ``index + j``).
 
-        Sampled drafts must be drawn with ``sampler.draw`` and come with their distributions.
+        Sampled drafts must be drawn with :func:`pick` (stream ``DRAFT`` at their own index) and come with
+        their distributions.
         """
         raise NotImplementedError
 
@@ -135,23 +137,28 @@ class PromptFeed:
         )
 
 
-def pick(logits: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
-    """A draft token from draft logits ``[V]``: argmax when greedy, else sampled at the temperature."""
+def pick(logits: torch.Tensor, sampler: Sampler, index: int) -> tuple[int, torch.Tensor | None]:
+    """A draft of output token ``index`` from draft logits ``[V]``: argmax when greedy, else sampled at the
+    temperature from stream ``DRAFT``."""
     if sampler.greedy:
         return int(logits.argmax()), None
     probs = torch.softmax(logits.float() / sampler.params.temperature, dim=-1)
-    return sampler.draw(probs), probs
+    return sampler.draw(probs, index, Stream.DRAFT), probs
 
 
-def verify_token(p: torch.Tensor, draft: int, q: torch.Tensor | None, sampler: Sampler) -> tuple[int, bool]:
-    """Accept ``draft`` under target distribution ``p`` given draft distribution ``q`` (None: one-hot).
+def verify_token(
+    p: torch.Tensor, draft: int, q: torch.Tensor | None, sampler: Sampler, index: int
+) -> tuple[int, bool]:
+    """Accept ``draft`` of output token ``index`` under target distribution ``p`` given draft distribution
+    ``q`` (None: one-hot).
 
-    Returns ``(token, accepted)``: the draft with probability ``min(1, p[d]/q[d])``, otherwise a
-    token drawn from ``normalize(max(p - q, 0))``. The token is then distributed exactly as ``p``.
+    Returns ``(token, accepted)``: the draft with probability ``min(1, p[d]/q[d])`` (stream ``ACCEPT``),
+    otherwise a token drawn from ``normalize(max(p - q, 0))`` (stream ``RESIDUAL``). The token is then
+    distributed exactly as ``p``.
     """
     pd = float(p[draft])
     qd = 1.0 if q is None else float(q[draft])
-    if pd >= qd or (pd > 0 and sampler.uniform() * qd < pd):
+    if pd >= qd or (pd > 0 and sampler.uniform(index, Stream.ACCEPT) * qd < pd):
         return draft, True
     residual = p.clone() if q is None else (p - q.to(p.device)).clamp_min(0)
     residual[draft] = 0.0
@@ -160,7 +167,7 @@ def verify_token(p: torch.Tensor, draft: int, q: torch.Tensor | None, sampler: S
         residual = p.clone()
         residual[draft] = 0.0
         total = float(residual.sum())
-    return sampler.draw(residual / total), False
+    return sampler.draw(residual / total, index, Stream.RESIDUAL), False
 
 
 class WidthPolicy:
@@ -296,7 +303,9 @@ def speculative_decode(
             limit = min(params.max_tokens - len(res.tokens), state.max_context - state.pos) - 1
             k = policy.budget(limit)
             draft = (
-                _checked(proposer.propose(history, k, gen.sampler), engine.cfg.vocab_size) if k else Draft()
+                _checked(proposer.propose(history, k, gen.sampler, len(res.tokens)), engine.cfg.vocab_size)
+                if k
+                else Draft()
             )
             n = policy.verify_count(draft, k)
             block = [seed] + draft.tokens[:n]
@@ -310,7 +319,9 @@ def speculative_decode(
                 ok = False
                 if i < n:
                     q = None if draft.probs is None else draft.probs[i]
-                    token, ok = verify_token(gen.distribution(row), block[i + 1], q, gen.sampler)
+                    token, ok = verify_token(
+                        gen.distribution(row), block[i + 1], q, gen.sampler, len(res.tokens)
+                    )
                 else:
                     token = gen.choose(row)
                 accepted += ok
