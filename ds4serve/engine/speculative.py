@@ -24,7 +24,6 @@ import torch
 
 from ..model import ForwardResult
 from ..state import SequenceState
-from .constraint import Constraint
 from .generation import Generation
 from .sampler import Sampler, Stream
 
