@@ -86,7 +86,7 @@ class ScriptedEngine:
         self.scripts: list[list] = []
         self.prompts: list[list[int]] = []
         self.released = threading.Event()
-        self._waiting: list[tuple[RequestHandle, list]] = []
+        self._waiting: list[RequestHandle] = []
         self._running: tuple[RequestHandle, list] | None = None
 
     def __getattr__(self, name):
@@ -116,16 +116,15 @@ class ScriptedEngine:
     # ---- the scheduler's interface ---------------------------------------------------------------
     def submit(self, handle: RequestHandle) -> None:
         self.prompts.append(list(handle.prompt))
-        self._waiting.append((handle, list(self.scripts.pop(0))))
+        self._waiting.append(handle)
 
     def withdraw(self, handle: RequestHandle) -> bool:
         handle.cancel()
-        for item in self._waiting:
-            if item[0] is handle:
-                self._waiting.remove(item)
-                _finish(handle, "cancelled", ErrorCode.CANCELLED)
-                return True
-        return False
+        if handle not in self._waiting:
+            return False
+        self._waiting.remove(handle)
+        _finish(handle, "cancelled", ErrorCode.CANCELLED)
+        return True
 
     @property
     def waiting(self) -> int:
@@ -141,7 +140,7 @@ class ScriptedEngine:
 
     def step(self) -> StepReport:
         if self._running is None and self._waiting:
-            handle, script = self._running = self._waiting.pop(0)
+            handle, script = self._running = self._waiting.pop(0), list(self.scripts.pop(0))
             handle.admitted = time.perf_counter()
             real = self.inner.stream(
                 handle.prompt,

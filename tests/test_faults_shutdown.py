@@ -26,7 +26,7 @@ def start(tiny_dir, tmp_path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     args = ["serve", "--model", str(tiny_dir), "--port", str(port), "--max-context", "1024", "--no-warm-up"]
     args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--prefix-cache-dir", str(tmp_path / "snapshots")]
-    args += ["--idle-timeout-s", "1"]
+    args += ["--idle-timeout-s", "1", "--max-batch", "1"]  # one stream runs, the next request waits
     log = open(tmp_path / "serve.log", "w")
     env = {**os.environ, "DS4SERVE_API_KEY": KEY}
     proc = subprocess.Popen(
