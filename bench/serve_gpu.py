@@ -9,7 +9,12 @@ must answer 200; greedy and seeded repeats must give the same text.
 server, against the engine's own prefill time for the same tokens: streamed requests, a different
 question each time, the median of ``--reps``.
 
-    PYTHONPATH=. python3 bench/serve_gpu.py --out $OUT/serve.json --check --ttft [--variant bf16]
+``--batching``: continuous batching on the proxy model. The engine's decode step over B sequences
+(``Engine.decode_rows``; B = 1 also through the one-sequence CUDA graph), and the server under C concurrent
+streamed chats of ``--load-tokens`` greedy tokens each (aggregate output tok/s, time to first token p50 /
+max), with ``--max-batch`` 1 (one request at a time) and 16.
+
+    PYTHONPATH=. python3 bench/serve_gpu.py --out $OUT/serve.json --check --ttft --batching [--variant bf16]
 """
 
 from __future__ import annotations
@@ -162,11 +167,101 @@ def ttft(variant: str, layers: int, reps: int) -> dict:
     return out
 
 
+def decode_steps(model, batches: tuple[int, ...], steps: int = 12) -> list[dict]:
+    """Milliseconds per decode step over B sequences of 64-token prompts (median of ``steps``)."""
+    out = []
+    for mode, sizes in (("graph", (1,)), ("batched", batches)):
+        engine = Engine(
+            model, Tokenizer(), max_context=4096, max_batch=1 if mode == "graph" else max(batches)
+        )
+        engine.warm_up()
+        for b in sizes:
+            with torch.inference_mode():
+                states = [engine.acquire_state(512) for _ in range(b)]
+                for i, state in enumerate(states):
+                    state.reset()
+                    engine.prefill(state, [(i * 31 + j * 7) % 1000 + 10 for j in range(64)])
+                times, tokens = [], [11] * b
+                for _ in range(steps):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    engine.decode_rows(states, tokens)
+                    torch.cuda.synchronize()
+                    times.append(1e3 * (time.perf_counter() - t0))
+                for state in states:
+                    engine.release_state(state)
+            ms = statistics.median(times[2:])
+            out.append({"mode": mode, "batch": b, "ms_per_step": ms, "tok_s": 1e3 * b / ms})
+            log(f"decode {mode} batch {b}: {ms:.2f} ms/step, {1e3 * b / ms:.0f} tok/s")
+    return out
+
+
+def served_load(model, concurrencies: tuple[int, ...], max_tokens: int) -> list[dict]:
+    """The server under C clients, each sending two streamed greedy chats one after the other."""
+    out = []
+    for max_batch in (1, 16):
+        engine = Engine(model, Tokenizer(), max_context=4096, max_batch=max_batch)
+        engine.warm_up()
+        with serving(engine) as client:
+            for c in concurrencies:
+                ttfts: list[float] = []
+                generated = [0]
+                lock = threading.Lock()
+
+                def user(u: int) -> None:
+                    for r in range(2):
+                        body = {
+                            "model": "m",
+                            "messages": [
+                                {"role": "user", "content": f"User {u}, request {r}: tell me a story."}
+                            ],
+                            "max_tokens": max_tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "stream": True,
+                        }
+                        start, first, n = time.perf_counter(), None, 0
+                        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                            for line in resp.iter_lines():
+                                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                                    n += 1
+                                    first = first or time.perf_counter() - start
+                        with lock:
+                            ttfts.append(1e3 * (first or 0.0))
+                            generated[0] += n
+
+                threads = [threading.Thread(target=user, args=(u,)) for u in range(c)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                ttfts.sort()
+                rec = {
+                    "max_batch": max_batch,
+                    "concurrency": c,
+                    "requests": 2 * c,
+                    "stream_chunks": generated[0],
+                    "aggregate_tok_s": 2 * c * max_tokens / wall,
+                    "ttft_ms_p50": ttfts[len(ttfts) // 2],
+                    "ttft_ms_max": ttfts[-1],
+                }
+                out.append(rec)
+                log(
+                    f"served max_batch {max_batch} concurrency {c}: {rec['aggregate_tok_s']:.0f} tok/s, "
+                    f"ttft p50 {rec['ttft_ms_p50']:.0f} ms, max {rec['ttft_ms_max']:.0f} ms"
+                )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--check", action="store_true")
     p.add_argument("--ttft", action="store_true")
+    p.add_argument("--batching", action="store_true")
+    p.add_argument("--load-tokens", type=int, default=64)
     p.add_argument("--variant", default="bf16", choices=VARIANTS)
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--reps", type=int, default=10)
@@ -180,6 +275,12 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.ttft:
         out["ttft"] = ttft(args.variant, args.layers, args.reps)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    if args.batching:
+        model = build_proxy(args.variant, layers=args.layers)
+        out["decode_steps"] = decode_steps(model, (1, 2, 4, 8, 16, 32))
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        out["served_load"] = served_load(model, (1, 4, 16), args.load_tokens)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.check and not all(r["ok"] for r in out["check"]):
         sys.exit(1)

@@ -73,7 +73,7 @@ HOLD = object()  # script marker: the engine waits here until ScriptedEngine.rel
 
 class ScriptedEngine:
     """The real engine behind the interface the server's scheduler drives (submit, step, withdraw), with
-    scripted generations (queued in ``scripts``) run one at a time; records the prompts.
+    scripted generations (queued in ``scripts``) run one at a time; records the prompts it admits.
 
     Admitting a request runs the real engine on its prompt (so the prefix cache and the stats behave as in
     production); each step then emits the next scripted token. A ``HOLD`` marker emits nothing until
@@ -115,7 +115,6 @@ class ScriptedEngine:
 
     # ---- the scheduler's interface ---------------------------------------------------------------
     def submit(self, handle: RequestHandle) -> None:
-        self.prompts.append(list(handle.prompt))
         self._waiting.append(handle)
 
     def withdraw(self, handle: RequestHandle) -> bool:
@@ -141,6 +140,7 @@ class ScriptedEngine:
     def step(self) -> StepReport:
         if self._running is None and self._waiting:
             handle, script = self._running = self._waiting.pop(0), list(self.scripts.pop(0))
+            self.prompts.append(list(handle.prompt))
             handle.admitted = time.perf_counter()
             real = self.inner.stream(
                 handle.prompt,

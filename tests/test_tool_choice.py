@@ -242,7 +242,9 @@ def _ask(oai, **kw):
 
 
 def test_openai_required_and_named_tool_choice(oai):
-    r = _ask(oai, tool_choice="required", seed=5, temperature=1.0)
+    # sampled from the random model, a call's free-text argument may run past max_tokens: seed 4 ends its
+    # call in about 30 tokens (draws keyed by (seed, token index): the same on every machine)
+    r = _ask(oai, tool_choice="required", seed=4, temperature=1.0)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content and choice.message.tool_calls
     assert {c.function.name for c in choice.message.tool_calls} <= {"get_weather", "now", "note"}

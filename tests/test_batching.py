@@ -1,0 +1,211 @@
+"""Continuous batching: requests that run together give, bitwise, what each gives alone.
+
+Every request here runs through the engine's step loop twice: once among the others (submitted together,
+or arriving at chosen steps) and once alone on an engine in the same starting state. Tokens and logprobs
+must be equal (``==`` on the floats), the logprobs must be those of the one-shot forward (fp32), and the
+batched run must have decoded several sequences in one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from ds4serve import Engine, SamplingParams
+from ds4serve.engine.prefix_cache import PrefixCache
+from tests.helpers import random_prompt
+
+SHARED = random_prompt(40, seed=900)  # a prefix the cache holds before the runs (a prefix-cache hit)
+
+
+@dataclasses.dataclass
+class Spec:
+    prompt: list[int]
+    params: SamplingParams
+    cancel_after: int | None = None  # tokens after which the client cancels
+    cache_at: tuple[int, ...] = ()
+    arrival: int = 0  # the step at which it is submitted (arrival runs)
+
+
+@dataclasses.dataclass
+class Outcome:
+    tokens: list[int]
+    logprobs: list[tuple[float, list]] | None
+    finish_reason: str
+    cached_tokens: int
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    """Two engines on the default tiny checkpoint: one for the batched runs, one for the lone ones."""
+    return [Engine.from_pretrained(tiny_dir, max_context=1024) for _ in range(2)]
+
+
+def _fresh_cache(engine: Engine) -> None:
+    """A prefix cache holding ``SHARED`` (with its last logits), the same for every run."""
+    engine.prefix_cache = PrefixCache(64 << 20)
+    handle = engine.stream(SHARED, SamplingParams(max_tokens=1), cache_at=(len(SHARED),))
+    for _ in handle:
+        pass
+
+
+def _specs(engine: Engine) -> list[Spec]:
+    """16 requests: prompts of 1 to 300 tokens, greedy and seeded, logprobs, stop tokens, cancellations,
+    prefix hits (whole and partial) and a cache point of their own."""
+    rng = random.Random(38)
+    lengths = [1, 2, 3, 5, 17, 33, 64, 100, 130, 160, 190, 220, 250, 280, 299, 300]
+    specs = []
+    for i, n in enumerate(lengths):
+        prompt = random_prompt(n, seed=100 + i)
+        sampled = i % 2 == 1
+        params = SamplingParams(
+            max_tokens=rng.randint(3, 14),
+            temperature=0.9 if sampled else 0.0,
+            top_p=0.95 if sampled else 1.0,
+            seed=1000 + i if sampled else None,
+            logprobs=2 if i % 3 else None,
+            ignore_eos=True,
+        )
+        if i in (6, 13):
+            specs.append(Spec(prompt, dataclasses.replace(params, max_tokens=10), cancel_after=4))
+        else:
+            specs.append(Spec(prompt, params))
+    specs[3].prompt = list(SHARED)  # the whole prompt is cached: no forward before the first token
+    specs[8].prompt = SHARED + random_prompt(25, seed=77)  # a partial hit
+    specs[10].cache_at = (60,)
+    greedy = specs[12]  # stops at its third token, the one greedy decoding gives there
+    seq = list(greedy.prompt)
+    for _ in range(3):
+        seq.append(int(engine.score(seq)[-1].argmax()))
+    greedy.params = dataclasses.replace(greedy.params, stop_token_ids=[seq[-1]], max_tokens=10)
+    return specs
+
+
+def _submit(engine: Engine, spec: Spec, out: dict[int, list[int]], key: int):
+    def on_token(token: int) -> bool:
+        out.setdefault(key, []).append(token)
+        return spec.cancel_after is None or len(out[key]) < spec.cancel_after
+
+    return engine.stream(spec.prompt, spec.params, cache_at=spec.cache_at, on_token=on_token)
+
+
+def _outcome(handle) -> Outcome:
+    res = handle.result
+    assert res.error is None or res.error.value == "cancelled", res.error_message
+    lps = None
+    if res.logprobs is not None:
+        lps = [(e.logprob, list(e.top)) for e in res.logprobs]
+    return Outcome(list(res.tokens), lps, res.finish_reason, res.stats.cached_tokens)
+
+
+def run_together(engine: Engine, specs: list[Spec]) -> tuple[list[Outcome], list[int]]:
+    """Submit each spec at its arrival step, step until all are done; returns the outcomes and the number of
+    sequences in each decode step."""
+    _fresh_cache(engine)
+    out: dict[int, list[int]] = {}
+    handles: dict[int, object] = {}
+    widths, step = [], 0
+    while len(handles) < len(specs) or not all(h.done for h in handles.values()):
+        for i, spec in enumerate(specs):
+            if spec.arrival == step and i not in handles:
+                handles[i] = _submit(engine, spec, out, i)
+        widths.append(engine.step().decode_rows)
+        step += 1
+    return [_outcome(handles[i]) for i in range(len(specs))], widths
+
+
+def run_alone(engine: Engine, specs: list[Spec]) -> list[Outcome]:
+    outcomes = []
+    for i, spec in enumerate(specs):
+        _fresh_cache(engine)
+        handle = _submit(engine, spec, {}, i)
+        for _ in handle:
+            pass
+        outcomes.append(_outcome(handle))
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def together_and_alone(engines):
+    specs = _specs(engines[1])
+    together, widths = run_together(engines[0], specs)
+    alone = run_alone(engines[1], specs)
+    return specs, together, alone, widths
+
+
+def test_each_request_gets_bitwise_what_it_gets_alone(together_and_alone):
+    specs, together, alone, widths = together_and_alone
+    assert max(widths) >= 8, widths  # the requests really were decoded together
+    for i, (t, a) in enumerate(zip(together, alone)):
+        assert t == a, f"request {i} differs in a batch"
+    cancelled = [i for i, t in enumerate(together) if t.finish_reason == "cancelled"]
+    assert cancelled == [6, 13] and all(len(together[i].tokens) == 4 for i in cancelled)
+    assert together[3].cached_tokens == len(SHARED) and together[8].cached_tokens == len(SHARED)
+    assert together[12].finish_reason == "stop" and len(together[12].tokens) <= 3
+
+
+def test_batched_logprobs_are_the_one_shot_forward(together_and_alone, engines):
+    """Every logprob a batched row reports is log_softmax of the one-shot forward's logits there."""
+    specs, together, _, _ = together_and_alone
+    checked = 0
+    for spec, t in zip(specs, together):
+        if t.logprobs is None:
+            continue
+        logits = engines[0].score(spec.prompt + t.tokens)
+        lp = torch.log_softmax(logits[len(spec.prompt) - 1 : -1], dim=-1)
+        for k, (token, (value, top)) in enumerate(zip(t.tokens, t.logprobs)):
+            assert math.isfinite(value)
+            assert abs(value - float(lp[k, token])) <= 1e-4, (k, value, float(lp[k, token]))
+            for tid, tv in top:
+                assert abs(tv - float(lp[k, tid])) <= 1e-4
+            checked += 1
+    assert checked > 50
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_arrivals_and_cancellations_keep_every_request_alone(engines, seed):
+    """Requests arrive at random steps with random lengths, samplers and cancellations: each still gets what
+    it gets alone, and nothing it reports is non-finite."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(9):
+        sampled = rng.random() < 0.5
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 10),
+            temperature=rng.choice([0.7, 1.0]) if sampled else 0.0,
+            seed=rng.randint(0, 1 << 30) if sampled else None,
+            logprobs=rng.choice([None, 0, 3]),
+            ignore_eos=True,
+        )
+        cancel = rng.randint(1, 6) if rng.random() < 0.3 else None
+        prompt = random_prompt(rng.randint(1, 140), seed=seed * 100 + i)
+        specs.append(Spec(prompt, params, cancel_after=cancel, arrival=rng.randint(0, 12)))
+    together, widths = run_together(engines[0], specs)
+    alone = run_alone(engines[1], specs)
+    assert max(widths) > 1, widths
+    for i, (t, a) in enumerate(zip(together, alone)):
+        assert t == a, f"request {i} differs in a batch"
+        for value, top in t.logprobs or []:
+            assert math.isfinite(value) and all(math.isfinite(v) for _, v in top)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_rows_on_the_gpu_are_bitwise_what_they_are_alone(tiny_dir):
+    """The same comparison in bf16 on the GPU's kernels (tiles of 8 rows through the decode kernels), over
+    batches of 1 to 16 sequences."""
+    made = [
+        Engine.from_pretrained(tiny_dir, device="cuda", dtype="bfloat16", max_context=1024, max_batch=16)
+        for _ in range(2)
+    ]
+    specs = _specs(made[1])
+    for i, spec in enumerate(specs):
+        spec.arrival = i  # one more sequence each step: batches of every size from 1 to 16
+    together, widths = run_together(made[0], specs)
+    alone = run_alone(made[1], specs)
+    assert max(widths) >= 9, widths
+    for i, (t, a) in enumerate(zip(together, alone)):
+        assert t == a, f"request {i} differs in a batch"
