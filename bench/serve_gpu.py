@@ -147,6 +147,7 @@ def ttft(variant: str, layers: int, reps: int) -> dict:
         engine.tokenizer.encode(encode_messages([{"role": "user", "content": q}], thinking=False).text)
         for q in questions
     ]
+    engine.prefix_cache = None  # the engine's own prefill of each prompt, not a restore of what it served
     prefill = []
     for ids in prompts:
         res = engine.generate(ids, SamplingParams(max_tokens=1, temperature=0))

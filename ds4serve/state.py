@@ -95,8 +95,12 @@ class SequenceState:
             pos=self.pos,
         )
 
-    def commit(self, delta: "ChunkDelta", n: int) -> None:
-        """Append the first ``n`` tokens of a forward's chunk (verify-then-commit)."""
+    def commit(self, delta: "ChunkDelta", n: int, skip: int = 0) -> None:
+        """Append tokens ``skip .. skip + n`` of a forward's chunk (verify-then-commit). A chunk may be
+        committed in parts, each where the last one ended: ``commit(delta, k)`` then
+        ``commit(delta, n, skip=k)`` leaves what ``commit(delta, k + n)`` leaves."""
+        if skip:
+            delta = self._suffix(delta, skip)
         if delta.start != self.pos:
             raise ValueError(f"chunk starts at {delta.start} but the state is at {self.pos}")
         if not 0 <= n <= delta.length:
@@ -116,6 +120,27 @@ class SequenceState:
                     _commit_compressor(c, cd, self.pos, n)
         self.pos += n
         self.tokens.extend(delta.tokens[:n])
+
+    def _suffix(self, delta: "ChunkDelta", k: int) -> "ChunkDelta":
+        """The delta of ``delta``'s tokens from the ``k``-th on, as a chunk of their own would give it."""
+        if not 0 <= k <= delta.length:
+            raise ValueError(f"cannot skip {k} tokens of a {delta.length}-token chunk")
+        start = delta.start + k
+        layers = {}
+        for idx, ld in delta.layers.items():
+            ls = self.layers[idx]
+            parts = {}
+            for name, c in (("compressor", ls.compressor), ("indexer", ls.indexer)):
+                cd = getattr(ld, name)
+                if cd is not None:
+                    first = start // c.rate
+                    drop = first - cd.first_entry  # whole windows closed before the suffix
+                    rows = slice(drop * c.rate, None)
+                    parts[name] = CompressorDelta(
+                        cd.rows_kv[rows], cd.rows_gate[rows], cd.entries[drop:], first
+                    )
+            layers[idx] = LayerDelta(window_rows=ld.window_rows[k:], **parts)
+        return ChunkDelta(start=start, tokens=delta.tokens[k:], layers=layers)
 
     def commit_static(self, delta: "ChunkDelta", tokens: list[int]) -> None:
         """:meth:`commit` of the first ``len(tokens)`` tokens (``tokens``) of a static block (a forward

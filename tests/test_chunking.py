@@ -105,6 +105,40 @@ def test_partial_commit_equals_shorter_chunk(engines):
     assert _rel(rest.logits, engine.score(ids)[26:]) <= REL
 
 
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_a_chunk_committed_in_parts_equals_it_committed_at_once(engines, name):
+    """``commit(delta, k)`` then ``commit(delta, n, skip=k)`` leaves bitwise the state ``commit(delta, k + n)``
+    leaves, at every split (windows closed on either side, open across it); the state between the parts is
+    the one committing the first ``k`` tokens gives (what a cache point inside a chunk snapshots)."""
+    engine = engines[name]
+    model = engine.model
+    ids = random_prompt(90, seed=16)
+    base = model.new_state(128)
+    engine.prefill(base, ids[:7])
+    delta = model.forward(ids[7:], base, logit_rows=None).delta
+    whole = base.fork()
+    whole.commit(delta, 83)
+    for cuts in ([1], [9], [25, 26], [3, 40, 64, 82]):
+        parts, done = base.fork(), 0
+        for cut in cuts:
+            parts.commit(delta, cut - done, skip=done)
+            head = base.fork()
+            head.commit(delta, cut)
+            _assert_same_state(parts, head)
+            done = cut
+        parts.commit(delta, 83 - done, skip=done)
+        _assert_same_state(parts, whole)
+
+
+def _assert_same_state(a, b) -> None:
+    sa, sb = a.snapshot(), b.snapshot()
+    assert sa.pos == sb.pos and sa.tokens == sb.tokens
+    for layer, saved in sa.layers.items():
+        assert saved.keys() == sb.layers[layer].keys()
+        for key, t in saved.items():
+            assert torch.equal(t, sb.layers[layer][key]), (layer, key)
+
+
 def test_only_the_last_prefill_chunk_runs_the_head(engines, monkeypatch):
     engine = engines["default"]
     rows: list[int] = []

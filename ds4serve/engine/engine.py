@@ -214,6 +214,8 @@ class Engine:
         all_logits: bool = False,
         on_chunk: "PromptFeed | None" = None,
         cancel: threading.Event | None = None,
+        pauses: tuple[int, ...] = (),
+        at_pause: Callable[[SequenceState], None] | None = None,
     ) -> torch.Tensor | None:
         """Forward ``ids`` chunk by chunk, committing each chunk.
 
@@ -221,6 +223,8 @@ class Engine:
         ``all_logits``). Intermediate chunks skip the output head. ``on_chunk`` receives each
         committed chunk's forward result (with the layers it asks to capture). ``cancel`` set
         before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
+        ``at_pause(state)`` is called where the state holds the first ``p`` tokens, for each ``p`` of
+        ``pauses`` inside a chunk (the chunk is committed in parts there; it is forwarded once).
         """
         capture = () if on_chunk is None else on_chunk.capture_layers
         sizes = chunk_sizes or even_chunks(len(ids), self.chunk_size)
@@ -244,7 +248,13 @@ class Engine:
             else:
                 with profiler.step("prefill", size, state.pos, self.require_model().layers):
                     result = self._forward(chunk, state, rows, capture)
-            state.commit(result.delta, size)
+            done = 0
+            for p in sorted(p for p in pauses if start < p < start + size):
+                state.commit(result.delta, p - start - done, skip=done)
+                done = p - start
+                state.last_logits = None  # not computed there
+                at_pause(state)
+            state.commit(result.delta, size - done, skip=done)
             if on_chunk is not None:
                 on_chunk(start, chunk, result)
             if result.logits is not None:

@@ -6,9 +6,10 @@ One :meth:`StepLoop.step`:
    constraint, take a state from the pool and restore the given snapshot, else the longest prefix the
    prefix cache holds;
 2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
-   forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone: the
-   engine's chunk size from the restored prefix on, cut at the positions the request asked to have cached
-   (a snapshot there goes to the prefix cache). A row whose prompt is done chooses its first token;
+   forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone (the
+   engine's chunk size from the restored prefix on). At the positions the request asked to have cached,
+   the chunk's commit pauses and the state is snapshotted into the prefix cache (the chunk is forwarded
+   once). A row whose prompt is done chooses its first token;
 3. **decode**: one forward over every row with a token to forward (:meth:`Engine.decode_rows`, a batch of
    one when alone); each row then chooses its next token;
 4. **retire** finished, failed and cancelled rows: the prefix cache gets the whole sequence, the state goes
@@ -162,7 +163,7 @@ class _Row:
 
     def cache_points(self) -> list[int]:
         """Positions of this row's prompt still to be prefilled and cached."""
-        return [end for end, cached in self.chunks if cached]
+        return [p for _, points in self.chunks for p in points]
 
 
 class StepLoop:
@@ -296,12 +297,11 @@ class StepLoop:
         if row.feed is not None:
             row.feed.proposer.begin(prompt[:reuse], state.max_context)
         cache = engine.prefix_cache is not None
-        points = {p for p in handle.cache_at if reuse < p <= len(prompt) and cache}
-        begin = reuse
-        for end in sorted(points | {len(prompt)}):
-            for size in even_chunks(end - begin, engine.chunk_size):
-                begin += size
-                row.chunks.append((begin, begin == end and end in points))
+        points = sorted(p for p in handle.cache_at if reuse < p <= len(prompt) and cache)
+        end = reuse
+        for size in even_chunks(len(prompt) - reuse, engine.chunk_size):
+            begin, end = end, end + size
+            row.chunks.append((end, tuple(p for p in points if begin < p <= end)))
         if reuse == len(prompt):
             row.logits = state.last_logits
             self._begin_decoding(row)
@@ -310,16 +310,18 @@ class StepLoop:
         budget, forwarded = self.max_prefill_tokens, 0
         for row in [r for r in self.rows if r.chunks]:
             while row.chunks and (budget > 0 or not forwarded) and not row.failed:
-                end, cached = row.chunks[0]
+                end, points = row.chunks[0]
                 size = end - row.state.pos
-                self._guarded(row, lambda: self._prefill_chunk(row, end, cached))
+                self._guarded(row, lambda: self._prefill_chunk(row, end, points))
                 budget -= size
                 forwarded += size
             if budget <= 0:
                 break
         return forwarded
 
-    def _prefill_chunk(self, row: _Row, end: int, cached: bool) -> None:
+    def _prefill_chunk(self, row: _Row, end: int, points: tuple[int, ...]) -> None:
+        """One chunk of the row's prompt, forwarded once; the state is snapshotted into the prefix cache as
+        its commit passes each of ``points``."""
         engine, state, handle = self.engine, row.state, row.handle
         if handle.cancelled:
             raise GenerateError(
@@ -328,13 +330,19 @@ class StepLoop:
                 f"{handle.result.stats.prefilled_tokens} tokens done",
             )
         ids = row.prompt[state.pos : end]
+        cache = engine.prefix_cache
+
+        def cached(s: SequenceState) -> None:
+            cache.insert(s.snapshot(cache.device))
+
         with _timed(row):
-            row.logits = engine.prefill(state, ids, chunk_sizes=[len(ids)], on_chunk=row.feed)
+            row.logits = engine.prefill(
+                state, ids, chunk_sizes=[len(ids)], on_chunk=row.feed, pauses=points, at_pause=cached
+            )
         row.forwards += 1
         row.chunks.popleft()
-        if cached:
-            cache = engine.prefix_cache
-            cache.insert(state.snapshot(cache.device))
+        if end in points:
+            cached(state)
         if not row.chunks:
             self._begin_decoding(row)
 
