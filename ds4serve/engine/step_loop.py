@@ -182,6 +182,7 @@ class StepLoop:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._queue = threading.Lock()
         self._admission_held = 0
+        self._to_cache: list[Snapshot] = []  # cache-point snapshots of this step, on the states' device
 
     # ---- queue (any thread) ------------------------------------------------------------------------
     def submit(self, handle: RequestHandle) -> None:
@@ -233,10 +234,19 @@ class StepLoop:
         report.admitted = self._admit()
         report.prefill_tokens = self._prefill()
         report.decode_rows = self._decode()
+        self._fill_cache()
         for row in [r for r in self.rows if r.ended]:
             self._retire(row)
             report.finished += 1
         return report
+
+    def _fill_cache(self) -> None:
+        """Move this step's cache-point snapshots to the prefix cache (after the step's tokens were streamed:
+        copying them to the cache's device is not on a first token's path)."""
+        cache = self.engine.prefix_cache
+        for snap in self._to_cache:
+            cache.insert(snap.to(cache.device))
+        self._to_cache.clear()
 
     def _admit(self) -> int:
         admitted = 0
@@ -330,10 +340,9 @@ class StepLoop:
                 f"{handle.result.stats.prefilled_tokens} tokens done",
             )
         ids = row.prompt[state.pos : end]
-        cache = engine.prefix_cache
 
-        def cached(s: SequenceState) -> None:
-            cache.insert(s.snapshot(cache.device))
+        def cached(s: SequenceState) -> None:  # a copy on the state's device now, to the cache after the step
+            self._to_cache.append(s.snapshot())
 
         with _timed(row):
             row.logits = engine.prefill(
