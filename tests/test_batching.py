@@ -209,3 +209,50 @@ def test_bf16_rows_on_the_gpu_are_bitwise_what_they_are_alone(tiny_dir):
     assert max(widths) >= 9, widths
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t == a, f"request {i} differs in a batch"
+
+
+def test_a_failing_request_ends_alone_and_the_others_go_on(engines, monkeypatch):
+    """One row's failure (here its sampler raising at its fourth token) ends that request with an internal
+    error; the requests beside it finish with what they give alone, and the engine serves on."""
+    from ds4serve.engine.generation import Generation
+
+    engine = engines[0]
+    engine.prefix_cache = None
+    prompts = [random_prompt(30 + i, seed=60 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = [engine.generate(p, params).tokens for p in prompts]
+    choose = Generation.choose
+
+    def failing(self, logits):
+        if self.prompt[0] == prompts[1][0] and len(self.output) == 3:
+            raise RuntimeError("the sampler broke")
+        return choose(self, logits)
+
+    monkeypatch.setattr(Generation, "choose", failing)
+    handles = [engine.stream(p, params) for p in prompts]
+    while not all(h.done for h in handles):
+        engine.step()
+    bad = handles[1].result
+    assert (
+        bad.error is not None and bad.error.value == "internal" and "the sampler broke" in bad.error_message
+    )
+    assert bad.tokens == alone[1][:3]
+    assert [handles[i].result.tokens for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
+    monkeypatch.setattr(Generation, "choose", choose)
+    assert engine.generate(prompts[1], params).tokens == alone[1]
+
+
+def test_park_lets_the_running_requests_finish_first(tiny_dir):
+    """Parking drains: the requests on the engine finish (it runs their steps), one still waiting stays
+    queued and runs after the model is back."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    running = [engine.stream(random_prompt(20 + i, seed=70 + i), params) for i in range(3)]
+    queued = engine.stream(random_prompt(25, seed=80), params)
+    engine.step()
+    assert engine.running == 3 and engine.waiting == 1
+    assert engine.park() == ["target"]
+    assert all(h.done and h.result.error is None and len(h.result.tokens) == 6 for h in running)
+    assert not queued.started and engine.parked
+    assert engine.unpark() == ["target"]
+    assert len(list(queued)) == 6 and queued.result.error is None

@@ -5,7 +5,7 @@
 MoE router and shared expert, the head) runs on the whole tile, whose shape never changes, so a row's bits
 do not depend on how many rows run, which ones, or where it sits. Attention runs row by row, each exactly a
 batch of one's (the row's own state, position and :class:`~ds4serve.model.attention.ChunkInfo`); the routed
-experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe_rows`).
+experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe` ``by_row``).
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
 nothing; the caller commits each row's :class:`~ds4serve.state.ChunkDelta`.
 """
@@ -23,7 +23,7 @@ from ..state import ChunkDelta, LayerDelta, SequenceState
 from .attention import AttentionWeights, ChunkInfo, attention
 from .deepseek4 import BlockWeights, DeepSeekV4, PendingMerge, attention_site, block_end, ffn_site
 from .hyper import fused_sites
-from .moe import moe_rows
+from .moe import moe
 from .rope import Rope
 
 ROW_TILE = 8  # rows per tile: every token-wise op of a batched step runs on exactly this many rows
@@ -136,7 +136,16 @@ def _tile_block(
         a, deltas = _row_attention(b.attn, layer, x, rows, cfg, ropes)
     X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
     with profiler.phase("moe_ffn"):
-        m = moe_rows(b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer)
+        m = moe(
+            b.moe,
+            x,
+            ids,
+            cfg.top_k,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            slot_terms=defer,
+            by_row=True,
+        )
     X, pending = block_end(X, m, post, comb, defer)
     return X, deltas, pending
 

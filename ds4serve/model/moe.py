@@ -78,38 +78,27 @@ def moe(
     scaling: float,
     limit: float,
     slot_terms: bool = False,
+    by_row: bool = False,
 ) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert. ``slot_terms``: where the
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
-    them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
+    them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum.
+
+    ``by_row`` (a tile of a batched decode step): each row's result depends on that row alone. The fused
+    decode kernels, where they take the tile, handle every (token, expert) pair on its own; elsewhere the
+    routed experts then run row by row (the grouped path's group sizes depend on every row's routing)."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if _fused_applies(x, idx):
         return _moe_fused(w, x, idx, weights, limit, not slot_terms)
-    out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
+    if by_row:
+        parts = [
+            routed_experts(x[r : r + 1], idx[r : r + 1], weights[r : r + 1], w.w1, w.w3, w.w2, limit)
+            for r in range(x.shape[0])
+        ]
+        out = torch.cat(parts)
+    else:
+        out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
-
-
-def moe_rows(
-    w: MoEWeights,
-    x: torch.Tensor,
-    token_ids: torch.Tensor,
-    top_k: int,
-    scaling: float,
-    limit: float,
-    slot_terms: bool = False,
-) -> torch.Tensor:
-    """:func:`moe` for a tile of rows (a batched decode step) in which each row's result depends on that row
-    alone: the fused decode kernels, where they take the tile, handle every (token, expert) pair on its own;
-    elsewhere the routed experts run row by row (the grouped path's group sizes depend on every row's
-    routing). The router and the shared expert run on the whole tile. ``slot_terms`` as for :func:`moe`."""
-    weights, idx = route(w, x, token_ids, top_k, scaling)
-    if _fused_applies(x, idx):
-        return _moe_fused(w, x, idx, weights, limit, not slot_terms)
-    rows = [
-        routed_experts(x[r : r + 1], idx[r : r + 1], weights[r : r + 1], w.w1, w.w3, w.w2, limit)
-        for r in range(x.shape[0])
-    ]
-    return torch.cat(rows) + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
 
 
 def _fused_applies(x: torch.Tensor, idx: torch.Tensor) -> bool:
