@@ -256,3 +256,27 @@ def test_park_lets_the_running_requests_finish_first(tiny_dir):
     assert not queued.started and engine.parked
     assert engine.unpark() == ["target"]
     assert len(list(queued)) == 6 and queued.result.error is None
+
+
+def test_a_speculative_request_beside_plain_ones_decodes_as_plain_decoding(engines):
+    """A speculative request (oracle drafts, some rejected) runs beside plain ones: every request's greedy
+    tokens are those of plain decoding alone, and a second speculative request waits for the first."""
+    from ds4serve.engine.drafts import OracleProposer
+
+    engine = engines[0]
+    engine.prefix_cache = None
+    prompts = [random_prompt(40 + 9 * i, seed=90 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = [engine.generate(p, params).tokens for p in prompts]
+    drafts = [OracleProposer(prompts[i] + alone[i], 0.7, 4, seed=i) for i in (1, 3)]
+    handles = [
+        engine.stream(p, params, speculative=drafts[(i - 1) // 2] if i % 2 else None)
+        for i, p in enumerate(prompts)
+    ]
+    widths = []
+    while not all(h.done for h in handles):
+        widths.append(engine.step().decode_rows)
+        assert engine.running <= 3  # the second speculative request is not admitted beside the first
+    assert [h.result.tokens for h in handles] == alone
+    assert max(widths) == 2  # the plain requests were decoded together beside the speculative one
+    assert all(h.result.stats.speculative["accepted"] > 0 for h in handles[1::2])

@@ -16,8 +16,9 @@ One :meth:`StepLoop.step`:
    back to the pool.
 
 Rows never see each other: a row's tokens and logits are what it gets alone (the batched forward is
-batch-invariant, sampling is keyed by (seed, token index)). A speculative request runs alone: it is
-admitted when no other row runs, nothing is admitted beside it, and it emits one token a step.
+batch-invariant, sampling is keyed by (seed, token index)). One speculative request runs at a time, beside
+the others: it runs its own verify forwards (they are not batched yet) and emits one token a step (a step
+with no verify to run is one without a forward: alone, it loses nothing).
 A waiting request whose prompt starts with a prefix another row's prefill is about to cache waits for it.
 """
 
@@ -258,7 +259,7 @@ class StepLoop:
                 continue
             if self._admission_held or len(self.rows) >= self.max_batch:
                 break
-            if any(r.speculative for r in self.rows) or (handle.speculative is not None and self.rows):
+            if handle.speculative is not None and any(r.speculative for r in self.rows):
                 break
             if self._awaits_cached_prefix(handle):
                 continue
