@@ -107,6 +107,7 @@ def _exact(engine) -> dict:
     tail = model.forward(PROMPT[35:38], state, logit_rows=slice(None))
     out["verify"], out["tail"], out["tail_hidden"] = verify.logits, tail.logits, tail.hidden
     out["nbytes"] = model.nbytes()
+    out["paused"] = _paused(engine, model.new_state(64))
     state = model.new_state(64)
     out["graph_steps"] = _graph_steps(engine, state, model.decode_graph(state, graph=False))
     state = model.new_state(64)
@@ -114,6 +115,17 @@ def _exact(engine) -> dict:
     out["speculative_graphs"] = _speculative_through_graphs(engine, out["generate"])
     out["first_chunks"] = _first_chunk_steps(engine, model.first_chunks(96, graph=False))
     return out
+
+
+def _paused(engine, state) -> torch.Tensor:
+    """A 40-token prefill whose one chunk's commit pauses at 13 and 27 to snapshot (as at cache points): its
+    logits, then every layer's window in each snapshot."""
+    paused: list = []
+    logits = engine.prefill(
+        state, PROMPT[:40], pauses=(13, 27), at_pause=lambda s: paused.append(s.snapshot())
+    )
+    windows = [snap.layers[layer]["window"].flatten() for snap in paused for layer in sorted(snap.layers)]
+    return torch.cat([logits.flatten(), *windows])
 
 
 def _speculative_through_graphs(engine, plain: list[int]) -> dict:
@@ -273,6 +285,7 @@ def _reference(engine) -> dict:
     tail = engine.model.forward(PROMPT[35:38], state, logit_rows=slice(None))
     out["verify"], out["tail"], out["tail_hidden"] = verify.logits, tail.logits, tail.hidden
     out["nbytes"] = engine.model.nbytes()
+    out["paused"] = _paused(engine, engine.new_sequence(64))
     state = engine.new_sequence(64)
     out["graph_steps"] = _graph_steps(engine, state, DecodeGraph(engine.model, state, graph=False))
     state = engine.new_sequence(64)
@@ -297,6 +310,7 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
         "graph_steps",
         "verify_graph_steps",  # graphs: one per rank
         "first_chunks",
+        "paused",  # every rank's layers snapshotted inside a chunk
     ):
         assert torch.equal(got[key], reference[key]), key
     assert got["generate"] == reference["generate"]

@@ -317,11 +317,11 @@ class PipelineState(SequenceState):
     sid: int = 0
     model: PipelineModel | None = None
 
-    def commit(self, delta: ChunkDelta, n: int) -> None:
+    def commit(self, delta: ChunkDelta, n: int, skip: int = 0) -> None:
         if not isinstance(delta, PipelineDelta):
             raise ValueError("delta: expected the delta of a PipelineModel forward")
-        super().commit(delta, n)
-        self.model._op("commit", self.sid, delta.seq, n)
+        super().commit(delta, n, skip)
+        self.model._op("commit", self.sid, delta.seq, n, skip)
 
     def reset(self) -> None:
         super().reset()
@@ -628,9 +628,10 @@ class _ShardServer:
         self.verify_graphs[sid, width].write(len(tokens))
         self.states[sid].advance_block(tokens)
 
-    def commit(self, sid: int, seq: int, n: int) -> None:
-        self.states[sid].commit(self.pending[sid][seq], n)
-        self.pending[sid] = {}
+    def commit(self, sid: int, seq: int, n: int, skip: int = 0) -> None:
+        delta = self.pending[sid][seq]
+        self.states[sid].commit(delta, n, skip)
+        self.pending[sid] = {seq: delta}  # the chunk's next part may follow; the next chunk's commit drops it
 
     def reset(self, sid: int) -> None:
         self.states[sid].reset()
