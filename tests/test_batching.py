@@ -149,7 +149,8 @@ def test_each_request_gets_bitwise_what_it_gets_alone(together_and_alone):
 
 
 def test_batched_logprobs_are_the_one_shot_forward(together_and_alone, engines):
-    """Every logprob a batched row reports is log_softmax of the one-shot forward's logits there."""
+    """Every logprob a batched row reports is log_softmax of the one-shot forward's logits there (fp32, within
+    1e-5: the chunking tolerance; measured at most 2.4e-6)."""
     specs, together, _, _ = together_and_alone
     checked = 0
     for spec, t in zip(specs, together):
@@ -159,9 +160,9 @@ def test_batched_logprobs_are_the_one_shot_forward(together_and_alone, engines):
         lp = torch.log_softmax(logits[len(spec.prompt) - 1 : -1], dim=-1)
         for k, (token, (value, top)) in enumerate(zip(t.tokens, t.logprobs)):
             assert math.isfinite(value)
-            assert abs(value - float(lp[k, token])) <= 1e-4, (k, value, float(lp[k, token]))
+            assert abs(value - float(lp[k, token])) <= 1e-5, (k, value, float(lp[k, token]))
             for tid, tv in top:
-                assert abs(tv - float(lp[k, tid])) <= 1e-4
+                assert abs(tv - float(lp[k, tid])) <= 1e-5
             checked += 1
     assert checked > 50
 

@@ -126,10 +126,7 @@ class RequestHandle:
 class StepReport:
     """What one step did."""
 
-    admitted: int = 0
-    prefill_tokens: int = 0
     decode_rows: int = 0  # sequences in the step's decode forward
-    finished: int = 0
 
 
 class _Row:
@@ -139,9 +136,8 @@ class _Row:
         self.handle = handle
         self.prompt: list[int] = handle.prompt
         self.state: SequenceState | None = None
-        self.chunks: collections.deque[tuple[int, bool]] = (
-            collections.deque()
-        )  # (end, cache a snapshot there)
+        # the prompt's chunks still to prefill: (end, the positions in it to snapshot into the prefix cache)
+        self.chunks: collections.deque[tuple[int, tuple[int, ...]]] = collections.deque()
         self.logits: torch.Tensor | None = None
         self.constraint: Constraint | None = None
         self.feed: PromptFeed | None = None
@@ -231,14 +227,12 @@ class StepLoop:
 
     # ---- the step (engine lock held) --------------------------------------------------------------
     def step(self) -> StepReport:
-        report = StepReport()
-        report.admitted = self._admit()
-        report.prefill_tokens = self._prefill()
-        report.decode_rows = self._decode()
+        self._admit()
+        self._prefill()
+        report = StepReport(decode_rows=self._decode())
         self._fill_cache()
         for row in [r for r in self.rows if r.ended]:
             self._retire(row)
-            report.finished += 1
         return report
 
     def _fill_cache(self) -> None:
@@ -249,8 +243,7 @@ class StepLoop:
             cache.insert(snap.to(cache.device))
         self._to_cache.clear()
 
-    def _admit(self) -> int:
-        admitted = 0
+    def _admit(self) -> None:
         with self._queue:
             candidates = list(self._waiting)
         for handle in candidates:
@@ -270,9 +263,7 @@ class StepLoop:
                 handle.admitted = time.perf_counter()
             row = _Row(handle)
             self.rows.append(row)
-            admitted += 1
             self._guarded(row, lambda: self._start(row))
-        return admitted
 
     def _awaits_cached_prefix(self, handle: RequestHandle) -> bool:
         """Whether a running row is about to cache a prefix of ``handle``'s prompt."""
@@ -317,7 +308,7 @@ class StepLoop:
             row.logits = state.last_logits
             self._begin_decoding(row)
 
-    def _prefill(self) -> int:
+    def _prefill(self) -> None:
         budget, forwarded = self.max_prefill_tokens, 0
         for row in [r for r in self.rows if r.chunks]:
             while row.chunks and (budget > 0 or not forwarded) and not row.failed:
@@ -328,7 +319,6 @@ class StepLoop:
                 forwarded += size
             if budget <= 0:
                 break
-        return forwarded
 
     def _prefill_chunk(self, row: _Row, end: int, points: tuple[int, ...]) -> None:
         """One chunk of the row's prompt, forwarded once; the state is snapshotted into the prefix cache as

@@ -111,7 +111,7 @@ class Scheduler:
         on the engine run on, and the worker stops after them."""
         with self._cond:
             self._stopping = True
-            waiting = [j for j in self._jobs if not j._handle.started]
+            waiting = [j for j in list(self._jobs) if not j._handle.started]  # the worker thread ends jobs
             self._cond.notify_all()
         for job in waiting:
             self.withdraw(job, "shutdown")
