@@ -32,9 +32,8 @@ ROW_TILE = 8  # rows per tile: every token-wise op of a batched step runs on exa
 @dataclass
 class BatchForward:
     logits: torch.Tensor | None  # [N, V] float32, row r = after token_ids[r] on states[r]; None: no head
-    deltas: list[
-        ChunkDelta
-    ]  # row r's one-token delta at states[r].pos; commit with states[r].commit(delta, 1)
+    # row r's one-token delta at states[r].pos; commit it with states[r].commit(delta, 1)
+    deltas: list[ChunkDelta]
     hidden: torch.Tensor  # [N, hc, D] streams after the range's last layer (before the head's merge)
 
 
