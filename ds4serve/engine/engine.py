@@ -36,6 +36,7 @@ from ..parallel.split_model import SplitModel
 from ..state import SequenceState, Snapshot
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
+from .batch_graphs import BatchGraphs, DecodeSlots
 from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .prefill_graphs import MAX_GRAPH_TOKENS, FirstChunkGraphs
@@ -131,6 +132,7 @@ class Engine:
                 f"max_batch: {type(model).__name__} runs one sequence at a time, got {max_batch}"
             )
         self.max_batch = max_batch
+        self._batch: BatchGraphs | None = None  # the decode slots and their batched steps (see _batch_graphs)
         self._states = StatePool(self.new_sequence, self.max_context, max_batch, self._forget_state)
         self._loop = StepLoop(self, max_batch, max_prefill_tokens or chunk_size)
 
@@ -376,6 +378,9 @@ class Engine:
             graphs = self._prefill_graphs()
             if graphs is not None:
                 graphs.capture_all()
+            batch = self._batch_graphs()
+            if batch is not None and batch.graph:
+                batch.capture()
         prepare_constraints(self.tokenizer, vocab)
         return time.perf_counter() - start
 
@@ -447,6 +452,11 @@ class Engine:
             return [self.decode_step(state, token)]
         model = self.require_model()
         self.forward_calls += 1
+        batch = self._batch_graphs()
+        if batch is not None:
+            pos = min(s.pos for s in states)
+            with profiler.step("decode", len(tokens), pos, model.layers, graph=batch.graph):
+                return batch.step(states, tokens)
         with profiler.step("decode", len(tokens), min(s.pos for s in states), model.layers):
             out = model.decode_batch(tokens, states)
         rows = []
@@ -455,6 +465,43 @@ class Engine:
             state.last_logits = out.logits[i]
             rows.append(state.last_logits)
         return rows
+
+    def enter_slot(self, state: SequenceState) -> SequenceState:
+        """Where ``state``'s sequence decodes: a decode slot now holding a copy of it, where the engine decodes
+        batches through slots (:mod:`.batch_graphs`), else ``state`` itself. Give it to :meth:`decode_rows`."""
+        batch = self._batch_graphs()
+        if batch is None:
+            return state
+        slot = batch.slots.enter(state)
+        if self._state is state:
+            self._state = slot
+        return slot
+
+    def leave_slot(
+        self, slot: SequenceState, state: SequenceState, keep: bool = True
+    ) -> SequenceState | None:
+        """The sequence decoding in ``slot`` (from :meth:`enter_slot` of ``state``) stops: with ``keep`` it is
+        copied back into ``state``, and the slot is freed. Returns the slot whose sequence moved into ``slot``
+        (its owner now decodes in ``slot``), or None."""
+        if slot is state:
+            return None
+        if keep:
+            state.restore(slot.snapshot())
+        if self._state is slot:
+            self._state = state
+        return self._batch.slots.leave(slot)
+
+    def _batch_graphs(self) -> BatchGraphs | None:
+        """The decode slots and batched steps of a whole model decoding batches (None: the one-sequence step,
+        or the eager batched forward of a layer split): ``max_batch`` slots of ``max_context`` tokens, made on
+        first use; captured as CUDA graphs where the engine uses graphs."""
+        if self._batch is None:
+            model = self.require_model()
+            if self.max_batch == 1 or not isinstance(model, DeepSeekV4):
+                return None
+            slots = DecodeSlots(lambda: model.new_state(self.max_context), self.max_batch)
+            self._batch = BatchGraphs(model, slots, graph=self._graphs_apply(model))
+        return self._batch
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
         """Forward one token, commit it, return the logits after it."""
@@ -593,7 +640,7 @@ class Engine:
                 if part == "target" and self.model is not None:
                     self.model = None
                     self._states.clear()
-                    self._graph = None
+                    self._graph = self._batch = None
                     self._first_chunks = self._first_chunks_apply = None
                     self._verify_graphs.clear()
                     self._state = None

@@ -136,6 +136,9 @@ class _Row:
         self.handle = handle
         self.prompt: list[int] = handle.prompt
         self.state: SequenceState | None = None
+        self.slot: SequenceState | None = (
+            None  # where it decodes (Engine.enter_slot), from its first decode on
+        )
         # the prompt's chunks still to prefill: (end, the positions in it to snapshot into the prefix cache)
         self.chunks: collections.deque[tuple[int, tuple[int, ...]]] = collections.deque()
         self.logits: torch.Tensor | None = None
@@ -395,17 +398,20 @@ class StepLoop:
             self._guarded(row, lambda: self._next_speculative(row))
         batch = []
         for row in self.rows:
-            if row.pending is None or row.ended:
-                continue
-            if row.handle.cancelled:
+            if row.pending is not None and not row.ended and row.handle.cancelled:
                 row.gen.cancel()
-            else:
+            if row.pending is not None and not row.ended:
                 batch.append(row)
+            elif row.slot is not None:
+                self._leave_slot(row)  # every slot in use decodes in the step
         if not batch:
             return 0
         try:
+            for row in batch:
+                if row.slot is None:
+                    row.slot = self.engine.enter_slot(row.state)
             with _timed(*batch):
-                logits = self.engine.decode_rows([r.state for r in batch], [r.pending for r in batch])
+                logits = self.engine.decode_rows([r.slot for r in batch], [r.pending for r in batch])
         except Exception as exc:  # noqa: BLE001 - the rows of a failed step fail; the loop goes on
             for row in batch:
                 self._fail(row, exc)
@@ -439,9 +445,19 @@ class StepLoop:
         row.failed = True
         row.pending = None
         row.chunks.clear()
+        if row.slot is not None:
+            self._leave_slot(row, keep=not drop)
         if drop and row.state is not None:
             self.engine.drop_state(row.state)
             row.state = None
+
+    def _leave_slot(self, row: _Row, keep: bool = True) -> None:
+        """The row stops decoding: its sequence goes back to its state (``keep``), its slot is freed."""
+        slot, row.slot = row.slot, None
+        moved = self.engine.leave_slot(slot, row.state, keep)
+        for other in self.rows:
+            if moved is not None and other.slot is moved:
+                other.slot = slot
 
     def _retire(self, row: _Row) -> None:
         engine, res = self.engine, row.handle.result
@@ -450,6 +466,8 @@ class StepLoop:
             row.spec.close()  # a failed one's cleanup records its statistics and decode time
         elif row.decode_start is not None:
             res.timings.decode_s = time.perf_counter() - row.decode_start
+        if row.slot is not None:
+            self._leave_slot(row)
         if row.state is not None:
             cache = engine.prefix_cache
             if cache is not None and res.error in (None, ErrorCode.CANCELLED) and res.tokens:

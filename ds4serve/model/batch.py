@@ -8,10 +8,16 @@ batch of one's (the row's own state, position and :class:`~ds4serve.model.attent
 experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe` ``by_row``).
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
 nothing; the caller commits each row's :class:`~ds4serve.state.ChunkDelta`.
+
+With ``positions`` the step is *static*, as :meth:`DeepSeekV4.forward`'s: each row's attention is the
+one-token static step of the CUDA-graph path (its position read from a device tensor, its state's buffers read
+whole, masked), nothing reads a host position or synchronises, so the step can be captured
+(:mod:`ds4serve.engine.batch_graphs`).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,6 +25,7 @@ import torch
 
 from .. import profiler
 from ..config import ModelConfig
+from ..kernels import regions
 from ..state import ChunkDelta, LayerDelta, SequenceState
 from .attention import AttentionWeights, ChunkInfo, attention
 from .deepseek4 import BlockWeights, DeepSeekV4, PendingMerge, attention_site, block_end, ffn_site
@@ -42,61 +49,79 @@ Row = tuple[SequenceState, ChunkInfo] | None  # a sequence's state and its token
 
 def decode_batch(
     model: DeepSeekV4,
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | torch.Tensor,
     states: Sequence[SequenceState],
     *,
     hidden: torch.Tensor | None = None,
+    positions: Sequence[torch.Tensor] | None = None,
 ) -> BatchForward:
     """Forward ``token_ids[r]`` at ``states[r].pos`` for every row ``r`` over the model's layer range.
 
     ``hidden [N, hc, D]``: the incoming streams when the range does not start at layer 0. Rows are
     independent: a row's logits and delta are bit-identical whatever the other rows, their number and order.
+    ``positions`` makes the step static (module docstring): one device tensor ``[1]`` per row holding its
+    state's position, ``token_ids`` a device tensor ``[N]``; the deltas' starts are then 0 and their tokens
+    empty (the caller knows them, as for a static :meth:`DeepSeekV4.forward`) and the caller checks the room.
     Raises ValueError for mismatched lengths, no rows, a state given twice or one without room for a token.
     """
-    ids = [int(t) for t in token_ids]
-    _validate(model, ids, states, hidden)
+    static = positions is not None
+    n = len(token_ids)
+    host = None if static else [int(t) for t in token_ids]
+    ids = torch.as_tensor(token_ids if static else host, dtype=torch.long, device=model.device)
+    _validate(model, n, states, hidden, positions)
     logits, streams, deltas = [], [], []
-    for start in range(0, len(ids), ROW_TILE):
-        tile_states = states[start : start + ROW_TILE]
-        real = len(tile_states)
-        pad = ROW_TILE - real
-        tile_ids = torch.tensor(ids[start : start + real] + [0] * pad, dtype=torch.long, device=model.device)
-        rows: list[Row] = [(s, model.chunk_info(s.pos, 1)) for s in tile_states] + [None] * pad
-        if model.embed is not None:
-            X = model.streams(tile_ids)
-        else:
-            part = hidden[start : start + real].to(device=model.device, dtype=model.dtype)
-            X = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
-        X, layer_deltas = _tile_forward(model, X, tile_ids, rows)
-        if model.head is not None:
-            logits.append(model.logits(X)[:real])
-        streams.append(X[:real])
-        for r, s in enumerate(tile_states):
-            layers = {i: layer_deltas[i][r] for i in model.layers}
-            deltas.append(ChunkDelta(start=s.pos, tokens=[ids[start + r]], layers=layers))
+    with regions.static_step() if static else nullcontext():
+        for start in range(0, n, ROW_TILE):
+            tile_states = states[start : start + ROW_TILE]
+            real = len(tile_states)
+            pad = ROW_TILE - real
+            tile_ids = torch.cat([ids[start : start + real], ids.new_zeros(pad)])
+            rows: list[Row] = [
+                (s, model.chunk_info(0, 1, positions[start + r]) if static else model.chunk_info(s.pos, 1))
+                for r, s in enumerate(tile_states)
+            ] + [None] * pad
+            if model.embed is not None:
+                X = model.streams(tile_ids)
+            else:
+                part = hidden[start : start + real].to(device=model.device, dtype=model.dtype)
+                X = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
+            X, layer_deltas = _tile_forward(model, X, tile_ids, rows)
+            if model.head is not None:
+                logits.append(model.logits(X)[:real])
+            streams.append(X[:real])
+            for r, s in enumerate(tile_states):
+                layers = {i: layer_deltas[i][r] for i in model.layers}
+                if static:
+                    deltas.append(ChunkDelta(start=0, tokens=[], layers=layers))
+                else:
+                    deltas.append(ChunkDelta(start=s.pos, tokens=[host[start + r]], layers=layers))
     return BatchForward(
         logits=torch.cat(logits) if logits else None, deltas=deltas, hidden=torch.cat(streams)
     )
 
 
 def _validate(
-    model: DeepSeekV4, ids: list[int], states: Sequence[SequenceState], hidden: torch.Tensor | None
+    model: DeepSeekV4,
+    n: int,
+    states: Sequence[SequenceState],
+    hidden: torch.Tensor | None,
+    positions: Sequence[torch.Tensor] | None,
 ) -> None:
-    if len(ids) != len(states):
-        raise ValueError(
-            f"token_ids and states: expected one token per state, got {len(ids)} and {len(states)}"
-        )
-    if not ids:
+    if n != len(states):
+        raise ValueError(f"token_ids and states: expected one token per state, got {n} and {len(states)}")
+    if not n:
         raise ValueError("token_ids: expected at least one row")
+    if positions is not None and len(positions) != n:
+        raise ValueError(f"positions: expected one per row, got {len(positions)} for {n} rows")
     seen: set[int] = set()
     for r, s in enumerate(states):
         if id(s) in seen:
             raise ValueError(f"states[{r}]: a state appears twice in the batch")
         seen.add(id(s))
-        if s.pos + 1 > s.max_context:
+        if positions is None and s.pos + 1 > s.max_context:
             raise ValueError(f"states[{r}]: full ({s.pos} of {s.max_context} tokens), no room for one more")
     if model.embed is None:
-        want = (len(ids), model.cfg.hc_mult, model.cfg.hidden_size)
+        want = (n, model.cfg.hc_mult, model.cfg.hidden_size)
         if hidden is None:
             raise ValueError(f"layer range {model.layers.start}.. needs the incoming hidden streams")
         if tuple(hidden.shape) != want:

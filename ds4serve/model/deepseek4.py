@@ -193,16 +193,17 @@ class DeepSeekV4:
 
     def decode_batch(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | torch.Tensor,
         states: Sequence[SequenceState],
         *,
         hidden: torch.Tensor | None = None,
+        positions: Sequence[torch.Tensor] | None = None,
     ) -> BatchForward:
         """One new token for each of N sequences, each row bitwise independent of the others
-        (:func:`ds4serve.model.batch.decode_batch`); writes nothing."""
+        (:func:`ds4serve.model.batch.decode_batch`; ``positions``: a static step); writes nothing."""
         from .batch import decode_batch
 
-        return decode_batch(self, token_ids, states, hidden=hidden)
+        return decode_batch(self, token_ids, states, hidden=hidden, positions=positions)
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Final merge, norm and head for streams ``X [N, hc, D]``: float32 ``[N, V]``."""

@@ -1,0 +1,162 @@
+"""Batched decode steps over fixed decode slots, captured as one CUDA graph per batch bucket.
+
+A CUDA graph reads the tensors it was captured with, so the sequences of a batched step must sit in fixed
+states. :class:`DecodeSlots` holds ``count`` states of one capacity and keeps the decoding sequences packed in
+its lowest slots: a sequence enters (its prefilled state copied into the next free slot) when it starts
+decoding, and when one leaves, the last one moves into its slot (a copy of what it has used).
+
+:class:`BatchGraphs` runs a step of N sequences as the graph of the smallest bucket B >= N (:data:`BUCKETS`)
+over slots 0..B-1: the static batched forward (:func:`ds4serve.model.batch.decode_batch` with positions) and
+every row's commit at its device position. Rows N..B-1 forward token 0 at position 0 on free slots, whose
+contents nothing reads before the next :meth:`DecodeSlots.enter` overwrites them. Every row is what it is in
+any bucket (the batched forward's tile rule), so a sequence's tokens do not depend on what runs beside it.
+With ``graph=False`` (a device without CUDA graphs) each step runs the same static forward uncaptured.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..model import DeepSeekV4
+from ..state import ChunkDelta, SequenceState
+from .cuda_graphs import Captured
+from .device_commit import DeviceCommit
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # rows of the captured steps (and the slot count)
+
+
+def bucket_for(rows: int, slots: int) -> int:
+    """The rows of the step that decodes ``rows`` sequences: the smallest bucket that holds them, at most
+    ``slots``."""
+    return min([b for b in BUCKETS if b >= rows] + [slots])
+
+
+class DecodeSlots:
+    """``count`` sequence states of one capacity; the decoding sequences occupy slots ``0 .. used - 1``."""
+
+    def __init__(self, allocate: Callable[[], SequenceState], count: int):
+        if count < 1:
+            raise ValueError(f"count: expected >= 1, got {count}")
+        self.states = [allocate() for _ in range(count)]
+        self.used = 0
+
+    def index(self, slot: SequenceState) -> int:
+        for i in range(self.used):
+            if self.states[i] is slot:
+                return i
+        raise ValueError("not a slot in use")
+
+    def enter(self, state: SequenceState) -> SequenceState:
+        """The next free slot, now holding a copy of ``state`` (its host counters and last logits included)."""
+        if self.used == len(self.states):
+            raise RuntimeError(f"all {self.used} decode slots are in use")
+        slot = self.states[self.used]
+        if state.pos > slot.max_context:
+            raise ValueError(f"a sequence of {state.pos} tokens does not fit a slot of {slot.max_context}")
+        slot.restore(state.snapshot())
+        self.used += 1
+        return slot
+
+    def leave(self, slot: SequenceState) -> SequenceState | None:
+        """Free ``slot``. When it was not the last one in use, the last one's sequence moves into it: returns
+        the state that held it (its owner now finds it in ``slot``); else None."""
+        i, last = self.index(slot), self.used - 1
+        self.used -= 1
+        if i == last:
+            return None
+        moved = self.states[last]
+        slot.restore(moved.snapshot())
+        return moved
+
+
+class BatchGraphs:
+    """The batched decode steps of ``model`` over ``slots``, one captured graph per bucket (made on first
+    use or by :meth:`capture`); the graphs share one memory pool (they never run at the same time)."""
+
+    def __init__(self, model: DeepSeekV4, slots: DecodeSlots, graph: bool = True):
+        self.model, self.slots, self.graph = model, slots, graph
+        self._steps: dict[int, _BucketStep] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graph else None
+
+    def capture(self) -> None:
+        """Capture the step of every bucket up to the slot count (the engine's warm-up)."""
+        for rows in sorted(
+            {bucket_for(n, len(self.slots.states)) for n in range(1, len(self.slots.states) + 1)}
+        ):
+            self._step(rows)
+
+    def step(self, slots: list[SequenceState], tokens: list[int]) -> list[torch.Tensor]:
+        """Forward ``tokens[i]`` on ``slots[i]`` (every slot in use, in any order), commit each; returns each
+        row's logits ``[V]`` (float32, kept past the next step)."""
+        used = self.slots.used
+        if len(slots) != used:
+            raise ValueError(f"a batched step decodes every slot in use: got {len(slots)} of {used}")
+        rows = bucket_for(used, len(self.slots.states))
+        order = [self.slots.index(s) for s in slots]
+        ids, positions = [0] * rows, [0] * rows
+        for i, slot, token in zip(order, slots, tokens):
+            if slot.pos + 1 > slot.max_context:
+                raise ValueError(f"decode at position {slot.pos} exceeds the slot's {slot.max_context}")
+            ids[i], positions[i] = token, slot.pos
+        logits = self._step(rows).replay(ids, positions)[:used].clone()
+        out = []
+        for i, slot, token in zip(order, slots, tokens):
+            slot.advance(token)
+            slot.last_logits = logits[i]
+            out.append(logits[i])
+        return out
+
+    def _step(self, rows: int) -> "_BucketStep":
+        step = self._steps.get(rows)
+        if step is None:
+            step = self._steps[rows] = _BucketStep(
+                self.model, self.slots.states[:rows], self.graph, self._pool
+            )
+        return step
+
+
+class _BucketStep:
+    """The static batched forward of ``len(slots)`` rows and each row's commit, captured (or not)."""
+
+    def __init__(self, model: DeepSeekV4, slots: list[SequenceState], graph: bool, pool: object | None):
+        self.model, self.slots = model, slots
+        device = model.device
+        n = len(slots)
+        self.inputs = torch.zeros(2 * n, dtype=torch.long, device=device)  # the tokens, then the positions
+        # one tensor per row: a row's compiled regions then see the same tensor shape and offset in every row
+        self.positions = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(n)]
+        self._writes = [DeviceCommit(s) for s in slots]
+        self._run = Captured(
+            self._forward_and_commit,
+            device,
+            graph=graph,
+            warm=self._forward,
+            setup=self._prepare,
+            pool=pool,
+        )
+        for writes in self._writes:
+            writes.finish_capture()
+
+    def _prepare(self) -> list[torch.Tensor | None]:
+        return [w.prepare_capture(p) for w, p in zip(self._writes, self.positions)]
+
+    def _forward(self) -> tuple[torch.Tensor, list[ChunkDelta]]:
+        n = len(self.slots)
+        for r, pos in enumerate(self.positions):
+            pos.copy_(self.inputs[n + r : n + r + 1])
+        out = self.model.decode_batch(self.inputs[:n], self.slots, positions=self.positions)
+        return out.logits, out.deltas
+
+    def _forward_and_commit(self) -> torch.Tensor:
+        logits, deltas = self._forward()
+        for writes, delta, pos in zip(self._writes, deltas, self.positions):
+            writes.write_token(delta, pos)
+        return logits
+
+    def replay(self, ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Forward ``ids`` at ``positions`` (one per slot) and commit them; logits ``[rows, V]``, a buffer
+        that the next replay overwrites."""
+        self.inputs.copy_(torch.tensor(ids + positions, dtype=torch.long))
+        return self._run.replay()
