@@ -10,7 +10,8 @@ server, against the engine's own prefill time for the same tokens: streamed requ
 question each time, the median of ``--reps``.
 
 ``--batching``: continuous batching on the proxy model. The engine's decode step over B sequences
-(``Engine.decode_rows``; B = 1 also through the one-sequence CUDA graph), and the server under C concurrent
+(``Engine.decode_rows`` over decode slots: the captured batched step of B's bucket; B = 1 also through the
+one-sequence CUDA graph), and the server under C concurrent
 streamed chats of ``--load-tokens`` greedy tokens each (aggregate output tok/s, time to first token p50 /
 max), with ``--max-batch`` 1 (one request at a time) and 16.
 
@@ -185,14 +186,16 @@ def decode_steps(model, batches: tuple[int, ...], steps: int = 12) -> list[dict]
                 for i, state in enumerate(states):
                     state.reset()
                     engine.prefill(state, [(i * 31 + j * 7) % 1000 + 10 for j in range(64)])
+                slots = [engine.enter_slot(state) for state in states]
                 times, tokens = [], [11] * b
                 for _ in range(steps):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    engine.decode_rows(states, tokens)
+                    engine.decode_rows(slots, tokens)
                     torch.cuda.synchronize()
                     times.append(1e3 * (time.perf_counter() - t0))
-                for state in states:
+                for slot, state in reversed(list(zip(slots, states))):
+                    engine.leave_slot(slot, state)
                     engine.release_state(state)
             ms = statistics.median(times[2:])
             out.append({"mode": mode, "batch": b, "ms_per_step": ms, "tok_s": 1e3 * b / ms})

@@ -1,0 +1,117 @@
+"""Decode slots and the per-bucket batched step (engine/batch_graphs.py).
+
+On the CPU the bucket steps run uncaptured (the same static forward and device-position commits a CUDA graph
+captures); on a GPU the last test runs them captured.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4serve import Engine
+from ds4serve.engine.batch_graphs import BUCKETS, BatchGraphs, DecodeSlots, bucket_for
+from tests.helpers import random_prompt
+
+MAX_CONTEXT = 256
+
+
+def test_bucket_for_takes_the_smallest_bucket_that_holds_the_rows():
+    assert [bucket_for(n, 128) for n in (1, 2, 3, 5, 8, 9, 17, 25, 33, 100, 128)] == [
+        1, 2, 4, 8, 8, 16, 24, 32, 48, 128, 128,
+    ]  # fmt: skip
+    assert bucket_for(5, 6) == 6 and bucket_for(3, 3) == 3  # never more rows than slots
+    assert BUCKETS == tuple(sorted(BUCKETS))
+
+
+def _prefilled(engine: Engine, which: int | list[int], seed: int) -> list:
+    """Sequence ``i`` (of ``which``, or ``range(which)``): a prompt of 5 + 11 i tokens, prefilled."""
+    states = []
+    for i in range(which) if isinstance(which, int) else which:
+        state = engine.new_sequence(MAX_CONTEXT)
+        engine.prefill(state, random_prompt(5 + 11 * i, seed=seed + i))
+        states.append(state)
+    return states
+
+
+def _same(a, b) -> bool:
+    sa, sb = a.snapshot(), b.snapshot()
+    if (sa.pos, sa.tokens) != (sb.pos, sb.tokens):
+        return False
+    return all(torch.equal(sa.layers[i][k], sb.layers[i][k]) for i in sa.layers for k in sa.layers[i])
+
+
+def test_slots_stay_packed_and_a_moved_sequence_keeps_its_state(engine):
+    """Entering copies a sequence into the next free slot; leaving a slot that is not the last moves the last
+    sequence into it and says which slot it came from."""
+    with engine.lock:
+        model = engine.require_model()
+        slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 3)
+        states = _prefilled(engine, 3, seed=10)
+        entered = [slots.enter(s) for s in states]
+        assert entered == slots.states and slots.used == 3
+        assert all(_same(a, b) for a, b in zip(entered, states))
+        with pytest.raises(RuntimeError, match="all 3 decode slots are in use"):
+            slots.enter(states[0])
+        assert slots.leave(entered[0]) is entered[2]  # the last sequence moved into slot 0
+        assert slots.used == 2 and _same(entered[0], states[2])
+        assert slots.leave(entered[1]) is None and slots.used == 1
+        with pytest.raises(ValueError, match="not a slot in use"):
+            slots.leave(entered[1])
+
+
+def test_a_row_is_bitwise_the_same_in_every_bucket(engine):
+    """The same sequences decoded in buckets of 1, 2, 4, 8 and 16 rows (the others beside them changing):
+    each sequence's logits and committed state are bitwise equal, and within 1e-5 of the one-shot forward."""
+    with engine.lock, torch.inference_mode():
+        model = engine.require_model()
+        runs = {}
+        for n in (1, 2, 3, 5, 9):
+            slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 16)
+            batch = BatchGraphs(model, slots, graph=False)
+            order = [0] + list(range(2, n + 1))  # sequence 0 observed beside others that change with n
+            rows = [slots.enter(s) for s in _prefilled(engine, order, seed=40)]
+            tokens = [7 + i for i in order]
+            logits = []
+            for _ in range(3):
+                out = batch.step(rows, tokens)
+                logits.append(out[0])
+            runs[n] = (logits, rows[0])
+        first_logits, first_slot = runs[1]
+        for n, (logits, slot) in runs.items():
+            assert all(torch.equal(a, b) for a, b in zip(logits, first_logits)), n
+            assert _same(slot, first_slot), n
+        prompt = random_prompt(5, seed=40)
+        ref = engine.score(prompt + [7, 7, 7])
+        for k, got in enumerate(first_logits):
+            assert (got - ref[len(prompt) - 1 + k + 1]).abs().max() <= 1e-5
+
+
+def test_a_step_must_take_every_slot_in_use(engine):
+    with engine.lock, torch.inference_mode():
+        model = engine.require_model()
+        slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 4)
+        batch = BatchGraphs(model, slots, graph=False)
+        rows = [slots.enter(s) for s in _prefilled(engine, 2, seed=5)]
+        with pytest.raises(ValueError, match="every slot in use: got 1 of 2"):
+            batch.step(rows[:1], [3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_buckets_match_the_uncaptured_step_on_the_gpu(tiny_dir):
+    """bf16 on the GPU: the captured step of each bucket gives bitwise what the uncaptured static step gives,
+    row by row, for batches of 1 to 16 rows."""
+    engine = Engine.from_pretrained(tiny_dir, device="cuda", dtype="bfloat16", max_context=MAX_CONTEXT)
+    with engine.lock, torch.inference_mode():
+        model = engine.require_model()
+        got = {}
+        for graph in (True, False):
+            for n in (1, 2, 3, 8, 11, 16):
+                slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 16)
+                batch = BatchGraphs(model, slots, graph=graph)
+                rows = [slots.enter(s) for s in _prefilled(engine, n, seed=3)]
+                outs = [batch.step(rows, [9 + i for i in range(n)]) for _ in range(3)]
+                got[graph, n] = [torch.stack(o) for o in outs]
+        for n in (1, 2, 3, 8, 11, 16):
+            assert all(torch.equal(a, b) for a, b in zip(got[True, n], got[False, n])), n
+            assert all(torch.equal(a[:1], b[:1]) for a, b in zip(got[True, n], got[True, 1])), n
