@@ -26,6 +26,7 @@ import torch
 from .. import profiler
 from ..config import ModelConfig
 from ..kernels import regions
+from ..kernels.regions import region
 from ..state import ChunkDelta, LayerDelta, SequenceState
 from .attention import AttentionWeights, ChunkInfo, attention
 from .deepseek4 import BlockWeights, DeepSeekV4, PendingMerge, attention_site, block_end, ffn_site
@@ -154,24 +155,38 @@ def _tile_block(
     pending: PendingMerge | None,
     defer: bool,
 ) -> tuple[torch.Tensor, list[LayerDelta | None], PendingMerge | None]:
-    """One decoder block over a tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`)."""
-    X, post, comb, x = attention_site(b, X, pending, cfg)
+    """One decoder block over a tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`). In a
+    static step the tile's sites and each row's attention run as compiled regions, as a static block does."""
+    static = any(row is not None and row[1].static for row in rows)
+    X, post, comb, x = (_static_site if static else attention_site)(b, X, pending, cfg)
     with profiler.phase("attention"):
         a, deltas = _row_attention(b.attn, layer, x, rows, cfg, ropes)
-    X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
     with profiler.phase("moe_ffn"):
-        m = moe(
-            b.moe,
-            x,
-            ids,
-            cfg.top_k,
-            cfg.routed_scaling_factor,
-            cfg.swiglu_limit,
-            slot_terms=defer,
-            by_row=True,
-        )
-    X, pending = block_end(X, m, post, comb, defer)
+        X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer)
     return X, deltas, pending
+
+
+def _ffn(
+    b: BlockWeights,
+    X: torch.Tensor,
+    a: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    ids: torch.Tensor,
+    cfg: ModelConfig,
+    defer: bool,
+) -> tuple[torch.Tensor, PendingMerge | None]:
+    """The tile's second mHC site, its MoE (each row's result its own) and the block's end."""
+    X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
+    m = moe(
+        b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer, by_row=True
+    )
+    return block_end(X, m, post, comb, defer)
+
+
+_static_site = region(attention_site)
+_static_ffn = region(_ffn)
+_static_attention = region(attention)
 
 
 def _row_attention(
@@ -191,7 +206,8 @@ def _row_attention(
             continue
         state, chunk = row
         # a fresh copy: the row's input never depends on where it sits in the tile (offset, alignment)
-        a, delta = attention(w, x[r : r + 1].clone(), chunk, state.layers[layer], cfg, ropes)
+        run = _static_attention if chunk.static else attention
+        a, delta = run(w, x[r : r + 1].clone(), chunk, state.layers[layer], cfg, ropes)
         outs.append(a)
         deltas.append(delta)
     return torch.cat(outs), deltas
