@@ -198,7 +198,8 @@ def test_random_arrivals_and_cancellations_keep_every_request_alone(engines, see
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bf16_rows_on_the_gpu_are_bitwise_what_they_are_alone(tiny_dir):
     """The same comparison in bf16 on the GPU's kernels, through the captured batched steps (tiles of 8 rows
-    through the decode kernels), over batches of changing sizes that cross every bucket up to 16 rows."""
+    through the decode kernels), over batches of changing sizes that cross every bucket up to 16 rows; alone,
+    each runs in the bucket of one row."""
     made = [
         Engine.from_pretrained(tiny_dir, device="cuda", dtype="bfloat16", max_context=1024, max_batch=16)
         for _ in range(2)
@@ -208,7 +209,8 @@ def test_bf16_rows_on_the_gpu_are_bitwise_what_they_are_alone(tiny_dir):
         spec.arrival = i % 4  # four arrive each step: batches that grow past one tile of 8 rows, then shrink
     together, widths = run_together(made[0], specs)
     alone = run_alone(made[1], specs)
-    assert {bucket_for(w, 16) for w in widths if w} == {1, 2, 4, 8, 16}, widths
+    # every bucket past 1 (the lone runs are the bucket of 1)
+    assert {bucket_for(w, 16) for w in widths if w} >= {2, 4, 8, 16}, widths
     for i, (t, a) in enumerate(zip(together, alone)):
         assert t == a, f"request {i} differs in a batch"
 
