@@ -361,13 +361,11 @@ function stepParts(step) {
 
 function drawProfile(profile) {
   const on = profile.enabled && profile.recent.length > 0;
-  $("profile-off").hidden = on;
-  $("phase-chart").hidden = !on;
-  $("steps-chart").hidden = !on;
-  $("phase-legend").replaceChildren(
-    ...(on ? PHASES.map((p) => element("span", `key phase-${p}`, p)) : []),
-  );
+  $("profile-off").hidden = profile.enabled;
+  $("profile-waiting").hidden = !profile.enabled || on;
+  $("profile-charts").hidden = !on;
   if (!on) return;
+  $("phase-legend").replaceChildren(...PHASES.map((p) => element("span", `key phase-${p}`, p)));
   drawModes($("phase-chart"), profile.modes);
   drawSteps($("steps-chart"), profile.recent);
 }
