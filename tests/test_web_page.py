@@ -9,7 +9,6 @@ skipped on a developer's machine and fail in CI."""
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from ds4serve.engine.prefix_cache import PrefixCache
 from ds4serve.server.app import ServerConfig, create_app
 
 from . import browser
-from .server_harness import metric, running, wait_for
+from .server_harness import Load, metric, running, wait_for
 
 KEY = "page-key"
 WAIT_MS = 120_000  # a bound for anything the page waits on (a busy 2-core machine), never a pause
@@ -173,33 +172,6 @@ def test_stop_cancels_the_generation_on_the_server_and_regenerate_replaces_it(ba
     assert page.locator(".message.assistant").count() == 1  # the stopped reply was replaced
     assert page.locator(".message.assistant .answer").text_content()
     assert page.console.errors == []
-
-
-class Load:
-    """``requests`` concurrent streamed chats long enough to outlast any check, until :meth:`stop` hangs them up."""
-
-    def __init__(self, base: str, requests: int):
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._one, args=(base, i)) for i in range(requests)]
-        for t in self.threads:
-            t.start()
-
-    def _one(self, base: str, i: int) -> None:
-        body = {
-            "messages": [{"role": "user", "content": f"load {i}"}],
-            "max_tokens": 3000,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as r:
-            for _ in r.iter_lines():
-                if self.stopping.is_set():
-                    return
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join()
 
 
 def test_the_engine_view_follows_a_load_and_charts_the_profiled_phases(base, page):

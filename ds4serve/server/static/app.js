@@ -172,7 +172,7 @@ function requestBody() {
 function setBusy(busy) {
   $("send").disabled = busy;
   $("stop").disabled = !busy;
-  $("regenerate").disabled = busy || !state.messages.some((m) => m.role === "assistant");
+  $("regenerate").disabled = busy || !state.messages.length;
 }
 
 // Generate the assistant's reply to the conversation, streaming it into a new message view.
@@ -250,12 +250,13 @@ function send(event) {
   generate();
 }
 
-// Drop the last reply (and its view), then generate a new one for the same conversation.
+// Drop the last reply (and its view, which may hold no answer: reasoning only, an error), then generate a new
+// one for the same conversation.
 function regenerate() {
   if (state.controller || !state.messages.length) return;
   if (state.messages[state.messages.length - 1].role === "assistant") state.messages.pop();
-  const views = $("messages").querySelectorAll(".message.assistant");
-  if (views.length) views[views.length - 1].remove();
+  const last = $("messages").lastElementChild;
+  if (last && last.classList.contains("assistant")) last.remove();
   generate();
 }
 
@@ -335,7 +336,7 @@ function showStats(s) {
 }
 
 function drawRates(chart, rates) {
-  const [w, h, pad] = [600, 120, 22];
+  const [w, h, pad] = [1000, 140, 22];
   const top = Math.max(1, ...rates);
   const x = (i) => pad + (i * (w - 2 * pad)) / (RATE_POINTS - 1);
   const y = (v) => h - pad - (v / top) * (h - 2 * pad);
@@ -373,7 +374,7 @@ function drawProfile(profile) {
 // One horizontal stacked bar per mode: the mean milliseconds of each phase of its recent steps.
 function drawModes(chart, modes) {
   const entries = Object.entries(modes);
-  const [w, left, bar] = [600, 90, 26];
+  const [w, left, bar] = [1000, 110, 26];
   const top = Math.max(1e-6, ...entries.map(([, m]) => m.step_ms));
   chart.setAttribute("viewBox", `0 0 ${w} ${entries.length * (bar + 14) + 10}`);
   const shapes = [];
@@ -396,7 +397,7 @@ function drawModes(chart, modes) {
 
 // One stacked column per recent step, oldest on the left, its height the step's milliseconds.
 function drawSteps(chart, steps) {
-  const [w, h, pad] = [600, 160, 20];
+  const [w, h, pad] = [1000, 180, 20];
   const top = Math.max(1e-6, ...steps.map((s) => s.step_ms));
   const slot = (w - 2 * pad) / Math.max(steps.length, 1);
   const shapes = [svg("text", { x: 2, y: 12, class: "label" }, `${ms(top)} per step at most`)];
