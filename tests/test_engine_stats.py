@@ -102,8 +102,12 @@ def test_profiled_steps_group_records_and_average_per_mode():
 
 
 @pytest.fixture(scope="module")
-def base(tiny_dir):
-    engine = Engine.from_pretrained(tiny_dir, max_context=256)
+def engine(tiny_dir):
+    return Engine.from_pretrained(tiny_dir, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def base(engine):
     app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY), PrefixCache(16 << 20))
     with running(app) as url:
         yield url
@@ -188,6 +192,27 @@ def test_stats_show_the_profiled_phases_of_recent_steps(base, profiling):
 def test_stats_without_the_profiler_have_no_phases(base):
     p = httpx.get(f"{base}/v1/engine/stats", headers=AUTH).json()["profiler"]
     assert p == {"enabled": False, "modes": {}, "recent": []}
+
+
+def test_the_stats_follow_the_allowed_origins(engine):
+    """A page of an allowed origin may read the stats (with the key); one of another origin may not."""
+    config = ServerConfig(model_name="tiny", api_key=KEY, allowed_origins=("http://localhost:3000",))
+    with running(create_app(engine, config)) as url:  # asked for its figures only: it runs nothing
+        preflight = httpx.options(
+            f"{url}/v1/engine/stats",
+            headers={
+                "Origin": "http://localhost:3000",
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "authorization",
+            },
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+        allowed = httpx.get(f"{url}/v1/engine/stats", headers={**AUTH, "Origin": "http://localhost:3000"})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.get(f"{url}/v1/engine/stats", headers={**AUTH, "Origin": "http://elsewhere.example"})
+        assert "access-control-allow-origin" not in other.headers
 
 
 def test_the_page_files_are_package_data():

@@ -229,6 +229,7 @@ def test_reasoning_is_folded_apart_and_tool_calls_are_shown_as_calls(base, page)
 
     page.route("**/v1/chat/completions", reply)
     _open(page, base)
+    _until(page, "document.getElementById('model-name').textContent === 'tiny'")
     page.check("#thinking")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     page.fill("#tools", json.dumps(tools))

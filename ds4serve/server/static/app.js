@@ -80,7 +80,7 @@ function useKey(event) {
   $("api-key").placeholder = state.key ? "API key set" : "API key (if the server has one)";
   notify("");
   loadModel();
-  if (!$("engine-view").hidden) poll();
+  if (!$("engine-view").hidden) showView("engine");
 }
 
 async function loadModel() {
@@ -144,6 +144,12 @@ function scrollDown() {
   list.scrollTop = list.scrollHeight;
 }
 
+// The number in the input field `id`, or undefined when the field is empty.
+function numberIn(id) {
+  const text = $(id).value.trim();
+  return text === "" ? undefined : Number(text);
+}
+
 function requestBody() {
   const messages = [];
   const system = $("system-prompt").value.trim();
@@ -154,16 +160,16 @@ function requestBody() {
     messages.push(sent);
   }
   const body = {
+    model: state.model || undefined, // a field left undefined is not sent: the server's default applies
     messages,
     stream: true,
     stream_options: { include_usage: true },
-    temperature: Number($("temperature").value),
-    top_p: Number($("top-p").value),
-    max_tokens: Number($("max-tokens").value),
+    temperature: numberIn("temperature"),
+    top_p: numberIn("top-p"),
+    max_tokens: numberIn("max-tokens"),
+    seed: numberIn("seed"),
     thinking: { type: $("thinking").checked ? "enabled" : "disabled" },
   };
-  if (state.model) body.model = state.model;
-  if ($("seed").value !== "") body.seed = Number($("seed").value);
   const tools = $("tools").value.trim();
   if (tools) body.tools = JSON.parse(tools);
   return body;
@@ -422,8 +428,14 @@ async function poll() {
     showStats(await response.json());
     $("engine-view").dataset.polls = Number($("engine-view").dataset.polls || 0) + 1;
   } catch (err) {
-    if (!(err instanceof KeyNeeded)) notify(`cannot reach the server: ${err.message}`);
+    if (err instanceof KeyNeeded) stopPolling(); // until a key is given (useKey starts again)
+    else notify(`cannot reach the server: ${err.message}`);
   }
+}
+
+function stopPolling() {
+  clearInterval(state.poller);
+  state.poller = null;
 }
 
 // ---- tabs and wiring ---------------------------------------------------------------------------------------
@@ -434,8 +446,7 @@ function showView(name) {
   $("engine-view").hidden = !engine;
   $("tab-chat").setAttribute("aria-selected", String(!engine));
   $("tab-engine").setAttribute("aria-selected", String(engine));
-  clearInterval(state.poller);
-  state.poller = null;
+  stopPolling();
   if (engine) {
     poll();
     state.poller = setInterval(poll, POLL_MS);
@@ -449,7 +460,7 @@ function start() {
   $("key-form").addEventListener("submit", useKey);
   $("composer").addEventListener("submit", send);
   $("prompt").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey) send(event);
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) send(event);
   });
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
   $("regenerate").addEventListener("click", regenerate);
