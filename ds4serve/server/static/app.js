@@ -190,6 +190,7 @@ async function generate() {
     return notify(`Tools: not a JSON list (${err.message})`);
   }
   notify("");
+  const conversation = state.messages; // Clear starts a new one: this reply must not land there
   const view = assistantView();
   const reply = { role: "assistant", content: "", reasoning: "", tool_calls: [] };
   state.controller = new AbortController();
@@ -222,7 +223,7 @@ async function generate() {
   }
   view.status.textContent = (detail ? `${outcome}: ${detail}` : outcome) + usage;
   view.item.dataset.outcome = outcome;
-  if (reply.content || reply.tool_calls.length) state.messages.push(reply);
+  if (reply.content || reply.tool_calls.length) conversation.push(reply);
   state.controller = null;
   setBusy(false);
 }
