@@ -27,8 +27,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
-    if (why := browser.missing()) is not None:
-        raise SystemExit(why)
+    if browser.chromium_path() is None:
+        raise SystemExit("chromium is not installed (apt-get install chromium)")
     args.out.mkdir(parents=True, exist_ok=True)
     profiler.configure(enabled=True, timing=False)
     model = make_tiny(Path(tempfile.mkdtemp()), TinySpec(mtp=1))

@@ -22,20 +22,12 @@ CHROMIUM_FLAGS = (
 
 
 def chromium_path() -> Path | None:
-    """The system's chromium, or None when it is not installed."""
+    """The system's chromium (Debian's /usr/bin/chromium, else one on PATH), or None when it is not installed."""
+    debian = Path("/usr/bin/chromium")
+    if debian.is_file():
+        return debian
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     return Path(found) if found else None
-
-
-def missing() -> str | None:
-    """Why no browser can run here (chromium or playwright absent), or None when one can."""
-    if chromium_path() is None:
-        return "chromium is not installed (apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "the playwright package is not installed (pip install -e '.[test]')"
-    return None
 
 
 def in_ci() -> bool:
