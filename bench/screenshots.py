@@ -1,8 +1,8 @@
-"""Screenshots of the browser page's two views, for the README: docs/img/web-chat.png and docs/img/web-engine.png.
+"""Screenshots of the browser page's two views, for the README: docs/img/web-chat.png, docs/img/web-engine.png.
 
-Serves the built-in tiny model (random weights: the chat's text is gibberish) with the GPU profiler on (the host
-clock on CPU), chats twice (the second time with thinking on), then shows the engine view under a load of three streamed chats.
-Needs the system's chromium and the test extra's playwright; run from the repository root::
+Serves the built-in tiny model (random weights: the chat's text is gibberish) with the GPU profiler on (the
+host clock on CPU), chats twice (the second time with thinking on), then shows the engine view under a load of
+three streamed chats. Needs the system's chromium and the test extra's playwright; from the repository root::
 
     make screenshots        # or: .venv/bin/python -m bench.screenshots [--out docs/img]
 """
