@@ -102,6 +102,8 @@ def _last_reply(page):
 
 
 def test_the_page_loads_without_console_errors(base, page):
+    requested = []
+    page.on("request", lambda r: requested.append(r.url))
     _open(page, base)
     _until(page, "document.getElementById('model-name').textContent === 'tiny'")
     assert page.title() == "ds4serve"
@@ -111,6 +113,13 @@ def test_the_page_loads_without_console_errors(base, page):
     assert page.is_visible("#engine-view") and not page.is_visible("#chat-view")
     assert page.text_content("#stat-running") == "0"
     assert page.console.errors == []
+    assert {
+        f"{base}/",
+        f"{base}/static/app.js",
+        f"{base}/static/style.css",
+        f"{base}/v1/engine/stats",
+    } <= set(requested)
+    assert all(url.startswith(f"{base}/") for url in requested)  # nothing from anywhere else
 
 
 def test_a_chat_message_streams_the_answer_of_the_api(base, page):
