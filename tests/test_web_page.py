@@ -174,8 +174,8 @@ def test_stop_cancels_the_generation_on_the_server_and_regenerate_replaces_it(ba
     wait_for(
         lambda: metric(base, "ds4serve_cancelled_total", reason="disconnect") == cancelled + 1, timeout=120
     )
-    stats = httpx.get(f"{base}/v1/engine/stats").json()
-    assert stats["requests"]["running"] == 0 and stats["requests"]["cancelled"] >= 1
+    wait_for(lambda: httpx.get(f"{base}/v1/engine/stats").json()["requests"]["running"] == 0, timeout=120)
+    assert httpx.get(f"{base}/v1/engine/stats").json()["requests"]["cancelled"] >= 1
     assert reply.locator(".status").text_content().startswith("stopped")
 
     _settings(page, max_tokens=4)
@@ -188,6 +188,7 @@ def test_stop_cancels_the_generation_on_the_server_and_regenerate_replaces_it(ba
 
 def test_the_engine_view_follows_a_load_and_charts_the_profiled_phases(base, page):
     profiler.configure(enabled=True, timing=False)
+    load = None
     try:
         _open(page, f"{base}/#engine")
         page.wait_for_selector("#engine-view[data-polls]")
@@ -212,6 +213,8 @@ def test_the_engine_view_follows_a_load_and_charts_the_profiled_phases(base, pag
         )
         assert page.console.errors == []
     finally:
+        if load is not None:
+            load.stop()  # idempotent: hangs up whatever still streams
         profiler.configure()
 
 
