@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install serve test test-fast demo clean
+.PHONY: install serve test test-fast demo screenshots clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ test: install
 # The edit loop: everything but the tests marked slow (tests/conftest.py); a few minutes on 2 cores.
 test-fast: install
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+
+# The README's pictures of the browser page (docs/img/web-*.png), taken in headless chromium.
+screenshots: install
+	$(PY) -m bench.screenshots
 
 clean:
 	rm -rf $(VENV) build *.egg-info

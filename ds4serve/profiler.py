@@ -37,6 +37,7 @@ first step. All state that a step touches is per thread.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -56,6 +57,7 @@ MODES = ("prefill", "decode", "verify", "draft")
 CLOCKS = ("auto", "host", "cuda_event")
 STEP = "step"  # the phase name of a whole-step record
 RECORD_FIELDS = ("clock", "scope", "mode", "tokens", "kv_start", "layers", "phase", "gpu_ms", "calls")
+RECENT_RECORDS = 2048  # records the enabled profiler keeps in memory for recent() (a few hundred steps)
 
 log = logging.getLogger("ds4serve.profiler")
 timing_log = logging.getLogger("ds4serve.timing")
@@ -121,6 +123,11 @@ def request_timer(result: Any) -> "RequestTimer | None":
     if not _configured:
         configure()
     return None if _active is None or not _active.timing else RequestTimer(_active, result)
+
+
+def recent() -> list[dict[str, Any]]:
+    """The last :data:`RECENT_RECORDS` records of the enabled GPU profiler, oldest first; [] while it is off."""
+    return [] if _active is None else list(_active.recent.copy())
 
 
 @contextmanager
@@ -218,6 +225,7 @@ class Profiler:
         self._local = _Thread()
         self._sink_lock = threading.Lock()
         self._sink: TextIO | None = None
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
         if file is not None:
             try:
                 self._sink = open(file, "a", buffering=1, encoding="utf-8")
@@ -369,6 +377,7 @@ class Profiler:
             else:
                 ms = sum(start.elapsed_time(stop) for start, stop in s.pairs[name])
             records.append({**base, "phase": name, "gpu_ms": ms, "calls": s.calls[name]})
+        self.recent.extend(records)
         for record in records:
             log.info(format_record(record))
             for collected in _collectors:

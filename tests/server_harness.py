@@ -67,6 +67,33 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+class Load:
+    """``requests`` concurrent streamed chats long enough to outlast any check, until :meth:`stop` hangs them up."""
+
+    def __init__(self, base: str, requests: int):
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._one, args=(base, i)) for i in range(requests)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, base: str, i: int) -> None:
+        body = {
+            "messages": [{"role": "user", "content": f"load {i}"}],
+            "max_tokens": 3000,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as r:
+            for _ in r.iter_lines():
+                if self.stopping.is_set():
+                    return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join()
+
+
 FAIL = object()  # script marker: the engine fails at this point
 HOLD = object()  # script marker: the engine waits here until ScriptedEngine.release()
 

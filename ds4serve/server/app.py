@@ -1,6 +1,7 @@
 """The FastAPI application: limits and auth, error handling, health, models, metrics, admin routes.
 
-The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_anthropic`.
+The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_anthropic`, the browser page
+and its engine figures in :mod:`.routes_web`.
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
 from .routes_responses import router as responses_router
 from .routes_tokens import router as tokens_router
+from .routes_web import PAGE_PATHS
+from .routes_web import router as web_router
 from .scheduler import Scheduler
 from .schemas import ParkRequest
 
 log = logging.getLogger("ds4serve.server")
 
 ROUTES = (
+    *PAGE_PATHS,
     "/health",
     "/v1/models",
     "/metrics",
+    "/v1/engine/stats",
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
@@ -51,7 +56,7 @@ ROUTES = (
 )
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' label of every model's route
 RESPONSE_ROUTE = "/v1/responses/{id}"  # the metrics' label of a stored response's routes (GET, cancel)
-UNAUTHENTICATED = ("/health", "/metrics")  # probes and scrapers carry no key
+UNAUTHENTICATED = ("/health", "/metrics", *PAGE_PATHS)  # probes, scrapers and the page carry no key
 
 
 @dataclass
@@ -282,6 +287,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
     app.include_router(responses_router)
     app.include_router(tokens_router)
     app.include_router(anthropic_router)
+    app.include_router(web_router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

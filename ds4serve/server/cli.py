@@ -136,7 +136,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
                 model,
             )
         log.info(
-            "serving %s on http://%s:%d (context %d tokens)",
+            "serving %s on http://%s:%d/ (context %d tokens; open it in a browser for the page)",
             config.model_name,
             a.host,
             a.port,

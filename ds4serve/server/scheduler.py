@@ -26,6 +26,7 @@ from typing import AsyncIterator
 from ..engine import Engine, GenerateResult, RequestHandle, SamplingParams, TokenLogprob
 from ..engine.prefix_cache import PrefixCache
 from .errors import APIError, unavailable
+from .live_stats import LiveStats
 from .metrics import Metrics
 
 log = logging.getLogger("ds4serve.server")
@@ -97,6 +98,7 @@ class Scheduler:
         self.metrics = metrics
         self.max_queue = max_queue
         self.cache = cache
+        self.live = LiveStats()  # the last seconds' figures (GET /v1/engine/stats)
         engine.prefix_cache = cache
         self._jobs: set[Job] = set()  # submitted, not yet ended
         self._cond = threading.Condition()
@@ -185,6 +187,7 @@ class Scheduler:
                 continue
             if report.decode_rows:
                 self.metrics.step_batch_size.observe(report.decode_rows)
+                self.live.decode_step(report.decode_rows)
             self.metrics.running.set(self.engine.running)
             self.metrics.queue_depth.set(self.engine.waiting)
 
@@ -193,8 +196,10 @@ class Scheduler:
         now = time.perf_counter()
         if job.last_token is None:
             self.metrics.ttft.observe(now - job.submitted)
+            self.live.first_token(now - job.submitted, job._handle.result.stats.prefilled_tokens)
         else:
             self.metrics.inter_token.observe(now - job.last_token)
+            self.live.next_token(now - job.last_token)
         job.last_token = now
         logprobs = job._handle.result.logprobs
         job.tokens_sent += 1
