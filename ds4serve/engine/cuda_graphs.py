@@ -69,8 +69,9 @@ class Captured:
         self.graph = torch.cuda.CUDAGraph()
         # captured on the side stream: torch.cuda.graph's default capture stream is one stream for the
         # whole process, made on whichever device captured first, so a second GPU's capture would run
-        # on the first GPU's stream
-        with torch.cuda.graph(self.graph, stream=side, pool=pool):
+        # on the first GPU's stream. Graphs are captured lazily while a server runs; "thread_local" keeps
+        # another thread's CUDA calls (an HTTP handler, a metrics read) from invalidating the capture.
+        with torch.cuda.graph(self.graph, stream=side, pool=pool, capture_error_mode="thread_local"):
             self._out = run()
 
     def replay(self) -> T:
