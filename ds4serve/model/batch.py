@@ -5,7 +5,7 @@
 MoE router and shared expert, the head) runs on the whole tile, whose shape never changes, so a row's bits
 do not depend on how many rows run, which ones, or where it sits. Attention runs row by row, each exactly a
 batch of one's (the row's own state, position and :class:`~ds4serve.model.attention.ChunkInfo`); the routed
-experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe` ``by_row``).
+experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe` ``rows``; a padding row's experts are not run).
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
 nothing; the caller commits each row's :class:`~ds4serve.state.ChunkDelta`.
 
@@ -162,7 +162,8 @@ def _tile_block(
     with profiler.phase("attention"):
         a, deltas = _row_attention(b.attn, layer, x, rows, cfg, ropes)
     with profiler.phase("moe_ffn"):
-        X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer)
+        real = sum(row is not None for row in rows)  # the padding rows come last
+        X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer, real)
     return X, deltas, pending
 
 
@@ -175,11 +176,13 @@ def _ffn(
     ids: torch.Tensor,
     cfg: ModelConfig,
     defer: bool,
+    real: int,
 ) -> tuple[torch.Tensor, PendingMerge | None]:
-    """The tile's second mHC site, its MoE (each row's result its own) and the block's end."""
+    """The tile's second mHC site, its MoE (each row's result its own; the ``real`` rows' experts only) and
+    the block's end."""
     X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
     m = moe(
-        b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer, by_row=True
+        b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer, rows=real
     )
     return block_end(X, m, post, comb, defer)
 

@@ -78,24 +78,29 @@ def moe(
     scaling: float,
     limit: float,
     slot_terms: bool = False,
-    by_row: bool = False,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert. ``slot_terms``: where the
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
     them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum.
 
-    ``by_row`` (a tile of a batched decode step): each row's result depends on that row alone. The fused
-    decode kernels, where they take the tile, handle every (token, expert) pair on its own; elsewhere the
-    routed experts then run row by row (the grouped path's group sizes depend on every row's routing)."""
+    ``rows`` (a tile of a batched decode step whose first ``rows`` rows are real, the rest padding): each
+    row's result depends on that row alone, and the padding rows' routed experts are not run (their result
+    is zeros where the fused kernels run, the shared expert's elsewhere). The fused decode kernels, where they
+    take the tile, handle every (token, expert) pair on its own; elsewhere the routed experts then run row by
+    row (the grouped path's group sizes depend on every row's routing)."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if _fused_applies(x, idx):
-        return _moe_fused(w, x, idx, weights, limit, not slot_terms)
-    if by_row:
+        if rows is None:
+            return _moe_fused(w, x, idx, weights, limit, not slot_terms)
+        out = _moe_fused(w, x[:rows], idx[:rows], weights[:rows], limit, not slot_terms)
+        return torch.cat([out, out.new_zeros(x.shape[0] - rows, *out.shape[1:])])
+    if rows is not None:
         parts = [
             routed_experts(x[r : r + 1], idx[r : r + 1], weights[r : r + 1], w.w1, w.w3, w.w2, limit)
-            for r in range(x.shape[0])
+            for r in range(rows)
         ]
-        out = torch.cat(parts)
+        out = torch.cat(parts + [x.new_zeros(x.shape[0] - rows, x.shape[1])])
     else:
         out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
     return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
