@@ -5,7 +5,8 @@
 MoE router and shared expert, the head) runs on the whole tile, whose shape never changes, so a row's bits
 do not depend on how many rows run, which ones, or where it sits. Attention runs row by row, each exactly a
 batch of one's (the row's own state, position and :class:`~ds4serve.model.attention.ChunkInfo`); the routed
-experts run so that a row's shapes never depend on the other rows (:func:`~ds4serve.model.moe.moe` ``rows``; a padding row's experts are not run).
+experts run so that a row's shapes never depend on the other rows, and not at all for padding rows
+(:func:`~ds4serve.model.moe.moe` ``rows``).
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
 nothing; the caller commits each row's :class:`~ds4serve.state.ChunkDelta`.
 
