@@ -40,27 +40,40 @@ class Corpus:
     meta: dict  # python version, stdlib path, file / byte / token counts
 
 
-def load_corpus(tokenizer: Tokenizer, root: Path | None = None, limit_files: int | None = None) -> Corpus:
-    """Tokenize the standard library (the first ``limit_files`` files only, when given: tests).
-    Files that are not UTF-8 (a few test fixtures) are skipped."""
+def read_sources(root: Path | None = None, limit_files: int | None = None) -> list[tuple[str, str]]:
+    """``(relative path, text)`` of the first ``limit_files`` (default all) :func:`stdlib_files`; files that
+    are not UTF-8 (a few test fixtures) are skipped."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(root)[:limit_files]
-    names, texts = [], []
-    for path in files:
+    out = []
+    for path in stdlib_files(root)[:limit_files]:
         try:
-            texts.append(path.read_bytes().decode("utf-8"))
+            out.append((path.relative_to(root).as_posix(), path.read_bytes().decode("utf-8")))
         except UnicodeDecodeError:
             continue
-        names.append(path.relative_to(root).as_posix())
-    docs = [[tokenizer.bos_id, *ids, tokenizer.eos_id] for ids in tokenizer.encode_batch(texts)]
-    train = [d for n, d in zip(names, docs) if not is_heldout(n)]
-    heldout = [d for n, d in zip(names, docs) if is_heldout(n)]
+    return out
+
+
+def _documents(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    return [[tokenizer.bos_id, *ids, tokenizer.eos_id] for ids in tokenizer.encode_batch(texts)]
+
+
+def heldout_documents(tokenizer: Tokenizer, root: Path | None = None) -> list[list[int]]:
+    """The held-out documents of :func:`load_corpus` alone (without tokenizing the rest)."""
+    return _documents(tokenizer, [text for name, text in read_sources(root) if is_heldout(name)])
+
+
+def load_corpus(tokenizer: Tokenizer, root: Path | None = None, limit_files: int | None = None) -> Corpus:
+    """Tokenize the standard library (the first ``limit_files`` files only, when given: tests)."""
+    sources = read_sources(root, limit_files)
+    docs = _documents(tokenizer, [text for _, text in sources])
+    train = [d for (name, _), d in zip(sources, docs) if not is_heldout(name)]
+    heldout = [d for (name, _), d in zip(sources, docs) if is_heldout(name)]
     meta = {
         "python": platform.python_version(),
-        "stdlib": str(root),
-        "files": len(names),
+        "stdlib": str(root or sysconfig.get_paths()["stdlib"]),
+        "files": len(sources),
         "heldout_files": len(heldout),
-        "bytes": sum(len(t.encode()) for t in texts),
+        "bytes": sum(len(text.encode()) for _, text in sources),
         "train_tokens": sum(map(len, train)),
         "heldout_tokens": sum(map(len, heldout)),
     }

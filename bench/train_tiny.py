@@ -205,9 +205,9 @@ def sequence_losses(
 class TrainArgs:
     steps: int | None = None  # None: until ``minutes``
     minutes: float | None = None  # None: until ``steps``
-    batch: int = 4
-    seq_len: int = 1024
-    lr: float = 3e-3
+    batch: int = 2
+    seq_len: int = 4096
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
     weight_decay: float = 0.1
@@ -262,6 +262,7 @@ def train(weights: Weights, stream: torch.Tensor, args: TrainArgs, dtype: torch.
                 ((ce + args.mtp_weight * mtp_ce) / args.batch).backward(retain_graph=True)
                 ce_sum = ce_sum + ce.detach()
                 mtp_sum = mtp_sum + mtp_ce.detach()
+                del ce, mtp_ce  # this sequence's graph: freed before the next one is built
         torch.nn.utils.clip_grad_norm_(list(weights.params.values()), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

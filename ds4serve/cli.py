@@ -68,11 +68,19 @@ def speculative(text: str) -> str:
     return text
 
 
+# The trained checkpoint shipped as package data (written by bench/train_tiny.py), when it is there.
+SHIPPED_MODEL = Path(__file__).resolve().parent / "default_model"
+
+
 def default_model_dir() -> Path:
-    """The built-in default model: a tiny random checkpoint created once in the cache directory, in the
-    transformers layout (its config names its own compression rates, so ``transformers.AutoTokenizer``, which
-    reads config.json, can load the folder; the official layout's ratios name only the real model's)."""
+    """The built-in default model: :data:`SHIPPED_MODEL` when it holds a checkpoint, else a tiny random
+    checkpoint created once in the cache directory. Both are in the transformers layout (its config names its
+    own compression rates, so ``transformers.AutoTokenizer``, which reads config.json, can load the folder;
+    the official layout's ratios name only the real model's)."""
     from .tiny import TinySpec, make_tiny
+
+    if (SHIPPED_MODEL / "model.safetensors.index.json").is_file():
+        return SHIPPED_MODEL
 
     path = envs.get(envs.CACHE_DIR) / "tiny-default-v2"
     if not (path / "model.safetensors.index.json").is_file():
