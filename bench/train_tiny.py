@@ -26,7 +26,6 @@ import json
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,9 +93,9 @@ def model_config(size: ModelSize) -> ModelConfig:
 
 def kept_tokens(stream: torch.Tensor, min_count: int, always: tuple[int, ...]) -> torch.Tensor:
     """Sorted ids of the tokens with rows: seen ``min_count`` times in ``stream``, and ``always``."""
-    counts = Counter(stream.tolist())
-    ids = {t for t, c in counts.items() if c >= min_count} | set(always)
-    return torch.tensor(sorted(ids), dtype=torch.long)
+    seen = torch.bincount(stream, minlength=max(int(stream.max()), *always) + 1) >= min_count
+    seen[list(always)] = True
+    return seen.nonzero().flatten()
 
 
 class Weights:
