@@ -51,7 +51,7 @@ _FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")  # hash tables; the selection-on
 
 @dataclass
 class ModelSize:
-    hidden: int = 256
+    hidden: int = 192
     layers: int = 6
     heads: int = 4
     head_dim: int = 64
