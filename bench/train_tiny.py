@@ -15,7 +15,7 @@ Writes the checkpoint in the transformers layout (released dtypes: BF16 projecti
 losses, tokens seen, timings, config and corpus. ``--minutes`` bounds the training loop; ``--steps`` alone
 makes a run reproducible (the learning-rate schedule follows max(step/steps, elapsed/minutes)).
 
-    python bench/train_tiny.py --device cuda --minutes 7.5 --out /tmp/trained
+    PYTHONPATH=. python3 bench/train_tiny.py --device cuda --minutes 7 --out /tmp/stdlib-tiny  (docs/BENCHMARKS.md)
 """
 
 from __future__ import annotations
@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer()
     corpus: Corpus = load_corpus(tokenizer, limit_files=a.limit_files)
     print(f"corpus {json.dumps(corpus.meta)} in {time.perf_counter() - t0:.0f}s", flush=True)
+    if not corpus.heldout:
+        p.error(f"no held-out file among the {corpus.meta['files']} read: raise --limit-files")
     cfg = model_config(size)
     kept = kept_tokens(corpus.train, a.min_count, (tokenizer.bos_id, tokenizer.eos_id))
     weights = Weights(cfg, kept, a.seed, device)
