@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shutil
 import sys
 import time
 from collections import Counter
@@ -68,18 +69,47 @@ def speculative(text: str) -> str:
     return text
 
 
+# The trained checkpoint shipped as package data when it is there: bench/train_tiny.py's folder packed as one
+# tar.xz (the folder is over 100 MB, mostly the zero embedding and head rows of tokens its text never used).
+SHIPPED_MODEL = Path(__file__).resolve().parent / "default_model.tar.xz"
+
+
 def default_model_dir() -> Path:
-    """The built-in default model: a tiny random checkpoint created once in the cache directory, in the
-    transformers layout (its config names its own compression rates, so ``transformers.AutoTokenizer``, which
-    reads config.json, can load the folder; the official layout's ratios name only the real model's)."""
+    """The built-in default model: the checkpoint folder inside :data:`SHIPPED_MODEL`, unpacked once into the
+    cache directory, when that archive exists; else a tiny random checkpoint created once there. Both are in
+    the transformers layout (its config names its own compression rates, so ``transformers.AutoTokenizer``,
+    which reads config.json, can load the folder; the official layout's ratios name only the real model's)."""
     from .tiny import TinySpec, make_tiny
 
+    if SHIPPED_MODEL.is_file():
+        return unpacked(SHIPPED_MODEL, envs.get(envs.CACHE_DIR))
     path = envs.get(envs.CACHE_DIR) / "tiny-default-v2"
     if not (path / "model.safetensors.index.json").is_file():
         tmp = path.with_name(path.name + ".tmp")
         make_tiny(tmp, TinySpec(mtp=1, fmt="hf"))
         tmp.rename(path)
     return path
+
+
+def unpacked(archive: Path, cache: Path) -> Path:
+    """The one top-level folder of the tar ``archive``, unpacked once under ``cache`` in a folder named by the
+    archive's SHA-256 (a new archive unpacks anew); the folder keeps its own name (the served model's)."""
+    import hashlib
+    import tarfile
+
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+    home = cache / f"shipped-{digest}"
+    if not home.is_dir():
+        tmp = home.with_name(home.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        tmp.rename(home)
+    folders = [p for p in home.iterdir() if p.is_dir()]
+    if len(folders) != 1:
+        raise ValueError(f"{archive}: expected one top-level folder, found {len(folders)}")
+    return folders[0]
 
 
 @command("make-tiny", "write a tiny random checkpoint of the real architecture")

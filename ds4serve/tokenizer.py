@@ -71,6 +71,10 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it become their special ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode` of each text, the texts tokenized in parallel."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -123,7 +123,7 @@ def _blocks(
         scores = scores.mul_(scale).view(n, block, H, K)
         logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=q.device)
         bias = torch.where(allowed, 0.0, float("-inf")).unsqueeze(2)  # fp32 [n or 1, block, 1, K]
-        torch.add(scores, bias, out=logits[..., :K])
+        logits[..., :K] = scores + bias  # not add(out=): autograd (training) takes this form
         logits[..., K] = sinks.float()
         probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
     return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)
