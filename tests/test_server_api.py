@@ -116,14 +116,23 @@ def test_chat_streaming_matches_non_streaming_and_ends_with_usage(oai):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
-def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
-    """Choices run one after another: choice i is what a lone request with seed + i gives, and the later
-    ones restore the prompt the first one prefilled (the prefix cache)."""
+def _batched_steps(base: str) -> float:
+    """Decode steps so far that decoded more than one sequence."""
+    return metric(base, "ds4serve_step_batch_size_count") - metric(
+        base, "ds4serve_step_batch_size_bucket", le="1.0"
+    )
+
+
+def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(base, oai, engine):
+    """Choices run side by side, decoded in one batch: choice i is what a lone request with seed + i gives,
+    and the later ones restore the prompt the first one prefilled (the prefix cache)."""
     question = "Name three colours, n choices"
     prompt = engine.tokenizer.encode(
         encode_messages([{"role": "user", "content": question}], thinking=False).text
     )
+    batched = _batched_steps(base)
     r = chat(oai, question, max_tokens=5, temperature=1.0, seed=11, n=3, logprobs=True)
+    assert _batched_steps(base) > batched
     assert [c.index for c in r.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in r.choices)
     texts = [c.message.content for c in r.choices]
     assert len(set(texts)) > 1
@@ -157,10 +166,11 @@ def test_n_choices_take_consecutive_seeds_and_reuse_the_prompt(oai, engine):
         for i in range(3)
     ]
     assert streamed == texts
-    order = [c.choices[0].index for c in chunks if c.choices]
-    assert order == sorted(order)  # one choice after another, each opened by its role delta
-    assert [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role] == [0, 1, 2]
-    assert [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason] == [0, 1, 2]
+    for i in range(3):  # each choice opened by its role delta, closed by its finish reason
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and [c.finish_reason for c in mine][-1] == "length"
+        assert [c.delta.role for c in mine[1:]] == [None] * (len(mine) - 1)
+        assert [c.finish_reason for c in mine[:-1]] == [None] * (len(mine) - 1)
     assert chunks[-1].usage.completion_tokens == 15
 
     legacy = oai.completions.create(

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -115,14 +115,9 @@ class Completion:
             )
         self.server.scheduler.submit(self.job)
         if self.request is not None:
-            self._watcher = asyncio.create_task(self._watch_disconnect())
-
-    async def _watch_disconnect(self) -> None:
-        while True:
-            message = await self.request.receive()
-            if message["type"] == "http.disconnect":
-                self.server.scheduler.withdraw(self.job, "disconnect")
-                return
+            self._watcher = watch_disconnect(
+                self.request, lambda: self.server.scheduler.withdraw(self.job, "disconnect")
+            )
 
     def close(self) -> None:
         """Stop watching; if the job is still going (the consumer gave up), cancel it."""
@@ -248,9 +243,10 @@ def usage(completions: list[Completion]) -> dict:
 
 
 class Choices:
-    """The ``n`` completions of one request, run one after another as jobs of their own: with the prefix
-    cache the later ones restore the prompt the first one prefilled. Choice ``i`` samples with
-    ``seed + i`` when a seed is given (the same request gives the same choices)."""
+    """The ``n`` completions of one request, run side by side as jobs of their own (the engine decodes them in
+    one batch): with the prefix cache the later ones restore the prompt the first one caches, the step loop
+    holding them until it is cached. Choice ``i`` samples with ``seed + i`` when a seed is given (the same
+    request gives the same choices)."""
 
     def __init__(self, server, request: Request, spec: CompletionSpec, n: int):
         self.server, self.request = server, request
@@ -259,47 +255,91 @@ class Choices:
             dataclasses.replace(spec, params=dataclasses.replace(spec.params, seed=s)) for s in seeds
         ]
         self.completions: list[Completion] = []
-
-    def _next(self) -> Completion:
-        completion = Completion(self.server, self.request, self.specs[len(self.completions)])
-        self.completions.append(completion)
-        completion.start()
-        return completion
+        self._watcher: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Queue the first choice (raises 429/503 :class:`APIError`), so a refusal is the request's status."""
-        self._next()
+        """Queue every choice (raises 429/503 :class:`APIError`, the ones queued withdrawn), so a refusal is
+        the request's status, and watch the connection: the client going away cancels them all."""
+        try:
+            for spec in self.specs:
+                completion = Completion(self.server, None, spec)  # one watcher for all: below
+                self.completions.append(completion)
+                completion.start()
+        except APIError:
+            self.close()
+            raise
+        self._watcher = watch_disconnect(self.request, self._withdraw_all)
+
+    def _withdraw_all(self) -> None:
+        for completion in self.completions:
+            self.server.scheduler.withdraw(completion.job, "disconnect")
 
     async def collect(self) -> list[list[Piece]]:
         """Every choice's pieces, in order."""
-        out = [await run_to_end(self.completions[0])]
-        while len(self.completions) < len(self.specs):
-            out.append(await run_to_end(self._next()))
-        return out
+        return list(await asyncio.gather(*(run_to_end(c) for c in self.completions)))
 
     async def opened(self) -> AsyncIterator[tuple[int, Piece | None]]:
-        """``(choice, piece)`` as the choices stream, ``(choice, None)`` when one ends; waits for the first
-        piece first, so a failure before any output raises here (see :meth:`Completion.opened`)."""
-        first = await self.completions[0].opened()
-
-        async def chained() -> AsyncIterator[tuple[int, Piece | None]]:
-            pieces = first
-            for i in range(len(self.specs)):
-                if i:
-                    pieces = self._next().pieces()
-                async for piece in pieces:
-                    yield i, piece
-                self.completions[i].close()
-                yield i, None
-
-        return chained()
+        """``(choice, piece)`` as the choices stream, interleaved, and ``(choice, None)`` when one ends; waits
+        for each choice's first piece first, so a failure before any output raises here (see
+        :meth:`Completion.opened`)."""
+        try:
+            streams = await asyncio.gather(*(c.opened() for c in self.completions))
+        except BaseException:
+            self.close()
+            raise
+        return _interleaved(streams, self.completions)
 
     def close(self) -> None:
-        if self.completions:
-            self.completions[-1].close()
+        """Stop watching; cancel the choices still going."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for completion in self.completions:
+            completion.close()
 
     def usage(self) -> dict:
         return usage(self.completions)
+
+
+async def _interleaved(
+    streams: list[AsyncIterator[Piece]], completions: list[Completion]
+) -> AsyncIterator[tuple[int, Piece | None]]:
+    """The pieces of every stream as they come, tagged with the stream's index; ``(i, None)`` after stream
+    ``i``'s last (its completion then closed). A stream's failure raises here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, pieces: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in pieces:
+                await queue.put((i, piece, None))
+            await queue.put((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(streams):
+            i, piece, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if piece is None:
+                ended += 1
+                completions[i].close()
+            yield i, piece
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> asyncio.Task:
+    """A task that calls ``on_disconnect`` once the client of ``request`` goes away (cancel it to stop)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        on_disconnect()
+
+    return asyncio.create_task(watch())
 
 
 async def run_to_end(completion: Completion) -> list[Piece]:

@@ -309,11 +309,10 @@ async def _stream_chat(
         return _sse(obj)
 
     async def events() -> AsyncIterator[str]:
-        ids: dict[int, str] = {}
-        started = -1
+        ids: dict[int, dict[int, str]] = {}  # per choice: its tool calls' ids
         async for i, piece in stream:
-            if i > started:
-                started, ids = i, {}
+            if i not in ids:
+                ids[i] = {}
                 yield chunk(i, {"role": "assistant", "content": ""})
             if piece is None:
                 yield chunk(i, {}, finish=choices.completions[i].finish_reason)
@@ -326,7 +325,7 @@ async def _stream_chat(
             if d.content or lps:
                 yield chunk(i, {"content": d.content}, logprobs=lps)
             if d.tool_calls:
-                yield chunk(i, {"tool_calls": _call_chunks(piece, ids)})
+                yield chunk(i, {"tool_calls": _call_chunks(piece, ids[i])})
 
     usage_head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     return _sse_response(choices, events(), usage_head if include_usage else None)
@@ -490,8 +489,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     server = request.app.state.server
     prompts, specs = await offload(request, completion_specs, server, body)
     groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
-    if groups:
-        groups[0].start()
+    _start_all(groups)
     echoes = await _echoes(server, body, prompts)
     model = body.model or server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())
@@ -508,11 +506,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
         usage = {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
         return JSONResponse({**head, "choices": choices, "usage": usage})
     if not body.stream:
-        outputs = []
-        for k, group in enumerate(groups):
-            if k:
-                group.start()
-            outputs.append(await group.collect())
+        outputs = await asyncio.gather(*(group.collect() for group in groups))
         choices = [
             {
                 "index": i * body.n + j,
@@ -533,24 +527,33 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
 
     async def events() -> AsyncIterator[str]:
         for k, (group, echo) in enumerate(zip(groups, echoes)):
-            if k:
-                group.start()
             stream = first if k == 0 else await group.opened()
-            started = -1
+            offsets: dict[int, int] = {}  # per choice: the text offset of its next piece
             async for i, piece in stream:
                 index = k * body.n + i
-                if i > started:
-                    started, offset = i, echo.offset
+                if i not in offsets:
+                    offsets[i] = echo.offset
                     if echo.text or echo.logprobs:
                         yield chunk(index, echo.text, None, echo.logprobs if want_lp else None)
                 if piece is None:
                     yield chunk(index, "", group.completions[i].finish_reason, None)
                     continue
-                lps = _legacy_logprobs(tok, [piece], offset) if want_lp else None
-                offset += len(piece.delta.content)
+                lps = _legacy_logprobs(tok, [piece], offsets[i]) if want_lp else None
+                offsets[i] += len(piece.delta.content)
                 yield chunk(index, piece.delta.content, None, lps)
 
     return _sse_response(_Usage(groups), events(), head if include_usage else None)
+
+
+def _start_all(groups: list[Choices]) -> None:
+    """Queue every prompt's choices (they run side by side); a refusal withdraws the ones queued and raises."""
+    try:
+        for group in groups:
+            group.start()
+    except APIError:
+        for group in groups:
+            group.close()
+        raise
 
 
 class _Usage:
