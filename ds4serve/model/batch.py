@@ -162,9 +162,8 @@ def _tile_block(
     X, post, comb, x = (_static_site if static else attention_site)(b, X, pending, cfg)
     with profiler.phase("attention"):
         a, deltas = _row_attention(b.attn, layer, x, rows, cfg, ropes)
-    with profiler.phase("moe_ffn"):
-        real = sum(row is not None for row in rows)  # the padding rows come last
-        X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer, real)
+    real = sum(row is not None for row in rows)  # the padding rows come last
+    X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer, real)
     return X, deltas, pending
 
 
@@ -182,9 +181,10 @@ def _ffn(
     """The tile's second mHC site, its MoE (each row's result its own; the ``real`` rows' experts only) and
     the block's end."""
     X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
-    m = moe(
-        b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer, rows=real
-    )
+    with profiler.phase("moe_ffn"):
+        m = moe(
+            b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer, rows=real
+        )
     return block_end(X, m, post, comb, defer)
 
 
