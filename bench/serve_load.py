@@ -97,7 +97,9 @@ def prompt_body(tokenizer: Tokenizer, target: int, seed: int) -> str:
             break
         if have > target:
             if not words:
-                raise ValueError(f"prompt_tokens: {target} is shorter than the chat template and tag ({have})")
+                raise ValueError(
+                    f"prompt_tokens: {target} is shorter than the chat template and tag ({have})"
+                )
             del words[max(0, len(words) - (have - target)) :]
         else:
             words += [rng.choice(WORDS) for _ in range(target - have)]
@@ -485,7 +487,9 @@ def run(engine: Engine, args: argparse.Namespace, out: dict, save) -> dict:  # n
     the engine step of its batch. Fills ``out`` and calls ``save()`` after each level; returns ``out``."""
     need = max(args.prompt_tokens) + args.output_tokens + 64
     if need > engine.max_context:
-        raise ValueError(f"max_context: {engine.max_context} is short of {need} (longest prompt + output + 64)")
+        raise ValueError(
+            f"max_context: {engine.max_context} is short of {need} (longest prompt + output + 64)"
+        )
     bandwidth = copy_bandwidth(engine.device, args.copy_mib << 20)
     out["copy_gb_s"] = bandwidth / 1e9
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)")
