@@ -53,6 +53,7 @@ def test_engine_steps_and_roofline(report, engine):
         assert s["bytes"] > s["weight_once_bytes"] + s["kv_bytes"]  # some routed experts were read
         assert s["tiled_bytes"] >= s["bytes"] and s["tiles"] == 1
         assert 1 <= s["experts_distinct_mean"] <= s["experts_bound"]
+        assert s["experts_source"] == "observed"
     assert steps[0]["experts_distinct_mean"] == engine.cfg.top_k  # one row: exactly its top-k
 
 
@@ -71,6 +72,7 @@ def test_served_levels_account_for_every_request(report):
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"]
         assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
         assert r["aggregate_tok_s"] > 0 and r["engine_tok_s"] > 0 and r["roofline_tok_s"] > 0
+        assert r["idle_after"]
 
 
 def test_report_is_saved_as_json(report, args):
@@ -120,10 +122,32 @@ def test_roofline_counts_experts_once_a_step_and_once_a_tile(engine):
     model = engine.require_model()
     layer, b = next(iter(model.blocks.items()))
     w = serve_load.weight_bytes(model)
-    seen = {id(b.moe): [{0, 1}, {1, 2}]}  # two tiles sharing expert 1
-    roof = serve_load.step_roofline(model, seen, batch=10, kv=1000, bandwidth=1e9)
+    counts = serve_load.observed_counts(model, {id(b.moe): [{0, 1}, {1, 2}]})  # two tiles sharing expert 1
+    assert (counts.distinct, counts.per_tile, counts.tiles) == ({layer: 3}, {layer: 4}, 2)
+    roof = serve_load.step_roofline(model, counts, batch=10, kv=1000, bandwidth=1e9)
     base = w["once"] + 10 * w["embed_row"] + 1000
     assert roof["bytes"] == base + 3 * w["expert"][layer]
     assert roof["tiled_bytes"] == base + w["once"] + 4 * w["expert"][layer]
-    assert roof["tiles"] == 2
     assert roof["roofline_tok_s"] == pytest.approx(10 * 1e9 / roof["bytes"])
+
+
+def test_bound_caps_experts_by_rows_and_by_the_expert_count(engine):
+    model = engine.require_model()
+    E, k = model.cfg.n_routed_experts, model.cfg.top_k
+    one = serve_load.bound_counts(model, 1)
+    assert set(one.distinct.values()) == {k} and one.tiles == 1
+    many = serve_load.bound_counts(model, 20)  # tiles of 8, 8 and 4 rows
+    assert many.tiles == 3
+    assert set(many.distinct.values()) == {E}
+    assert set(many.per_tile.values()) == {2 * min(E, 8 * k) + min(E, 4 * k)}
+
+
+def test_a_failing_observation_falls_back_to_the_bound(engine, monkeypatch):
+    model = engine.require_model()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no eager step here")
+
+    monkeypatch.setattr(model, "decode_batch", broken)
+    counts = serve_load.expert_counts(model, [object(), object()], [1, 2])
+    assert counts.source == "bound" and counts.distinct == serve_load.bound_counts(model, 2).distinct
