@@ -48,6 +48,8 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from proxy import VARIANTS, build_proxy  # noqa: E402
+
 from ds4serve import Engine  # noqa: E402
 from ds4serve.cli import default_model_dir  # noqa: E402
 from ds4serve.engine.prefix_cache import PrefixCache  # noqa: E402
@@ -521,8 +523,6 @@ def engine_steps(
 def load_engine(args: argparse.Namespace) -> Engine:
     """The engine of ``--model``: the proxy (made on ``--device``) or the built-in tiny checkpoint."""
     if args.model == "proxy":
-        from proxy import build_proxy
-
         model = build_proxy(args.variant, layers=args.layers, experts=args.experts, device=args.device)
         tokenizer = Tokenizer()
         return Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
@@ -605,7 +605,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", choices=("proxy", "tiny"), default="proxy")
-    p.add_argument("--variant", default="bf16", choices=("bf16", "fp8", "fp8+fp4"))
+    p.add_argument("--variant", default="bf16", choices=VARIANTS)
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--device", default="cuda:0")
