@@ -275,8 +275,12 @@ class Choices:
             self.server.scheduler.withdraw(completion.job, "disconnect")
 
     async def collect(self) -> list[list[Piece]]:
-        """Every choice's pieces, in order."""
-        return list(await asyncio.gather(*(run_to_end(c) for c in self.completions)))
+        """Every choice's pieces, in order; a choice's failure cancels the others and raises."""
+        try:
+            return list(await asyncio.gather(*(run_to_end(c) for c in self.completions)))
+        except BaseException:
+            self.close()
+            raise
 
     async def opened(self) -> AsyncIterator[tuple[int, Piece | None]]:
         """``(choice, piece)`` as the choices stream, interleaved, and ``(choice, None)`` when one ends; waits
