@@ -115,3 +115,20 @@ def test_captured_buckets_match_the_uncaptured_step_on_the_gpu(tiny_dir):
         for n in (1, 2, 3, 8, 11, 16):
             assert all(torch.equal(a, b) for a, b in zip(got[True, n], got[False, n])), n
             assert all(torch.equal(a[:1], b[:1]) for a, b in zip(got[True, n], got[True, 1])), n
+
+
+def test_slots_that_do_not_fit_the_gpu_are_refused_with_the_options_to_change(engine, monkeypatch):
+    """On a CUDA device the slots' size is checked against the free memory before anything is allocated."""
+    from types import SimpleNamespace
+
+    from ds4serve.engine.engine import _check_slots_fit
+
+    model = engine.require_model()
+    gpu = SimpleNamespace(
+        cfg=model.cfg, layers=model.layers, dtype=model.dtype, device=torch.device("cuda", 0)
+    )
+    one = model.new_state(MAX_CONTEXT).nbytes()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * one, 100 * one))
+    _check_slots_fit(gpu, 10, MAX_CONTEXT)
+    with pytest.raises(RuntimeError, match=r"--max-batch 11 slots of --max-context 256 tokens need .* lower"):
+        _check_slots_fit(gpu, 11, MAX_CONTEXT)

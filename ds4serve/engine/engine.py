@@ -499,6 +499,7 @@ class Engine:
             model = self.require_model()
             if self.max_batch == 1 or not isinstance(model, DeepSeekV4):
                 return None
+            _check_slots_fit(model, self.max_batch, self.max_context)
             slots = DecodeSlots(lambda: model.new_state(self.max_context), self.max_batch)
             self._batch = BatchGraphs(model, slots, graph=self._graphs_apply(model))
         return self._batch
@@ -708,6 +709,21 @@ class VerifyStep:
             self.state.commit(self.out.delta, len(tokens))
         else:
             self.graph.commit(tokens)
+
+
+def _check_slots_fit(model: DeepSeekV4, count: int, max_context: int) -> None:
+    """Raise a RuntimeError naming the options to change when ``count`` decode slots of ``max_context`` tokens
+    would not fit in the free memory of the model's CUDA device (nothing is checked elsewhere)."""
+    if model.device.type != "cuda":
+        return
+    one = SequenceState.allocate(model.cfg, model.layers, max_context, model.dtype, "meta").nbytes()
+    free = torch.cuda.mem_get_info(model.device)[0]
+    if count * one > free:
+        raise RuntimeError(
+            f"decode slots: --max-batch {count} slots of --max-context {max_context} tokens need "
+            f"{count * one / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is free on {model.device}; "
+            "lower --max-batch or --max-context"
+        )
 
 
 def default_chunk_size(on_cuda: bool) -> int:
