@@ -132,3 +132,23 @@ def test_slots_that_do_not_fit_the_gpu_are_refused_with_the_options_to_change(en
     _check_slots_fit(gpu, 10, MAX_CONTEXT)
     with pytest.raises(RuntimeError, match=r"--max-batch 11 slots of --max-context 256 tokens need .* lower"):
         _check_slots_fit(gpu, 11, MAX_CONTEXT)
+
+
+def test_the_snapshot_after_requests_that_ran_together_is_the_last_admitted_one_whole(tiny_dir):
+    """Engine.snapshot() gives the sequence admitted last, whole, even when it moved to another decode slot
+    while it ran (the one before it finished first)."""
+    from ds4serve import SamplingParams
+
+    engine = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT)
+    first = engine.stream(random_prompt(12, seed=1), SamplingParams(max_tokens=2, ignore_eos=True))
+    last = engine.stream(random_prompt(9, seed=2), SamplingParams(max_tokens=6, ignore_eos=True))
+    while not (first.done and last.done):
+        engine.step()
+    snap = engine.snapshot()
+    alone = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT)
+    alone.generate(random_prompt(9, seed=2), SamplingParams(max_tokens=6, ignore_eos=True))
+    want = alone.snapshot()
+    assert (
+        snap.tokens == want.tokens and snap.tokens[9:] == last.result.tokens[:-1]
+    )  # the last one unforwarded
+    assert all(torch.equal(snap.layers[i][k], want.layers[i][k]) for i in want.layers for k in want.layers[i])

@@ -489,7 +489,10 @@ class Engine:
             state.restore(slot.snapshot())
         if self._state is slot:
             self._state = state
-        return self._batch.slots.leave(slot)
+        moved = self._batch.slots.leave(slot)
+        if moved is not None and self._state is moved:
+            self._state = slot
+        return moved
 
     def _batch_graphs(self) -> BatchGraphs | None:
         """The decode slots and batched steps of a whole model decoding batches (None: the one-sequence step,
