@@ -52,24 +52,36 @@ def log(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, speculative: str | None = None) -> Iterator[httpx.Client]:
-    """The server as ``ds4serve serve`` builds it (1 GiB prefix cache), on a free loopback port."""
+def served_url(engine: Engine, **config: object) -> Iterator[str]:
+    """The server as ``ds4serve serve`` builds it (1 GiB prefix cache; ``config``: more ServerConfig fields) on a
+    free loopback port; yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cache = PrefixCache(1 << 30, device=engine.device)
-    app = create_app(engine, ServerConfig(model_name="m", speculative=speculative), cache)
+    app = create_app(engine, ServerConfig(model_name="m", **config), cache)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
         time.sleep(0.01)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            yield client
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join()
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, speculative: str | None = None) -> Iterator[httpx.Client]:
+    """A client of :func:`served_url`'s server (``speculative``: its default draft)."""
+    with (
+        served_url(engine, speculative=speculative) as url,
+        httpx.Client(base_url=url, timeout=600) as client,
+    ):
+        yield client
 
 
 def chat(client: httpx.Client, messages: list[dict], **params) -> tuple[int, str]:

@@ -34,30 +34,26 @@ import dataclasses
 import json
 import math
 import random
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from proxy import VARIANTS, build_proxy  # noqa: E402
+from serve_gpu import served_url  # noqa: E402
 
 from ds4serve import Engine  # noqa: E402
 from ds4serve.cli import default_model_dir  # noqa: E402
-from ds4serve.engine.prefix_cache import PrefixCache  # noqa: E402
 from ds4serve.model import batch as batch_module  # noqa: E402
 from ds4serve.model import moe as moe_module  # noqa: E402
 from ds4serve.model.batch import ROW_TILE  # noqa: E402
 from ds4serve.model.deepseek4 import DeepSeekV4, _tensors_of  # noqa: E402
-from ds4serve.server.app import ServerConfig, create_app  # noqa: E402
 from ds4serve.server.chat_format import encode_messages  # noqa: E402
 from ds4serve.state import SequenceState  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
@@ -295,27 +291,10 @@ def served_level(
     }
 
 
-@contextlib.contextmanager
-def serving(engine: Engine, max_queue: int) -> Iterator[str]:
-    """The server as ``ds4serve serve`` builds it (1 GiB prefix cache; ``max_queue`` waiting requests admitted,
-    so a level's clients queue rather than get 429) on a free loopback port; yields its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cache = PrefixCache(1 << 30, device=engine.device)
-    app = create_app(engine, ServerConfig(model_name="m", max_queue=max_queue), cache)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join()
+def serving(engine: Engine, max_queue: int) -> contextlib.AbstractContextManager[str]:
+    """The server (:func:`serve_gpu.served_url`) admitting ``max_queue`` waiting requests, so a level's clients
+    queue rather than get 429; yields its base URL."""
+    return served_url(engine, max_queue=max_queue)
 
 
 def wait_idle(engine: Engine, timeout: float) -> bool:
