@@ -552,12 +552,13 @@ def _check_split_drafts(split: Engine, prompt: list[int], plain: list[int], spec
 
     proposer = resolve_proposer(split, spec)
     _check_speculative(split, prompt, plain, proposer, f"split, {spec} drafts as graphs, ")
-    graphs = proposer._graphs
+    graphs = proposer.passes
     ms = {}
     for static in (True, False):
         for _ in range(2):  # the second run, without the first one's captures and compiles
             drafts = resolve_proposer(split, spec)
-            drafts.static_passes = static
+            if not static:
+                drafts.passes = None
             res = split.generate(
                 prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=drafts
             )
@@ -567,7 +568,7 @@ def _check_split_drafts(split: Engine, prompt: list[int], plain: list[int], spec
     drafted = getattr(graphs, "_step", None) or getattr(graphs, "_block", None)
     record(
         f"split: the {spec} drafts ran as graphs on the last GPU",
-        proposer.static_passes and graphs is not None and graphs.graph and drafted is not None,
+        graphs is not None and graphs.graph and drafted is not None,
         decode_ms_per_token=ms,
     )
 

@@ -4,7 +4,8 @@ Prompts are the openings of held-out standard-library files (bench/stdlib_corpus
 never trained on. For each prompt, plain decoding is timed, then each draft at a fixed width of 1..4 drafts
 per step (``adaptive=False``, so every position is drafted every step): acceptance by draft position,
 tokens per verify step, decode tokens/s and the speedup over plain decoding's, for greedy requests (whose
-tokens must equal plain decoding's) and sampled ones (temperature ``--temperature``, seeded).
+tokens equal plain decoding's in float32; ``first_difference`` says where a bf16 run's first differ) and
+sampled ones (temperature ``--temperature``, seeded).
 
     PYTHONPATH=. python3 bench/spec_trained.py --model DIR --out spec.json [--device cuda] [--prompts 4]
         [--prompt-len 128] [--tokens 64] [--widths 1,2,3,4] [--methods mtp,ngram]
@@ -69,7 +70,15 @@ def summarize(results: list[GenerateResult], plain: list[GenerateResult]) -> dic
         "plain_decode_tps": sum(len(p.tokens) for p in plain) / plain_s,
         "speedup": plain_s / decode_s,
         "same_tokens_as_plain": all(r.tokens == p.tokens for r, p in zip(results, plain)),
+        "first_difference": [_first_difference(r.tokens, p.tokens) for r, p in zip(results, plain)],
     }
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where the two token lists differ (None: equal)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(run(engine, q, params(i), fixed_width(engine, method, k)))
                 row = {"method": method, "drafts": k, "mode": mode, **summarize(results, plain)}
                 if mode != "greedy":  # sampled: the same distribution, not the same tokens
-                    del row["same_tokens_as_plain"]
+                    del row["same_tokens_as_plain"], row["first_difference"]
                 out["runs"].append(row)
                 print(json.dumps(row), flush=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -74,7 +74,8 @@ import torch.distributed as dist
 from ds4serve import Engine, SamplingParams
 from ds4serve.config import ModelConfig
 from ds4serve.engine.cuda_graphs import SplitDecodeGraph
-from ds4serve.engine.drafts import MTPProposer, OracleProposer, target_parts
+from ds4serve.engine.draft_graphs import MTPGraphs
+from ds4serve.engine.drafts import MAX_STATIC_ROWS, MTPProposer, OracleProposer, target_parts
 from ds4serve.model import DeepSeekV4
 from ds4serve.parallel.pipeline import Groups, PipelineModel, serve_shard, shard_handshake
 from ds4serve.parallel.split_model import SplitModel, handoff
@@ -357,13 +358,14 @@ def mtp_drafts(
     target = target_parts(engine.model)
     weights = _Maker(target.cfg, args.variant, target.device, seed=99).mtp()
     out["mtp"] = []
+    graphs = MTPGraphs(weights, target, engine.max_context + MAX_STATIC_ROWS)
     for static in (False, True):
         for _ in range(2):  # the second run: the first one compiles and captures
             res, tps = timed(
                 engine,
                 prompt,
                 params,
-                MTPProposer(weights, target, args.mtp, static_passes=static, adaptive=False),
+                MTPProposer(weights, target, args.mtp, passes=graphs if static else None, adaptive=False),
             )
         spec = res.stats.speculative
         row = {

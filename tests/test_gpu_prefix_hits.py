@@ -35,3 +35,30 @@ def test_a_whole_prompt_restored_from_a_host_snapshot(gpu_engine, speculative, t
     if temperature == 0 or (seed is not None and speculative is None):
         # a sampled speculative answer draws as its drafts go, and those follow the proposer's own history
         assert hits[0].tokens == hits[1].tokens == uncached.tokens
+
+
+def test_speculative_requests_share_draft_graphs_and_survive_collections(gpu_engine):
+    """The draft passes' graphs are captured once per process, then every speculative request reuses them; a
+    garbage collection during a capture (here forced at nearly every allocation, with dead graphs about) must
+    not reset a dead graph mid-capture, which fails the capture (the 500 of a seeded MTP request)."""
+    import gc
+
+    from ds4serve.engine.cuda_graphs import Captured
+    from ds4serve.engine.drafts import resolve_proposer
+
+    prompt = [0, *range(2000, 2030)]
+    plain = gpu_engine.generate(prompt, SamplingParams(max_tokens=16))
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for k in (1, 2, 4, 3):
+            dead = Captured(lambda: torch.ones(4, device="cuda:0") * 2, torch.device("cuda:0"))
+            dead.cycle = dead  # freed only by a collection
+            del dead
+            res = gpu_engine.generate(prompt, SamplingParams(max_tokens=16), speculative=f"mtp:{k}")
+            assert res.ok, res.error_message
+            assert res.stats.speculative["drafted"] > 0
+    finally:
+        gc.set_threshold(*threshold)
+    assert plain.ok and len(res.tokens) == len(plain.tokens)
+    assert resolve_proposer(gpu_engine, "mtp").passes is resolve_proposer(gpu_engine, "mtp:2").passes

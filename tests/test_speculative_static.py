@@ -89,6 +89,7 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
     """The draft models' graph passes, uncaptured on CPU (MTP: the committed rows as a static block,
     chained drafts as static steps over the scratch window; DSpark: the block pass over the whole
     context rings, masked, and the context rows): the same drafts as the eager passes, no loss."""
+    from ds4serve.engine.draft_graphs import DSparkGraphs, MTPGraphs
     from ds4serve.engine.drafts import (
         MAX_STATIC_ROWS,
         DSparkProposer,
@@ -103,14 +104,18 @@ def test_draft_static_passes_are_lossless_and_draft_like_the_eager_passes(reques
     cls = MTPProposer if which == "mtp" else DSparkProposer
     params = SamplingParams(max_tokens=14)
     eager = engine.generate(MTP_PROMPT, params, speculative=cls(weights, target, 3))
-    proposer = cls(weights, target, 3, static_passes=True, capture=False)
-    res = engine.generate(MTP_PROMPT, params, speculative=proposer)
-    assert res.ok, res.error_message
-    assert res.tokens == eager.tokens == engine.generate(MTP_PROMPT, params).tokens
-    assert res.stats.speculative["drafted"] == eager.stats.speculative["drafted"] > 0
-    assert res.stats.speculative["accepted"] == eager.stats.speculative["accepted"]
-    graphs = proposer._graphs
-    assert graphs is not None and graphs._rows  # the committed rows ran through the static pass
+    graphs = (MTPGraphs if which == "mtp" else DSparkGraphs)(
+        weights, target, engine.max_context + MAX_STATIC_ROWS, graph=False
+    )
+    for _ in range(2):  # the second request reuses the passes and their state, reset
+        proposer = cls(weights, target, 3, passes=graphs)
+        res = engine.generate(MTP_PROMPT, params, speculative=proposer)
+        assert res.ok, res.error_message
+        assert res.tokens == eager.tokens == engine.generate(MTP_PROMPT, params).tokens
+        assert res.stats.speculative["drafted"] == eager.stats.speculative["drafted"] > 0
+        assert res.stats.speculative["accepted"] == eager.stats.speculative["accepted"]
+        assert proposer.state is graphs.state
+    assert graphs._rows  # the committed rows ran through the static pass
     assert max(graphs._rows) <= MAX_STATIC_ROWS  # the 40-token prompt chunk did not get a graph
     assert (graphs._step if which == "mtp" else graphs._block) is not None  # and the drafting pass
 
@@ -124,7 +129,14 @@ def test_draft_static_passes_on_a_layer_split(request, monkeypatch, which):
 
     from ds4serve import Engine
     from ds4serve.engine import drafts as drafts_module
-    from ds4serve.engine.drafts import DSparkProposer, MTPProposer, _engine_drafts, target_parts
+    from ds4serve.engine.draft_graphs import DSparkGraphs, MTPGraphs
+    from ds4serve.engine.drafts import (
+        MAX_STATIC_ROWS,
+        DSparkProposer,
+        MTPProposer,
+        _engine_drafts,
+        target_parts,
+    )
 
     current = []  # the devices made current for the drafts' passes (Triton launches go to the current one)
     monkeypatch.setattr(drafts_module, "on_device", lambda d: current.append(d) or contextlib.nullcontext())
@@ -135,18 +147,44 @@ def test_draft_static_passes_on_a_layer_split(request, monkeypatch, which):
     cls = MTPProposer if which == "mtp" else DSparkProposer
     params = SamplingParams(max_tokens=14)
     target = target_parts(split.model)
+    weights = _engine_drafts(split).get(which)
+    graphs = (MTPGraphs if which == "mtp" else DSparkGraphs)(
+        weights, target, split.max_context + MAX_STATIC_ROWS, graph=False
+    )
     assert target.embed is split.model.shards[0].embed and target.last is split.model.shards[-1]
     runs = {}
     for name, engine, proposer in (
         ("whole", whole, cls(_engine_drafts(whole).get(which), target_parts(whole.model), 3)),
-        ("split", split, cls(_engine_drafts(split).get(which), target, 3, static_passes=True, capture=False)),
+        ("split", split, cls(weights, target, 3, passes=graphs)),
     ):
         runs[name] = engine.generate(MTP_PROMPT, params, speculative=proposer)
         assert runs[name].ok, runs[name].error_message
-    assert (
-        proposer._graphs is not None and proposer._graphs._rows
-    )  # the split drafted through the static passes
+    assert graphs._rows  # the split drafted through the static passes
     assert runs["split"].tokens == runs["whole"].tokens == whole.generate(MTP_PROMPT, params).tokens
     assert runs["split"].stats.speculative == runs["whole"].stats.speculative
     assert runs["split"].stats.speculative["drafted"] > 0
     assert current and set(current) == {target.device} and target.device is split.model.shards[-1].device
+
+
+def test_draft_passes_are_kept_across_requests_until_a_park(request):
+    """An engine keeps one set of draft passes per kind (made on the first speculative request that uses
+    graphs, reused by every later one); parking the draft or the target drops them."""
+    from ds4serve import Engine
+    from ds4serve.engine.drafts import _engine_drafts, target_parts
+
+    engine = Engine.from_pretrained(request.getfixturevalue("mtp_engine").path)
+    drafts = _engine_drafts(engine)
+    target = target_parts(engine.model)
+    passes = drafts.passes("mtp", target, 64)
+    assert drafts.passes("mtp", target, 64) is passes
+    assert passes.reuse(64) is passes.state and passes.state.pos == 0
+    with pytest.raises(ValueError, match="needs 65 positions"):
+        passes.reuse(65)
+    engine.park("draft")
+    engine.unpark("draft")
+    assert drafts.passes("mtp", target, 64) is not passes
+    passes = drafts.passes("mtp", target, 64)
+    engine.park("target")
+    assert drafts._passes == {}
+    engine.unpark("target")
+    assert drafts.passes("mtp", target_parts(engine.model), 64) is not passes

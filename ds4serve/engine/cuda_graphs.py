@@ -17,6 +17,7 @@ its :meth:`VerifyGraph.commit` the device writes of each accepted count as a gra
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
@@ -70,9 +71,16 @@ class Captured:
         # captured on the side stream: torch.cuda.graph's default capture stream is one stream for the
         # whole process, made on whichever device captured first, so a second GPU's capture would run
         # on the first GPU's stream. Graphs are captured lazily while a server runs; "thread_local" keeps
-        # another thread's CUDA calls (an HTTP handler, a metrics read) from invalidating the capture.
-        with torch.cuda.graph(self.graph, stream=side, pool=pool, capture_error_mode="thread_local"):
-            self._out = run()
+        # another thread's CUDA calls (an HTTP handler, a metrics read) from invalidating the capture, and
+        # the garbage collector is off meanwhile: collecting a dead graph resets it, which a capture forbids.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, stream=side, pool=pool, capture_error_mode="thread_local"):
+                self._out = run()
+        finally:
+            if collecting:
+                gc.enable()
 
     def replay(self) -> T:
         if self.graph is None:

@@ -10,6 +10,10 @@ persistent scratch state that commits its own row inside the graph
 (:meth:`~ds4serve.engine.device_commit.DeviceCommit.write_token`), the scratch window being reloaded
 from the draft state before each chain.
 
+The passes own their draft state and live as long as the draft weights (``DraftModels.passes``): each
+request's proposer takes them with :meth:`MTPGraphs.reuse` (the state reset), so graphs are captured once
+per process, not per request. One speculative request runs at a time, so one set per draft kind suffices.
+
 :class:`~ds4serve.engine.drafts.DSparkProposer` runs one pass per step over its block (seed, noise
 tokens), attending to each stage's context ring: statically, the whole ring with a mask of the
 committed positions (:func:`~ds4serve.model.dspark.ring_context`), one graph. Its context rows of the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import SLIDING, ModelConfig
 from ..kernels import regions
 from ..model.dspark import (
     DSparkWeights,
@@ -34,18 +39,37 @@ from ..model.dspark import (
     target_features,
 )
 from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
-from ..state import ChunkDelta, LayerDelta, SequenceState
+from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from .cuda_graphs import Captured
 from .device_commit import DeviceCommit
 
 
-class MTPGraphs:
-    """Captured passes of the MTP ``weights`` over ``state`` (its one sliding layer is key 0); the
-    target's embedding, head and RoPE tables come from ``target`` (:class:`~ds4serve.engine.drafts.TargetParts`).
-    ``graph=False`` runs the same static passes uncaptured (CPU tests)."""
+def draft_state(
+    cfg: ModelConfig, stages: int, max_context: int, dtype: torch.dtype, device: torch.device
+) -> SequenceState:
+    """A draft's state: one sliding window per stage (key ``s``), sized by the window, not the context."""
+    layers = {s: allocate_layer(cfg, SLIDING, max_context, dtype, device) for s in range(stages)}
+    return SequenceState(layers=layers, max_context=max_context, window=cfg.sliding_window)
 
-    def __init__(self, weights: MTPWeights, target: object, state: SequenceState, graph: bool = True):
-        self.w, self.target, self.state, self.graph = weights, target, state, graph
+
+def _reuse(state: SequenceState, max_context: int) -> SequenceState:
+    if max_context > state.max_context:
+        raise ValueError(
+            f"draft passes: a request needs {max_context} positions, the passes hold {state.max_context}"
+        )
+    state.reset()
+    return state
+
+
+class MTPGraphs:
+    """Captured passes of the MTP ``weights`` over their own draft state of ``max_context`` positions (its
+    one sliding layer is key 0); the target's embedding, head and RoPE tables come from ``target``
+    (:class:`~ds4serve.engine.drafts.TargetParts`). ``graph=False`` runs the same static passes uncaptured
+    (CPU tests)."""
+
+    def __init__(self, weights: MTPWeights, target: object, max_context: int, graph: bool = True):
+        self.w, self.target, self.graph = weights, target, graph
+        state = self.state = draft_state(target.cfg, 1, max_context, target.last.dtype, target.device)
         self.scratch = state.fork()
         self._scratch_writes = DeviceCommit(self.scratch)
         cfg, dev, dtype = target.cfg, target.device, target.last.dtype
@@ -70,6 +94,10 @@ class MTPGraphs:
             chunk = t.last.chunk_info(0, ids.shape[0], positions)
             G, delta = mtp_forward(self.w, hidden, ids, embedded, chunk, state.layers[0], t.cfg, t.last.ropes)
             return G, delta, mtp_logits(self.w, G[-1:], t.head, t.cfg)[0]
+
+    def reuse(self, max_context: int) -> SequenceState:
+        """The draft state, reset for a new request of up to ``max_context`` positions."""
+        return _reuse(self.state, max_context)
 
     def observe(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the committed rows (``hidden [S, hc, D]`` with ``next_ids``) at the draft state's position
@@ -125,19 +153,14 @@ class MTPGraphs:
 
 
 class DSparkGraphs:
-    """Captured passes of the DSpark ``weights`` over ``state`` (one context ring per stage)."""
+    """Captured passes of the DSpark ``weights`` over their own draft state of ``max_context`` positions
+    (one context ring per stage), reading the target features of ``weights.spec.target_layer_ids``."""
 
-    def __init__(
-        self,
-        weights: DSparkWeights,
-        target: object,
-        state: SequenceState,
-        layers: tuple[int, ...],
-        graph: bool = True,
-    ):
-        self.w, self.target, self.state, self.layers, self.graph = weights, target, state, layers, graph
-        dev = target.device
-        spec = weights.spec
+    def __init__(self, weights: DSparkWeights, target: object, max_context: int, graph: bool = True):
+        self.w, self.target, self.graph = weights, target, graph
+        spec, dev = weights.spec, target.device
+        self.layers = tuple(spec.target_layer_ids)
+        self.state = draft_state(target.cfg, len(weights.stages), max_context, target.last.dtype, dev)
         self._ids = torch.full((spec.block_size,), spec.noise_token_id, dtype=torch.long, device=dev)
         self._embedded = target.embed_rows(self._ids)  # row 0 (the seed's) is replaced before each pass
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -152,6 +175,10 @@ class DSparkGraphs:
             self.w, self._ids, self._embedded, rings, cos, sin, t.cfg, ring_context(rings[0], self._pos)
         )
         return merged, base_logits(self.w, merged, t.head, t.cfg)
+
+    def reuse(self, max_context: int) -> SequenceState:
+        """The draft state, reset for a new request of up to ``max_context`` positions."""
+        return _reuse(self.state, max_context)
 
     def propose(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block pass after ``seed`` at the draft state's position: merged streams ``[B, D]`` and base

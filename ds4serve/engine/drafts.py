@@ -38,9 +38,9 @@ from ..model.dspark import (
 )
 from ..model.linear import GEMV_MAX_ROWS
 from ..model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits, mtp_names
-from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
+from ..state import ChunkDelta, LayerDelta, SequenceState
 from ..weights import Checkpoint, block_shapes
-from .draft_graphs import DSparkGraphs, MTPGraphs
+from .draft_graphs import DSparkGraphs, MTPGraphs, draft_state
 from .dspark_weights import dspark_shapes
 from .request import ErrorCode, GenerateError
 from .sampler import Sampler
@@ -197,13 +197,6 @@ def _at_target(method: Callable) -> Callable:
     return run
 
 
-def _draft_state(
-    cfg: ModelConfig, stages: int, max_context: int, dtype: torch.dtype, device: torch.device
-) -> SequenceState:
-    layers = {s: allocate_layer(cfg, SLIDING, max_context, dtype, device) for s in range(stages)}
-    return SequenceState(layers=layers, max_context=max_context, window=cfg.sliding_window)
-
-
 def _draft_layers(cfg: ModelConfig, stages: int) -> range:
     """Profiler layer ids of draft stages: numbered after the target's layers, as in the checkpoint."""
     return range(cfg.num_layers, cfg.num_layers + stages)
@@ -226,8 +219,7 @@ class MTPProposer(DraftProposer):
         target: TargetParts,
         max_draft_tokens: int = 3,
         *,
-        static_passes: bool = False,
-        capture: bool | None = None,
+        passes: MTPGraphs | None = None,
         **policy,
     ):
         super().__init__(max_draft_tokens, **policy)
@@ -236,18 +228,16 @@ class MTPProposer(DraftProposer):
         self.cfg = target.cfg
         self.state: SequenceState | None = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (streams [1, hc, D], logits [V])
-        # static_passes: the passes as MTPGraphs, captured as CUDA graphs unless capture=False (None: on CUDA)
-        self.static_passes, self.capture = static_passes, capture
-        self._graphs: MTPGraphs | None = None
+        self.passes = passes  # the static passes and their state (None: eager passes over a state of its own)
 
     def begin(self, history: list[int], max_context: int) -> None:
-        t = self.target.last
-        self.state = _draft_state(self.cfg, 1, max_context + MAX_DRAFT_TOKENS + 1, t.dtype, t.device)
-        self._last = None
-        capture = t.device.type == "cuda" if self.capture is None else self.capture
-        self._graphs = (
-            MTPGraphs(self.w, self.target, self.state, graph=capture) if self.static_passes else None
+        need, t = max_context + MAX_DRAFT_TOKENS + 1, self.target.last
+        self.state = (
+            draft_state(self.cfg, 1, need, t.dtype, t.device)
+            if self.passes is None
+            else self.passes.reuse(need)
         )
+        self._last = None
 
     def _run(self, state: SequenceState, hidden: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """Forward rows at ``state.pos`` and commit them to ``state``; return the output streams."""
@@ -271,11 +261,11 @@ class MTPProposer(DraftProposer):
     @_at_target
     def observe(self, committed: Committed) -> None:
         next_ids = committed.tokens[1:] + [committed.next_token]
-        if self._graphs is not None and len(next_ids) <= MAX_STATIC_ROWS:
+        if self.passes is not None and len(next_ids) <= MAX_STATIC_ROWS:
             with profiler.step(
                 "draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True
             ):
-                G, logits = self._graphs.observe(committed.hidden, next_ids)
+                G, logits = self.passes.observe(committed.hidden, next_ids)
             self.forwards += 1
             self._last = (G.clone(), logits.clone())
             return
@@ -289,15 +279,15 @@ class MTPProposer(DraftProposer):
         G, logits = self._last
         token, q = pick(logits, sampler, index)
         tokens, probs = [token], [q]
-        if self._graphs is not None and k > 1:
-            self._graphs.start_chain()
-        scratch = self.state.fork() if k > 1 and self._graphs is None else None
+        if self.passes is not None and k > 1:
+            self.passes.start_chain()
+        scratch = self.state.fork() if k > 1 and self.passes is None else None
         while len(tokens) < k:
-            if self._graphs is not None:
+            if self.passes is not None:
                 with profiler.step(
-                    "draft", 1, self._graphs.scratch.pos, _draft_layers(self.cfg, 1), graph=True
+                    "draft", 1, self.passes.scratch.pos, _draft_layers(self.cfg, 1), graph=True
                 ):
-                    G, logits = self._graphs.step(G, token)
+                    G, logits = self.passes.step(G, token)
                 self.forwards += 1
             else:
                 G = self._run(scratch, G, [token])
@@ -324,8 +314,7 @@ class DSparkProposer(DraftProposer):
         target: TargetParts,
         max_draft_tokens: int | None = None,
         *,
-        static_passes: bool = False,
-        capture: bool | None = None,
+        passes: DSparkGraphs | None = None,
         **policy,
     ):
         super().__init__(weights.spec.block_size if max_draft_tokens is None else max_draft_tokens, **policy)
@@ -334,25 +323,21 @@ class DSparkProposer(DraftProposer):
         self.cfg = target.cfg
         self.capture_layers = tuple(weights.spec.target_layer_ids)
         self.state: SequenceState | None = None
-        # static_passes: the passes as DSparkGraphs, captured unless capture=False (None: on CUDA)
-        self.static_passes, self.capture = static_passes, capture
-        self._graphs: DSparkGraphs | None = None
+        self.passes = passes  # the static passes and their state (None: eager passes over a state of its own)
 
     def begin(self, history: list[int], max_context: int) -> None:
-        t = self.target.last
-        self.state = _draft_state(self.cfg, len(self.w.stages), max_context + 1, t.dtype, t.device)
-        capture = t.device.type == "cuda" if self.capture is None else self.capture
-        self._graphs = (
-            DSparkGraphs(self.w, self.target, self.state, self.capture_layers, graph=capture)
-            if self.static_passes
-            else None
+        need, t = max_context + 1, self.target.last
+        self.state = (
+            draft_state(self.cfg, len(self.w.stages), need, t.dtype, t.device)
+            if self.passes is None
+            else self.passes.reuse(need)
         )
 
     @_at_target
     def observe(self, committed: Committed) -> None:
         n, pos = len(committed.tokens), self.state.pos
-        if self._graphs is not None and n <= MAX_STATIC_ROWS:
-            rows = self._graphs.context(committed.captured)
+        if self.passes is not None and n <= MAX_STATIC_ROWS:
+            rows = self.passes.context(committed.captured)
         else:
             cos, sin = self.target.last.chunk_info(pos, n).rope["main"]
             rows = context_rows(
@@ -368,9 +353,9 @@ class DSparkProposer(DraftProposer):
         t, spec, pos = self.target, self.w.spec, self.state.pos
         seed = history[-1]
         layers = _draft_layers(self.cfg, len(self.w.stages))
-        if self._graphs is not None:
+        if self.passes is not None:
             with profiler.step("draft", spec.block_size, pos, layers, graph=True):
-                merged, logits = self._graphs.propose(seed)
+                merged, logits = self.passes.propose(seed)
         else:
             ids = torch.tensor(
                 [seed] + [spec.noise_token_id] * (spec.block_size - 1), dtype=torch.long, device=t.device
@@ -461,12 +446,27 @@ def check_draft(ckpt: Checkpoint, kind: str) -> None:
 
 
 class DraftModels:
-    """Draft weights of an engine's checkpoint by kind, loaded on first use; parkable as 'draft'."""
+    """Draft weights of an engine's checkpoint by kind, loaded on first use, and their static passes (graphs
+    and draft state, kept across requests); parkable as 'draft'."""
 
     def __init__(self, loaders: dict[str, Callable[[], object]]):
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
         self._parked: set[str] = set()
+        self._passes: dict[str, MTPGraphs | DSparkGraphs] = {}
+
+    def passes(self, kind: str, target: TargetParts, max_context: int) -> MTPGraphs | DSparkGraphs:
+        """The static passes of draft ``kind`` for ``target`` (CUDA graphs on its head's device), made on the
+        first request and reused by every later one; made anew when the target was reloaded."""
+        held = self._passes.get(kind)
+        if held is None or held.target.last is not target.last:
+            make = MTPGraphs if kind == "mtp" else DSparkGraphs
+            held = self._passes[kind] = make(self.get(kind), target, max_context)
+        return held
+
+    def forget_passes(self) -> None:
+        """Drop the static passes (their graphs hold the target's and drafts' tensors)."""
+        self._passes.clear()
 
     def get(self, kind: str) -> object:
         if kind in self._parked:
@@ -484,6 +484,7 @@ class DraftModels:
             return False
         self._parked.update(self._loaded)
         self._loaded.clear()
+        self.forget_passes()
         return True
 
     def unpark(self) -> bool:
@@ -547,9 +548,11 @@ def resolve_proposer(engine: "Engine", speculative: object) -> DraftProposer:
         name,
     )
     target = target_parts(engine.require_model())
-    weights = _engine_drafts(engine).get(name)
+    drafts = _engine_drafts(engine)
+    weights = drafts.get(name)
     # the drafts' passes run on the device of the target's head: graphs there, for a whole model or a split
     static = not engine.eager and target.device.type == "cuda"
+    passes = drafts.passes(name, target, engine.max_context + MAX_DRAFT_TOKENS + 1) if static else None
     if name == "mtp":
-        return MTPProposer(weights, target, *(() if k is None else (k,)), static_passes=static)
-    return DSparkProposer(weights, target, k, static_passes=static)
+        return MTPProposer(weights, target, *(() if k is None else (k,)), passes=passes)
+    return DSparkProposer(weights, target, k, passes=passes)

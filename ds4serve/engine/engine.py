@@ -647,6 +647,8 @@ class Engine:
                     self._graph = self._batch = None
                     self._first_chunks = self._first_chunks_apply = None
                     self._verify_graphs.clear()
+                    if self.draft is not None:
+                        self.draft.forget_passes()
                     self._state = None
                     self._pending_restore = None
                     parked.append("target")
