@@ -151,6 +151,9 @@ def _make_tiny_args(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
+STATE_CONTEXTS = (4096, 131072, 1048576)  # the contexts `inspect` gives a sequence's state size at (capped)
+
+
 @command(
     "inspect",
     "print a checkpoint's config, layer pattern, parameters (total, active per token) and bytes per dtype, "
@@ -160,6 +163,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("model_dir")
 
     def run(a: argparse.Namespace) -> int:
+        import torch
+
+        from .state import state_nbytes
         from .weights import Checkpoint, parameter_counts
 
         ckpt = Checkpoint(a.model_dir)
@@ -186,6 +192,12 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
         print(f"indexer      {cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk}")
         print(f"drafts       mtp blocks {cfg.n_mtp_layers}, dspark {'yes' if cfg.dspark else 'no'}")
         print(f"quant        fp8 block {cfg.quant.fp8_block}, experts {cfg.quant.expert_dtype}")
+        contexts = sorted({min(n, cfg.max_position_embeddings) for n in STATE_CONTEXTS})
+        sizes = [
+            f"{n:,} tokens {state_nbytes(cfg, range(cfg.num_layers), n, torch.bfloat16) / 2**20:,.1f} MiB"
+            for n in contexts
+        ]
+        print(f"state        per sequence in bf16: {'; '.join(sizes)}")
         counts = parameter_counts(ckpt)
         print(
             f"parameters   {counts.main + counts.drafts:,} = {counts.main:,} main + {counts.drafts:,} drafts; "

@@ -339,6 +339,12 @@ def _commit_compressor(c: CompressorState, cd: CompressorDelta, pos: int, n: int
     c.buf_gate[:keep] = cd.rows_gate[start : start + keep]
 
 
+def state_nbytes(cfg: ModelConfig, layers: range, max_context: int, dtype: torch.dtype) -> int:
+    """Bytes of one sequence's state of ``max_context`` tokens over ``layers``, counted without allocating
+    (the tensors are made on the meta device)."""
+    return SequenceState.allocate(cfg, layers, max_context, dtype, "meta").nbytes()
+
+
 def allocate_layer(
     cfg: ModelConfig, layer_type: str, max_context: int, dtype: torch.dtype, device: torch.device | str
 ) -> LayerState:

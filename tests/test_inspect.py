@@ -48,3 +48,24 @@ def test_inspect_counts_logical_parameters_from_headers_alone(tiny_factory, tmp_
     assert f"{total_bytes / 1e6:,.1f} MB" in text
     if quantize == "fp8+fp4":
         assert "F8_E4M3" in text and "F8_E8M0" in text and "I8" in text
+
+
+def test_inspect_gives_a_sequences_state_size_by_context(tiny_factory, capsys):
+    """The state line's sizes are those of a real state allocated at that context (the sparse layers'
+    compressed entries grow with it, the sliding windows do not)."""
+    import torch
+
+    from ds4serve.state import SequenceState, state_nbytes
+
+    path = tiny_factory(seed=9)
+    cfg = ModelConfig.from_dir(path)
+    layers = range(cfg.num_layers)
+    for n in (4096, cfg.max_position_embeddings):
+        real = SequenceState.allocate(cfg, layers, n, torch.bfloat16, "cpu").nbytes()
+        assert state_nbytes(cfg, layers, n, torch.bfloat16) == real
+    small, large = (state_nbytes(cfg, layers, n, torch.bfloat16) for n in (4096, 131072))
+    assert large > small
+    assert main(["inspect", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("state"))
+    assert f"4,096 tokens {small / 2**20:,.1f} MiB" in line
+    assert f"{min(131072, cfg.max_position_embeddings):,} tokens" in line

@@ -33,7 +33,7 @@ from ..kernels.config import KernelConfig
 from ..model import DeepSeekV4, ForwardResult
 from ..parallel.pipeline import PipelineDecodeGraph, PipelineFirstChunks, PipelineModel, PipelineVerifyGraph
 from ..parallel.split_model import SplitModel
-from ..state import SequenceState, Snapshot
+from ..state import SequenceState, Snapshot, state_nbytes
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from .batch_graphs import BatchGraphs, DecodeSlots
@@ -721,7 +721,7 @@ def _check_slots_fit(model: DeepSeekV4, count: int, max_context: int) -> None:
     would not fit in the free memory of the model's CUDA device (nothing is checked elsewhere)."""
     if model.device.type != "cuda":
         return
-    one = SequenceState.allocate(model.cfg, model.layers, max_context, model.dtype, "meta").nbytes()
+    one = state_nbytes(model.cfg, model.layers, max_context, model.dtype)
     free = torch.cuda.mem_get_info(model.device)[0]
     if count * one > free:
         raise RuntimeError(

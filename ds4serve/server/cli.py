@@ -8,6 +8,7 @@ import math
 
 from .. import envs
 from ..cli import Handler, at_least, command, engine_args, load_engine, port, speculative
+from ..state import state_nbytes
 
 log = logging.getLogger("ds4serve.server")
 
@@ -136,11 +137,13 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
                 model,
             )
         log.info(
-            "serving %s on http://%s:%d/ (context %d tokens; open it in a browser for the page)",
+            "serving %s on http://%s:%d/ (context %d tokens, a sequence's state %.1f MiB at that length; "
+            "open it in a browser for the page)",
             config.model_name,
             a.host,
             a.port,
             engine.max_context,
+            state_nbytes(engine.cfg, range(engine.cfg.num_layers), engine.max_context, engine.dtype) / 2**20,
         )
         graceful = math.ceil(a.shutdown_timeout) + STOP_GRACE_S
         config = uvicorn.Config(
