@@ -15,10 +15,11 @@ in the official layout with the projections and routed experts in FP8 e4m3 with 
 writes an fp8 tiny checkpoint (``fp8+fp4``: MXFP4 routed experts; ``none``: the transformers layout, BF16
 projections), the rest in the released dtypes (BF16, F32 mixers); with ``train_metrics.json``: the
 held-out perplexity of the written (quantized) checkpoint scored by the engine, training losses, tokens
-seen, timings, config and corpus. ``--minutes`` bounds the training loop; ``--steps`` alone
-makes a run reproducible (the learning-rate schedule follows max(step/steps, elapsed/minutes)).
+seen, timings, config and corpus. ``--minutes`` bounds the training loop; ``--steps`` alone makes a run
+reproducible (the learning-rate schedule follows max(step/steps, elapsed/minutes)). The shipped model's run
+(docs/BENCHMARKS.md has the command that also packs it):
 
-    PYTHONPATH=. python3 bench/train_tiny.py --device cuda --minutes 7 --out /tmp/stdlib-tiny  (docs/BENCHMARKS.md)
+    PYTHONPATH=. python3 bench/train_tiny.py --device cuda --minutes 6.3 --out /tmp/deepseek-v4-tiny-stdlib
 """
 
 from __future__ import annotations
