@@ -21,7 +21,7 @@ serve: install
 	$(VENV)/bin/ds4serve serve $(ARGS)
 
 demo: install
-	$(VENV)/bin/ds4serve generate --max-tokens 24 "Hello from ds4serve"
+	$(VENV)/bin/ds4serve generate --raw --max-tokens 60 "def fibonacci(n):"
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS) tests

@@ -10,12 +10,16 @@ Only tokens seen at least ``--min-count`` times in the training text get embeddi
 rows are zero (git compresses them) and stay zero: the loss is the full-vocabulary cross-entropy with their
 logits fixed at 0 (:func:`vocab_ce`), which is what the written checkpoint computes.
 
-Writes the checkpoint in the transformers layout (released dtypes: BF16 projections, F32 mixers) with
-``train_metrics.json``: the held-out perplexity of the written checkpoint scored by the engine, training
-losses, tokens seen, timings, config and corpus. ``--minutes`` bounds the training loop; ``--steps`` alone
-makes a run reproducible (the learning-rate schedule follows max(step/steps, elapsed/minutes)).
+Writes the checkpoint as a released one is stored (:func:`write_released`): by default (``--quantize fp8``)
+in the official layout with the projections and routed experts in FP8 e4m3 with block scales, as tiny.py
+writes an fp8 tiny checkpoint (``fp8+fp4``: MXFP4 routed experts; ``none``: the transformers layout, BF16
+projections), the rest in the released dtypes (BF16, F32 mixers); with ``train_metrics.json``: the
+held-out perplexity of the written (quantized) checkpoint scored by the engine, training losses, tokens
+seen, timings, config and corpus. ``--minutes`` bounds the training loop; ``--steps`` alone makes a run
+reproducible (the learning-rate schedule follows max(step/steps, elapsed/minutes)). The shipped model's run
+(docs/BENCHMARKS.md has the command that also packs it):
 
-    PYTHONPATH=. python3 bench/train_tiny.py --device cuda --minutes 7 --out /tmp/stdlib-tiny  (docs/BENCHMARKS.md)
+    PYTHONPATH=. python3 bench/train_tiny.py --device cuda --minutes 6.3 --out /tmp/deepseek-v4-tiny-stdlib
 """
 
 from __future__ import annotations
@@ -42,7 +46,16 @@ from ds4serve.engine import Engine  # noqa: E402
 from ds4serve.model.deepseek4 import DeepSeekV4  # noqa: E402
 from ds4serve.model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits  # noqa: E402
 from ds4serve.state import allocate_layer  # noqa: E402
-from ds4serve.tiny import TinySpec, _released_dtype, random_tensors, tiny_config, write_checkpoint  # noqa: E402
+from ds4serve.tiny import (  # noqa: E402
+    QUANT_MODES,
+    TinySpec,
+    _quantize,
+    _released_dtype,
+    quant_spec,
+    random_tensors,
+    tiny_config,
+    write_checkpoint,
+)
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 
 _EXPERT_PART = ".ffn.experts."
@@ -154,7 +167,8 @@ class Weights:
         return DeepSeekV4.load(self, dtype=dtype, device=device), load_mtp(self, 0, dtype, device)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor by official name as a released checkpoint stores it (zero rows for other tokens)."""
+        """Every tensor by official name, float32 (zero rows for other tokens); :func:`write_released`
+        stores them."""
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, t in {**self.params, **self.frozen}.items():
@@ -168,7 +182,7 @@ class Weights:
                         out[f"{block}{_EXPERT_PART}{e}.{w}.weight"] = part.clone()
                 else:
                     out[name] = t
-        return {n: t.to(_released_dtype(n)) if t.is_floating_point() else t for n, t in out.items()}
+        return out
 
 
 def vocab_ce(logits: torch.Tensor, targets: torch.Tensor, slot: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -297,9 +311,23 @@ def heldout_nll(engine: Engine, docs: list[list[int]], max_tokens: int, max_len:
     return total / count, count
 
 
-def write_trained(out: Path, weights: Weights) -> Path:
-    """The checkpoint in the transformers layout, the tokenizer files beside it."""
-    return write_checkpoint(out, weights.cfg, weights.checkpoint_tensors(), "hf")
+def write_released(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], quantize: str) -> Path:
+    """``tensors`` (official names; float ones in any dtype) written as a released checkpoint, the tokenizer
+    files beside it: ``none``, the transformers layout in the released dtypes (BF16 projections, F32
+    mixers); ``fp8`` / ``fp8+fp4``, the official layout quantized as tiny.py quantizes (FP8 e4m3
+    projections, FP8 or MXFP4 routed experts, each with its F8_E8M0 block scales)."""
+    if quantize not in QUANT_MODES:
+        raise ValueError(f"--quantize: expected one of {QUANT_MODES}, got {quantize!r}")
+    if quantize == "none":
+        released = {n: t.to(_released_dtype(n)) if t.is_floating_point() else t for n, t in tensors.items()}
+        return write_checkpoint(out, cfg, released, "hf")
+    cfg = dataclasses.replace(cfg, quant=quant_spec(quantize))
+    return write_checkpoint(out, cfg, _quantize(tensors, cfg), "official")
+
+
+def write_trained(out: Path, weights: Weights, quantize: str) -> Path:
+    """The trained weights written by :func:`write_released` (quantized from their float32 values)."""
+    return write_released(out, weights.cfg, weights.checkpoint_tensors(), quantize)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=None, help="training wall budget (default: --steps)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --minutes)")
     p.add_argument("--min-count", type=int, default=3)
+    p.add_argument("--quantize", choices=QUANT_MODES, default="fp8", help="how the checkpoint is stored")
     p.add_argument("--eval-tokens", type=int, default=32768)
     p.add_argument("--eval-len", type=int, default=2048)
     p.add_argument("--limit-files", type=int, default=None, help="only the first N stdlib files (tests)")
@@ -341,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = train(weights, corpus.train, args, dtype)
     t1 = time.perf_counter()
-    out = write_trained(a.out, weights)
+    out = write_trained(a.out, weights, a.quantize)
     t2 = time.perf_counter()
     with kernels.disabled():
         engine = Engine.from_pretrained(out, device=device, dtype=dtype, eager=True)
@@ -366,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(dtype),
             "device": str(device),
         },
+        "quantize": a.quantize,
         "parameters": n_params,
         "kept_tokens": kept.numel(),
         "checkpoint_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),

@@ -71,14 +71,17 @@ def speculative(text: str) -> str:
 
 # The trained checkpoint shipped as package data when it is there: bench/train_tiny.py's folder packed as one
 # tar.xz (the folder is over 100 MB, mostly the zero embedding and head rows of tokens its text never used).
+# Its folder's name is the served model's: a DeepSeek-V4-architecture model of 12M parameters, with MTP, trained
+# on the Python standard library's sources; it writes Python-like text, it is not an assistant.
 SHIPPED_MODEL = Path(__file__).resolve().parent / "default_model.tar.xz"
 
 
 def default_model_dir() -> Path:
-    """The built-in default model: the checkpoint folder inside :data:`SHIPPED_MODEL`, unpacked once into the
-    cache directory, when that archive exists; else a tiny random checkpoint created once there. Both are in
-    the transformers layout (its config names its own compression rates, so ``transformers.AutoTokenizer``,
-    which reads config.json, can load the folder; the official layout's ratios name only the real model's)."""
+    """The built-in default model: the checkpoint folder inside :data:`SHIPPED_MODEL` (the official layout, FP8
+    projections), unpacked once into the cache directory, when that archive exists; else a tiny random
+    checkpoint created once there, in the transformers layout (its config names its own compression rates, so
+    ``transformers.AutoTokenizer``, which reads config.json, can load the folder; the official layout's
+    ratios name only the real model's)."""
     from .tiny import TinySpec, make_tiny
 
     if SHIPPED_MODEL.is_file():
@@ -89,6 +92,16 @@ def default_model_dir() -> Path:
         make_tiny(tmp, TinySpec(mtp=1, fmt="hf"))
         tmp.rename(path)
     return path
+
+
+def default_model_note() -> str:
+    """What the built-in model of :func:`default_model_dir` is, for the log."""
+    if SHIPPED_MODEL.is_file():
+        return (
+            "a tiny DeepSeek-V4 trained on the Python standard library's sources "
+            "(it continues Python code; it is not an assistant)"
+        )
+    return "a tiny model with RANDOM weights (its output is gibberish)"
 
 
 def unpacked(archive: Path, cache: Path) -> Path:
@@ -222,9 +235,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     """The options that choose and place the model (``generate`` and ``serve``; see :func:`load_engine`)."""
-    p.add_argument(
-        "--model", default=None, help="checkpoint directory (default: the built-in tiny random model)"
-    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--devices", default=None, help="split the layers over these devices, e.g. cuda:0,cuda:1")
     p.add_argument(

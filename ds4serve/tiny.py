@@ -61,9 +61,6 @@ def tiny_config(spec: TinySpec) -> ModelConfig:
         raise ValueError(f"--experts: expected at least top_k={spec.top_k}, got {spec.experts}")
     types = [SLIDING if i < 2 else (CSA if i % 2 == 0 else HCA) for i in range(spec.layers)]
     n_hash = min(3, spec.layers)
-    quant = QuantSpec()
-    if spec.quantize != "none":
-        quant = QuantSpec(TINY_FP8_BLOCK, "fp4" if spec.quantize == "fp8+fp4" else "fp8")
     dspark = None
     if spec.dspark:
         targets = tuple(sorted({max(0, spec.layers - 3), max(0, spec.layers - 2), spec.layers - 1}))
@@ -100,9 +97,16 @@ def tiny_config(spec: TinySpec) -> ModelConfig:
         rms_norm_eps=1e-6,
         max_position_embeddings=65536,
         n_mtp_layers=spec.mtp,
-        quant=quant,
+        quant=quant_spec(spec.quantize),
         dspark=dspark,
     )
+
+
+def quant_spec(quantize: str) -> QuantSpec:
+    """The quantization of a tiny checkpoint written with ``--quantize quantize`` (one of QUANT_MODES)."""
+    if quantize == "none":
+        return QuantSpec()
+    return QuantSpec(TINY_FP8_BLOCK, "fp4" if quantize == "fp8+fp4" else "fp8")
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, cfg: ModelConfig) -> torch.Tensor:

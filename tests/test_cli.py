@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from ds4serve import cli
 from ds4serve.cli import main
 
 
@@ -29,10 +30,18 @@ def test_make_tiny_inspect_generate(tmp_path, capsys, monkeypatch):
     assert "prompt tokens" in captured.err and "decode" in captured.err and "finish length" in captured.err
 
 
-def test_generate_uses_the_cached_default_model(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
+@pytest.mark.parametrize("shipped", [True, False], ids=["shipped", "random"])
+def test_generate_uses_the_cached_default_model(shipped, tmp_path, capsys, monkeypatch):
+    """The shipped archive's folder when there is one, else a random tiny model; both kept in the cache."""
+    if not shipped:
+        monkeypatch.setattr(cli, "SHIPPED_MODEL", tmp_path / "absent.tar.xz")
+    elif not cli.SHIPPED_MODEL.is_file():
+        pytest.skip("no ds4serve/default_model.tar.xz")
+    monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["generate", "--max-tokens", "2", "Hi"]) == 0
-    assert (tmp_path / "tiny-default-v2" / "config.json").is_file()
+    folder = cli.default_model_dir()
+    assert (folder / "config.json").is_file() and tmp_path / "cache" in folder.parents
+    assert (folder.name == "tiny-default-v2") != shipped
     assert "2 generated" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
 """The built-in model: a shipped archive (ds4serve/default_model.tar.xz, bench/train_tiny.py's checkpoint) is
-unpacked once and served; the shipped one predicts held-out standard-library code about as well as its
-training run measured."""
+unpacked once and served; the shipped one predicts held-out standard-library code as well as was measured when
+it was packed."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ shipped = pytest.mark.skipif(
     reason="no ds4serve/default_model.tar.xz (pack bench/train_tiny.py's output: docs/BENCHMARKS.md)",
 )
 
-# The run measured on its own machine's Python (the held-out files differ between versions), over longer
-# contexts (--eval-len 2048) and more tokens: allow half as much perplexity again.
-MARGIN = 1.5
+# train_metrics.json's "shipped" record holds the shipped checkpoint's held-out perplexity measured on the CPU
+# with this test's EVAL_TOKENS / EVAL_LEN (on Python 3.11's standard library: another version holds out other
+# files); a fifth more fails. (Its "heldout" is the training run's, on the GPU's Python and longer contexts.)
+MARGIN = 1.2
 EVAL_TOKENS, EVAL_LEN = 4096, 512  # bounded for 2 CPU cores
 
 
@@ -60,7 +61,9 @@ def test_heldout_perplexity_is_within_the_recorded_bound(tmp_path, monkeypatch):
     monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
     folder = cli.default_model_dir()
     metrics = json.loads((folder / "train_metrics.json").read_text())
-    bound = MARGIN * metrics["heldout"]["perplexity"]
+    rows = metrics["shipped"]["heldout_cpu"]
+    recorded = next(r for r in rows if (r["eval_tokens"], r["eval_len"]) == (EVAL_TOKENS, EVAL_LEN))
+    bound = MARGIN * recorded["perplexity"]
     engine = Engine.from_pretrained(folder)
     nll, n = heldout_nll(engine, heldout_documents(Tokenizer(folder)), EVAL_TOKENS, EVAL_LEN)
     assert n == EVAL_TOKENS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import httpx
@@ -12,12 +13,20 @@ import openai
 import pytest
 
 import ds4serve.server.cli  # noqa: F401 - registers the serve command with the parser
-from ds4serve.cli import build_parser, load_engine
+from ds4serve.cli import SHIPPED_MODEL, build_parser, default_model_note, load_engine
 from ds4serve.parallel import SplitModel
 
 from .server_harness import free_port
 
 LAUNCH = "from ds4serve.cli import main; raise SystemExit(main())"
+
+
+def _built_in_name() -> str:
+    """The served name of the built-in model: the shipped archive's folder, else the random tiny one's."""
+    if not SHIPPED_MODEL.is_file():
+        return "tiny-default-v2"
+    with tarfile.open(SHIPPED_MODEL) as tar:
+        return tar.next().name.split("/")[0]
 
 
 def test_serve_builds_the_default_model_and_answers(tmp_path):
@@ -54,9 +63,10 @@ def test_serve_builds_the_default_model_and_answers(tmp_path):
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.25)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny-default-v2"]
+        name = _built_in_name()
+        assert [m.id for m in client.models.list().data] == [name]
         r = client.chat.completions.create(
-            model="tiny-default-v2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+            model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
         )
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
         assert list((tmp_path / "snapshots").rglob("*.safetensors")), (
@@ -65,7 +75,7 @@ def test_serve_builds_the_default_model_and_answers(tmp_path):
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
-    assert "RANDOM weights" in out and "warmed up in" in out
+    assert default_model_note() in out and "warmed up in" in out
 
 
 def test_serve_places_a_layer_split(tiny_dir):

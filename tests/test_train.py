@@ -1,4 +1,5 @@
-"""bench/train_tiny.py at toy scale: training lowers both losses, and the written checkpoint is what trained."""
+"""bench/train_tiny.py at toy scale: training lowers both losses, and the written checkpoint (BF16 or FP8) is what
+trained, up to its storage's rounding."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from ds4serve.config import SLIDING  # noqa: E402
 from ds4serve.engine import Engine  # noqa: E402
 from ds4serve.model.mtp import load_mtp, mtp_forward, mtp_logits  # noqa: E402
 from ds4serve.state import allocate_layer  # noqa: E402
-from ds4serve.tiny import _released_dtype  # noqa: E402
 from ds4serve.tokenizer import Tokenizer  # noqa: E402
 from ds4serve.weights import Checkpoint  # noqa: E402
 
@@ -65,12 +65,34 @@ def test_training_lowers_the_loss_and_the_mtp_loss(trained):
     assert last["mtp_loss"] < first["mtp_loss"] - 1.0
 
 
-def test_the_written_checkpoint_scores_as_the_trained_weights(trained, tmp_path):
+def _stored(weights: tt.Weights, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """The leaves' values as ``ckpt`` stores them (dequantized)."""
+    out = {}
+    for name in weights.params:
+        if name.endswith(".rows"):
+            out[name] = ckpt.dense(name.split(".")[0] + ".weight")[weights.kept]
+        elif tt._EXPERT_PART in name:
+            block, w = name.split(tt._EXPERT_PART)
+            out[name] = ckpt.experts(block, w, torch.float32, "cpu")
+        else:
+            out[name] = ckpt.dense(name)
+    return out
+
+
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_the_written_checkpoint_scores_as_the_trained_weights(trained, tmp_path, quantize):
     weights, stream, _ = trained
-    with torch.no_grad():  # the weights as the checkpoint stores them (BF16 projections, F32 mixers)
+    out = tt.write_trained(tmp_path / "ckpt", weights, quantize)
+    ckpt = Checkpoint(out)
+    assert ckpt.layout == ("transformers" if quantize == "none" else "official")
+    assert ckpt.storage_format("layers.2.attn.wq_a.weight") == (None if quantize == "none" else "fp8")
+    assert ckpt.storage_format("mtp.0.e_proj.weight") == (None if quantize == "none" else "fp8")
+    stored = _stored(weights, ckpt)
+    # the leaves moved by at most the storage's rounding (e4m3: 2^-4 of the tensor's max); then they hold it
+    with torch.no_grad():
         for name, t in weights.params.items():
-            t.copy_(t.to(_released_dtype(name)).float())
-    out = tt.write_trained(tmp_path / "ckpt", weights)
+            assert (stored[name] - t).abs().max() <= 2**-4 * t.abs().max(), name
+            t.copy_(stored[name])
     ids = stream[:SEQ]
     with kernels.disabled(), torch.no_grad():
         model, mtp = weights.build(torch.float32)

@@ -7,7 +7,16 @@ import logging
 import math
 
 from .. import envs
-from ..cli import Handler, at_least, command, engine_args, load_engine, port, speculative
+from ..cli import (
+    Handler,
+    at_least,
+    command,
+    default_model_note,
+    engine_args,
+    load_engine,
+    port,
+    speculative,
+)
 from ..state import state_nbytes
 
 log = logging.getLogger("ds4serve.server")
@@ -132,10 +141,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             )
         app = create_app(engine, config, cache)
         if a.model is None:
-            log.info(
-                "serving the built-in tiny model from %s: it has RANDOM weights (its output is gibberish)",
-                model,
-            )
+            log.info("serving the built-in model from %s: %s", model, default_model_note())
         log.info(
             "serving %s on http://%s:%d/ (context %d tokens, a sequence's state %.1f MiB at that length; "
             "open it in a browser for the page)",
