@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_corpus import Corpus, load_corpus  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
-from ds4serve.config import SLIDING, ModelConfig  # noqa: E402
+from ds4serve.config import CSA, HCA, SLIDING, ModelConfig  # noqa: E402
 from ds4serve.engine import Engine  # noqa: E402
 from ds4serve.model.deepseek4 import DeepSeekV4  # noqa: E402
 from ds4serve.model.mtp import MTPWeights, load_mtp, mtp_forward, mtp_logits  # noqa: E402
@@ -315,14 +315,29 @@ def write_released(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]
     """``tensors`` (official names; float ones in any dtype) written as a released checkpoint, the tokenizer
     files beside it: ``none``, the transformers layout in the released dtypes (BF16 projections, F32
     mixers); ``fp8`` / ``fp8+fp4``, the official layout quantized as tiny.py quantizes (FP8 e4m3
-    projections, FP8 or MXFP4 routed experts, each with its F8_E8M0 block scales)."""
+    projections, FP8 or MXFP4 routed experts, each with its F8_E8M0 block scales), its config.json also
+    naming the layer pattern in transformers' keys (:func:`readable_by_transformers`)."""
     if quantize not in QUANT_MODES:
         raise ValueError(f"--quantize: expected one of {QUANT_MODES}, got {quantize!r}")
     if quantize == "none":
         released = {n: t.to(_released_dtype(n)) if t.is_floating_point() else t for n, t in tensors.items()}
         return write_checkpoint(out, cfg, released, "hf")
     cfg = dataclasses.replace(cfg, quant=quant_spec(quantize))
-    return write_checkpoint(out, cfg, _quantize(tensors, cfg), "official")
+    out = write_checkpoint(out, cfg, _quantize(tensors, cfg), "official")
+    readable_by_transformers(out, cfg)
+    return out
+
+
+def readable_by_transformers(folder: Path, cfg: ModelConfig) -> None:
+    """Add ``layer_types`` and ``compress_rates`` to an official-layout config.json: transformers maps the
+    official ``compress_ratios`` only from the real model's ratios (0, 4, 128) and refuses others (this
+    model's HCA ratio), so ``AutoTokenizer``, which reads config.json, could not load the folder. Both
+    readers prefer the explicit keys; the engine reads the same config from either."""
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    raw["layer_types"] = list(cfg.layer_types)
+    raw["compress_rates"] = {CSA: cfg.csa_rate, HCA: cfg.hca_rate}
+    path.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def write_trained(out: Path, weights: Weights, quantize: str) -> Path:

@@ -348,16 +348,19 @@ def test_cors_preflight_and_headers_for_an_allowed_origin_only(guarded, base):
     assert "access-control-allow-origin" not in httpx.get(f"{base}/health", headers=origin).headers
 
 
-def test_the_random_built_in_model_folder_loads_in_transformers(tmp_path, monkeypatch):
-    """The random fallback (no shipped archive) is in the transformers layout. The shipped trained model is in
-    the official layout, whose config transformers reads only with the real model's compression ratios (0, 4,
-    128): its HCA ratio, 32, is refused there."""
+@pytest.mark.parametrize("shipped", [True, False])
+def test_the_built_in_model_folder_loads_in_transformers(tmp_path, monkeypatch, shipped):
+    """``transformers.AutoTokenizer`` (which reads config.json too) loads the built-in model's folder and
+    tokenizes as the server does: the shipped trained model (official layout) and the random fallback."""
     from transformers import AutoTokenizer
 
     from ds4serve import cli
     from ds4serve.tokenizer import Tokenizer
 
-    monkeypatch.setattr(cli, "SHIPPED_MODEL", tmp_path / "absent.tar.xz")
+    if not shipped:
+        monkeypatch.setattr(cli, "SHIPPED_MODEL", tmp_path / "absent.tar.xz")
+    elif not cli.SHIPPED_MODEL.is_file():
+        pytest.skip("no ds4serve/default_model.tar.xz in this checkout")
     monkeypatch.setenv("DS4SERVE_CACHE_DIR", str(tmp_path))
     folder = cli.default_model_dir()
     text = "<｜begin▁of▁sentence｜>Hello, 世界 <think>"
