@@ -358,7 +358,9 @@ def mtp_drafts(
     target = target_parts(engine.model)
     weights = _Maker(target.cfg, args.variant, target.device, seed=99).mtp()
     out["mtp"] = []
-    graphs = MTPGraphs(weights, target, engine.max_context + MAX_STATIC_ROWS)
+    graphs = MTPGraphs(
+        weights, target, engine.max_context + MAX_STATIC_ROWS, graph=target.device.type == "cuda"
+    )
     for static in (False, True):
         for _ in range(2):  # the second run: the first one compiles and captures
             res, tps = timed(
