@@ -152,3 +152,55 @@ def test_the_snapshot_after_requests_that_ran_together_is_the_last_admitted_one_
         snap.tokens == want.tokens and snap.tokens[9:] == last.result.tokens[:-1]
     )  # the last one unforwarded
     assert all(torch.equal(snap.layers[i][k], want.layers[i][k]) for i in want.layers for k in want.layers[i])
+
+
+def _poison(state) -> None:
+    for t in state._all_tensors():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+
+
+def test_requests_on_nan_filled_slots_and_states_equal_alone(tiny_dir, monkeypatch):
+    """Every freed decode slot and every released state is NaN-filled before reuse: the requests that then
+    run on them give exactly their tokens and logprobs alone, all finite. A static step reads whole ring and
+    entry buffers; the rows no query may see are selected out, never multiplied by a zero weight, so nothing
+    a sequence left behind (another's values, or a non-finite one) reaches the next."""
+    import math
+
+    from ds4serve import SamplingParams
+    from ds4serve.engine.state_pool import StatePool
+
+    leave, release = DecodeSlots.leave, StatePool.release
+
+    def leave_and_poison(self, slot):
+        moved = leave(self, slot)
+        _poison(self.states[self.used])
+        return moved
+
+    def release_and_poison(self, state):
+        release(self, state)
+        _poison(state)
+
+    monkeypatch.setattr(DecodeSlots, "leave", leave_and_poison)
+    monkeypatch.setattr(StatePool, "release", release_and_poison)
+    engine = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT)
+    # prompts shorter than a compression window decode into the first one (no overlap half before it)
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate((1, 2, 3, 18, 31, 44, 57, 70))]
+    first = []
+    for i, prompt in enumerate(prompts):  # arrivals a step apart, lengths apart: slots freed and moved
+        first.append(engine.stream(prompt, SamplingParams(max_tokens=2 + i % 4, ignore_eos=True)))
+        engine.step()
+    while not all(h.done for h in first):
+        engine.step()
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    second = [engine.stream(prompt, params) for prompt in prompts]
+    while not all(h.done for h in second):
+        engine.step()
+    alone = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT)
+    for prompt, handle in zip(prompts, second):
+        want = alone.generate(prompt, params)
+        got = handle.result
+        assert got.ok, got.error_message
+        assert got.tokens == want.tokens
+        assert [x.logprob for x in got.logprobs] == [x.logprob for x in want.logprobs]
+        assert all(math.isfinite(x.logprob) for x in got.logprobs)

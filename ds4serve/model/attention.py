@@ -385,4 +385,8 @@ def _core(
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, keys).transpose(0, 1)  # [S, H, d]
+    # rows no query may see are stale buffer rows in a static step: selected out, not multiplied by a zero
+    # probability, so that whatever they hold (another sequence's values, a non-finite one) cannot reach
+    # the output
+    values = keys.masked_fill(~allowed.any(dim=0).unsqueeze(-1), 0)
+    return torch.matmul(probs, values).transpose(0, 1)  # [S, H, d]

@@ -106,9 +106,10 @@ def _pool_token(
     rows_kv = torch.where(here, kv, state.buf_kv)
     rows_gate = torch.where(here, gate, state.buf_gate)
     win_kv, win_gate = rows_kv, rows_gate
-    if state.overlap:  # the previous window's first half; weight 0 before the first window closes
-        win_kv = torch.cat([state.ov_kv, rows_kv[:, dim:]])
-        win_gate = torch.cat([torch.where(pos >= rate, state.ov_gate, float("-inf")), rows_gate[:, dim:]])
+    if state.overlap:  # the previous window's first half; none before the first window closes (selected out)
+        first = pos < rate
+        win_kv = torch.cat([torch.where(first, 0, state.ov_kv), rows_kv[:, dim:]])
+        win_gate = torch.cat([torch.where(first, float("-inf"), state.ov_gate), rows_gate[:, dim:]])
     pooled = (win_kv * win_gate.softmax(dim=0, dtype=torch.float32).to(win_kv.dtype)).sum(dim=0, keepdim=True)
     entry = rms_norm(pooled, w.norm, eps)
     cos, sin = rope.cos_sin(pos - slot, entry.dtype)
@@ -146,7 +147,9 @@ def _pool_static(
         src = torch.where(u >= p0, 2 * rate + u - p0, torch.where(u >= open_start, rate + u % rate, u % rate))
         prev_kv = torch.cat([state.ov_kv, state.buf_kv[:, :dim], kv[:, :dim]])[src]
         prev_gate = torch.cat([state.ov_gate, state.buf_gate[:, :dim], gate[:, :dim]])[src]
-        prev_gate = torch.where((u >= 0).unsqueeze(-1), prev_gate, float("-inf"))
+        started = (u >= 0).unsqueeze(-1)  # before position 0 there is no previous half: selected out
+        prev_kv = torch.where(started, prev_kv, 0)
+        prev_gate = torch.where(started, prev_gate, float("-inf"))
         win_kv = torch.cat([prev_kv, win_kv[..., dim:]], dim=1)
         win_gate = torch.cat([prev_gate, win_gate[..., dim:]], dim=1)
     pooled = (win_kv * win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)).sum(dim=1)
