@@ -177,6 +177,7 @@ def test_draft_passes_are_kept_across_requests_until_a_park(request):
     target = target_parts(engine.model)
     passes = drafts.passes("mtp", target, 64)
     assert drafts.passes("mtp", target, 64) is passes
+    passes.state.pos = 5  # as a request leaves it
     assert passes.reuse(64) is passes.state and passes.state.pos == 0
     with pytest.raises(ValueError, match="needs 65 positions"):
         passes.reuse(65)

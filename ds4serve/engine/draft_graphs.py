@@ -52,16 +52,22 @@ def draft_state(
     return SequenceState(layers=layers, max_context=max_context, window=cfg.sliding_window)
 
 
-def _reuse(state: SequenceState, max_context: int) -> SequenceState:
-    if max_context > state.max_context:
-        raise ValueError(
-            f"draft passes: a request needs {max_context} positions, the passes hold {state.max_context}"
-        )
-    state.reset()
-    return state
+class _DraftPasses:
+    """What both drafts' passes share: their draft state, handed to each request reset."""
+
+    state: SequenceState
+
+    def reuse(self, max_context: int) -> SequenceState:
+        """The draft state, reset for a new request of up to ``max_context`` positions."""
+        if max_context > self.state.max_context:
+            raise ValueError(
+                f"draft passes: a request needs {max_context} positions, the passes hold {self.state.max_context}"
+            )
+        self.state.reset()
+        return self.state
 
 
-class MTPGraphs:
+class MTPGraphs(_DraftPasses):
     """Captured passes of the MTP ``weights`` over their own draft state of ``max_context`` positions (its
     one sliding layer is key 0); the target's embedding, head and RoPE tables come from ``target``
     (:class:`~ds4serve.engine.drafts.TargetParts`). ``graph=False`` runs the same static passes uncaptured
@@ -94,10 +100,6 @@ class MTPGraphs:
             chunk = t.last.chunk_info(0, ids.shape[0], positions)
             G, delta = mtp_forward(self.w, hidden, ids, embedded, chunk, state.layers[0], t.cfg, t.last.ropes)
             return G, delta, mtp_logits(self.w, G[-1:], t.head, t.cfg)[0]
-
-    def reuse(self, max_context: int) -> SequenceState:
-        """The draft state, reset for a new request of up to ``max_context`` positions."""
-        return _reuse(self.state, max_context)
 
     def observe(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the committed rows (``hidden [S, hc, D]`` with ``next_ids``) at the draft state's position
@@ -152,7 +154,7 @@ class MTPGraphs:
         return G, logits
 
 
-class DSparkGraphs:
+class DSparkGraphs(_DraftPasses):
     """Captured passes of the DSpark ``weights`` over their own draft state of ``max_context`` positions
     (one context ring per stage), reading the target features of ``weights.spec.target_layer_ids``."""
 
@@ -175,10 +177,6 @@ class DSparkGraphs:
             self.w, self._ids, self._embedded, rings, cos, sin, t.cfg, ring_context(rings[0], self._pos)
         )
         return merged, base_logits(self.w, merged, t.head, t.cfg)
-
-    def reuse(self, max_context: int) -> SequenceState:
-        """The draft state, reset for a new request of up to ``max_context`` positions."""
-        return _reuse(self.state, max_context)
 
     def propose(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block pass after ``seed`` at the draft state's position: merged streams ``[B, D]`` and base

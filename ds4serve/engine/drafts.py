@@ -457,12 +457,11 @@ class DraftModels:
 
     def passes(self, kind: str, target: TargetParts, max_context: int) -> MTPGraphs | DSparkGraphs:
         """The static passes of draft ``kind`` for ``target`` (CUDA graphs on its head's device), made on the
-        first request and reused by every later one; made anew when the target was reloaded."""
-        held = self._passes.get(kind)
-        if held is None or held.target.last is not target.last:
+        first request and reused by every later one until a park of the draft or the target forgets them."""
+        if kind not in self._passes:
             make = MTPGraphs if kind == "mtp" else DSparkGraphs
-            held = self._passes[kind] = make(self.get(kind), target, max_context)
-        return held
+            self._passes[kind] = make(self.get(kind), target, max_context)
+        return self._passes[kind]
 
     def forget_passes(self) -> None:
         """Drop the static passes (their graphs hold the target's and drafts' tensors)."""
