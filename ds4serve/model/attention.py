@@ -114,15 +114,53 @@ def attention(
     cfg: ModelConfig,
     ropes: dict[str, Rope],
 ) -> tuple[torch.Tensor, LayerDelta]:
-    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit."""
-    S = x.shape[0]
+    """Attention output ``[S, D]`` for normalised input ``x`` and the rows this chunk would commit: the
+    token-wise :func:`input_products`, the state-reading :func:`attention_core`, the token-wise
+    :func:`output_projection`."""
+    xs, qs = input_products(w, x, cfg)
+    out, delta = attention_core(w, xs, qs, chunk, state, cfg, ropes)
+    return output_projection(w, out, cfg), delta
+
+
+Products = tuple[
+    torch.Tensor, ...
+]  # one projection product per storage group, unsplit (Projections.products)
+
+
+def input_products(w: AttentionWeights, x: torch.Tensor, cfg: ModelConfig) -> tuple[Products, Products]:
+    """The projections of normalised input ``x [S, D]`` and of its ``q_res``, as products per storage group
+    (``[S, n]`` each). Row ``s`` of them depends on ``x[s]`` alone: a batched step runs them over a tile of
+    rows and gives each row's attention its own rows."""
+    x_proj = _input_projections(w)
+    xs = x_proj.products(x)
+    q_res = rms_norm(x_proj.named(xs)["wq_a"], w.q_norm, cfg.rms_norm_eps)
+    return xs, _q_projections(w).products(q_res)
+
+
+def _input_projections(w: AttentionWeights) -> Projections:
+    return w.x_proj or Projections.separate(w.input_parts())
+
+
+def _q_projections(w: AttentionWeights) -> Projections:
+    return w.q_proj or Projections.separate(w.q_parts())
+
+
+def attention_core(
+    w: AttentionWeights,
+    xs: Products,
+    qs: Products,
+    chunk: ChunkInfo,
+    state: LayerState,
+    cfg: ModelConfig,
+    ropes: dict[str, Rope],
+) -> tuple[torch.Tensor, LayerDelta]:
+    """The attention of the chunk's tokens over ``state`` from their :func:`input_products` ``xs``, ``qs``:
+    the output before its projection ``[S, H, hd]`` (inverse RoPE applied) and the rows the chunk would
+    commit."""
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     table = "main" if w.layer_type == SLIDING else "compress"
     cos, sin = chunk.rope[table]
-
-    xp = (w.x_proj or Projections.separate(w.input_parts()))(x)
-    q_res = rms_norm(xp["wq_a"], w.q_norm, eps)
-    qp = (w.q_proj or Projections.separate(w.q_parts()))(q_res)
+    xp, qp = _input_projections(w).named(xs), _q_projections(w).named(qs)
     q, kv, window = _queries_and_keys(
         qp["wq_b"].unflatten(-1, (H, hd)), xp["wkv"], w.kv_norm, chunk, state, eps, cos, sin
     )
@@ -148,9 +186,14 @@ def attention(
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, xp, qp, chunk, state, cfg, ropes, visible)
 
-    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd**-0.5, cos, sin, window)
-    low = grouped_linear(out.reshape(S, cfg.o_groups, -1), w.wo_a, cfg.o_groups)
-    return linear(low, w.wo_b), delta
+    return _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd**-0.5, cos, sin, window), delta
+
+
+def output_projection(w: AttentionWeights, out: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The grouped low-rank output projection of :func:`attention_core`'s ``out [S, H, hd]``: ``[S, D]``,
+    row ``s`` from ``out[s]`` alone."""
+    low = grouped_linear(out.reshape(out.shape[0], cfg.o_groups, -1), w.wo_a, cfg.o_groups)
+    return linear(low, w.wo_b)
 
 
 Window = tuple[torch.Tensor, torch.Tensor]  # a static step's window keys and their mask

@@ -2,9 +2,11 @@
 
 :func:`decode_batch` runs the rows in tiles of exactly ``ROW_TILE``; the last tile is filled with padding rows
 (token 0, attention output zeros, results discarded). Every token-wise part (the embedding, the mHC sites, the
-MoE router and shared expert, the head) runs on the whole tile, whose shape never changes, so a row's bits
-do not depend on how many rows run, which ones, or where it sits. Attention runs row by row, each exactly a
-batch of one's (the row's own state, position and :class:`~ds4serve.model.attention.ChunkInfo`); the routed
+MoE router and shared expert, the attention's projections, the head) runs on the whole tile, whose shape
+never changes, so a row's bits do not depend on how many rows run, which ones, or where it sits. The
+attention's core (:func:`~ds4serve.model.attention.attention_core`, what reads the state) runs row by row,
+each exactly a batch of one's (the row's own state, position and
+:class:`~ds4serve.model.attention.ChunkInfo`); the routed
 experts run so that a row's shapes never depend on the other rows, and not at all for padding rows
 (:func:`~ds4serve.model.moe.moe` ``rows``).
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
@@ -29,7 +31,7 @@ from ..config import ModelConfig
 from ..kernels import regions
 from ..kernels.regions import region
 from ..state import ChunkDelta, LayerDelta, SequenceState
-from .attention import AttentionWeights, ChunkInfo, attention
+from .attention import AttentionWeights, ChunkInfo, attention_core, input_products, output_projection
 from .deepseek4 import BlockWeights, DeepSeekV4, PendingMerge, attention_site, block_end, ffn_site
 from .hyper import fused_sites
 from .moe import moe
@@ -161,7 +163,7 @@ def _tile_block(
     static = any(row is not None and row[1].static for row in rows)
     X, post, comb, x = (_static_site if static else attention_site)(b, X, pending, cfg)
     with profiler.phase("attention"):
-        a, deltas = _row_attention(b.attn, layer, x, rows, cfg, ropes)
+        a, deltas = _tile_attention(b.attn, layer, x, rows, cfg, ropes, static)
     real = sum(row is not None for row in rows)  # the padding rows come last
     X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer, real)
     return X, deltas, pending
@@ -190,28 +192,35 @@ def _ffn(
 
 _static_site = region(attention_site)
 _static_ffn = region(_ffn)
-_static_attention = region(attention)
+_static_products = region(input_products)
+_static_core = region(attention_core)
+_static_output = region(output_projection)
 
 
-def _row_attention(
+def _tile_attention(
     w: AttentionWeights,
     layer: int,
     x: torch.Tensor,
     rows: list[Row],
     cfg: ModelConfig,
     ropes: dict[str, Rope],
+    static: bool,
 ) -> tuple[torch.Tensor, list[LayerDelta | None]]:
-    """Each row's attention as a batch of one's, ``[ROW_TILE, D]``; a padding row's output is zeros."""
+    """The tile's attention ``[ROW_TILE, D]``: its projections over the whole tile (each weight read once a
+    tile), each row's core over its own state as a batch of one's; a padding row's core output is zeros."""
+    xs, qs = (_static_products if static else input_products)(w, x, cfg)
     outs, deltas = [], []
     for r, row in enumerate(rows):
         if row is None:
-            outs.append(x.new_zeros(1, cfg.hidden_size))
+            outs.append(x.new_zeros(1, cfg.num_heads, cfg.head_dim))
             deltas.append(None)
             continue
         state, chunk = row
-        # a fresh copy: the row's input never depends on where it sits in the tile (offset, alignment)
-        run = _static_attention if chunk.static else attention
-        a, delta = run(w, x[r : r + 1].clone(), chunk, state.layers[layer], cfg, ropes)
-        outs.append(a)
+        # fresh copies: a row's inputs never depend on where it sits in the tile (offset, alignment)
+        mine = [tuple(y[r : r + 1].clone() for y in ys) for ys in (xs, qs)]
+        out, delta = (_static_core if static else attention_core)(
+            w, *mine, chunk, state.layers[layer], cfg, ropes
+        )
+        outs.append(out)
         deltas.append(delta)
-    return torch.cat(outs), deltas
+    return (_static_output if static else output_projection)(w, torch.cat(outs), cfg), deltas

@@ -41,11 +41,17 @@ class Projections:
         return cls([_Group(w, (name,), (w.shape[0],)) for name, w in parts.items()])
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+        return self.named(self.products(x))
+
+    def products(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One product per group, unsplit: ``[..., sum of the group's sizes]``."""
         if len(self.groups) == 2:  # e.g. a layer's FP8 inputs and its bf16 compressors: maybe one launch
-            ys = linear_pair(x, self.groups[0].weight, self.groups[1].weight)
-        else:
-            ys = tuple(linear(x, g.weight) for g in self.groups)
+            return linear_pair(x, self.groups[0].weight, self.groups[1].weight)
+        return tuple(linear(x, g.weight) for g in self.groups)
+
+    def named(self, ys: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        """The products ``ys`` (of :meth:`products`, or rows of them) split into the parts, by name."""
+        out: dict[str, torch.Tensor] = {}
         for g, y in zip(self.groups, ys):
             out.update(zip(g.names, y.split(g.sizes, dim=-1) if len(g.names) > 1 else (y,)))
         return out
