@@ -160,11 +160,23 @@ def _poison(state) -> None:
             t.fill_(float("nan"))
 
 
-def test_requests_on_nan_filled_slots_and_states_equal_alone(tiny_dir, monkeypatch):
+ON_DEVICES = [
+    pytest.param({}, id="cpu"),
+    pytest.param(
+        {"device": "cuda", "dtype": "bfloat16", "max_batch": 16},
+        id="cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+
+
+@pytest.mark.parametrize("on", ON_DEVICES)
+def test_requests_on_nan_filled_slots_and_states_equal_alone(tiny_dir, monkeypatch, on):
     """Every freed decode slot and every released state is NaN-filled before reuse: the requests that then
     run on them give exactly their tokens and logprobs alone, all finite. A static step reads whole ring and
     entry buffers; the rows no query may see are selected out, never multiplied by a zero weight, so nothing
-    a sequence left behind (another's values, or a non-finite one) reaches the next."""
+    a sequence left behind (another's values, or a non-finite one) reaches the next. On the GPU the same runs
+    through the captured batched steps and the decode kernels, in bf16."""
     import math
 
     from ds4serve import SamplingParams
@@ -183,7 +195,7 @@ def test_requests_on_nan_filled_slots_and_states_equal_alone(tiny_dir, monkeypat
 
     monkeypatch.setattr(DecodeSlots, "leave", leave_and_poison)
     monkeypatch.setattr(StatePool, "release", release_and_poison)
-    engine = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT)
+    engine = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT, **on)
     # prompts shorter than a compression window decode into the first one (no overlap half before it)
     prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate((1, 2, 3, 18, 31, 44, 57, 70))]
     first = []
@@ -196,7 +208,7 @@ def test_requests_on_nan_filled_slots_and_states_equal_alone(tiny_dir, monkeypat
     second = [engine.stream(prompt, params) for prompt in prompts]
     while not all(h.done for h in second):
         engine.step()
-    alone = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT)
+    alone = Engine.from_pretrained(tiny_dir, max_context=MAX_CONTEXT, **on)
     for prompt, handle in zip(prompts, second):
         want = alone.generate(prompt, params)
         got = handle.result
