@@ -19,7 +19,8 @@ first two).
 once, one embedding row per sequence, in each layer the routed experts the step's rows chose (observed on an
 eager step over the same slots) and each sequence's KV state up to its position (its snapshot's size); over
 the same run's device copy bandwidth (bytes read plus written a second). ``tiled_bytes`` is what the batched
-step reads as written, each tile of ``ROW_TILE`` rows reading the weights again.
+step reads as written: each tile of ``ROW_TILE`` rows reads the token-wise weights again; the routed experts
+count once a step (every real row's pairs run in one launch, those sharing an expert reading it close together).
 
     PYTHONPATH=. python3 bench/serve_load.py --model proxy --variant bf16 --layers 43 \\
         --concurrency 1,4,16 --prompt-tokens 512 --time-limit 25 --drain 40 --out $OUT/load.json
@@ -51,7 +52,6 @@ from serve_gpu import served_url  # noqa: E402
 from ds4serve import Engine  # noqa: E402
 from ds4serve.cli import default_model_dir  # noqa: E402
 from ds4serve.model import batch as batch_module  # noqa: E402
-from ds4serve.model import moe as moe_module  # noqa: E402
 from ds4serve.model.batch import ROW_TILE  # noqa: E402
 from ds4serve.model.deepseek4 import DeepSeekV4, _tensors_of  # noqa: E402
 from ds4serve.server.chat_format import encode_messages  # noqa: E402
@@ -339,23 +339,23 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> float:
 
 @contextlib.contextmanager
 def routed_experts_seen() -> Iterator[dict[int, list[set[int]]]]:
-    """While active, each MoE call of a batched decode tile records the routed experts its real rows chose:
-    ``{id(MoEWeights): [one set per tile, in call order]}``. The router runs once more for the record (same
-    inputs, same choice); nothing a CUDA-graph replay does is seen, only eager steps."""
-    original = batch_module.moe
+    """While active, each expert call of a batched decode step records the routed experts each tile's real
+    rows chose: ``{id(MoEWeights): [one set per tile, in call order]}``. Nothing a CUDA-graph replay does is
+    seen, only eager steps."""
+    original = batch_module.batch_experts
     seen: dict[int, list[set[int]]] = {}
 
-    def observed(w, x, token_ids, top_k, scaling, limit, slot_terms=False, rows=None):  # noqa: ANN001
-        _, idx = moe_module.route(w, x, token_ids, top_k, scaling)
-        real = x.shape[0] if rows is None else rows
-        seen.setdefault(id(w), []).append(set(idx[:real].flatten().tolist()))
-        return original(w, x, token_ids, top_k, scaling, limit, slot_terms=slot_terms, rows=rows)
+    def observed(w, tiles, limit, real, slot_terms=False):  # noqa: ANN001
+        for t, (x, _, idx) in enumerate(tiles):
+            rows = min(x.shape[0], real - t * x.shape[0])
+            seen.setdefault(id(w), []).append(set(idx[:rows].flatten().tolist()))
+        return original(w, tiles, limit, real, slot_terms=slot_terms)
 
-    batch_module.moe = observed
+    batch_module.batch_experts = observed
     try:
         yield seen
     finally:
-        batch_module.moe = original
+        batch_module.batch_experts = original
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -388,11 +388,10 @@ def kv_bytes(state: SequenceState) -> int:
 
 @dataclasses.dataclass
 class ExpertCounts:
-    """Routed experts one decode step reads, by layer: ``distinct`` over the whole step, ``per_tile`` summed
-    over its tiles (each tile reads its own); ``source``: "observed" or "bound" (min(E, rows * top_k))."""
+    """Routed experts one decode step reads, by layer: ``distinct`` over the whole step; the step's ``tiles``;
+    ``source``: "observed" or "bound" (min(E, rows * top_k))."""
 
     distinct: dict[int, int]
-    per_tile: dict[int, int]
     tiles: int
     source: str
 
@@ -402,7 +401,6 @@ def observed_counts(model: DeepSeekV4, seen: dict[int, list[set[int]]]) -> Exper
     by_layer = {id(b.moe): i for i, b in model.blocks.items()}
     return ExpertCounts(
         distinct={by_layer[k]: len(set().union(*tiles)) for k, tiles in seen.items()},
-        per_tile={by_layer[k]: sum(len(t) for t in tiles) for k, tiles in seen.items()},
         tiles=max((len(t) for t in seen.values()), default=1),
         source="observed",
     )
@@ -414,7 +412,6 @@ def bound_counts(model: DeepSeekV4, batch: int) -> ExpertCounts:
     tile_rows = [min(ROW_TILE, batch - start) for start in range(0, batch, ROW_TILE)]
     return ExpertCounts(
         distinct={i: min(E, batch * k) for i in model.blocks},
-        per_tile={i: sum(min(E, r * k) for r in tile_rows) for i in model.blocks},
         tiles=len(tile_rows),
         source="bound",
     )
@@ -423,11 +420,12 @@ def bound_counts(model: DeepSeekV4, batch: int) -> ExpertCounts:
 def step_roofline(model: DeepSeekV4, counts: ExpertCounts, batch: int, kv: int, bandwidth: float) -> dict:
     """The bytes of one decode step of ``batch`` rows reading ``counts``' experts and ``kv`` KV bytes (the
     rows' together), and the tok/s reading them at ``bandwidth`` allows. ``bytes`` reads each weight once a
-    step; ``tiled_bytes`` as the batched step runs, once per tile."""
+    step; ``tiled_bytes`` as the batched step runs: the token-wise weights once per tile, the routed experts
+    once a step."""
     w = weight_bytes(model)
     rows = batch * w["embed_row"] + kv
     total = w["once"] + rows + sum(n * w["expert"][i] for i, n in counts.distinct.items())
-    tiled = counts.tiles * w["once"] + rows + sum(n * w["expert"][i] for i, n in counts.per_tile.items())
+    tiled = counts.tiles * w["once"] + rows + sum(n * w["expert"][i] for i, n in counts.distinct.items())
     return {
         "bytes": total,
         "tiled_bytes": tiled,

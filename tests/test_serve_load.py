@@ -118,16 +118,16 @@ def test_percentile_is_nearest_rank():
     assert serve_load.percentile([], 50) is None
 
 
-def test_roofline_counts_experts_once_a_step_and_once_a_tile(engine):
+def test_roofline_counts_experts_once_a_step_and_token_wise_weights_once_a_tile(engine):
     model = engine.require_model()
     layer, b = next(iter(model.blocks.items()))
     w = serve_load.weight_bytes(model)
     counts = serve_load.observed_counts(model, {id(b.moe): [{0, 1}, {1, 2}]})  # two tiles sharing expert 1
-    assert (counts.distinct, counts.per_tile, counts.tiles) == ({layer: 3}, {layer: 4}, 2)
+    assert (counts.distinct, counts.tiles) == ({layer: 3}, 2)
     roof = serve_load.step_roofline(model, counts, batch=10, kv=1000, bandwidth=1e9)
     base = w["once"] + 10 * w["embed_row"] + 1000
     assert roof["bytes"] == base + 3 * w["expert"][layer]
-    assert roof["tiled_bytes"] == base + w["once"] + 4 * w["expert"][layer]
+    assert roof["tiled_bytes"] == base + w["once"] + 3 * w["expert"][layer]
     assert roof["roofline_tok_s"] == pytest.approx(10 * 1e9 / roof["bytes"])
 
 
@@ -139,7 +139,6 @@ def test_bound_caps_experts_by_rows_and_by_the_expert_count(engine):
     many = serve_load.bound_counts(model, 20)  # tiles of 8, 8 and 4 rows
     assert many.tiles == 3
     assert set(many.distinct.values()) == {E}
-    assert set(many.per_tile.values()) == {2 * min(E, 8 * k) + min(E, 4 * k)}
 
 
 def test_a_failing_observation_falls_back_to_the_bound(engine, monkeypatch):

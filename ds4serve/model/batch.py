@@ -6,9 +6,9 @@ MoE router and shared expert, the attention's projections, the head) runs on the
 never changes, so a row's bits do not depend on how many rows run, which ones, or where it sits. The
 attention's core (:func:`~ds4serve.model.attention.attention_core`, what reads the state) runs row by row,
 each exactly a batch of one's (the row's own state, position and
-:class:`~ds4serve.model.attention.ChunkInfo`); the routed
-experts run so that a row's shapes never depend on the other rows, and not at all for padding rows
-(:func:`~ds4serve.model.moe.moe` ``rows``).
+:class:`~ds4serve.model.attention.ChunkInfo`). The step goes layer by
+layer over all its tiles, so that the routed and shared experts of every real row run in one launch
+(:func:`~ds4serve.model.moe.batch_experts`), each row's result its own; padding rows' experts are not run.
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
 nothing; the caller commits each row's :class:`~ds4serve.state.ChunkDelta`.
 
@@ -21,7 +21,7 @@ whole, masked), nothing reads a host position or synchronises, so the step can b
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -34,7 +34,7 @@ from ..state import ChunkDelta, LayerDelta, SequenceState
 from .attention import AttentionWeights, ChunkInfo, attention_core, input_products, output_projection
 from .deepseek4 import BlockWeights, DeepSeekV4, PendingMerge, attention_site, block_end, ffn_site
 from .hyper import fused_sites
-from .moe import moe
+from .moe import batch_experts, route
 from .rope import Rope
 
 ROW_TILE = 8  # rows per tile: every token-wise op of a batched step runs on exactly this many rows
@@ -73,7 +73,7 @@ def decode_batch(
     host = None if static else [int(t) for t in token_ids]
     ids = torch.as_tensor(token_ids if static else host, dtype=torch.long, device=model.device)
     _validate(model, n, states, hidden, positions)
-    logits, streams, deltas = [], [], []
+    tiles: list[_Tile] = []
     with regions.static_step() if static else nullcontext():
         for start in range(0, n, ROW_TILE):
             tile_states = states[start : start + ROW_TILE]
@@ -89,19 +89,39 @@ def decode_batch(
             else:
                 part = hidden[start : start + real].to(device=model.device, dtype=model.dtype)
                 X = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
-            X, layer_deltas = _tile_forward(model, X, tile_ids, rows)
-            if model.head is not None:
-                logits.append(model.logits(X)[:real])
-            streams.append(X[:real])
-            for r, s in enumerate(tile_states):
-                layers = {i: layer_deltas[i][r] for i in model.layers}
-                if static:
-                    deltas.append(ChunkDelta(start=0, tokens=[], layers=layers))
-                else:
-                    deltas.append(ChunkDelta(start=s.pos, tokens=[host[start + r]], layers=layers))
+            tiles.append(_Tile(X, tile_ids, rows, real))
+        for i in model.layers:
+            # as in DeepSeekV4.forward: the closing merge joins the next block's first site when that is one launch
+            defer = i != model.layers[-1] and fused_sites(tiles[0].X)
+            _batch_block(model.blocks[i], i, tiles, n, model.cfg, model.ropes, defer)
+        logits = [model.logits(t.X)[: t.real] for t in tiles] if model.head is not None else []
+    deltas = []
+    for t, start in zip(tiles, range(0, n, ROW_TILE)):
+        for r, (s, _) in enumerate(t.rows[: t.real]):
+            layers = {i: t.deltas[i][r] for i in model.layers}
+            if static:
+                deltas.append(ChunkDelta(start=0, tokens=[], layers=layers))
+            else:
+                deltas.append(ChunkDelta(start=s.pos, tokens=[host[start + r]], layers=layers))
     return BatchForward(
-        logits=torch.cat(logits) if logits else None, deltas=deltas, hidden=torch.cat(streams)
+        logits=torch.cat(logits) if logits else None,
+        deltas=deltas,
+        hidden=torch.cat([t.X[: t.real] for t in tiles]),
     )
+
+
+@dataclass
+class _Tile:
+    """``ROW_TILE`` rows of a step as they go through the layers: the streams, the rows' token ids, each
+    row's state and position (None: padding, after the ``real`` rows), the merge a block left to the next,
+    and per layer each row's delta."""
+
+    X: torch.Tensor  # [ROW_TILE, hc, D]
+    ids: torch.Tensor  # [ROW_TILE]
+    rows: list[Row]
+    real: int
+    pending: PendingMerge | None = None
+    deltas: dict[int, list[LayerDelta | None]] = field(default_factory=dict)
 
 
 def _validate(
@@ -132,66 +152,41 @@ def _validate(
             raise ValueError(f"hidden: expected shape {want}, got {tuple(hidden.shape)}")
 
 
-def _tile_forward(
-    model: DeepSeekV4, X: torch.Tensor, ids: torch.Tensor, rows: list[Row]
-) -> tuple[torch.Tensor, dict[int, list[LayerDelta | None]]]:
-    """Streams ``X [ROW_TILE, hc, D]`` through the layer range: ``(X, per layer each row's delta)``."""
-    deltas: dict[int, list[LayerDelta | None]] = {}
-    pending = None
-    for i in model.layers:
-        # as in DeepSeekV4.forward: the closing merge joins the next block's first site when that is one launch
-        defer = i != model.layers[-1] and fused_sites(X)
-        X, deltas[i], pending = _tile_block(
-            model.blocks[i], i, X, ids, rows, model.cfg, model.ropes, pending, defer
-        )
-    return X, deltas
-
-
-def _tile_block(
+def _batch_block(
     b: BlockWeights,
     layer: int,
-    X: torch.Tensor,
-    ids: torch.Tensor,
-    rows: list[Row],
+    tiles: list[_Tile],
+    real: int,
     cfg: ModelConfig,
     ropes: dict[str, Rope],
-    pending: PendingMerge | None,
     defer: bool,
-) -> tuple[torch.Tensor, list[LayerDelta | None], PendingMerge | None]:
-    """One decoder block over a tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`). In a
-    static step the tile's sites and each row's attention run as compiled regions, as a static block does."""
-    static = any(row is not None and row[1].static for row in rows)
-    X, post, comb, x = (_static_site if static else attention_site)(b, X, pending, cfg)
-    with profiler.phase("attention"):
-        a, deltas = _tile_attention(b.attn, layer, x, rows, cfg, ropes, static)
-    real = sum(row is not None for row in rows)  # the padding rows come last
-    X, pending = (_static_ffn if static else _ffn)(b, X, a, post, comb, ids, cfg, defer, real)
-    return X, deltas, pending
-
-
-def _ffn(
-    b: BlockWeights,
-    X: torch.Tensor,
-    a: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    ids: torch.Tensor,
-    cfg: ModelConfig,
-    defer: bool,
-    real: int,
-) -> tuple[torch.Tensor, PendingMerge | None]:
-    """The tile's second mHC site, its MoE (each row's result its own; the ``real`` rows' experts only) and
-    the block's end."""
-    X, post, comb, x = ffn_site(b, X, a, post, comb, cfg)
+) -> None:
+    """One decoder block over every tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`):
+    each tile's sites, attention and routing, then the routed and shared experts of all ``real`` rows in one
+    call (:func:`~ds4serve.model.moe.batch_experts`), then each tile's block end. In a static step the tiles'
+    sites and each row's attention core run as compiled regions, as a static block's do."""
+    static = any(row is not None and row[1].static for row in tiles[0].rows)
+    site, mix, end = (
+        (_static_site, _static_ffn_site, _static_end) if static else (attention_site, ffn_site, block_end)
+    )
+    ffn_inputs = []
+    for t in tiles:
+        X, post, comb, x = site(b, t.X, t.pending, cfg)
+        with profiler.phase("attention"):
+            a, t.deltas[layer] = _tile_attention(b.attn, layer, x, t.rows, cfg, ropes, static)
+        X, post, comb, x = mix(b, X, a, post, comb, cfg)
+        weights, idx = route(b.moe, x, t.ids, cfg.top_k, cfg.routed_scaling_factor)
+        ffn_inputs.append((X, post, comb, x, weights, idx))
     with profiler.phase("moe_ffn"):
-        m = moe(
-            b.moe, x, ids, cfg.top_k, cfg.routed_scaling_factor, cfg.swiglu_limit, slot_terms=defer, rows=real
-        )
-    return block_end(X, m, post, comb, defer)
+        # a deferred merge sums the MoE's slot terms itself: one launch less
+        ms = batch_experts(b.moe, [f[3:] for f in ffn_inputs], cfg.swiglu_limit, real, slot_terms=defer)
+    for t, (X, post, comb, *_), m in zip(tiles, ffn_inputs, ms):
+        t.X, t.pending = end(X, m, post, comb, defer)
 
 
 _static_site = region(attention_site)
-_static_ffn = region(_ffn)
+_static_ffn_site = region(ffn_site)
+_static_end = region(block_end)
 _static_products = region(input_products)
 _static_core = region(attention_core)
 _static_output = region(output_projection)
@@ -209,13 +204,9 @@ def _tile_attention(
     """The tile's attention ``[ROW_TILE, D]``: its projections over the whole tile (each weight read once a
     tile), each row's core over its own state as a batch of one's; a padding row's core output is zeros."""
     xs, qs = (_static_products if static else input_products)(w, x, cfg)
+    real = sum(row is not None for row in rows)  # the padding rows come last
     outs, deltas = [], []
-    for r, row in enumerate(rows):
-        if row is None:
-            outs.append(x.new_zeros(1, cfg.num_heads, cfg.head_dim))
-            deltas.append(None)
-            continue
-        state, chunk = row
+    for r, (state, chunk) in enumerate(rows[:real]):
         # fresh copies: a row's inputs never depend on where it sits in the tile (offset, alignment)
         mine = [tuple(y[r : r + 1].clone() for y in ys) for ys in (xs, qs)]
         out, delta = (_static_core if static else attention_core)(
@@ -223,4 +214,6 @@ def _tile_attention(
         )
         outs.append(out)
         deltas.append(delta)
+    outs.append(x.new_zeros(len(rows) - real, cfg.num_heads, cfg.head_dim))
+    deltas += [None] * (len(rows) - real)
     return (_static_output if static else output_projection)(w, torch.cat(outs), cfg), deltas

@@ -78,32 +78,49 @@ def moe(
     scaling: float,
     limit: float,
     slot_terms: bool = False,
-    rows: int | None = None,
 ) -> torch.Tensor:
     """Routed experts (only the selected ones are read) plus the shared expert. ``slot_terms``: where the
     fused decode kernels run, their fp32 terms ``[S, top_k + 1, D]`` unsummed (for a consumer that sums
-    them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum.
-
-    ``rows`` (a tile of a batched decode step whose first ``rows`` rows are real, the rest padding): each
-    row's result depends on that row alone, and the padding rows' routed experts are not run (their result
-    is zeros where the fused kernels run, the shared expert's elsewhere). The fused decode kernels, where they
-    take the tile, handle every (token, expert) pair on its own; elsewhere the routed experts then run row by
-    row (the grouped path's group sizes depend on every row's routing)."""
+    them in its own launch, :func:`ds4serve.model.hyper.sum_terms` being that sum); elsewhere the sum."""
     weights, idx = route(w, x, token_ids, top_k, scaling)
     if _fused_applies(x, idx):
-        if rows is None:
-            return _moe_fused(w, x, idx, weights, limit, not slot_terms)
-        out = _moe_fused(w, x[:rows], idx[:rows], weights[:rows], limit, not slot_terms)
-        return torch.cat([out, out.new_zeros(x.shape[0] - rows, *out.shape[1:])])
-    if rows is not None:
+        return _moe_fused(w, x, idx, weights, limit, not slot_terms)
+    return routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit) + _shared(w, x, limit)
+
+
+def _shared(w: MoEWeights, x: torch.Tensor, limit: float) -> torch.Tensor:
+    return swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
+
+
+Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a tile's (x [T, D], weights [T, k], ids [T, k])
+
+
+def batch_experts(
+    w: MoEWeights, tiles: list[Routed], limit: float, real: int, slot_terms: bool = False
+) -> list[torch.Tensor]:
+    """The experts of a batched step's routed tiles (:func:`route` of each), each tile's result as
+    :func:`moe` gives it; only the first ``real`` rows of the tiles' concatenation are run (the rest is padding,
+    zeros). A row's result depends on that row alone.
+
+    Where the fused kernels run, one launch over every real row's (token, expert) pairs, each pair its own
+    program. Elsewhere tile by tile: the routed experts row by row (the grouped path's group sizes depend on every
+    row's routing), the shared expert over the whole tile."""
+    size = tiles[0][0].shape[0]
+    if kernels.enabled(tiles[0][0]):
+        x, weights, idx = (torch.cat(part)[:real] for part in zip(*tiles))
+        out = _moe_fused(w, x, idx, weights, limit, not slot_terms)
+        out = torch.cat([out, out.new_zeros(size * len(tiles) - real, *out.shape[1:])])
+        return list(out.split(size))
+    outs = []
+    for t, (x, weights, idx) in enumerate(tiles):
+        rows = min(size, real - t * size)
         parts = [
             routed_experts(x[r : r + 1], idx[r : r + 1], weights[r : r + 1], w.w1, w.w3, w.w2, limit)
             for r in range(rows)
         ]
-        out = torch.cat(parts + [x.new_zeros(x.shape[0] - rows, x.shape[1])])
-    else:
-        out = routed_experts(x, idx, weights, w.w1, w.w3, w.w2, limit)
-    return out + swiglu(x, w.shared_w1, w.shared_w3, w.shared_w2, limit)
+        routed = torch.cat(parts + [x.new_zeros(size - rows, x.shape[1])])
+        outs.append(routed + _shared(w, x, limit))
+    return outs
 
 
 def _fused_applies(x: torch.Tensor, idx: torch.Tensor) -> bool:
