@@ -6,7 +6,8 @@ MoE router and shared expert, the attention's projections, the head) runs on the
 never changes, so a row's bits do not depend on how many rows run, which ones, or where it sits. The
 attention's core (:func:`~ds4serve.model.attention.attention_core`, what reads the state) runs row by row,
 each exactly a batch of one's (the row's own state, position and
-:class:`~ds4serve.model.attention.ChunkInfo`). The step goes layer by
+:class:`~ds4serve.model.attention.ChunkInfo`); on a GPU each row of a tile runs it on a stream of its own,
+so that the rows' small kernels overlap (what each kernel computes is unchanged). The step goes layer by
 layer over all its tiles, so that the routed and shared experts of every real row run in one launch
 (:func:`~ds4serve.model.moe.batch_experts`), each row's result its own; padding rows' experts are not run.
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
@@ -20,7 +21,8 @@ whole, masked), nothing reads a host position or synchronises, so the step can b
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import functools
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -206,14 +208,39 @@ def _tile_attention(
     xs, qs = (_static_products if static else input_products)(w, x, cfg)
     real = sum(row is not None for row in rows)  # the padding rows come last
     outs, deltas = [], []
-    for r, (state, chunk) in enumerate(rows[:real]):
-        # fresh copies: a row's inputs never depend on where it sits in the tile (offset, alignment)
-        mine = [tuple(y[r : r + 1].clone() for y in ys) for ys in (xs, qs)]
-        out, delta = (_static_core if static else attention_core)(
-            w, *mine, chunk, state.layers[layer], cfg, ropes
-        )
+    for r, (state, chunk), stream in zip(range(real), rows, _fork(x, real)):
+        with stream:
+            # fresh copies: a row's inputs never depend on where it sits in the tile (offset, alignment)
+            mine = [tuple(y[r : r + 1].clone() for y in ys) for ys in (xs, qs)]
+            out, delta = (_static_core if static else attention_core)(
+                w, *mine, chunk, state.layers[layer], cfg, ropes
+            )
         outs.append(out)
         deltas.append(delta)
+    _join(x, real)
     outs.append(x.new_zeros(len(rows) - real, cfg.num_heads, cfg.head_dim))
     deltas += [None] * (len(rows) - real)
     return (_static_output if static else output_projection)(w, torch.cat(outs), cfg), deltas
+
+
+@functools.cache
+def _row_streams(device: torch.device) -> list[torch.cuda.Stream]:
+    return [torch.cuda.Stream(device) for _ in range(ROW_TILE)]
+
+
+def _fork(x: torch.Tensor, rows: int) -> list[AbstractContextManager]:
+    """A context per row of a tile: on a GPU the row's own stream, which first waits for what the current
+    stream has queued (the tile's products); elsewhere nothing. :func:`_join` ends the fork."""
+    if not x.is_cuda:
+        return [nullcontext()] * rows
+    streams = _row_streams(x.device)[:rows]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream(x.device))
+    return [torch.cuda.stream(s) for s in streams]
+
+
+def _join(x: torch.Tensor, rows: int) -> None:
+    """The current stream waits for the rows' streams of :func:`_fork`: what follows sees their results."""
+    if x.is_cuda:
+        for s in _row_streams(x.device)[:rows]:
+            torch.cuda.current_stream(x.device).wait_stream(s)
