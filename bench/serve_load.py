@@ -502,10 +502,14 @@ def load_engine(args: argparse.Namespace) -> Engine:
     if args.model == "proxy":
         model = build_proxy(args.variant, layers=args.layers, experts=args.experts, device=args.device)
         tokenizer = Tokenizer()
-        return Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
+        return Engine(model, tokenizer, max_context=args.max_context, **_limits(args))
     return Engine.from_pretrained(
-        default_model_dir(), device=args.device, max_context=args.max_context, max_batch=args.max_batch
+        default_model_dir(), device=args.device, max_context=args.max_context, **_limits(args)
     )
+
+
+def _limits(args: argparse.Namespace) -> dict:
+    return {"max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens}
 
 
 def run(engine: Engine, args: argparse.Namespace, out: dict, save) -> dict:  # noqa: ANN001
@@ -587,6 +591,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens a step forwards (the engine's default)",
+    )
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
     p.add_argument("--prompt-tokens", type=_ints, default=[512])

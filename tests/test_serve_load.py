@@ -16,6 +16,7 @@ import serve_load  # noqa: E402
 
 OUTPUT = 4
 PROMPT = 32
+PREFILL_BUDGET = 64  # prompt tokens a step: --max-prefill-tokens reaches the engine
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,7 @@ def args(tmp_path_factory):
             "--out", str(out), "--model", "tiny", "--device", "cpu", "--max-context", "256",
             "--concurrency", "1,2", "--prompt-tokens", str(PROMPT), "--output-tokens", str(OUTPUT),
             "--requests-per-client", "1", "--steps", "3", "--copy-mib", "8", "--time-limit", "300",
+            "--max-prefill-tokens", str(PREFILL_BUDGET),
         ]
     )  # fmt: skip
 
@@ -73,6 +75,10 @@ def test_served_levels_account_for_every_request(report):
         assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
         assert r["aggregate_tok_s"] > 0 and r["engine_tok_s"] > 0 and r["roofline_tok_s"] > 0
         assert r["idle_after"]
+
+
+def test_the_prefill_budget_reaches_the_engine(engine):
+    assert engine._loop.max_prefill_tokens == PREFILL_BUDGET
 
 
 def test_report_is_saved_as_json(report, args):
