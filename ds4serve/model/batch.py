@@ -95,7 +95,7 @@ def decode_batch(
         for i in model.layers:
             # as in DeepSeekV4.forward: the closing merge joins the next block's first site when that is one launch
             defer = i != model.layers[-1] and fused_sites(tiles[0].X)
-            _batch_block(model.blocks[i], i, tiles, n, model.cfg, model.ropes, defer)
+            _batch_block(model.blocks[i], i, tiles, model.cfg, model.ropes, defer)
         logits = [model.logits(t.X)[: t.real] for t in tiles] if model.head is not None else []
     deltas = []
     for t, start in zip(tiles, range(0, n, ROW_TILE)):
@@ -114,7 +114,7 @@ def decode_batch(
 
 @dataclass
 class _Tile:
-    """``ROW_TILE`` rows of a step as they go through the layers: the streams, the rows' token ids, each
+    """``ROW_TILE`` rows of a step as they go through the layers: the mHC streams, the rows' token ids, each
     row's state and position (None: padding, after the ``real`` rows), the merge a block left to the next,
     and per layer each row's delta."""
 
@@ -158,13 +158,12 @@ def _batch_block(
     b: BlockWeights,
     layer: int,
     tiles: list[_Tile],
-    real: int,
     cfg: ModelConfig,
     ropes: dict[str, Rope],
     defer: bool,
 ) -> None:
     """One decoder block over every tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`):
-    each tile's sites, attention and routing, then the routed and shared experts of all ``real`` rows in one
+    each tile's sites, attention and routing, then the routed and shared experts of all real rows in one
     call (:func:`~ds4serve.model.moe.batch_experts`), then each tile's block end. In a static step the tiles'
     sites and each row's attention core run as compiled regions, as a static block's do."""
     static = any(row is not None and row[1].static for row in tiles[0].rows)
@@ -175,12 +174,13 @@ def _batch_block(
     for t in tiles:
         X, post, comb, x = site(b, t.X, t.pending, cfg)
         with profiler.phase("attention"):
-            a, t.deltas[layer] = _tile_attention(b.attn, layer, x, t.rows, cfg, ropes, static)
+            a, t.deltas[layer] = _tile_attention(b.attn, layer, x, t.rows, t.real, cfg, ropes, static)
         X, post, comb, x = mix(b, X, a, post, comb, cfg)
         weights, idx = route(b.moe, x, t.ids, cfg.top_k, cfg.routed_scaling_factor)
         ffn_inputs.append((X, post, comb, x, weights, idx))
     with profiler.phase("moe_ffn"):
         # a deferred merge sums the MoE's slot terms itself: one launch less
+        real = sum(t.real for t in tiles)
         ms = batch_experts(b.moe, [f[3:] for f in ffn_inputs], cfg.swiglu_limit, real, slot_terms=defer)
     for t, (X, post, comb, *_), m in zip(tiles, ffn_inputs, ms):
         t.X, t.pending = end(X, m, post, comb, defer)
@@ -199,14 +199,15 @@ def _tile_attention(
     layer: int,
     x: torch.Tensor,
     rows: list[Row],
+    real: int,
     cfg: ModelConfig,
     ropes: dict[str, Rope],
     static: bool,
 ) -> tuple[torch.Tensor, list[LayerDelta | None]]:
     """The tile's attention ``[ROW_TILE, D]``: its projections over the whole tile (each weight read once a
-    tile), each row's core over its own state as a batch of one's; a padding row's core output is zeros."""
+    tile), each row's core over its own state as a batch of one's; the padding rows (after the ``real`` ones)
+    have core outputs of zeros."""
     xs, qs = (_static_products if static else input_products)(w, x, cfg)
-    real = sum(row is not None for row in rows)  # the padding rows come last
     outs, deltas = [], []
     for r, (state, chunk), stream in zip(range(real), rows, _fork(x, real)):
         with stream:

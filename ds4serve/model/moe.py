@@ -99,8 +99,9 @@ def batch_experts(
     w: MoEWeights, tiles: list[Routed], limit: float, real: int, slot_terms: bool = False
 ) -> list[torch.Tensor]:
     """The experts of a batched step's routed tiles (:func:`route` of each), each tile's result as
-    :func:`moe` gives it; only the first ``real`` rows of the tiles' concatenation are run (the rest is padding,
-    zeros). A row's result depends on that row alone.
+    :func:`moe` gives it. Only the first ``real`` rows of the tiles' concatenation are real; the padding rows'
+    routed experts are not run (their result is zeros where the fused kernels run, the shared expert's
+    elsewhere). A row's result depends on that row alone.
 
     Where the fused kernels run, one launch over every real row's (token, expert) pairs, each pair its own
     program. Elsewhere tile by tile: the routed experts row by row (the grouped path's group sizes depend on every
