@@ -32,7 +32,7 @@ import triton.language as tl
 from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
 from .reference import swiglu_gate
-from .tl_common import X_SCALE, e2m1, group_scale, round_bf16
+from .tl_common import FP4, FP8, X_SCALE, e2m1, group_scale, round_bf16
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def _tile(ends_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(
+def dequant_tile(
     w_ptr,
     s_ptr,
     rows,
@@ -111,19 +111,20 @@ def _weight_tile(
     S_COLS,
     B0: tl.constexpr,
     B1: tl.constexpr,
-    FP4: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """``[BLOCK_N, BLOCK_K]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``),
-    dequantised to ``DTYPE``. FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
+    """``[BLOCK_N, BLOCK_K]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``) in
+    format ``QUANT`` (:mod:`.tl_common`'s DENSE, FP8 or FP4), dequantised to ``DTYPE``. Dense: read and cast.
+    FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
     so that each group of 32 inputs meets its exponent by broadcasting, and the low / high nibbles are
     interleaved back into input order by a join; a code is decoded by an integer multiply
     (:func:`ds4serve.kernels.tl_common.e2m1`, exact for group exponents up to 192) and scaled by two exact
     powers of two."""
-    if FP4:
+    if QUANT == 2:  # FP4
         g = tl.arange(0, BLOCK_K // 32)
         j = tl.arange(0, 16)
         offsets = rows[:, None, None] * (K // 2) + k0 // 2 + g[None, :, None] * 16 + j[None, None, :]
@@ -134,12 +135,15 @@ def _weight_tile(
         lo, hi = e2m1(codes)  # the value times 2^-126; group_scale: 2^(e - 127 + 62)
         factor = group_scale(exponents)[:, :, None]
         w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
-    else:
+    elif QUANT == 1:  # FP8
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         s = tl.load(s_ptr + s_rows * S_COLS + k0 // B1, mask=n_ok, other=1.0)
         # the GPU's cast rounds to nearest even, as torch's; the interpreter's truncates (exact products alike)
         w = x * s[:, None]
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0)
     return w.to(DTYPE)
 
 
@@ -153,7 +157,7 @@ def _dot(a, w, acc, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _product(a, w, acc, SWAP: tl.constexpr, WIDEN: tl.constexpr):
+def tile_product(a, w, acc, SWAP: tl.constexpr, WIDEN: tl.constexpr):
     """``acc + a @ w.T`` for activations ``a`` and a weight tile ``w [BLOCK_N, BLOCK_K]``, or with ``SWAP``
     (``a`` loaded transposed) the transposed products ``acc + w @ a``."""
     if SWAP:
@@ -164,7 +168,7 @@ def _product(a, w, acc, SWAP: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _swiglu(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
+def gated_rounded(g, u, limit, CLAMP: tl.constexpr, BF16: tl.constexpr):
     """:func:`ds4serve.kernels.reference.swiglu_gate` of the fp32 products, rounded where the torch code
     rounds (each product, then silu); the caller rounds the result. Clamping before rounding gives the
     same values (rounding is monotone)."""
@@ -192,7 +196,7 @@ def _grouped_kernel(
     limit,
     B0: tl.constexpr,
     B1: tl.constexpr,
-    FP4: tl.constexpr,
+    QUANT: tl.constexpr,
     GATE_UP: tl.constexpr,
     CLAMP: tl.constexpr,
     BF16: tl.constexpr,
@@ -232,17 +236,17 @@ def _grouped_kernel(
         acc_v = tl.zeros(ACC_SHAPE, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
-        w = _weight_tile(
-            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BLOCK_N, BLOCK_K, DTYPE
+        w = dequant_tile(
+            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, QUANT, BLOCK_N, BLOCK_K, DTYPE
         )
-        acc = _product(a, w, acc, SWAP, WIDEN)
+        acc = tile_product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
-            v = _weight_tile(
-                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, FP4, BLOCK_N, BLOCK_K, DTYPE
+            v = dequant_tile(
+                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, QUANT, BLOCK_N, BLOCK_K, DTYPE
             )
-            acc_v = _product(a, v, acc_v, SWAP, WIDEN)
+            acc_v = tile_product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:
-        acc = _swiglu(acc, acc_v, limit, CLAMP, BF16)
+        acc = gated_rounded(acc, acc_v, limit, CLAMP, BF16)
     if SWAP:
         out = out_ptr + r.to(tl.int64)[None, :] * N + n[:, None]
         out_ok = r_ok[None, :] & n_ok[:, None]
@@ -378,7 +382,7 @@ def _launch(
         limit,
         B0=b0,
         B1=b1,
-        FP4=isinstance(w, FP4Weight),
+        QUANT=FP4 if isinstance(w, FP4Weight) else FP8,
         GATE_UP=w3 is not None,
         CLAMP=limit > 0,
         BF16=a.dtype == torch.bfloat16,

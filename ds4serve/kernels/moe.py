@@ -366,7 +366,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     token = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -560,9 +560,7 @@ def moe_fused(
     if not summed:
         return part
     out = torch.empty_like(x)
-    _sum_slots_kernel[(triton.cdiv(D, 1024), N)](
-        part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x)
-    )
+    sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
     return out
 
 

@@ -100,16 +100,20 @@ def batch_experts(
 ) -> list[torch.Tensor]:
     """The experts of a batched step's routed tiles (:func:`route` of each), each tile's result as
     :func:`moe` gives it. Only the first ``real`` rows of the tiles' concatenation are real; the padding rows'
-    routed experts are not run (their result is zeros where the fused kernels run, the shared expert's
-    elsewhere). A row's result depends on that row alone.
+    experts are not run (their result is zeros on the kernels' devices, the shared expert's elsewhere). A row's
+    result depends on that row alone.
 
-    Where the fused kernels run, one launch over every real row's (token, expert) pairs, each pair its own
-    program. Elsewhere tile by tile: the routed experts row by row (the grouped path's group sizes depend on every
-    row's routing), the shared expert over the whole tile."""
+    On the kernels' devices, the routed and shared experts of every real row in two launches, each expert's
+    weights read once for all the rows that chose it (:mod:`ds4serve.kernels.expert_tiles`). Elsewhere tile by
+    tile: the routed experts row by row (the grouped path's group sizes depend on every row's routing), the
+    shared expert over the whole tile."""
     size = tiles[0][0].shape[0]
     if kernels.enabled(tiles[0][0]):
+        from ..kernels.expert_tiles import expert_tiles
+
         x, weights, idx = (torch.cat(part)[:real] for part in zip(*tiles))
-        out = _moe_fused(w, x, idx, weights, limit, not slot_terms)
+        experts, shared = (w.w1, w.w3, w.w2), (w.shared_w1, w.shared_w3, w.shared_w2)
+        out = expert_tiles(x, idx, weights, experts, shared, limit, summed=not slot_terms)
         out = torch.cat([out, out.new_zeros(size * len(tiles) - real, *out.shape[1:])])
         return list(out.split(size))
     outs = []
