@@ -129,7 +129,8 @@ def batch_experts(
 
 
 def _fused_applies(x: torch.Tensor, idx: torch.Tensor) -> bool:
-    """The fused decode kernels take up to ``kernels.moe.MAX_PAIRS`` (token, expert) pairs."""
+    """The fused decode kernels run a call of up to ``kernels.moe.MAX_PAIRS`` (token, expert) pairs: one-sequence
+    decode and every verify block (the bound is that choice, not a limit of the kernels)."""
     if not kernels.enabled(x):
         return False
     from ..kernels.moe import MAX_PAIRS
