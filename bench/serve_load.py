@@ -602,7 +602,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_ints, default=[512])
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    p.add_argument(
+        "--modes",
+        type=lambda s: [m for m in s.split(",") if m],
+        default=list(MODES),
+        help='served modes, comma-separated ("": the engine steps alone)',
+    )
     p.add_argument("--time-limit", type=float, default=25.0, help="seconds a level issues requests")
     p.add_argument("--drain", type=float, default=40.0, help="seconds after the limit before cancelling")
     p.add_argument("--steps", type=int, default=16, help="timed engine decode steps per batch")

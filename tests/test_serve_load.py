@@ -4,6 +4,7 @@ timing."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -79,6 +80,17 @@ def test_served_levels_account_for_every_request(report):
 
 def test_the_prefill_budget_reaches_the_engine(engine):
     assert engine._loop.max_prefill_tokens == PREFILL_BUDGET
+
+
+def test_no_modes_runs_the_engine_steps_alone(engine, args):
+    """``--modes ""``: the engine steps of every batch, no served level."""
+    alone = serve_load.parser().parse_args(["--out", str(args.out), "--modes", "", "--concurrency", "2"])
+    assert alone.modes == []
+    out: dict = {}
+    serve_load.run(
+        engine, argparse.Namespace(**{**vars(args), "modes": [], "concurrency": [2]}), out, lambda: None
+    )
+    assert [s["batch"] for s in out["engine_steps"]] == [2] and out["served"] == []
 
 
 def test_report_is_saved_as_json(report, args):
