@@ -8,7 +8,7 @@ clamped SwiGLU) and down, over a grid fixed by the shapes (CUDA-graph safe, no s
 
 Program ``g < E * T`` (``T = cdiv(R, BLOCK_M)``) serves routed expert ``g // T`` and its row tiles
 ``g % T, g % T + T, ...``: it reads the routing, ranks the pairs that chose its expert in row-major order and
-takes ranks ``t * BLOCK_M ..``; programs whose expert has no such pairs return at once. The programs after
+takes ranks ``t * BLOCK_M ..``; a program whose expert has no such pairs runs no tile. The programs after
 them take the shared expert, ``BLOCK_M`` tokens each. A product is ``weight tile @ rows^T`` on the tensor
 cores with one tile shape per weight format (:data:`TILES`, never by batch size): every element of it is
 summed over the inputs in the same order whatever the other rows of the tile hold, so a pair's result
@@ -167,8 +167,8 @@ class _Operand:
             return cls(w.data.contiguous().view(torch.uint8), w.scale.contiguous(), FP4, (1, 32), "fp4")
         if w.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"expert tiles: dense experts must be bf16 or fp32, not {w.dtype}")
-        fmt = "bf16" if w.dtype == torch.bfloat16 else "fp32"
-        return cls(w.contiguous(), w.contiguous(), DENSE, (1, 1), fmt)
+        data = w.contiguous()
+        return cls(data, data, DENSE, (1, 1), "bf16" if w.dtype == torch.bfloat16 else "fp32")
 
     def same_format(self, other: "_Operand") -> bool:
         return (self.quant, self.data.dtype, self.block) == (other.quant, other.data.dtype, other.block)
