@@ -1,18 +1,22 @@
-"""Tile sweep of the batched step's expert tiles (:mod:`ds4serve.kernels.expert_tiles`) at the proxy's shapes
-(GPU only), beside the per-pair fused MoE (:mod:`ds4serve.kernels.moe`) the one-sequence step runs.
+"""Tile sweep of the batched step's expert tiles (:mod:`ds4serve.kernels.expert_tiles`) at DeepSeek-V4-Flash's
+expert shapes (GPU only), beside the per-pair fused MoE (:mod:`ds4serve.kernels.moe`) the one-sequence step runs.
 
-One layer call = R tokens, each through 6 routed experts of 32 plus the shared expert (D=4096, inter=2048, bf16).
-Calls alternate between two copies of the layer's experts (each 1.6 GB, far past the L2) with fresh routing;
+One layer call = R tokens, each through 6 routed experts of ``--experts`` plus the shared expert (D=4096,
+inter=2048), in ``--format`` bf16, fp8 (128x128 blocks) or fp4 (MXFP4 routed experts, FP8 shared expert: the
+proxy's fp8+fp4). Calls alternate between two copies of the layer's experts (far past the L2) with fresh routing;
 a batch of calls is replayed as one CUDA graph and timed with CUDA events. A candidate is one tile for both
-launches. Prints ms a call per (tile, R) and the best tile (tiles past the shared memory are skipped); ``--out`` writes them as JSON.
+launches of the format; ``--spreads`` also times programs a routed expert gets (:func:`programs_per_expert`:
+``pairs``, the shipped rule; ``rows``, one a tile of R; a number). Prints ms a call per (tile, spread, R) and the
+best; tiles past the shared memory are skipped; ``--out`` writes them as JSON.
 
-    PYTHONPATH=. python3 bench/sweep_expert_tiles.py --rows 1,16,64 --out $OUT/sweep_expert_tiles.json
+    PYTHONPATH=. python3 bench/sweep_expert_tiles.py --format fp4 --experts 256 --rows 1,64,128 --out $OUT/s.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -21,8 +25,11 @@ from triton.runtime.errors import OutOfResources
 from ds4serve.kernels import expert_tiles as et
 from ds4serve.kernels.expert_tiles import ExpertTile, expert_tiles
 from ds4serve.kernels.moe import ExpertStack, moe_fused
+from ds4serve.quant import FP4Weight, FP8Weight, Weight
 
-E, K, D, INTER, LIMIT = 32, 6, 4096, 2048, 10.0
+K, D, INTER, LIMIT = 6, 4096, 2048, 10.0
+FP8_BLOCK = (128, 128)
+SHIPPED_SPREAD = et.programs_per_expert
 CALLS = 20
 CANDIDATES = [
     ExpertTile(cols, inputs, warps, stages)
@@ -32,14 +39,36 @@ CANDIDATES = [
 ]
 
 
-def _layers(copies: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    def mats(*lead: int) -> list[torch.Tensor]:
-        return [
-            torch.randn(*lead, o, i, device="cuda", dtype=torch.bfloat16) / i**0.5
-            for o, i in ((INTER, D), (INTER, D), (D, INTER))
-        ]
+def _matrix(fmt: str, *shape: int) -> Weight:
+    """A random ``[..., out, in]`` expert matrix in ``fmt`` (scales of about 1 / sqrt(in))."""
+    *lead, rows, cols = shape
+    if fmt == "fp4":
+        data = torch.randint(-128, 128, (*lead, rows, cols // 2), device="cuda", dtype=torch.int8)
+        exp = 127 + round(math.log2(1 / (2.9 * math.sqrt(cols))))
+        return FP4Weight(data, torch.full((*lead, rows, cols // 32), exp, dtype=torch.uint8, device="cuda"))
+    dense = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    if fmt == "bf16":
+        return dense / cols**0.5
+    blocks = (*lead, -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+    scale = torch.full(blocks, 2.0 ** round(math.log2(1 / (16 * math.sqrt(cols)))), device="cuda")
+    return FP8Weight(dense.mul_(16).to(torch.float8_e4m3fn), scale, FP8_BLOCK)
 
-    return [(mats(E), mats()) for _ in range(copies)]
+
+def _layers(fmt: str, experts: int, copies: int) -> list[tuple[list[Weight], list[Weight]]]:
+    shared_fmt = "fp8" if fmt == "fp4" else fmt
+
+    def mats(f: str, *lead: int) -> list[Weight]:
+        return [_matrix(f, *lead, o, i) for o, i in ((INTER, D), (INTER, D), (D, INTER))]
+
+    return [(mats(fmt, experts), mats(shared_fmt)) for _ in range(copies)]
+
+
+def _stack(w: Weight) -> ExpertStack:
+    if isinstance(w, FP8Weight):
+        return ExpertStack(w.data, w.scale, w.block)
+    if isinstance(w, FP4Weight):
+        return ExpertStack(w.data, w.scale)
+    return ExpertStack(w)
 
 
 def _time(call, calls: int) -> float:
@@ -61,12 +90,12 @@ def _time(call, calls: int) -> float:
     return best
 
 
-def _calls(rows: int, layers, kernel: str):
+def _calls(rows: int, experts: int, layers, kernel: str):
     gen = torch.Generator(device="cuda").manual_seed(rows)
     inputs = []
     for c in range(CALLS):
         x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K] for _ in range(rows)])
+        idx = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:K] for _ in range(rows)])
         weights = torch.rand(rows, K, device="cuda", generator=gen).to(torch.bfloat16)
         inputs.append((x, idx, weights, layers[c % len(layers)]))
     state = {"i": 0}
@@ -77,37 +106,54 @@ def _calls(rows: int, layers, kernel: str):
         if kernel == "tiles":
             expert_tiles(x, idx, weights, tuple(routed), tuple(shared), LIMIT, summed=False)
         else:
-            stacks = [ExpertStack(m) for m in routed]
-            moe_fused(
-                x, idx, weights, *stacks, LIMIT, shared=tuple(ExpertStack(m) for m in shared), summed=False
-            )
+            stacks = [_stack(m) for m in routed]
+            moe_fused(x, idx, weights, *stacks, LIMIT, shared=tuple(_stack(m) for m in shared), summed=False)
 
     return call
 
 
+def _spread(name: str):
+    if name == "pairs":
+        return SHIPPED_SPREAD
+    if name == "rows":
+        return lambda R, k, E: -(-R // et.BLOCK_M)
+    return lambda R, k, E: int(name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", default="bf16", choices=("bf16", "fp8", "fp4"))
+    ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--spreads", default="pairs")
+    ap.add_argument(
+        "--tiles", help="only these tiles, as cols x inputs x warps x stages: 128x128x4x3,64x64x4x3"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    layers = _layers(2)
+    layers = _layers(args.format, args.experts, 2)
     rows = [int(r) for r in args.rows.split(",")]
-    results = {"per_pair": {}, "tiles": []}
+    results = {"format": args.format, "experts": args.experts, "per_pair": {}, "tiles": []}
     for r in rows:
-        results["per_pair"][r] = _time(_calls(r, layers, "pairs"), CALLS)
+        results["per_pair"][r] = _time(_calls(r, args.experts, layers, "pairs"), CALLS)
         print(f"per-pair fused R={r}: {results['per_pair'][r]:.3f} ms", flush=True)
-    for tile in CANDIDATES:
-        et.TILES["bf16"] = (tile, tile)
-        try:
-            ms = {r: _time(_calls(r, layers, "tiles"), CALLS) for r in rows}
-        except OutOfResources as exc:
-            print(tile, f"skipped: {exc}", flush=True)
-            continue
-        results["tiles"].append({"tile": tile.__dict__, "ms": ms})
-        print(tile, " ".join(f"R={r}: {v:.3f}" for r, v in ms.items()), flush=True)
+    candidates = CANDIDATES
+    if args.tiles:
+        candidates = [ExpertTile(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
+    for spread in args.spreads.split(","):
+        et.programs_per_expert = _spread(spread)
+        for tile in candidates:
+            et.TILES[args.format] = (tile, tile)
+            try:
+                ms = {r: _time(_calls(r, args.experts, layers, "tiles"), CALLS) for r in rows}
+            except OutOfResources as exc:
+                print(tile, f"skipped: {exc}", flush=True)
+                continue
+            results["tiles"].append({"tile": tile.__dict__, "spread": spread, "ms": ms})
+            print(tile, spread, " ".join(f"R={r}: {v:.3f}" for r, v in ms.items()), flush=True)
     for r in rows:
         best = min(results["tiles"], key=lambda t: t["ms"][r])
-        print(f"best at R={r}: {best['tile']} {best['ms'][r]:.3f} ms", flush=True)
+        print(f"best at R={r}: {best['tile']} {best['spread']} {best['ms'][r]:.3f} ms", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

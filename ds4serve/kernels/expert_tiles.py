@@ -6,7 +6,7 @@ one expert and a tile of ``BLOCK_M`` of the (token, slot) pairs routed to it, so
 read once for all the rows that chose it (:mod:`.moe` reads them once a pair): two launches, gate-up (with the
 clamped SwiGLU) and down, over a grid fixed by the shapes (CUDA-graph safe, no sort, no host read).
 
-Program ``g < E * T`` (``T = cdiv(R, BLOCK_M)``) serves routed expert ``g // T`` and its row tiles
+Program ``g < E * T`` (``T``: :func:`programs_per_expert`) serves routed expert ``g // T`` and its row tiles
 ``g % T, g % T + T, ...``: it reads the routing, ranks the pairs that chose its expert in row-major order and
 takes ranks ``t * BLOCK_M ..``; a program whose expert has no such pairs runs no tile. The programs after
 them take the shared expert, ``BLOCK_M`` tokens each. A product is ``weight tile @ rows^T`` on the tensor
@@ -51,7 +51,7 @@ TILES: dict[str, tuple[ExpertTile, ExpertTile]] = {
     "bf16": (ExpertTile(64, 128), ExpertTile(64, 128)),
     "fp32": (ExpertTile(64, 32, stages=2), ExpertTile(64, 32, stages=2)),
     "fp8": (ExpertTile(64, 128), ExpertTile(64, 128)),
-    "fp4": (ExpertTile(64, 128), ExpertTile(64, 128)),
+    "fp4": (ExpertTile(128, 128), ExpertTile(128, 128)),
 }
 
 
@@ -174,6 +174,13 @@ class _Operand:
         return (self.quant, self.data.dtype, self.block) == (other.quant, other.data.dtype, other.block)
 
 
+def programs_per_expert(R: int, k: int, E: int) -> int:
+    """Programs a routed expert gets: its expected tiles (``R * k / E`` pairs an expert), at least one, at most
+    the tiles of ``R`` pairs; an expert with more tiles than programs loops over them. Which program runs a
+    tile never changes what the tile computes: this shapes the launch, not a pair's bits."""
+    return max(1, min(triton.cdiv(R * k, E * BLOCK_M), triton.cdiv(R, BLOCK_M)))
+
+
 def _step(op: _Operand, K: int, tile: ExpertTile) -> int:
     """The loop step: a power of two of at most ``tile.inputs`` dividing ``K`` (FP8: within a scale column;
     MXFP4: whole exponent groups)."""
@@ -204,9 +211,10 @@ def _launch(
     sw, sv = shared or routed
     N, K = w.data.shape[-2], a.shape[1]
     tile = TILES[w.fmt][0 if gate_up else 1]
-    T = triton.cdiv(R, BLOCK_M)
-    n_routed = w.data.shape[0] * T if routed is not None else 0
-    n_shared = T if shared is not None else 0
+    E = w.data.shape[0]
+    T = programs_per_expert(R, k, E)
+    n_routed = E * T if routed is not None else 0
+    n_shared = triton.cdiv(R, BLOCK_M) if shared is not None else 0
     cols = min(tile.cols, max(16, triton.next_power_of_2(N)))
     b0, b1 = w.block
     _expert_tiles_kernel[(n_routed + n_shared, triton.cdiv(N, cols))](
