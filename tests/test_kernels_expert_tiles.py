@@ -60,9 +60,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
 
 
 def test_an_expert_chosen_twice_by_a_token_and_by_every_token():
-    """Hash routing may give a token the same expert twice, and 40 rows on one expert take three tiles: every
-    pair is still computed once, against the reference."""
+    """Hash routing may give a token the same expert twice, and 40 rows on one expert take three tiles, which
+    its one program (:func:`programs_per_expert` expects one tile here) runs in turn: every pair is still
+    computed once, against the reference."""
     x, idx, weights, w, routed, shared = _case("fp32", 40)
+    assert et.programs_per_expert(*idx.shape, w.w1.shape[0]) == 1
     idx = torch.zeros_like(idx)
     idx[:5, 1] = 3
     ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
