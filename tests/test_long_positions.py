@@ -1,0 +1,120 @@
+"""Positions past 2^17 on the CPU: every forward path agrees there, and a row's batched bits stay its own.
+
+Neither the transformers oracle nor a real prefill reaches 131,072 tokens within a test, so the committed state
+is synthetic: random window rows, open-window rows, overlap halves and about 32,000 compressed entries per
+compressor at position ``START``, as if that many tokens had been committed. From there the one-shot chunk, the
+token-by-token chunks, the static (CUDA-graph) steps and verify blocks, and the batched step must agree: RoPE at
+large angles, windows closing (CSA every 4, HCA every 8 tokens here) and the indexer choosing 5 of ~32,000
+entries all run at those positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4serve.model import DeepSeekV4
+from ds4serve.state import SequenceState
+from ds4serve.weights import Checkpoint
+from tests.helpers import random_prompt, static_step
+
+START = (1 << 17) + 5  # mid-window for CSA (rate 4) and HCA (rate 8)
+CAPACITY = START + 64
+TOKENS = 12  # closes 3 CSA and 2 HCA windows
+REL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def model(tiny_factory) -> DeepSeekV4:
+    return DeepSeekV4.load(Checkpoint(tiny_factory(seed=2, window=8, hca_rate=8, index_topk=5)))
+
+
+def _synthetic(model: DeepSeekV4, pos: int, seed: int) -> SequenceState:
+    """A state at ``pos`` whose committed rows are random (unit-scale, in the model's dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    state = model.new_state(CAPACITY)
+
+    def fill(t: torch.Tensor) -> None:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+    for ls in state.layers.values():
+        fill(ls.window)
+        for c in ls.compressors():
+            n_entries, n_buf = divmod(pos, c.rate)
+            fill(c.entries[:n_entries])
+            fill(c.buf_kv[:n_buf])
+            fill(c.buf_gate[:n_buf])
+            if c.overlap:
+                fill(c.ov_kv)
+                fill(c.ov_gate)
+    state.pos = pos
+    state.tokens = [0] * pos
+    return state
+
+
+def _one_by_one(model: DeepSeekV4, state: SequenceState, ids: list[int]) -> torch.Tensor:
+    rows = []
+    for t in ids:
+        out = model.forward([t], state, logit_rows=slice(0, 1))
+        state.commit(out.delta, 1)
+        rows.append(out.logits[0])
+    return torch.stack(rows)
+
+
+def _assert_states_close(a: SequenceState, b: SequenceState) -> None:
+    assert a.pos == b.pos
+    sa, sb = a.snapshot(), b.snapshot()
+    for idx, saved in sa.layers.items():
+        for name, t in saved.items():
+            torch.testing.assert_close(sb.layers[idx][name], t, rtol=1e-5, atol=1e-5, msg=f"{idx} {name}")
+
+
+def test_a_chunk_past_2_17_equals_its_tokens_one_by_one(model):
+    ids = random_prompt(TOKENS, seed=31)
+    whole, single = _synthetic(model, START, 1), _synthetic(model, START, 1)
+    out = model.forward(ids, whole, logit_rows=slice(None))
+    whole.commit(out.delta, TOKENS)
+    assert torch.isfinite(out.logits).all()
+    assert _rel(_one_by_one(model, single, ids), out.logits) <= REL
+    _assert_states_close(whole, single)
+
+
+def test_static_steps_and_blocks_past_2_17_equal_the_chunk_path(model):
+    """The CUDA-graph path's static forwards (one token; a verify block of 4) read the whole buffers, masked by
+    the device position: past 2^17 they give the chunk path's logits and commit its state."""
+    ids = random_prompt(TOKENS, seed=32)
+    reference = _synthetic(model, START, 2)
+    expected = _one_by_one(model, reference, ids)
+    steps, blocks = _synthetic(model, START, 2), _synthetic(model, START, 2)
+    got = []
+    for t in ids:
+        out, _ = static_step(model, steps, t)
+        steps.commit_static(out.delta, [t])
+        got.append(out.logits[0])
+    assert _rel(torch.stack(got), expected) <= REL
+    _assert_states_close(steps, reference)
+    for i in range(0, TOKENS, 4):
+        block = ids[i : i + 4]
+        positions = torch.arange(blocks.pos, blocks.pos + len(block))
+        out = model.forward(torch.tensor(block), blocks, logit_rows=slice(None), positions=positions)
+        assert _rel(out.logits, expected[i : i + 4]) <= REL
+        blocks.commit_static(out.delta, block)
+    _assert_states_close(blocks, reference)
+
+
+def test_batched_rows_past_2_17_are_bitwise_their_own(model):
+    """Rows at different positions past 2^17 (one closing a CSA window, one an HCA window, one neither) give
+    bitwise the logits they give alone, and the one-shot forward's within REL."""
+    positions = [START + 2, START + 3, START + 10]  # the token at p closes a window when (p + 1) % rate == 0
+    tokens = random_prompt(len(positions), seed=33)
+    states = [_synthetic(model, p, 10 + i) for i, p in enumerate(positions)]
+    together = model.decode_batch(tokens, states).logits
+    for i, (p, t) in enumerate(zip(positions, tokens)):
+        alone = model.decode_batch([t], [_synthetic(model, p, 10 + i)]).logits[0]
+        assert torch.equal(together[i], alone)
+        solo = model.forward([t], _synthetic(model, p, 10 + i), logit_rows=slice(0, 1)).logits[0]
+        assert _rel(alone, solo) <= REL
