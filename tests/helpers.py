@@ -59,6 +59,17 @@ def static_decode_setup(
     return model, ids, states
 
 
+def assert_states_close(a, b) -> None:
+    """Two sequence states at the same position hold the same committed rows (fp32 tolerance 1e-5)."""
+    assert a.pos == b.pos
+    sa, sb = a.snapshot(), b.snapshot()
+    for idx, saved in sa.layers.items():
+        for name, t in saved.items():
+            torch.testing.assert_close(
+                sb.layers[idx][name], t, rtol=1e-5, atol=1e-5, msg=f"layer {idx} {name}"
+            )
+
+
 def static_step(model, state, token: int):
     """The static one-token forward (the CUDA-graph path) at ``state.pos``: ``(result, positions)``."""
     positions = torch.tensor([state.pos])

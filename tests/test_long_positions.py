@@ -16,7 +16,7 @@ import torch
 from ds4serve.model import DeepSeekV4
 from ds4serve.state import SequenceState
 from ds4serve.weights import Checkpoint
-from tests.helpers import random_prompt, static_step
+from tests.helpers import assert_states_close, random_prompt, static_step
 
 START = (1 << 17) + 5  # mid-window for CSA (rate 4) and HCA (rate 8)
 CAPACITY = START + 64
@@ -65,14 +65,6 @@ def _one_by_one(model: DeepSeekV4, state: SequenceState, ids: list[int]) -> torc
     return torch.stack(rows)
 
 
-def _assert_states_close(a: SequenceState, b: SequenceState) -> None:
-    assert a.pos == b.pos
-    sa, sb = a.snapshot(), b.snapshot()
-    for idx, saved in sa.layers.items():
-        for name, t in saved.items():
-            torch.testing.assert_close(sb.layers[idx][name], t, rtol=1e-5, atol=1e-5, msg=f"{idx} {name}")
-
-
 def test_a_chunk_past_2_17_equals_its_tokens_one_by_one(model):
     ids = random_prompt(TOKENS, seed=31)
     whole, single = _synthetic(model, START, 1), _synthetic(model, START, 1)
@@ -80,7 +72,7 @@ def test_a_chunk_past_2_17_equals_its_tokens_one_by_one(model):
     whole.commit(out.delta, TOKENS)
     assert torch.isfinite(out.logits).all()
     assert _rel(_one_by_one(model, single, ids), out.logits) <= REL
-    _assert_states_close(whole, single)
+    assert_states_close(whole, single)
 
 
 def test_static_steps_and_blocks_past_2_17_equal_the_chunk_path(model):
@@ -96,20 +88,27 @@ def test_static_steps_and_blocks_past_2_17_equal_the_chunk_path(model):
         steps.commit_static(out.delta, [t])
         got.append(out.logits[0])
     assert _rel(torch.stack(got), expected) <= REL
-    _assert_states_close(steps, reference)
+    assert_states_close(steps, reference)
     for i in range(0, TOKENS, 4):
         block = ids[i : i + 4]
         positions = torch.arange(blocks.pos, blocks.pos + len(block))
         out = model.forward(torch.tensor(block), blocks, logit_rows=slice(None), positions=positions)
         assert _rel(out.logits, expected[i : i + 4]) <= REL
         blocks.commit_static(out.delta, block)
-    _assert_states_close(blocks, reference)
+    assert_states_close(blocks, reference)
 
 
 def test_batched_rows_past_2_17_are_bitwise_their_own(model):
-    """Rows at different positions past 2^17 (one closing a CSA window, one an HCA window, one neither) give
-    bitwise the logits they give alone, and the one-shot forward's within REL."""
-    positions = [START + 2, START + 3, START + 10]  # the token at p closes a window when (p + 1) % rate == 0
+    """Rows at different positions past 2^17 (one closing a CSA and an HCA window, one a CSA window only, one
+    neither) give bitwise the logits they give alone, and the one-shot forward's within REL."""
+    positions = [START + 2, START + 6, START + 3]  # the token at p closes a window when (p + 1) % rate == 0
+    assert [
+        [(p + 1) % rate == 0 for rate in (model.cfg.csa_rate, model.cfg.hca_rate)] for p in positions
+    ] == [
+        [True, True],
+        [True, False],
+        [False, False],
+    ]
     tokens = random_prompt(len(positions), seed=33)
     states = [_synthetic(model, p, 10 + i) for i, p in enumerate(positions)]
     together = model.decode_batch(tokens, states).logits

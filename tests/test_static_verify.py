@@ -17,7 +17,7 @@ import torch
 from ds4serve import kernels
 from ds4serve.engine.device_commit import DeviceCommit
 from ds4serve.kernels import regions
-from tests.helpers import static_decode_setup
+from tests.helpers import assert_states_close, static_decode_setup
 
 # (block length, tokens accepted) per step, cycled from position 14
 STEPS = [
@@ -42,16 +42,6 @@ TRACED_STEPS = [(4, 2), (4, 4), (4, 1), (4, 0), (4, 3), (4, 4)]
 def _static_block(model, state, ids: list[int]):
     positions = torch.arange(state.pos, state.pos + len(ids))
     return model.forward(torch.tensor(ids), state, logit_rows=slice(None), positions=positions)
-
-
-def _assert_states_equal(a, b) -> None:
-    sa, sb = a.snapshot(), b.snapshot()
-    assert sa.pos == sb.pos
-    for idx, saved in sa.layers.items():
-        for name, t in saved.items():
-            torch.testing.assert_close(
-                sb.layers[idx][name], t, rtol=1e-5, atol=1e-5, msg=f"layer {idx} {name}"
-            )
 
 
 @pytest.mark.parametrize("traced", [False, True])
@@ -79,7 +69,7 @@ def test_static_block_equals_chunk_and_commits_its_prefix(tiny_factory, traced):
             assert err <= 1e-5, f"block of {length} at {pos}: relative error {err:.3g}"
             plain.commit(ref.delta, accepted)
             static.commit_static(out.delta, block[:accepted])
-            _assert_states_equal(plain, static)
+            assert_states_close(plain, static)
     assert plain.pos >= 14 + 14  # the steps crossed several windows and wrapped the ring
 
 

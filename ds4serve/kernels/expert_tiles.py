@@ -211,9 +211,9 @@ def _launch(
     sw, sv = shared or routed
     N, K = w.data.shape[-2], a.shape[1]
     tile = TILES[w.fmt][0 if gate_up else 1]
-    E = w.data.shape[0]
-    T = programs_per_expert(R, k, E)
-    n_routed = E * T if routed is not None else 0
+    # routed programs per expert (1, unused, when the launch has no routed experts)
+    T = programs_per_expert(R, k, w.data.shape[0]) if routed is not None else 1
+    n_routed = w.data.shape[0] * T if routed is not None else 0
     n_shared = triton.cdiv(R, BLOCK_M) if shared is not None else 0
     cols = min(tile.cols, max(16, triton.next_power_of_2(N)))
     b0, b1 = w.block
