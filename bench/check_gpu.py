@@ -384,7 +384,7 @@ def check_graphs(root: Path) -> None:
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
-        engine = Engine.from_pretrained(path, device="cuda", dtype=dtype, max_context=128)
+        engine = Engine.from_pretrained(path, device="cuda", dtype=dtype, max_context=128, max_batch=1)
         engine.eager = True
         eager = engine.generate(prompt, params)
         engine.eager = False
@@ -442,7 +442,7 @@ def check_graphs(root: Path) -> None:
 def check_verify_graphs(root: Path) -> None:
     path = make_tiny(root / "verify", TinySpec(seed=6, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(10)).tolist()
-    engine = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
+    engine = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160, max_batch=1)
     plain = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     model = engine.model
     with torch.inference_mode():
@@ -510,7 +510,7 @@ def check_split_graphs(root: Path) -> None:
     path = make_tiny(root / "split", TinySpec(seed=8, window=8, hca_rate=8, index_topk=5, mtp=1))
     prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(11)).tolist()
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    whole = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160)
+    whole = Engine.from_pretrained(path, device="cuda", dtype="float32", max_context=160, max_batch=1)
     last = f"cuda:{torch.cuda.device_count() - 1}"
     split = Engine.from_pretrained(
         path, devices=["cuda:0", last], layer_split=[3, 3], dtype="float32", max_context=160

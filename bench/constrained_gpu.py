@@ -48,7 +48,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
     engine = Engine(
-        build_proxy(args.variant, layers=args.layers), Tokenizer(), max_context=args.prompt + args.tokens + 8
+        build_proxy(args.variant, layers=args.layers),
+        Tokenizer(),
+        max_context=args.prompt + args.tokens + 8,
+        max_batch=1,
     )
     engine.warm_up()
     prompt = torch.randint(3, 128000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()

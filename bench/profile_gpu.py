@@ -141,7 +141,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tiny = make_tiny(work / "tiny", TinySpec(mtp=1))
-        engine = Engine.from_pretrained(tiny, device="cuda", dtype="bfloat16")
+        engine = Engine.from_pretrained(tiny, device="cuda", dtype="bfloat16", max_batch=1)
         run_model("tiny", engine, prompt, args, work)
         del engine
         torch.cuda.empty_cache()
@@ -150,7 +150,9 @@ def main() -> int:
             from proxy import build_proxy
 
             model = build_proxy("bf16", layers=args.proxy_layers, device="cuda")
-            engine = Engine(model, Tokenizer(), max_context=args.prompt_tokens + args.gen_tokens + 8)
+            engine = Engine(
+                model, Tokenizer(), max_context=args.prompt_tokens + args.gen_tokens + 8, max_batch=1
+            )
             run_model(f"proxy, first {args.proxy_layers} layers", engine, prompt, args, work)
     return 0
 

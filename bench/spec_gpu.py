@@ -104,10 +104,16 @@ def main() -> None:
     context = args.prompt + args.tokens + 64
     if args.model is not None:
         dtype = "bfloat16" if args.device != "cpu" else "float32"
-        engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, max_context=context)
+        engine = Engine.from_pretrained(
+            args.model, device=args.device, dtype=dtype, max_context=context, max_batch=1
+        )
     else:
         engine = Engine(
-            build_proxy(args.variant, layers=args.layers), Tokenizer(), max_context=context, chunk_size=2048
+            build_proxy(args.variant, layers=args.layers),
+            Tokenizer(),
+            max_context=context,
+            chunk_size=2048,
+            max_batch=1,
         )
     prompt = torch.randint(3, 128000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)

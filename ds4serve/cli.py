@@ -259,8 +259,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "--max-batch",
         type=at_least(1),
         default=None,
-        help="sequences decoded together in one step (default: 16; 1 where decode runs as the "
-        "one-sequence CUDA graph)",
+        help="sequences decoded together in one step (default: 16; on a GPU as many decode slots of "
+        "--max-context tokens as half its free memory holds, at most 16; 1 for a layer split)",
     )
     p.add_argument(
         "--max-prefill-tokens",

@@ -17,6 +17,7 @@ import torch
 
 from ds4serve import Engine, SamplingParams
 from ds4serve.engine.batch_graphs import bucket_for
+from ds4serve.engine.engine import DEFAULT_MAX_BATCH, default_max_batch
 from ds4serve.engine.prefix_cache import PrefixCache
 from tests.helpers import random_prompt
 
@@ -199,11 +200,11 @@ def test_random_arrivals_and_cancellations_keep_every_request_alone(engines, see
 def test_bf16_rows_on_the_gpu_are_bitwise_what_they_are_alone(tiny_dir):
     """The same comparison in bf16 on the GPU's kernels, through the captured batched steps (tiles of 8 rows
     through the decode kernels), over batches of changing sizes that cross every bucket up to 16 rows; alone,
-    each runs in the bucket of one row."""
+    each runs in the bucket of one row. The engines take their default batch (the tiny model's slots fit)."""
     made = [
-        Engine.from_pretrained(tiny_dir, device="cuda", dtype="bfloat16", max_context=1024, max_batch=16)
-        for _ in range(2)
+        Engine.from_pretrained(tiny_dir, device="cuda", dtype="bfloat16", max_context=1024) for _ in range(2)
     ]
+    assert made[0].max_batch == DEFAULT_MAX_BATCH == 16
     specs = _specs(made[1])
     for i, spec in enumerate(specs):
         spec.arrival = i % 4  # four arrive each step: batches that grow past one tile of 8 rows, then shrink
@@ -284,3 +285,16 @@ def test_a_speculative_request_beside_plain_ones_decodes_as_plain_decoding(engin
     assert [h.result.tokens for h in handles] == alone
     assert max(widths) == 2  # the plain requests were decoded together beside the speculative one
     assert all(h.result.stats.speculative["accepted"] > 0 for h in handles[1::2])
+
+
+def test_the_default_batch_is_what_half_the_free_memory_holds(tiny_dir):
+    """A GPU engine without ``max_batch`` takes the decode slots that half its free memory holds, at most
+    :data:`DEFAULT_MAX_BATCH`, and one sequence at a time (the one-sequence step) when fewer than two fit; a CPU
+    engine takes the default."""
+    slot = 3 * 2**30
+    assert default_max_batch(slot, 1000 * 2**30) == DEFAULT_MAX_BATCH
+    assert default_max_batch(slot, 60 * 2**30) == 10
+    assert default_max_batch(slot, 12 * 2**30) == 2
+    assert default_max_batch(slot, 12 * 2**30 - 1) == 1
+    assert default_max_batch(slot, 0) == 1
+    assert Engine.from_pretrained(tiny_dir, max_context=256).max_batch == DEFAULT_MAX_BATCH

@@ -59,6 +59,9 @@ DTYPES = {
 }
 PARK_SELECTORS = ("", "all", "target", "draft")
 DEFAULT_MAX_BATCH = 16  # sequences a decode step takes where the engine batches (see Engine.__init__)
+SLOT_MEMORY_FRACTION = (
+    0.5  # of a GPU's free memory, the most the default decode slots take (default_max_batch)
+)
 GPU_CHUNK_TOKENS, CPU_CHUNK_TOKENS = 4096, 512  # default longest prefill chunk (see default_chunk_size)
 
 
@@ -88,10 +91,11 @@ class Engine:
         max_prefill_tokens: int | None = None,
     ):
         """``max_batch``: the most sequences that run at once (decoded together in one batched forward);
-        default :data:`DEFAULT_MAX_BATCH`, except 1 where decode steps run as the one-sequence CUDA graph (on
-        CUDA unless ``eager``) or the model has no batched forward (a pipeline). An engine with
-        ``max_batch`` 1 decodes through the one-sequence step, any other through the batched one, a lone
-        sequence included, so that a sequence's results never depend on what runs beside it.
+        default :data:`DEFAULT_MAX_BATCH`, on a GPU as many decode slots of ``max_context`` tokens as
+        :func:`default_max_batch` fits in its free memory, and 1 where the layers are split over devices or
+        in a pipeline (their batched forward is not captured). An engine with ``max_batch`` 1 decodes through
+        the one-sequence step, any other through the batched one, a lone sequence included, so that a
+        sequence's results never depend on what runs beside it.
         ``max_prefill_tokens``: prompt tokens forwarded per step, at least one chunk (default ``chunk_size``)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
@@ -125,8 +129,7 @@ class Engine:
             tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
         ] = {}
         if max_batch is None:
-            one = self._graph_kinds(model) is not None or not hasattr(model, "decode_batch")
-            max_batch = 1 if one else DEFAULT_MAX_BATCH
+            max_batch = self._default_max_batch(model)
         if max_batch > 1 and not hasattr(model, "decode_batch"):
             raise ValueError(
                 f"max_batch: {type(model).__name__} runs one sequence at a time, got {max_batch}"
@@ -574,6 +577,24 @@ class Engine:
             )
         return self._first_chunks
 
+    def _default_max_batch(self, model: object) -> int:
+        """The batch size an engine takes when none is given (see ``__init__``)."""
+        if not isinstance(model, DeepSeekV4):
+            one = self._graph_kinds(model) is not None or not hasattr(model, "decode_batch")
+            return 1 if one else DEFAULT_MAX_BATCH
+        if model.device.type != "cuda":
+            return DEFAULT_MAX_BATCH
+        per_slot = state_nbytes(model.cfg, model.layers, self.max_context, model.dtype)
+        count = default_max_batch(per_slot, torch.cuda.mem_get_info(model.device)[0])
+        log.info(
+            "max_batch %d: decode slots of %d tokens take %.2f GiB each, at most %.0f%% of the free memory",
+            count,
+            self.max_context,
+            per_slot / 2**30,
+            SLOT_MEMORY_FRACTION * 100,
+        )
+        return count
+
     def _graphs_apply(self, model: object) -> bool:
         """CUDA graphs are used for a whole model on CUDA unless the engine is eager (the draft models'
         graphs need the whole model in one place)."""
@@ -714,6 +735,14 @@ class VerifyStep:
             self.state.commit(self.out.delta, len(tokens))
         else:
             self.graph.commit(tokens)
+
+
+def default_max_batch(slot_bytes: int, free_bytes: int) -> int:
+    """Decode slots of ``slot_bytes`` each that :data:`SLOT_MEMORY_FRACTION` of ``free_bytes`` holds, at most
+    :data:`DEFAULT_MAX_BATCH`; 1 (the one-sequence step, whose states grow with their requests) when fewer than
+    two fit."""
+    count = min(DEFAULT_MAX_BATCH, int(free_bytes * SLOT_MEMORY_FRACTION) // max(1, slot_bytes))
+    return count if count >= 2 else 1
 
 
 def _check_slots_fit(model: DeepSeekV4, count: int, max_context: int) -> None:
