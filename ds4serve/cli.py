@@ -32,6 +32,14 @@ def command(name: str, help_text: str) -> Callable[[ArgsFn], ArgsFn]:
     return wrap
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = at_least(0.0, float)(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
 def at_least(low: float, kind: type = int) -> Callable[[str], float]:
     """An argparse type: a number of ``kind`` (int or float) no smaller than ``low``."""
 
@@ -260,7 +268,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         type=at_least(1),
         default=None,
         help="sequences decoded together in one step (default: 16; on a GPU as many decode slots of "
-        "--max-context tokens as half its free memory holds, at most 16; 1 for a layer split)",
+        "--max-context tokens as --slot-memory-fraction of its free memory holds, at most 16; 1 for a "
+        "layer split)",
+    )
+    p.add_argument(
+        "--slot-memory-fraction",
+        type=fraction,
+        default=0.5,
+        help="share of the GPU's free memory after loading that the default decode slots may take",
     )
     p.add_argument(
         "--max-prefill-tokens",
@@ -309,6 +324,7 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
         eager=a.eager,
         max_batch=a.max_batch,
         max_prefill_tokens=a.max_prefill_tokens,
+        slot_memory_fraction=a.slot_memory_fraction,
         kernels=dataclasses.replace(kernel_config.current(), triton=not a.torch_reference, pdl=not a.no_pdl),
     )
     return engine, model, dtype

@@ -298,3 +298,22 @@ def test_the_default_batch_is_what_half_the_free_memory_holds(tiny_dir):
     assert default_max_batch(slot, 12 * 2**30 - 1) == 1
     assert default_max_batch(slot, 0) == 1
     assert Engine.from_pretrained(tiny_dir, max_context=256).max_batch == DEFAULT_MAX_BATCH
+
+
+def test_the_slots_memory_share_is_checked_and_passed_through():
+    """``--slot-memory-fraction`` reaches the engine; a share outside (0, 1] is refused with its name, by the CLI
+    and by the engine."""
+    import argparse
+
+    from ds4serve.cli import engine_args
+
+    p = argparse.ArgumentParser()
+    engine_args(p)
+    assert p.parse_args(["--slot-memory-fraction", "0.25"]).slot_memory_fraction == 0.25
+    assert p.parse_args([]).slot_memory_fraction == 0.5
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--slot-memory-fraction", bad])
+    assert default_max_batch(2**30, 20 * 2**30, 0.25) == 5
+    with pytest.raises(ValueError, match="slot_memory_fraction"):
+        Engine(None, None, slot_memory_fraction=0)

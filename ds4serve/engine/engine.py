@@ -59,9 +59,7 @@ DTYPES = {
 }
 PARK_SELECTORS = ("", "all", "target", "draft")
 DEFAULT_MAX_BATCH = 16  # sequences a decode step takes where the engine batches (see Engine.__init__)
-SLOT_MEMORY_FRACTION = (
-    0.5  # of a GPU's free memory, the most the default decode slots take (default_max_batch)
-)
+SLOT_MEMORY_FRACTION = 0.5  # of a GPU's free memory, what the default decode slots may take
 GPU_CHUNK_TOKENS, CPU_CHUNK_TOKENS = 4096, 512  # default longest prefill chunk (see default_chunk_size)
 
 
@@ -89,16 +87,20 @@ class Engine:
         kernels: KernelConfig | None = None,
         max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
+        slot_memory_fraction: float = SLOT_MEMORY_FRACTION,
     ):
         """``max_batch``: the most sequences that run at once (decoded together in one batched forward);
         default :data:`DEFAULT_MAX_BATCH`, on a GPU as many decode slots of ``max_context`` tokens as
         :func:`default_max_batch` fits in its free memory, and 1 where the layers are split over devices or
         in a pipeline (their batched forward is not captured). An engine with ``max_batch`` 1 decodes through
         the one-sequence step, any other through the batched one, a lone sequence included, so that a
-        sequence's results never depend on what runs beside it.
+        sequence's results never depend on what runs beside it. ``slot_memory_fraction``: the share of a GPU's
+        free memory that the default decode slots may take (0 < fraction <= 1).
         ``max_prefill_tokens``: prompt tokens forwarded per step, at least one chunk (default ``chunk_size``)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
+        if not 0 < slot_memory_fraction <= 1:
+            raise ValueError(f"slot_memory_fraction: expected 0 < fraction <= 1, got {slot_memory_fraction}")
         self.model: DeepSeekV4 | None = model
         self.cfg: ModelConfig = model.cfg
         self.tokenizer = tokenizer
@@ -129,7 +131,7 @@ class Engine:
             tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
         ] = {}
         if max_batch is None:
-            max_batch = self._default_max_batch(model)
+            max_batch = self._default_max_batch(model, slot_memory_fraction)
         if max_batch > 1 and not hasattr(model, "decode_batch"):
             raise ValueError(
                 f"max_batch: {type(model).__name__} runs one sequence at a time, got {max_batch}"
@@ -155,6 +157,7 @@ class Engine:
         kernels: KernelConfig | None = None,
         max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
+        slot_memory_fraction: float = SLOT_MEMORY_FRACTION,
     ) -> "Engine":
         """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
 
@@ -162,8 +165,8 @@ class Engine:
         (default: on CUDA devices; elsewhere they are dequantised once at load, exactly);
         ``chunk_size`` is the longest prefill chunk (default :func:`default_chunk_size`);
         ``eager`` runs every step without CUDA graphs; ``kernels``, when given, is installed as the
-        process's kernel configuration (Triton kernels or the torch reference, PDL); ``max_batch`` and
-        ``max_prefill_tokens`` as in :class:`Engine`.
+        process's kernel configuration (Triton kernels or the torch reference, PDL); ``max_batch``,
+        ``max_prefill_tokens`` and ``slot_memory_fraction`` as in :class:`Engine`.
         """
         on_cuda = torch.device((devices or [device])[0]).type == "cuda"
         if quantized is None:
@@ -198,6 +201,7 @@ class Engine:
             kernels=kernels,
             max_batch=max_batch,
             max_prefill_tokens=max_prefill_tokens,
+            slot_memory_fraction=slot_memory_fraction,
         )
 
     # ---- forward helpers -----------------------------------------------------------------------
@@ -577,7 +581,7 @@ class Engine:
             )
         return self._first_chunks
 
-    def _default_max_batch(self, model: object) -> int:
+    def _default_max_batch(self, model: object, fraction: float) -> int:
         """The batch size an engine takes when none is given (see ``__init__``)."""
         if not isinstance(model, DeepSeekV4):
             one = self._graph_kinds(model) is not None or not hasattr(model, "decode_batch")
@@ -585,13 +589,13 @@ class Engine:
         if model.device.type != "cuda":
             return DEFAULT_MAX_BATCH
         per_slot = state_nbytes(model.cfg, model.layers, self.max_context, model.dtype)
-        count = default_max_batch(per_slot, torch.cuda.mem_get_info(model.device)[0])
+        count = default_max_batch(per_slot, torch.cuda.mem_get_info(model.device)[0], fraction)
         log.info(
             "max_batch %d: decode slots of %d tokens take %.2f GiB each, at most %.0f%% of the free memory",
             count,
             self.max_context,
             per_slot / 2**30,
-            SLOT_MEMORY_FRACTION * 100,
+            fraction * 100,
         )
         return count
 
@@ -737,11 +741,11 @@ class VerifyStep:
             self.graph.commit(tokens)
 
 
-def default_max_batch(slot_bytes: int, free_bytes: int) -> int:
-    """Decode slots of ``slot_bytes`` each that :data:`SLOT_MEMORY_FRACTION` of ``free_bytes`` holds, at most
+def default_max_batch(slot_bytes: int, free_bytes: int, fraction: float = SLOT_MEMORY_FRACTION) -> int:
+    """Decode slots of ``slot_bytes`` each that ``fraction`` of ``free_bytes`` holds, at most
     :data:`DEFAULT_MAX_BATCH`; 1 (the one-sequence step, whose states grow with their requests) when fewer than
     two fit."""
-    count = min(DEFAULT_MAX_BATCH, int(free_bytes * SLOT_MEMORY_FRACTION) // max(1, slot_bytes))
+    count = min(DEFAULT_MAX_BATCH, int(free_bytes * fraction) // max(1, slot_bytes))
     return count if count >= 2 else 1
 
 
