@@ -10,6 +10,9 @@ once ``torch.profiler`` has run in a process, every later graph launch there cos
 machine, repository root)::
 
     PYTHONPATH=. python3 bench/bench_gpu.py --out $OUT/bench.json
+
+``--synthetic-state`` skips the prefill of each context: its committed rows are made random in place
+(``bench/long_state.py``), which a decode step reads as it reads prefilled ones (a million-token context in seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from long_state import synthetic_state  # noqa: E402
 from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  # noqa: E402
 
 from ds4serve import kernels  # noqa: E402
@@ -127,12 +131,17 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     with torch.inference_mode():
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
-            state = model.new_state(ctx + (args.steps + 4) * 2 + 16)
+            capacity = ctx + (args.steps + 4) * 2 + 16
             t0 = time.perf_counter()
-            prefill(model, state, ids, 2048)
+            if args.synthetic_state:
+                state = synthetic_state(model, ctx, capacity, seed=ctx)
+            else:
+                state = model.new_state(capacity)
+                prefill(model, state, ids, 2048)
             torch.cuda.synchronize()
-            log(f"ctx {ctx}: prefilled in {time.perf_counter() - t0:.1f} s")
-            row: dict = {}
+            how = "synthetic state made" if args.synthetic_state else "prefilled"
+            log(f"ctx {ctx}: {how} in {time.perf_counter() - t0:.1f} s")
+            row: dict = {"synthetic_state": args.synthetic_state}
             if variant == "bf16" and ctx == args.contexts[0]:
                 with kernels.disabled():
                     row["eager_torch_ms"], _ = decode_ms(eager_step(model), state, 4, ids[-1])
@@ -246,6 +255,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--peer-steps", type=int, default=6)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument(
+        "--synthetic-state",
+        action="store_true",
+        help="decode after random committed rows at each context (bench/long_state.py) instead of a prefill: "
+        "a million-token context in seconds",
+    )
     p.add_argument(
         "--verify-widths",
         default="",

@@ -10,6 +10,9 @@ entries all run at those positions.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ from ds4serve.model import DeepSeekV4
 from ds4serve.state import SequenceState
 from ds4serve.weights import Checkpoint
 from tests.helpers import assert_states_close, random_prompt, static_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from long_state import synthetic_state  # noqa: E402
 
 START = (1 << 17) + 5  # mid-window for CSA (rate 4) and HCA (rate 8)
 CAPACITY = START + 64
@@ -33,29 +39,6 @@ def model(tiny_factory) -> DeepSeekV4:
     return DeepSeekV4.load(Checkpoint(tiny_factory(seed=2, window=8, hca_rate=8, index_topk=5)))
 
 
-def _synthetic(model: DeepSeekV4, pos: int, seed: int) -> SequenceState:
-    """A state at ``pos`` whose committed rows are random (unit-scale, in the model's dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    state = model.new_state(CAPACITY)
-
-    def fill(t: torch.Tensor) -> None:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-
-    for ls in state.layers.values():
-        fill(ls.window)
-        for c in ls.compressors():
-            n_entries, n_buf = divmod(pos, c.rate)
-            fill(c.entries[:n_entries])
-            fill(c.buf_kv[:n_buf])
-            fill(c.buf_gate[:n_buf])
-            if c.overlap:
-                fill(c.ov_kv)
-                fill(c.ov_gate)
-    state.pos = pos
-    state.tokens = [0] * pos
-    return state
-
-
 def _one_by_one(model: DeepSeekV4, state: SequenceState, ids: list[int]) -> torch.Tensor:
     rows = []
     for t in ids:
@@ -67,7 +50,7 @@ def _one_by_one(model: DeepSeekV4, state: SequenceState, ids: list[int]) -> torc
 
 def test_a_chunk_past_2_17_equals_its_tokens_one_by_one(model):
     ids = random_prompt(TOKENS, seed=31)
-    whole, single = _synthetic(model, START, 1), _synthetic(model, START, 1)
+    whole, single = synthetic_state(model, START, CAPACITY, 1), synthetic_state(model, START, CAPACITY, 1)
     out = model.forward(ids, whole, logit_rows=slice(None))
     whole.commit(out.delta, TOKENS)
     assert torch.isfinite(out.logits).all()
@@ -79,9 +62,9 @@ def test_static_steps_and_blocks_past_2_17_equal_the_chunk_path(model):
     """The CUDA-graph path's static forwards (one token; a verify block of 4) read the whole buffers, masked by
     the device position: past 2^17 they give the chunk path's logits and commit its state."""
     ids = random_prompt(TOKENS, seed=32)
-    reference = _synthetic(model, START, 2)
+    reference = synthetic_state(model, START, CAPACITY, 2)
     expected = _one_by_one(model, reference, ids)
-    steps, blocks = _synthetic(model, START, 2), _synthetic(model, START, 2)
+    steps, blocks = synthetic_state(model, START, CAPACITY, 2), synthetic_state(model, START, CAPACITY, 2)
     got = []
     for t in ids:
         out, _ = static_step(model, steps, t)
@@ -110,10 +93,12 @@ def test_batched_rows_past_2_17_are_bitwise_their_own(model):
         [False, False],
     ]
     tokens = random_prompt(len(positions), seed=33)
-    states = [_synthetic(model, p, 10 + i) for i, p in enumerate(positions)]
+    states = [synthetic_state(model, p, CAPACITY, 10 + i) for i, p in enumerate(positions)]
     together = model.decode_batch(tokens, states).logits
     for i, (p, t) in enumerate(zip(positions, tokens)):
-        alone = model.decode_batch([t], [_synthetic(model, p, 10 + i)]).logits[0]
+        alone = model.decode_batch([t], [synthetic_state(model, p, CAPACITY, 10 + i)]).logits[0]
         assert torch.equal(together[i], alone)
-        solo = model.forward([t], _synthetic(model, p, 10 + i), logit_rows=slice(0, 1)).logits[0]
+        solo = model.forward([t], synthetic_state(model, p, CAPACITY, 10 + i), logit_rows=slice(0, 1)).logits[
+            0
+        ]
         assert _rel(alone, solo) <= REL
