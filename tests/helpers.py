@@ -37,6 +37,18 @@ def loads_before_pdl_wait(ptx: str) -> int:
     return ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
 
 
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of ``a`` from ``b`` relative to ``b``'s largest magnitude."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in fp32 (2-norms), after checking that ``a`` is finite: an element a kernel did not
+    write shows up as non-finite in a poisoned allocation."""
+    assert torch.isfinite(a).all(), "non-finite output (an element was not written?)"
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def random_prompt(n: int, seed: int, vocab: int = 128000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()

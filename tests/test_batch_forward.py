@@ -13,14 +13,10 @@ from ds4serve.model.batch import ROW_TILE
 from ds4serve.parallel import SplitModel
 from ds4serve.state import ChunkDelta, SequenceState
 from ds4serve.weights import Checkpoint
-from tests.helpers import random_prompt
+from tests.helpers import max_rel, random_prompt
 
 REL = 1e-5  # solo equivalence, as the chunking tests measure it
 STEPS = 4  # decode steps after each prompt
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @dataclass
@@ -157,7 +153,7 @@ def test_batched_steps_equal_the_one_shot_forward(engine, seqs):
     for s, state, got in zip(seqs, states, logits):
         assert state.pos == s.prompt + STEPS and state.tokens == s.ids
         full = engine.score(s.ids)[s.prompt :]
-        assert _rel(torch.stack(got), full) <= REL, s.prompt
+        assert max_rel(torch.stack(got), full) <= REL, s.prompt
 
 
 def test_committed_state_equals_a_solo_decode(engine, seqs):

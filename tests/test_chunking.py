@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds4serve import Engine
-from tests.helpers import random_prompt
+from tests.helpers import max_rel, random_prompt
 
 CHECKPOINTS = {
     "default": dict(seed=0),
@@ -16,10 +16,6 @@ CHECKPOINTS = {
     "real-window": dict(seed=7, window=128, hca_rate=128, index_topk=16),
 }
 REL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def _random_split(n: int, rng: random.Random) -> list[int]:
@@ -45,14 +41,14 @@ def test_fixed_chunk_sizes(engines, name, size):
     engine = engines[name]
     ids = random_prompt(300, seed=11)
     full = engine.score(ids)
-    assert _rel(engine.score(ids, _fixed(300, size)), full) <= REL
+    assert max_rel(engine.score(ids, _fixed(300, size)), full) <= REL
 
 
 @pytest.mark.parametrize("name", ["default", "real-window"])
 def test_token_by_token(engines, name):
     engine = engines[name]
     ids = random_prompt(300, seed=12)
-    assert _rel(engine.score(ids, [1] * 300), engine.score(ids)) <= REL
+    assert max_rel(engine.score(ids, [1] * 300), engine.score(ids)) <= REL
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -62,7 +58,7 @@ def test_random_lengths_and_splits(engines, name):
     for trial in range(4):
         n = rng.choice([1, 2, rng.randint(3, 300)])
         ids = random_prompt(n, seed=100 + trial)
-        assert _rel(engine.score(ids, _random_split(n, rng)), engine.score(ids)) <= REL
+        assert max_rel(engine.score(ids, _random_split(n, rng)), engine.score(ids)) <= REL
 
 
 def test_windows_closing_mid_chunk_are_visible_to_later_queries(engines):
@@ -75,14 +71,14 @@ def test_windows_closing_mid_chunk_are_visible_to_later_queries(engines):
     model, cfg = engine.model, engine.cfg
     ids = random_prompt(40, seed=14)
     full = engine.score(ids)
-    assert _rel(engine.score(ids, [10, 30]), full) <= REL
+    assert max_rel(engine.score(ids, [10, 30]), full) <= REL
 
     state = model.new_state(40)
     engine.prefill(state, ids[:10])
     result = model.forward(ids[10:], state, logit_rows=slice(None))
     hca_layer = cfg.layer_types.index("heavily_compressed_attention")
     assert result.delta.layers[hca_layer].compressor.entries.shape[0] == 40 // cfg.hca_rate
-    assert _rel(result.logits, full[10:]) <= REL
+    assert max_rel(result.logits, full[10:]) <= REL
     state.commit(result.delta, 30)
     oneshot = model.new_state(40)
     engine.prefill(oneshot, ids)
@@ -102,7 +98,7 @@ def test_partial_commit_equals_shorter_chunk(engines):
     probe = model.forward(ids[21:30], state, logit_rows=slice(None))
     state.commit(probe.delta, 5)  # keep 5 of the 9 verified tokens
     rest = model.forward(ids[26:], state, logit_rows=slice(None))
-    assert _rel(rest.logits, engine.score(ids)[26:]) <= REL
+    assert max_rel(rest.logits, engine.score(ids)[26:]) <= REL
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -164,5 +160,5 @@ def test_forked_states_continue_independently(engines):
     fork = base.fork()
     a = engine.prefill(base, tail_a)
     b = engine.prefill(fork, tail_b)
-    assert _rel(a, engine.score(ids + tail_a)[-1]) <= REL
-    assert _rel(b, engine.score(ids + tail_b)[-1]) <= REL
+    assert max_rel(a, engine.score(ids + tail_a)[-1]) <= REL
+    assert max_rel(b, engine.score(ids + tail_b)[-1]) <= REL

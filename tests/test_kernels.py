@@ -18,13 +18,9 @@ from ds4serve.kernels.hyper import hc_coefficients  # noqa: E402
 from ds4serve.kernels.moe import moe_ref  # noqa: E402
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref  # noqa: E402
 from ds4serve.quant import quantize_fp8  # noqa: E402
+from tests.helpers import norm_rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all(), "non-finite output (an element was not written?)"
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _experts(gen: torch.Generator, E: int, out: int, inp: int) -> torch.Tensor:
@@ -40,7 +36,7 @@ def test_hc_coefficients_match_reference():
     got = hc_coefficients(mixes, base, scale, hc, 20, 1e-6)
     want = hc_coefficients_ref(mixes, base, scale, hc, 20, 1e-6)
     for g, w in zip(got, want):
-        assert _rel(g, w) <= 1e-5
+        assert norm_rel(g, w) <= 1e-5
 
 
 def test_kernel_ops_trace_as_single_nodes():
@@ -89,6 +85,6 @@ def test_kernel_ops_trace_as_single_nodes():
         xm, shared_idx, shared_wt, *[s.unsqueeze(0) for s in shared], 1.5
     )
     ref_c = hc_coefficients_ref(mixes, base, scale, 4, 20, 1e-6)[2].sum()
-    assert _rel(got[0], ref_y) <= 1e-2
-    assert _rel(got[1], 3 * ref_m) <= 1e-5
-    assert _rel(got[2], ref_c) <= 1e-5
+    assert norm_rel(got[0], ref_y) <= 1e-2
+    assert norm_rel(got[1], 3 * ref_m) <= 1e-5
+    assert norm_rel(got[2], ref_c) <= 1e-5

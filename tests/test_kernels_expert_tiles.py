@@ -15,7 +15,8 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 from ds4serve.kernels import expert_tiles as et  # noqa: E402
 from ds4serve.kernels.moe import moe_ref  # noqa: E402
 from ds4serve.model.hyper import sum_terms  # noqa: E402
-from tests.test_kernels_moe import DEVICE, LIMIT, _case, _rel, poisoned  # noqa: E402,F401
+from tests.helpers import norm_rel  # noqa: E402
+from tests.test_kernels_moe import DEVICE, LIMIT, _case, poisoned  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("poisoned")  # unwritten elements show up as NaN
 FORMATS = ["bf16", "fp32", "fp8", "fp4", "fp4+fp8"]
@@ -40,11 +41,11 @@ def test_expert_tiles_match_the_reference_and_their_terms_sum_to_the_output(fmt)
     out = _run(case)
     terms = _run(case, summed=False)
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+    assert norm_rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
     assert terms.shape == (5, idx.shape[1] + 1, x.shape[1]) and terms.dtype == torch.float32
     if fmt == "fp32" or DEVICE == "cuda":
         assert torch.equal(sum_terms(terms, x.dtype), out)
-    assert _rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+    assert norm_rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp4+fp8"])
@@ -68,7 +69,7 @@ def test_an_expert_chosen_twice_by_a_token_and_by_every_token():
     idx = torch.zeros_like(idx)
     idx[:5, 1] = 3
     ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
-    assert _rel(_run((x, idx, weights, w, routed, shared)), ref) <= 1e-5
+    assert norm_rel(_run((x, idx, weights, w, routed, shared)), ref) <= 1e-5
 
 
 def test_refuses_dense_experts_of_other_dtypes():

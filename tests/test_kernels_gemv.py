@@ -29,15 +29,10 @@ from ds4serve.kernels.gemv import (  # noqa: E402
 )
 from ds4serve.model.linear import grouped_linear, linear, linear_pair  # noqa: E402
 from ds4serve.quant import quantize_fp8  # noqa: E402
-from tests.helpers import spy_launches  # noqa: E402
+from tests.helpers import norm_rel, spy_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 R, K, BLOCK = 64, 96, (32, 32)  # K is not a multiple of the wider tiles: the tail is masked
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all(), "non-finite output (an element was not written?)"
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _weight(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
@@ -104,7 +99,7 @@ def test_gemv_matches_reference(kind, rows, groups, config):
     got = gemv(x if groups > 1 else x[:, 0], w, scale, block, groups, config=config, out=out)
     ref = gemv_ref(x, w, scale, block, groups)
     assert got is out
-    assert _rel(got, ref) <= (1e-5 if kind == "fp32" else 1e-2)
+    assert norm_rel(got, ref) <= (1e-5 if kind == "fp32" else 1e-2)
 
 
 def test_gemv_rejects_configs_that_cannot_run():
@@ -171,7 +166,7 @@ def test_linear_dispatches_to_the_gemv(monkeypatch):
         gemv_ref(x, q.data, q.scale, q.block, 2),
     ]
     for g, r in zip(got, want):
-        assert g.shape == r.shape and _rel(g, r) <= 1e-2
+        assert g.shape == r.shape and norm_rel(g, r) <= 1e-2
     assert calls == [True, False, True, False]
 
 
@@ -195,7 +190,7 @@ def test_fp8_products_of_a_wide_verify_block_stay_on_tensor_core_tiles(monkeypat
         ]
     want = [gemv_ref(x[:, 0], q.data, q.scale, q.block), gemv_ref(x, q.data, q.scale, q.block, 2)]
     for g, r in zip(got, want):
-        assert g.shape == r.shape and _rel(g, r) <= 1e-2
+        assert g.shape == r.shape and norm_rel(g, r) <= 1e-2
     assert calls == [12, 12]
     for (kind, rows, cols, tokens, groups), entry in TABLE.items():
         block = (128, 128) if kind == "fp8" else None
@@ -212,7 +207,7 @@ def test_dense_gemv_op_traces_whole():
     got = torch.compile(lambda x: ops.gemv(x * 2, w, None, 0, 0, 1) + 1, backend="aot_eager", fullgraph=True)(
         x
     )
-    assert _rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
+    assert norm_rel(got, gemv_ref(x * 2, w) + 1) <= 1e-2
 
 
 FMA_TILES = {"fp8": GemvConfig(8, 64, warps=1), "bf16": GemvConfig(16, 32, warps=2)}
@@ -245,7 +240,7 @@ def test_gemv_pair_is_one_launch_equal_to_two_products(monkeypatch, kinds, rows,
     b = (b[0][: R // 2].contiguous(), None if b[1] is None else b[1][: R // 2 // BLOCK[0]].contiguous(), b[2])
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
     ya, yb = gemv_pair(x, a, b)
-    assert _rel(ya, gemv_ref(x, *a)) <= 1e-2 and _rel(yb, gemv_ref(x, *b)) <= 1e-2
+    assert norm_rel(ya, gemv_ref(x, *a)) <= 1e-2 and norm_rel(yb, gemv_ref(x, *b)) <= 1e-2
     assert ya.shape == (rows, R) and yb.shape == (rows, R // 2)
     assert launches == [sum(-(-op[0].shape[0] // tiles[kind].block_r) for op, kind in zip((a, b), kinds))]
 
@@ -273,7 +268,7 @@ def test_gemv_pair_falls_back_to_two_launches(monkeypatch, tiles):
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     ya, yb = gemv_pair(x, a, b)
     assert launches == vec_launches == [] and len(calls) == 2
-    assert _rel(ya, gemv_ref(x, *a)) <= 1e-5 and _rel(yb, gemv_ref(x, *b)) <= 1e-5
+    assert norm_rel(ya, gemv_ref(x, *a)) <= 1e-5 and norm_rel(yb, gemv_ref(x, *b)) <= 1e-5
 
 
 def test_linear_pair_uses_the_pair_op(monkeypatch):
@@ -286,7 +281,9 @@ def test_linear_pair_uses_the_pair_op(monkeypatch):
     x = torch.randn(2, K, generator=gen).to(DEVICE, torch.bfloat16)
     with kernels.on_any_device():
         ya, yb = linear_pair(x, q, w)
-    assert _rel(ya, gemv_ref(x, q.data, q.scale, q.block)) <= 1e-2 and _rel(yb, gemv_ref(x, w)) <= 1e-2
+    assert (
+        norm_rel(ya, gemv_ref(x, q.data, q.scale, q.block)) <= 1e-2 and norm_rel(yb, gemv_ref(x, w)) <= 1e-2
+    )
     assert calls == [9]
 
 
@@ -302,8 +299,8 @@ def test_pair_op_traces_as_one_node():
     )
     ya, yb = fn(x)
     assert (
-        _rel(ya, gemv_ref(x * 2, q.data, q.scale, q.block) + 1) <= 1e-2
-        and _rel(yb, gemv_ref(x * 2, w) + 1) <= 1e-2
+        norm_rel(ya, gemv_ref(x * 2, q.data, q.scale, q.block) + 1) <= 1e-2
+        and norm_rel(yb, gemv_ref(x * 2, w) + 1) <= 1e-2
     )
 
 

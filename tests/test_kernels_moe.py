@@ -19,7 +19,7 @@ from ds4serve.model.hyper import sum_terms  # noqa: E402
 from ds4serve.model.linear import dense  # noqa: E402
 from ds4serve.model.moe import MoEWeights, _moe_fused  # noqa: E402
 from ds4serve.quant import FP4Weight, Weight, dequant_fp4, quant_fp4, quantize_fp8  # noqa: E402
-from tests.helpers import sm90_ptx  # noqa: E402
+from tests.helpers import norm_rel, sm90_ptx  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, K, D, INTER, LIMIT = 5, 2, 96, 64, 1.5
@@ -36,11 +36,6 @@ def poisoned(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: fill(empty_like(*a, **kw)))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all(), "non-finite output (an element was not written?)"
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _mats(gen: torch.Generator, lead: tuple[int, ...]) -> list[torch.Tensor]:
@@ -100,12 +95,12 @@ def test_moe_decode_op_matches_reference(fmt, N, poisoned, monkeypatch):
         out = _moe_fused(w, x, idx, weights, LIMIT)
         terms = _moe_fused(w, x, idx, weights, LIMIT, summed=False)
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+    assert norm_rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
     # unsummed: the fp32 slot terms, the shared expert last, whose slot-order sum is the output
     assert terms.shape == (N, idx.shape[1] + 1, x.shape[1]) and terms.dtype == torch.float32
     if fmt == "fp32":
         assert torch.equal(sum_terms(terms, x.dtype), out)
-    assert _rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+    assert norm_rel(sum_terms(terms, x.dtype), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
 def test_the_widest_verify_block_stays_on_the_fused_kernel():
@@ -118,7 +113,7 @@ def test_the_widest_verify_block_stays_on_the_fused_kernel():
     x, idx, weights, w, routed, shared = _case("fp8", MAX_DRAFT_TOKENS + 1)
     with kernels.on_any_device():
         out = _moe_fused(w, x, idx, weights, LIMIT)
-    assert _rel(out, moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))) <= 1e-2
+    assert norm_rel(out, moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))) <= 1e-2
 
 
 SMALL = {  # several loop steps and row blocks at D=96, INTER=64
@@ -145,7 +140,7 @@ def test_moe_fused_tiles_and_routed_only(fmt, poisoned):
     ]
     ref = moe_ref(x, idx, weights, *routed, LIMIT)
     out = moe_fused(x, idx, weights, *stacks, LIMIT, configs=SMALL)
-    assert _rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+    assert norm_rel(out, ref) <= (1e-5 if fmt == "fp32" else 1e-2)
 
 
 def test_mxfp4_decode_is_exact(poisoned):
@@ -169,7 +164,7 @@ def test_mxfp4_decode_is_exact(poisoned):
     idx, weights = torch.tensor([[1]], device=DEVICE), torch.tensor([[0.75]], device=DEVICE)
     ref = moe_ref(x, idx, weights, *(dequant_fp4(q, e) for q, e in mats), 0.0)
     out = moe_fused(x, idx, weights, *(ExpertStack(q, e) for q, e in mats), 0.0)
-    assert _rel(out, ref) <= 1e-5
+    assert norm_rel(out, ref) <= 1e-5
 
 
 def test_moe_ref_shared_expert_is_one_more_slot():

@@ -19,7 +19,7 @@ import torch
 from ds4serve.model import DeepSeekV4
 from ds4serve.state import SequenceState
 from ds4serve.weights import Checkpoint
-from tests.helpers import assert_states_close, random_prompt, static_step
+from tests.helpers import assert_states_close, max_rel, random_prompt, static_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from long_state import synthetic_state  # noqa: E402
@@ -28,10 +28,6 @@ START = (1 << 17) + 5  # mid-window for CSA (rate 4) and HCA (rate 8)
 CAPACITY = START + 64
 TOKENS = 12  # closes 3 CSA and 2 HCA windows
 REL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,7 @@ def test_a_chunk_past_2_17_equals_its_tokens_one_by_one(model):
     out = model.forward(ids, whole, logit_rows=slice(None))
     whole.commit(out.delta, TOKENS)
     assert torch.isfinite(out.logits).all()
-    assert _rel(_one_by_one(model, single, ids), out.logits) <= REL
+    assert max_rel(_one_by_one(model, single, ids), out.logits) <= REL
     assert_states_close(whole, single)
 
 
@@ -70,13 +66,13 @@ def test_static_steps_and_blocks_past_2_17_equal_the_chunk_path(model):
         out, _ = static_step(model, steps, t)
         steps.commit_static(out.delta, [t])
         got.append(out.logits[0])
-    assert _rel(torch.stack(got), expected) <= REL
+    assert max_rel(torch.stack(got), expected) <= REL
     assert_states_close(steps, reference)
     for i in range(0, TOKENS, 4):
         block = ids[i : i + 4]
         positions = torch.arange(blocks.pos, blocks.pos + len(block))
         out = model.forward(torch.tensor(block), blocks, logit_rows=slice(None), positions=positions)
-        assert _rel(out.logits, expected[i : i + 4]) <= REL
+        assert max_rel(out.logits, expected[i : i + 4]) <= REL
         blocks.commit_static(out.delta, block)
     assert_states_close(blocks, reference)
 
@@ -101,4 +97,4 @@ def test_batched_rows_past_2_17_are_bitwise_their_own(model):
         solo = model.forward([t], synthetic_state(model, p, CAPACITY, 10 + i), logit_rows=slice(0, 1)).logits[
             0
         ]
-        assert _rel(alone, solo) <= REL
+        assert max_rel(alone, solo) <= REL
