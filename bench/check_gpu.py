@@ -379,12 +379,14 @@ def check_tiny(root: Path) -> None:
         )
 
 
-def check_graphs(root: Path) -> None:
-    path = make_tiny(root / "graphs", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5))
-    prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+def _greedy_graph_vs_eager(path: Path, prompt: list[int], max_context: int, tokens: int) -> Engine:
+    """Greedy tokens after ``prompt`` through the decode graph == the same steps run eagerly (float32; bf16
+    only reports how many match). Returns the bf16 engine."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
-        engine = Engine.from_pretrained(path, device="cuda", dtype=dtype, max_context=128, max_batch=1)
+        engine = Engine.from_pretrained(
+            path, device="cuda", dtype=dtype, max_context=max_context, max_batch=1
+        )
         engine.eager = True
         eager = engine.generate(prompt, params)
         engine.eager = False
@@ -394,11 +396,26 @@ def check_graphs(root: Path) -> None:
             eager.error is None and graph.error is None and (same == len(eager.tokens) or dtype == "bfloat16")
         )
         record(
-            f"greedy tokens graph == eager ({dtype}, 48 tokens)",
+            f"greedy tokens graph == eager ({dtype}, {len(prompt)}-token prompt, {tokens} tokens)",
             ok,
             matching=same,
             errors=f"{eager.error_message}/{graph.error_message}",
         )
+    return engine
+
+
+def check_long_graphs(root: Path) -> None:
+    """Long context on the tiny model: a 20,000-token prompt gives 5,000 CSA entries, so that each decode
+    step's indexer selection is split over programs and its attention reads the open entry in place."""
+    path = make_tiny(root / "long", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5))
+    prompt = torch.randint(3, 128000, (20000,), generator=torch.Generator().manual_seed(11)).tolist()
+    _greedy_graph_vs_eager(path, prompt, max_context=20480, tokens=32)
+
+
+def check_graphs(root: Path) -> None:
+    path = make_tiny(root / "graphs", TinySpec(seed=5, window=8, hca_rate=8, index_topk=5))
+    prompt = torch.randint(3, 128000, (37,), generator=torch.Generator().manual_seed(9)).tolist()
+    engine = _greedy_graph_vs_eager(path, prompt, max_context=128, tokens=48)
     model = engine.model
     with torch.inference_mode():
         a, b = model.new_state(128), model.new_state(128)
@@ -712,6 +729,7 @@ CHECKS = {
     "kernels": lambda tmp: check_kernels(),
     "tiny": check_tiny,
     "graphs": check_graphs,
+    "long_graphs": check_long_graphs,
     "verify_graphs": check_verify_graphs,
     "bf16_verify_block": check_bf16_verify_block,
     "split_graphs": check_split_graphs,

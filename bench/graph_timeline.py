@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import cuda_ms, log, prefill  # noqa: E402
+from long_state import synthetic_state  # noqa: E402
 from proxy import build_proxy  # noqa: E402
 
 from ds4serve.engine.cuda_graphs import DecodeGraph  # noqa: E402
@@ -199,6 +200,11 @@ def main() -> None:
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 8192])
     p.add_argument("--layers", type=int, default=43)
     p.add_argument("--no-pdl", action="store_true", help="kernels without programmatic dependent launch")
+    p.add_argument(
+        "--synthetic-state",
+        action="store_true",
+        help="random committed rows at each context (bench/long_state.py) instead of a prefill",
+    )
     p.add_argument("--sequence", type=Path, help="append one replay's kernels in launch order here")
     p.add_argument(
         "--inductor-code",
@@ -222,9 +228,11 @@ def main() -> None:
     with torch.inference_mode():
         model = build_proxy(args.variant, layers=args.layers)
         for ctx in args.contexts:
-            ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
-            state = model.new_state(ctx + 256)
-            prefill(model, state, ids, 2048)
+            if args.synthetic_state:
+                state = synthetic_state(model, ctx, ctx + 256, seed=ctx)
+            else:
+                state = model.new_state(ctx + 256)
+                prefill(model, state, torch.randint(3, 128000, (ctx,), generator=gen).tolist(), 2048)
             graph = graphs[ctx] = DecodeGraph(model, state)
             row = result[str(ctx)] = {
                 "host_launch_ms": host_launch_ms(graph),

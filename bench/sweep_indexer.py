@@ -1,7 +1,7 @@
 """Lightning indexer of the CSA layers: the torch path (fp32 matmul + topk) against the kernels.
 
-Decode rows (S=1, ih=64, dim=128, k=512) over entry buffers of 2048 and 8192 rows (8K and 32K
-context) with 128 / 2048 / all entries visible, each path captured 20 times in a CUDA graph so that
+Decode rows (S=1, ih=64, dim=128, k=512) over entry buffers of 2048, 8192, 32768 and 262144 rows (8K,
+32K, 128K and 1M context) with 128 or all entries visible, each path captured 20 times in a CUDA graph so that
 the time per call is GPU time as inside the decode graph; then the kernel configurations of the
 scores and the selection separately. Prefill: a 2048-row chunk over 2048 entries (causal), the
 torch path against the scores kernel with the select kernel or with torch.topk. Agreement: the
@@ -40,12 +40,12 @@ IH, DIM, ROPE, K = 64, 128, 64, 512
 SCORES_DECODE = [ScoresConfig(1, 16), ScoresConfig(1, 32), ScoresConfig(1, 64), ScoresConfig(1, 128, 8)]
 SCORES_PREFILL = [ScoresConfig(1, 64), ScoresConfig(2, 64), ScoresConfig(2, 128, 8), ScoresConfig(4, 64, 8)]
 SELECTS = [
-    SelectConfig(1024, 8, 8),
-    SelectConfig(1024, 8, 4),
-    SelectConfig(1024, 4, 8),
-    SelectConfig(1024, 4, 4),
-    SelectConfig(1024, 2, 8),
-    SelectConfig(256, 8, 4),
+    SelectConfig(),
+    SelectConfig(tile=1024),
+    SelectConfig(tile=2048),
+    SelectConfig(tile=8192, warps=16),
+    SelectConfig(split_bits=4),
+    SelectConfig(bits=8),
 ]
 RESULTS: list[dict] = []
 
@@ -179,7 +179,7 @@ def prefill(S: int, T: int) -> None:
     record(**shape, path="scores accuracy", rel_err=scores_err(q, a, scores))
     record(
         **shape,
-        path=f"scores default {default_scores_config(S)}",
+        path=f"scores default {default_scores_config(S, T)}",
         ms=cuda_ms(lambda: index_scores(q, a["keys"], a["head_w"], visible), 5, warmup=1),
     )
     for cfg in SCORES_PREFILL:
@@ -204,7 +204,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-    for T, visibles in ((2048, (128, 2048)), (8192, (128, 2048, 8192))):
+    for T, visibles in ((2048, (128, 2048)), (8192, (128, 8192)), (32768, (32768,)), (262144, (262144,))):
         for n in visibles:
             decode(T, n)
     prefill(2048, 2048)

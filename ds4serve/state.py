@@ -288,6 +288,11 @@ class CompressorDelta:
     first_entry: int
 
 
+# A one-token static step's entry of the window its token is in: (row [1, dim], slot [1] int64). The step
+# does not write it into the entry buffer; the attention and the indexer read the row in that slot's place.
+OpenEntry = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class LayerDelta:
     window_rows: torch.Tensor  # [S, head_dim] the chunk's K=V rows

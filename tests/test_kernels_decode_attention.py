@@ -150,6 +150,29 @@ def test_index_slots_read_the_rows_a_mask_admits(S, k, config):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["mask", "index_slots"])
+@pytest.mark.parametrize("at", [0, 21, 39])
+def test_an_open_entry_reads_as_if_in_its_slot(gather, at):
+    """The one-token step's open entry (row and slot) attends exactly as the buffer with the row written
+    in that slot, whether the slot is admitted by a mask or named by index slots, at either end and
+    inside a tile; the buffer itself is read as it is (its row at the slot is never used)."""
+    q, keys, allowed, sinks = _inputs(60 + at, 2, 16, 64, [16, 40], 1.0)
+    allowed[1][:, at] = True
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(at)).to(DEVICE)
+    slot = torch.tensor([at], device=DEVICE)
+    stale = keys[1].clone()
+    stale[at] = float("nan")  # what a buffer holds in the slot of a window not yet closed
+    written = keys[1].clone()
+    written[at] = row[0]
+    second = _slots(allowed[1], 40) if gather else allowed[1]
+    got = decode_attention(
+        q, [keys[0], stale], [allowed[0], second], sinks, 0.125, SMALL, open_entry=(row, slot)
+    )
+    want = decode_attention(q, [keys[0], written], [allowed[0], second], sinks, 0.125, SMALL)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got).all()
+
+
 def test_index_slots_only_for_the_entries():
     q, keys, allowed, sinks = _inputs(3, 1, 16, 64, [16, 40], 1.0)
     with pytest.raises(ValueError, match="second key part only"):

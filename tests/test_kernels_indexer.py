@@ -27,10 +27,8 @@ from ds4serve.model.rope import Rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IH, DIM, ROPE = 16, 64, 8  # dim^-0.5 and ih^-0.5 are powers of two: small integer inputs score exactly
-SMALL_SELECT = SelectConfig(
-    block=16, bits=4, warps=1, one_tile_max=16
-)  # several steps per pass over 40 entries
-ONE_TILE_SELECT = SelectConfig(block=16, bits=4, warps=1)  # a 40-entry row read once, as one 64-wide tile
+SMALL_SELECT = SelectConfig(tile=16, split_bits=4, warps=1)  # a 40-entry row split over three programs
+ONE_TILE_SELECT = SelectConfig(tile=64, warps=1)  # a 40-entry row read once, as one 64-wide tile
 
 
 def _scores_ref(
@@ -94,11 +92,31 @@ def test_scores_match_reference(S, dtype, config):
     assert torch.allclose(got[visible], want[visible], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [SMALL_SELECT, ONE_TILE_SELECT], ids=["tiles", "one_tile"])
+@pytest.mark.parametrize("at", [0, 17, 44])
+def test_scores_read_an_open_entry_in_its_slot(at):
+    """The one-token step's open entry (row and slot) scores exactly as the buffer with the row written in
+    that slot, in the first, a middle and the last (partial) entry tile; the buffer's own row there is
+    never read."""
+    gen = torch.Generator().manual_seed(at)
+    T = 45
+    q, keys, head_w = _inputs(gen, 1, T, integer=False)
+    visible = _visible(gen, 1, T, [T])
+    row = torch.randn(1, DIM, generator=gen).to(DEVICE, keys.dtype)
+    stale = keys.clone()
+    stale[at] = float("nan")
+    written = keys.clone()
+    written[at] = row[0]
+    got = index_scores(
+        q, stale, head_w, visible, ScoresConfig(1, 16), open_entry=(row, torch.tensor([at], device=DEVICE))
+    )
+    assert torch.equal(got, index_scores(q, written, head_w, visible, ScoresConfig(1, 16)))
+
+
+@pytest.mark.parametrize("config", [SMALL_SELECT, ONE_TILE_SELECT], ids=["split", "one_tile"])
 def test_select_top_counts_ties_and_masked_rows(config):
     """Rows: many ties at the k-th score (integers), fewer / exactly k finite scores, all masked,
     -0.0 tied with +0.0 at the threshold, and a visible prefix (a decode buffer) ending mid-tile;
-    the row read a tile per step of each pass, or once as one tile."""
+    the row split over programs, a launch per pass, or read once as one tile."""
     gen = torch.Generator().manual_seed(7)
     T, k = 40, 6
     scores = torch.randint(0, 5, (7, T), generator=gen).float()
@@ -125,7 +143,7 @@ def test_select_top_radix_widths(bits, one_tile):
     scores = torch.randn(2, 37, generator=gen).to(DEVICE)
     scores[1, ::3] = float("-inf")
     got = select_top(
-        scores, 9, SelectConfig(block=16, bits=bits, warps=1, one_tile_max=64 if one_tile else 16)
+        scores, 9, SelectConfig(tile=64 if one_tile else 16, bits=bits, split_bits=bits, warps=1)
     )
     assert torch.equal(got, _lowest_index_top(scores, 9))
 
@@ -175,16 +193,13 @@ def _hard_rows(gen: torch.Generator, T: int, k: int) -> torch.Tensor:
     "T,k,config",
     [
         (2048, 512, None),  # a decode row of an 8K context: one 2048-wide tile, the default configuration
-        (3001, 512, None),  # one 4096-wide tile, T not a power of two
-        (4096, 512, None),  # the widest single tile of the default configuration
-        (
-            300,
-            37,
-            SelectConfig(block=64, bits=8, warps=1, one_tile_max=64),
-        ),  # tiles: 8-bit digit histograms summed per pass
-        (300, 37, SelectConfig(block=64, bits=4, warps=1, one_tile_max=64)),
+        (1500, 512, None),  # one 2048-wide tile, T not a power of two
+        (3001, 512, None),  # two programs, the default configuration, the last tile partial
+        (9000, 512, None),  # a decode row of a 36K context: five programs
+        (300, 37, SelectConfig(tile=64, warps=1)),  # five programs, 8-bit digit histograms summed per pass
+        (300, 37, SelectConfig(tile=64, split_bits=4, warps=1)),
     ],
-    ids=["one_tile_2048", "one_tile_3001", "one_tile_4096", "tiles_bits8", "tiles_bits4"],
+    ids=["one_tile_2048", "one_tile_1500", "split_3001", "split_9000", "split_bits8", "split_bits4"],
 )
 def test_select_top_hard_rows(T, k, config):
     """Ties at the k-th score, keys that differ only in their last digits, negative scores, -0.0
@@ -213,14 +228,14 @@ def _mask_positions(mask: torch.Tensor, k: int) -> torch.Tensor:
     [
         (2048, 512, None),
         (3001, 512, None),
-        (300, 37, SelectConfig(block=128, warps=1, one_tile_max=128)),  # three tiles, the last one partial
+        (300, 37, SelectConfig(tile=128, warps=1)),  # three programs, the last tile partial
     ],
-    ids=["one_tile_2048", "one_tile_3001", "tiles"],
+    ids=["one_tile_2048", "split_3001", "split"],
 )
 def test_select_top_indices_match_the_mask(T, k, config):
     """The index output of the hard rows (11 rows in one call: ties at the k-th score, shared high
     bits, +/-0, -inf padding, exactly k, fewer than k and no finite scores) lists the positions of
-    :func:`select_top`'s mask, ascending, padded with -1; one tile, T not a power of two, and tiles."""
+    :func:`select_top`'s mask, ascending, padded with -1; one tile, and split over programs."""
     gen = torch.Generator().manual_seed(T + k)
     scores = _hard_rows(gen, T, k).to(DEVICE)
     got = select_top_indices(scores, k, config)

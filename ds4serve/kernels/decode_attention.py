@@ -59,30 +59,69 @@ def _update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _keys_tile(keys, rows, ok, open_row, open_at, D: tl.constexpr, D_P: tl.constexpr, OPEN: tl.constexpr):
+    """The key rows ``rows`` where ``ok`` (0 elsewhere); with ``OPEN``, the row at slot ``open_at`` is
+    ``open_row``'s (the entry the step holds apart from the buffer)."""
+    d = tl.arange(0, D_P)
+    kt = tl.load(
+        keys + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0
+    )
+    if OPEN:
+        is_open = ok & (rows == open_at)
+        if tl.max(is_open.to(tl.int32), axis=0) > 0:
+            kt = tl.where(is_open[:, None], tl.load(open_row + d, mask=d < D, other=0.0)[None, :], kt)
+    return kt
+
+
+@triton.jit
 def _tile(
-    q, keys, allowed, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr
+    q,
+    keys,
+    allowed,
+    k,
+    hi,
+    m,
+    total,
+    acc,
+    scale,
+    open_row,
+    open_at,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    OPEN: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """The online softmax state after key tile ``k`` (unchanged when none of its keys is allowed)."""
     ok = tl.load(allowed + k, mask=k < hi, other=0) != 0
     if tl.max(ok.to(tl.int32), axis=0) > 0:
-        d = tl.arange(0, D_P)
-        kt = tl.load(keys + k[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        kt = _keys_tile(keys, k, ok, open_row, open_at, D, D_P, OPEN)
         m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
     return m, total, acc
 
 
 @triton.jit
 def _gathered_tile(
-    q, keys, index, k, hi, m, total, acc, scale, D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr
+    q,
+    keys,
+    index,
+    k,
+    hi,
+    m,
+    total,
+    acc,
+    scale,
+    open_row,
+    open_at,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    OPEN: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """The online softmax state after the keys named by index slots ``k`` (-1: an unused slot)."""
     rows = tl.load(index + k, mask=k < hi, other=-1)
     ok = rows >= 0
     if tl.max(ok.to(tl.int32), axis=0) > 0:
-        d = tl.arange(0, D_P)
-        kt = tl.load(
-            keys + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0
-        )
+        kt = _keys_tile(keys, rows, ok, open_row, open_at, D, D_P, OPEN)
         m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
     return m, total, acc
 
@@ -94,6 +133,8 @@ def _partial_kernel(
     a0_ptr,
     k1_ptr,
     a1_ptr,
+    open_ptr,
+    open_at_ptr,
     m_ptr,
     sum_ptr,
     acc_ptr,
@@ -110,10 +151,12 @@ def _partial_kernel(
     D: tl.constexpr,
     D_P: tl.constexpr,
     GATHER1: tl.constexpr,
+    OPEN1: tl.constexpr,
     WIDEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GATHER1: the second part's "mask" is int32 index slots [S, n1] naming its rows (-1: unused)
+    # OPEN1: the second part's row at slot open_at_ptr[0] is read from open_ptr
     pdl.start(PDL)
     head_blocks = tl.cdiv(H, BLOCK_H)
     s = tl.program_id(0) // head_blocks
@@ -145,13 +188,19 @@ def _partial_kernel(
                 total,
                 acc,
                 scale,
+                open_ptr,
+                0,
                 D,
                 D_P,
+                False,
                 WIDEN,
             )
     else:
         lo = (c - chunks0) * chunk
         hi = tl.minimum(lo + chunk, n1)
+        open_at = -1
+        if OPEN1:
+            open_at = tl.load(open_at_ptr)
         for k0 in range(lo, hi, BLOCK_N):
             if GATHER1:
                 m, total, acc = _gathered_tile(
@@ -164,8 +213,11 @@ def _partial_kernel(
                     total,
                     acc,
                     scale,
+                    open_ptr,
+                    open_at,
                     D,
                     D_P,
+                    OPEN1,
                     WIDEN,
                 )
             else:
@@ -179,8 +231,11 @@ def _partial_kernel(
                     total,
                     acc,
                     scale,
+                    open_ptr,
+                    open_at,
                     D,
                     D_P,
+                    OPEN1,
                     WIDEN,
                 )
     row = (s * H + heads) * tl.num_programs(1) + c  # partials [S, H, chunks(, D)]
@@ -230,6 +285,7 @@ def decode_attention(
     sinks: torch.Tensor,
     scale: float,
     config: DecodeAttentionConfig | None = None,
+    open_entry: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``softmax([scale q.k where allowed, sinks[h]])[:K] @ keys`` as ``[S, H, d]`` in ``q``'s dtype.
 
@@ -237,6 +293,8 @@ def decode_attention(
     one concatenated key sequence; ``allowed``: their bool masks ``[S or 1, K_i]``, or for the second
     part int32 index slots ``[S or 1, k]``: the rows it admits, -1 for an unused slot (the indexer's
     selection: only those rows are read, where a mask would visit every tile holding one); ``sinks [H]``.
+    ``open_entry``: the second part's row at its slot is read from its row instead (a one-token step's
+    entry of the window it is in, which the step does not write into the buffer).
     """
     S, H, D = q.shape
     cfg = config or DecodeAttentionConfig()
@@ -249,6 +307,9 @@ def decode_attention(
     chunks0 = triton.cdiv(n0, chunk)
     chunks = chunks0 + triton.cdiv(n1, chunk)
     (k0, a0), (k1, a1) = parts[0], parts[-1]  # a window-only layer passes the window twice, with no entries
+    if open_entry is not None and len(parts) < 2:
+        raise ValueError("decode_attention: an open entry needs a second key part")
+    open_row, open_at = open_entry if open_entry is not None else (k1, a1)
     stats = torch.empty(2, S, H, chunks, device=q.device, dtype=torch.float32)
     partial = torch.empty(S, H, chunks, D, device=q.device, dtype=torch.float32)
     D_P = max(16, triton.next_power_of_2(D))
@@ -258,6 +319,8 @@ def decode_attention(
         a0,
         k1,
         a1,
+        open_row,
+        open_at,
         stats[0],
         stats[1],
         partial,
@@ -274,6 +337,7 @@ def decode_attention(
         D=D,
         D_P=D_P,
         GATHER1=gather,
+        OPEN1=open_entry is not None,
         WIDEN=not q.is_cuda,
         num_warps=cfg.warps,
         **pdl.launch(q),

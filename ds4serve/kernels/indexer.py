@@ -10,17 +10,21 @@ chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two
   reference), applies relu and the head weights and sums the heads in registers: only the
   ``[S, T]`` fp32 scores reach memory, ``-inf`` where an entry is not visible. A tile with no
   visible entry reads no keys: the static decode buffer is sized for the longest context.
-* :func:`select_top`: one program per query row finds the k-th largest score by a radix select on
-  the order-preserving unsigned image of the fp32 bits, a ``bits``-wide digit per pass, most
-  significant first (4 bits by default: 8 passes): each pass builds the histogram of the digit
-  over the keys whose higher digits are those found so far, and its suffix sums give the digit of
-  the k-th largest key and how many keys lie above it. The passes are sequential block-wide steps (a row
-  is one program), so their number sets the kernel's latency on a decode row. Then it keeps every
-  score above the k-th largest and, among the scores equal to it, the lowest entry indices until
-  ``k`` are taken. ``torch.topk`` leaves the order among equal values unspecified, so this tie rule
-  is as exact as the reference. A row with at most ``k`` finite scores keeps all of them without
-  the radix passes, and the passes end after the row's last finite score.
-  :func:`select_top_indices` runs the same kernel with an index output: the selected entries' indices
+* :func:`select_top`: finds each row's k-th largest score by a radix select on the order-preserving
+  unsigned image of the fp32 bits, a ``bits``-wide digit per pass, most significant first: each pass
+  builds the histogram of the digit over the keys whose higher digits are those found so far, and its
+  suffix sums give the digit of the k-th largest key and how many keys lie above it. Then it keeps
+  every score above the k-th largest and, among the scores equal to it, the lowest entry indices until
+  ``k`` are taken. ``torch.topk`` leaves the order among equal values unspecified, so this tie rule is
+  as exact as the reference. A row with at most ``k`` finite scores keeps all of them without the
+  radix passes. A row of up to ``SelectConfig.tile`` scores is one program, read once into registers,
+  its passes sequential block-wide steps (4-bit digits: 8 passes). A longer row (a decode row past a
+  8K context) is split into tiles, one program each, so that a million-token context's 262,144 scores
+  are read by many SMs rather than one: a launch per pass (8-bit digits: 4 launches) adds each tile's
+  histogram to the row's with integer atomics (exact in any order), every program derives the pass's
+  digits from the row's histograms, and two more launches count each tile's keys above and at the
+  threshold and write the selection after the tiles before it.
+  :func:`select_top_indices` runs the same kernels with an index output: the selected entries' indices
   in ascending order, ``[S, k]`` with -1 in the places a row leaves, so that the decode attention
   reads only those entries. Each selected entry's place is its rank among the row's selected ones (a
   prefix sum of the selection flags), so the indices are written without a sort.
@@ -53,26 +57,33 @@ class ScoresConfig:
 
 @dataclass(frozen=True)
 class SelectConfig:
-    block: int = 1024  # scores read per step of a pass over the row
-    # radix digit width, both paths: 32 // bits passes, each a 2**bits-bin histogram (4: the fastest of
-    # bench/sweep_indexer.py for decode rows of 2048 and 8192 entries)
+    # A row of up to ``tile`` scores (rounded up to a power of two) is one program's, read once into
+    # registers; a longer row is split into tiles of ``tile`` scores, one program each, a launch per
+    # radix pass (a decode row of a million-token context has 262,144 scores). 2048: the fastest of
+    # bench/sweep_indexer.py on decode rows of 32,768 and 262,144 scores (21 and 23 us, 4096: 26 and 27).
+    tile: int = 2048
+    # radix digit width of a one-program row: 32 // bits passes, each a 2**bits-bin histogram (4: the
+    # fastest of bench/sweep_indexer.py for a decode row of 2048 entries)
     bits: int = 4
+    # radix digit width of a split row: each pass is a launch, each program adds its histogram to the row's
+    split_bits: int = 8
     warps: int = 8
-    # A row of up to this many scores (rounded up to a power of two) is read once into registers and
-    # every pass runs there; a longer one is read again by each pass, ``block`` at a time.
-    one_tile_max: int = 4096
 
     def __post_init__(self) -> None:
-        if self.bits not in (1, 2, 4, 8):  # a digit must divide the 32 key bits; 2**8 bins at most
-            raise ValueError(f"SelectConfig.bits must be 1, 2, 4 or 8, not {self.bits}")
+        for name in ("bits", "split_bits"):  # a digit must divide the 32 key bits; 2**8 bins at most
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise ValueError(f"SelectConfig.{name} must be 1, 2, 4 or 8, not {getattr(self, name)}")
 
 
 @functools.cache
-def default_scores_config(rows: int) -> ScoresConfig:
-    """Decode / verify rows: narrow entry tiles, so that a 2048-entry buffer fills 128 programs;
-    prefill chunks: two rows per program, so that each key tile is read once for 128 head rows
-    (the fastest of ``bench/sweep_indexer.py``)."""
-    return ScoresConfig(1, 16) if rows <= 8 else ScoresConfig(2, 64)
+def default_scores_config(rows: int, entries: int) -> ScoresConfig:
+    """Decode / verify rows: narrow entry tiles, so that a buffer of up to 8192 entries fills 128
+    programs, and wide ones past that (262,144 entries: 29 us against 54 with 16-entry tiles); prefill
+    chunks: two rows per program, so that each key tile is read once for 128 head rows (the fastest of
+    ``bench/sweep_indexer.py``). Entries in a row depend on the buffer, never on the other rows."""
+    if rows > 8:
+        return ScoresConfig(2, 64)
+    return ScoresConfig(1, 16) if entries <= 8192 else ScoresConfig(1, 128, 8)
 
 
 @triton.jit
@@ -81,6 +92,8 @@ def _scores_kernel(
     k_ptr,
     w_ptr,
     vis_ptr,
+    open_ptr,
+    open_at_ptr,
     out_ptr,
     S,
     T,
@@ -102,6 +115,7 @@ def _scores_kernel(
     IH_P: tl.constexpr,
     D_P: tl.constexpr,
     WIDEN: tl.constexpr,
+    OPEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
@@ -127,6 +141,11 @@ def _scores_kernel(
         kt = tl.load(
             k_ptr + t[None, :] * sk_t + d[:, None] * sk_d, mask=(t[None, :] < T) & (d[:, None] < D), other=0.0
         )
+        if OPEN:  # the open window's entry, which the step holds apart from the buffer
+            at = tl.load(open_at_ptr)
+            if (at >= tl.program_id(1) * BLOCK_T) & (at < (tl.program_id(1) + 1) * BLOCK_T):
+                row = tl.load(open_ptr + d, mask=d < D, other=0.0)
+                kt = tl.where((t == at)[None, :], row[:, None], kt)
         if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
             q = q.to(tl.float32)
             kt = kt.to(tl.float32)
@@ -143,12 +162,16 @@ def index_scores(
     head_w: torch.Tensor,
     visible: torch.Tensor,
     config: ScoresConfig | None = None,
+    open_entry: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """fp32 ``[S, T]``: ``sum_h relu(q[s,h] . keys[t]) * dim^-0.5 * head_w[s,h] * ih^-0.5``, ``-inf``
-    where ``visible [S, T]`` is False; ``q [S, ih, dim]`` and ``keys [T, dim]`` of one dtype."""
+    where ``visible [S, T]`` is False; ``q [S, ih, dim]`` and ``keys [T, dim]`` of one dtype. ``open_entry``
+    (row ``[1, dim]``, slot ``[1]``): the key at the slot is read from the row (a one-token step's entry of
+    the window it is in, which the step does not write into the buffer)."""
     S, ih, dim = q.shape
     T = keys.shape[0]
-    cfg = config or default_scores_config(S)
+    cfg = config or default_scores_config(S, T)
+    open_row, open_at = open_entry if open_entry is not None else (keys, keys)
     out = torch.empty(S, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(S, cfg.block_s), triton.cdiv(T, cfg.block_t))
     _scores_kernel[grid](
@@ -156,6 +179,8 @@ def index_scores(
         keys,
         head_w,
         visible,
+        open_row,
+        open_at,
         out,
         S,
         T,
@@ -172,6 +197,7 @@ def index_scores(
         IH_P=max(16, triton.next_power_of_2(ih)),
         D_P=max(16, triton.next_power_of_2(dim)),
         WIDEN=not q.is_cuda,
+        OPEN=open_entry is not None,
         num_warps=cfg.warps,
         **pdl.launch(q),
     )
@@ -202,35 +228,34 @@ def _digit_histogram(keys, prefix, found, shift, R: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(row_ptr, end, k, tile, BLOCK: tl.constexpr, BITS: tl.constexpr, ONE_TILE: tl.constexpr):
-    """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest) and how many of the keys
-    equal to it are among the ``k`` largest, for a row of more than ``k`` finite scores, all before
-    ``end``; built ``BITS`` bits a pass from the top. ``ONE_TILE``: the row's keys are ``tile`` (in
-    registers), else each pass reads them again."""
+def _next_digit(hist, prefix, found, need, shift, R: tl.constexpr):
+    """One radix pass's step: from the histogram ``[R]`` of the digit at ``shift`` over the keys that
+    match ``prefix``, the digit of the k-th largest (appended to ``prefix`` and ``found``) and how many of
+    the keys that match the longer prefix are still to be taken."""
+    at_least = tl.cumsum(hist, axis=0, reverse=True)  # [d]: matching keys with a digit >= d
+    # at_least falls as d grows: the digit is the last d where it still reaches ``need``, and the
+    # keys above that digit are at_least of the next d, the largest value below ``need``.
+    reached, above = tl.reduce(
+        ((at_least >= need).to(tl.int32), tl.where(at_least < need, at_least, 0)), 0, _count_and_max
+    )
+    prefix = prefix | ((reached - 1).to(tl.uint32) << shift)
+    found = found | (tl.full((), R - 1, tl.uint32) << shift)
+    return prefix, found, need - above
+
+
+@triton.jit
+def _kth_key(keys, k, BITS: tl.constexpr):
+    """The largest key ``v`` with ``#(key >= v) >= k`` (the k-th largest) among ``keys`` (one row in
+    registers, more than ``k`` of them finite) and how many of the keys equal to it are among the ``k``
+    largest; built ``BITS`` bits a pass from the top."""
     R: tl.constexpr = 1 << BITS
-    offs = tl.arange(0, BLOCK)
     prefix = tl.full((), 0, tl.uint32)
     found = tl.full((), 0, tl.uint32)  # the bits of ``prefix`` set so far
     need = k  # how many of the keys that match ``prefix`` are still to be taken (at most their count)
     for p in tl.static_range(32 // BITS):
         shift = 32 - BITS * (p + 1)
-        if ONE_TILE:
-            hist = _digit_histogram(tile, prefix, found, shift, R)
-        else:
-            hist = tl.zeros([R], tl.int32)
-            for t0 in range(0, end, BLOCK):
-                inside = t0 + offs < end
-                u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-                hist += _digit_histogram(u, prefix, found, shift, R)
-        at_least = tl.cumsum(hist, axis=0, reverse=True)  # [d]: matching keys with a digit >= d
-        # at_least falls as d grows: the digit is the last d where it still reaches ``need``, and the
-        # keys above that digit are at_least of the next d, the largest value below ``need``.
-        reached, above = tl.reduce(
-            ((at_least >= need).to(tl.int32), tl.where(at_least < need, at_least, 0)), 0, _count_and_max
-        )
-        prefix = prefix | ((reached - 1).to(tl.uint32) << shift)
-        found = found | (tl.full((), R - 1, tl.uint32) << shift)
-        need = need - above
+        hist = _digit_histogram(keys, prefix, found, shift, R)
+        prefix, found, need = _next_digit(hist, prefix, found, need, shift, R)
     return prefix, need
 
 
@@ -239,7 +264,7 @@ def _store_selection(dst, t0, sel, inside, kept, k, BLOCK: tl.constexpr, INDICES
     """Store the selection ``sel`` of the entries ``t0 + [0, BLOCK)``: their flags at ``dst + t0``, or
     (``INDICES``) each selected entry's index at its place among the row's selected ones, ``kept`` of
     them in earlier tiles. Returns the count of selected entries so far (index mode). The place is
-    checked against ``k``: a positive NaN score is not finite yet above every key, so it could overflow a row."""
+    checked against ``k``: a positive NaN score is above every key, so a row could hold more than ``k``."""
     offs = t0 + tl.arange(0, BLOCK)
     if INDICES:
         place = kept + tl.cumsum(sel.to(tl.int32), axis=0) - 1
@@ -266,57 +291,130 @@ def _select_kernel(
     k,
     BLOCK: tl.constexpr,
     BITS: tl.constexpr,
-    ONE_TILE: tl.constexpr,
     INDICES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row per program. Out: the bool mask ``[S, T]``, or (``INDICES``) int32 ``[S, k]``, the
-    selected entries' indices in ascending order, then -1."""
+    """One row per program, read once (``T <= BLOCK``). Out: the bool mask ``[S, T]``, or (``INDICES``)
+    int32 ``[S, k]``, the selected entries' indices in ascending order, then -1."""
     pdl.start(PDL)
-    row_ptr = score_ptr + tl.program_id(0) * T
     dst = out_ptr + tl.program_id(0) * (k if INDICES else T)
     offs = tl.arange(0, BLOCK)
-    if ONE_TILE:  # the whole row in registers: one read, then every pass over the keys there
-        scores = tl.load(row_ptr + offs, mask=offs < T, other=float("-inf"))
-        tile = _key(scores)
-        finite = tl.sum((scores > float("-inf")).to(tl.int32), axis=0)
-        end = T
-    else:
-        tile = tl.zeros([BLOCK], tl.uint32)
-        finite = 0
-        end = 0  # one past the last finite score: the passes stop there (decode: the context, not the buffer)
-        for t0 in range(0, T, BLOCK):
-            fin = tl.load(row_ptr + t0 + offs, mask=t0 + offs < T, other=float("-inf")) > float("-inf")
-            finite += tl.sum(fin.to(tl.int32), axis=0)
-            end = tl.maximum(end, tl.max(tl.where(fin, t0 + offs + 1, 0), axis=0))
+    inside = offs < T
+    keys = _key(tl.load(score_ptr + tl.program_id(0) * T + offs, mask=inside, other=float("-inf")))
     threshold = tl.full((), _NEG_INF_KEY, tl.uint32)
-    quota = 0  # how many of the scores equal to the threshold to take
-    if finite > k:
-        threshold, quota = _kth_key(row_ptr, end, k, tile, BLOCK, BITS, ONE_TILE)
-    kept = 0  # index mode: the entries selected so far
-    if ONE_TILE:
-        inside = offs < T
-        tie = (tile == threshold) & inside
-        rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the row's ties
-        kept = _store_selection(
-            dst, 0, (tile > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK, INDICES
-        )
-    else:
-        taken = 0
-        for t0 in range(0, end, BLOCK):
-            inside = t0 + offs < T
-            u = _key(tl.load(row_ptr + t0 + offs, mask=inside, other=float("-inf")))
-            tie = (u == threshold) & inside
-            rank = tl.cumsum(tie.to(tl.int32), axis=0) + taken  # 1-based among this row's ties
-            taken += tl.sum(tie.to(tl.int32), axis=0)
-            kept = _store_selection(
-                dst, t0, (u > threshold) | (tie & (rank <= quota)), inside, kept, k, BLOCK, INDICES
-            )
-        if not INDICES:
-            for t0 in range(tl.cdiv(end, BLOCK) * BLOCK, T, BLOCK):
-                tl.store(dst + t0 + offs, tl.zeros([BLOCK], tl.int1), mask=t0 + offs < T)
+    quota = 0  # how many of the keys equal to the threshold to take
+    if tl.sum((keys != _NEG_INF_KEY).to(tl.int32), axis=0) > k:
+        threshold, quota = _kth_key(keys, k, BITS)
+    tie = (keys == threshold) & inside
+    rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the row's ties
+    kept = _store_selection(
+        dst, 0, (keys > threshold) | (tie & (rank <= quota)), inside, 0, k, BLOCK, INDICES
+    )
     if INDICES:
         _pad_indices(dst, kept, k, BLOCK)
+
+
+@triton.jit
+def _split_state(hist_row, k, PASSES: tl.constexpr, BITS: tl.constexpr):
+    """A split row after ``PASSES`` radix passes, from their histograms at ``hist_row`` (``[passes, R]``):
+    the prefix of the k-th largest key, its bits, how many keys matching it are still to be taken, and
+    whether the row has more than ``k`` finite scores (pass 0 counts every finite key). Every program of
+    the row computes the same values from the same histograms."""
+    R: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, R)
+    prefix = tl.full((), 0, tl.uint32)
+    found = tl.full((), 0, tl.uint32)
+    need = k
+    selective = True
+    if PASSES > 0:
+        selective = tl.sum(tl.load(hist_row + bins), axis=0) > k
+    for p in tl.static_range(PASSES):
+        shift = 32 - BITS * (p + 1)
+        prefix, found, need = _next_digit(tl.load(hist_row + p * R + bins), prefix, found, need, shift, R)
+    return prefix, found, need, selective
+
+
+@triton.jit
+def _split_keys(score_ptr, T, TILE: tl.constexpr):
+    """This program's tile of its row: the keys, where they lie, and which are inside the row."""
+    offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    inside = offs < T
+    return _key(tl.load(score_ptr + tl.program_id(0) * T + offs, mask=inside, other=float("-inf"))), inside
+
+
+@triton.jit
+def _split_hist_kernel(
+    score_ptr, hist_ptr, T, k, PASS: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr
+):
+    """Radix pass ``PASS`` of a split row: this tile's histogram of the digit, added to the row's."""
+    pdl.start(PDL)
+    R: tl.constexpr = 1 << BITS
+    hist_row = hist_ptr + tl.program_id(0) * (32 // BITS) * R
+    prefix, found, need, selective = _split_state(hist_row, k, PASS, BITS)
+    if selective:
+        keys, _ = _split_keys(score_ptr, T, TILE)
+        hist = _digit_histogram(keys, prefix, found, 32 - BITS * (PASS + 1), R)
+        tl.atomic_add(hist_row + PASS * R + tl.arange(0, R), hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _split_threshold(hist_ptr, k, BITS: tl.constexpr):
+    """The k-th largest key of this program's row and how many keys equal to it to take (every finite key
+    of a row of at most ``k``: the key of -inf, none of them)."""
+    R: tl.constexpr = 1 << BITS
+    threshold, _, quota, selective = _split_state(
+        hist_ptr + tl.program_id(0) * (32 // BITS) * R, k, 32 // BITS, BITS
+    )
+    if not selective:
+        threshold = tl.full((), _NEG_INF_KEY, tl.uint32)
+        quota = 0
+    return threshold, quota
+
+
+@triton.jit
+def _split_count_kernel(
+    score_ptr, hist_ptr, count_ptr, T, k, TILE: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr
+):
+    """Per tile of a split row: how many of its keys are above the threshold and how many equal it."""
+    pdl.start(PDL)
+    threshold, _ = _split_threshold(hist_ptr, k, BITS)
+    keys, inside = _split_keys(score_ptr, T, TILE)
+    at = count_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 2
+    tl.store(at, tl.sum((keys > threshold).to(tl.int32), axis=0))
+    tl.store(at + 1, tl.sum(((keys == threshold) & inside).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _split_write_kernel(
+    score_ptr,
+    hist_ptr,
+    count_ptr,
+    out_ptr,
+    T,
+    k,
+    TILE: tl.constexpr,
+    TILES_P: tl.constexpr,
+    BITS: tl.constexpr,
+    INDICES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Per tile of a split row: its selection, placed after what the tiles before it selected."""
+    pdl.start(PDL)
+    threshold, quota = _split_threshold(hist_ptr, k, BITS)
+    keys, inside = _split_keys(score_ptr, T, TILE)
+    c = tl.program_id(1)
+    tiles = tl.arange(0, TILES_P)
+    row_counts = count_ptr + tl.program_id(0) * tl.num_programs(1) * 2 + tiles * 2
+    before = tiles < c
+    above = tl.sum(tl.load(row_counts, mask=before, other=0), axis=0)
+    ties = tl.sum(tl.load(row_counts + 1, mask=before, other=0), axis=0)
+    tie = (keys == threshold) & inside
+    rank = ties + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the row's ties
+    sel = (keys > threshold) | (tie & (rank <= quota))
+    dst = out_ptr + tl.program_id(0) * (k if INDICES else T)
+    kept = _store_selection(dst, c * TILE, sel, inside, above + tl.minimum(ties, quota), k, TILE, INDICES)
+    if INDICES and c == tl.num_programs(1) - 1:
+        _pad_indices(dst, kept, k, TILE)
 
 
 def _select(scores: torch.Tensor, k: int, config: SelectConfig | None, indices: bool) -> torch.Tensor:
@@ -327,20 +425,31 @@ def _select(scores: torch.Tensor, k: int, config: SelectConfig | None, indices: 
         out = torch.empty(S, k, device=scores.device, dtype=torch.int32)
     else:
         out = torch.empty(S, T, device=scores.device, dtype=torch.bool)
-    block = cfg.block
-    if T > block and triton.next_power_of_2(T) <= cfg.one_tile_max:
-        block = triton.next_power_of_2(T)
-    _select_kernel[(S,)](
+    launch = dict(num_warps=cfg.warps, **pdl.launch(scores))
+    if T <= cfg.tile:
+        block = max(16, triton.next_power_of_2(T))
+        _select_kernel[(S,)](scores, out, T, k, BLOCK=block, BITS=cfg.bits, INDICES=indices, **launch)
+        return out
+    bits, tile = cfg.split_bits, cfg.tile
+    tiles = triton.cdiv(T, tile)
+    hist = torch.zeros(S, 32 // bits, 1 << bits, device=scores.device, dtype=torch.int32)
+    counts = torch.empty(S, tiles, 2, device=scores.device, dtype=torch.int32)
+    grid = (S, tiles)
+    for p in range(32 // bits):
+        _split_hist_kernel[grid](scores, hist, T, k, PASS=p, TILE=tile, BITS=bits, **launch)
+    _split_count_kernel[grid](scores, hist, counts, T, k, TILE=tile, BITS=bits, **launch)
+    _split_write_kernel[grid](
         scores,
+        hist,
+        counts,
         out,
         T,
         k,
-        BLOCK=block,
-        BITS=cfg.bits,
-        ONE_TILE=T <= block,
+        TILE=tile,
+        TILES_P=triton.next_power_of_2(tiles),
+        BITS=bits,
         INDICES=indices,
-        num_warps=cfg.warps,
-        **pdl.launch(scores),
+        **launch,
     )
     return out
 
@@ -359,15 +468,25 @@ def select_top_indices(scores: torch.Tensor, k: int, config: SelectConfig | None
 
 
 def index_top(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    open_entry: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The visible entries among the ``k`` best by indexer score, per query ``[S, T]`` (bool)."""
-    return select_top(index_scores(q, keys, head_w, visible), k)
+    return select_top(index_scores(q, keys, head_w, visible, open_entry=open_entry), k)
 
 
 def index_top_indices(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    open_entry: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`index_top` as indices: int32 ``[S, k]``, the selected entries ascending, then -1 (see
     :func:`select_top_indices`)."""
-    return select_top_indices(index_scores(q, keys, head_w, visible), k)
+    return select_top_indices(index_scores(q, keys, head_w, visible, open_entry=open_entry), k)

@@ -238,29 +238,51 @@ def _(q, keys, head_w, visible, k):
 
 @torch.library.custom_op(f"{_LIB}::index_top_indices", mutates_args=())
 def index_top_indices(
-    q: torch.Tensor, keys: torch.Tensor, head_w: torch.Tensor, visible: torch.Tensor, k: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    head_w: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    open_row: torch.Tensor | None = None,
+    open_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`ds4serve.kernels.indexer.index_top_indices`: the same selection as :func:`index_top` as int32
-    ``[S, k]`` entry indices, ascending, -1 for the unused places."""
-    return indexer.index_top_indices(q, keys, head_w, visible, k)
+    ``[S, k]`` entry indices, ascending, -1 for the unused places; the key at slot ``open_at [1]`` read from
+    ``open_row [1, dim]`` when given."""
+    return indexer.index_top_indices(q, keys, head_w, visible, k, _open(open_row, open_at))
 
 
 @index_top_indices.register_fake
-def _(q, keys, head_w, visible, k):
+def _(q, keys, head_w, visible, k, open_row=None, open_at=None):
     return q.new_empty(q.shape[0], k, dtype=torch.int32)
 
 
 @torch.library.custom_op(f"{_LIB}::decode_attention", mutates_args=())
 def decode_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], allowed: list[torch.Tensor], sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    allowed: list[torch.Tensor],
+    sinks: torch.Tensor,
+    scale: float,
+    open_row: torch.Tensor | None = None,
+    open_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`ds4serve.kernels.decode_attention.decode_attention`: ``[S, H, d]`` attention of ``q [S, H, d]``
-    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``."""
-    return _decode_attention(q, keys, allowed, sinks, scale)
+    with a per-head sink over one or two key parts ``[K_i, d]`` (K = V) with bool masks ``[S or 1, K_i]``;
+    the second part's row at slot ``open_at [1]`` read from ``open_row [1, d]`` when given."""
+    return _decode_attention(q, keys, allowed, sinks, scale, open_entry=_open(open_row, open_at))
+
+
+def _open(
+    open_row: torch.Tensor | None, open_at: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if (open_row is None) != (open_at is None):
+        raise ValueError("open_row and open_at come together")
+    return None if open_row is None else (open_row, open_at)
 
 
 @decode_attention.register_fake
-def _(q, keys, allowed, sinks, scale):
+def _(q, keys, allowed, sinks, scale, open_row=None, open_at=None):
     return q.new_empty(q.shape)
 
 

@@ -19,7 +19,7 @@ from .. import kernels, profiler
 from ..config import CSA, SLIDING, ModelConfig
 from ..kernels.regions import region
 from ..quant import Weight
-from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState
+from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState, OpenEntry
 from .chunk_attention import chunk_attention, window_sequence
 from .compressor import CompressorWeights, compress_chunk
 from .linear import grouped_linear, linear
@@ -166,7 +166,7 @@ def attention_core(
     )
 
     delta = LayerDelta(window_rows=kv)
-    entries = visible = None
+    entries = visible = open_entry = None
     if w.compressor is not None:
         with profiler.phase("compressor"):
             comp = compress_chunk(
@@ -180,13 +180,14 @@ def attention_core(
                 _static_pos(chunk),
             )
         delta.compressor = comp
-        entries = _all_entries(state.compressor, comp, _static_pos(chunk))
+        entries, open_entry = _all_entries(state.compressor, comp, _static_pos(chunk))
         visible = _causal_entries(chunk.positions, entries.shape[0], state.compressor.rate)
         if w.layer_type == CSA:
             with profiler.phase("indexer"):
                 delta.indexer, visible = _indexer_select(w.indexer, xp, qp, chunk, state, cfg, ropes, visible)
 
-    return _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd**-0.5, cos, sin, window), delta
+    out = _attend_keys(q, kv, chunk, state, entries, visible, w.sinks, hd**-0.5, cos, sin, window, open_entry)
+    return out, delta
 
 
 def output_projection(w: AttentionWeights, out: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -245,9 +246,10 @@ def _attend_keys(
     cos: torch.Tensor,
     sin: torch.Tensor,
     window: Window | None = None,
+    open_entry: OpenEntry | None = None,
 ) -> torch.Tensor:
     """Attention over the window (and the entries ``visible`` admits: a mask, or in a static step with
-    the kernels the indexer's index slots), then the inverse RoPE.
+    the kernels the indexer's index slots; ``open_entry``: see :func:`_all_entries`), then the inverse RoPE.
 
     A static step reads the whole ring and entry buffers, masked (:func:`_attend`; ``window``: its keys and mask
     when already made); a chunk runs block-wise over the ring rows in reach and its own rows
@@ -257,7 +259,7 @@ def _attend_keys(
         keys, allowed = window or _window_keys_static(kv, chunk.positions, state.window)
         if entries is None:
             return _attend(q, [keys], [allowed], sinks, scale, cos, sin)
-        return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin)
+        return _attend(q, [keys, entries], [allowed, visible], sinks, scale, cos, sin, open_entry)
     seq = window_sequence(kv, state.window, chunk.start)
     out = chunk_attention(q, seq, chunk.start, entries, visible, sinks, scale)
     return _rotation(chunk)(out, cos, sin, inverse=True)
@@ -286,21 +288,33 @@ def _window_keys_static(
 @region
 def _all_entries(
     state: CompressorState, delta: CompressorDelta, static_pos: torch.Tensor | None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, OpenEntry | None]:
     """Committed entries then the chunk's; static: the whole buffer with the entries of the windows
-    the chunk closes in their slots (one token: its entry, whether or not it closes the window; rows
-    past a query's visible ones are masked)."""
+    the chunk closes in their slots (rows past a query's visible ones are masked). One token: the buffer
+    as it is and the open entry, its entry (whether or not it closes the window) with its slot, which
+    the attention and the indexer read in that slot's place: no copy of a buffer that at a million
+    tokens holds 262,144 entries."""
     committed = state.entries
     if static_pos is None:
-        return torch.cat([committed[: delta.first_entry], delta.entries])
-    slots = torch.arange(committed.shape[0], device=committed.device)
+        return torch.cat([committed[: delta.first_entry], delta.entries]), None
     if static_pos.shape[0] == 1:
-        return torch.where((slots == static_pos // state.rate).unsqueeze(-1), delta.entries, committed)
+        return committed, (delta.entries, static_pos // state.rate)
+    slots = torch.arange(committed.shape[0], device=committed.device)
     closer = (slots + 1) * state.rate - 1 - static_pos[:1]  # the block row that closes entry e
     closed = (closer >= 0) & (closer < static_pos.shape[0])
-    return torch.where(
+    entries = torch.where(
         closed.unsqueeze(-1), delta.entries[closer.clamp(0, static_pos.shape[0] - 1)], committed
     )
+    return entries, None
+
+
+def _with_open(entries: torch.Tensor, open_entry: OpenEntry | None) -> torch.Tensor:
+    """``entries`` with the open entry in its slot (the torch path; the kernels read it in place)."""
+    if open_entry is None:
+        return entries
+    row, at = open_entry
+    slots = torch.arange(entries.shape[0], device=entries.device)
+    return torch.where((slots == at).unsqueeze(-1), row, entries)
 
 
 @region
@@ -332,7 +346,7 @@ def _indexer_select(
         cfg.rms_norm_eps,
         _static_pos(chunk),
     )
-    keys = _all_entries(state.indexer, delta, _static_pos(chunk))
+    keys, open_key = _all_entries(state.indexer, delta, _static_pos(chunk))
     n_entries = keys.shape[0]
     if n_entries == 0:
         return delta, visible
@@ -340,7 +354,15 @@ def _indexer_select(
     q = qp["indexer.wq_b"].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
     slots = chunk.static and kernels.enabled(q)
     return delta, _index_top(
-        q, cos, sin, keys, xp["indexer.weights_proj"], visible, min(cfg.index_topk, n_entries), slots
+        q,
+        cos,
+        sin,
+        keys,
+        xp["indexer.weights_proj"],
+        visible,
+        min(cfg.index_topk, n_entries),
+        slots,
+        open_key,
     )
 
 
@@ -354,9 +376,11 @@ def _index_top(
     visible: torch.Tensor,
     k: int,
     slots: bool = False,
+    open_key: OpenEntry | None = None,
 ) -> torch.Tensor:
     """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``; with ``slots``
     (kernels only) as int32 index slots ``[S, k]`` instead, which the decode attention kernel reads.
+    ``open_key``: the key read in its slot's place (:func:`_all_entries`).
 
     With the kernels (:mod:`ds4serve.kernels.indexer`) the per-head scores never reach memory and
     the selection needs no sort; among scores equal to the k-th largest they keep the lowest entry
@@ -367,7 +391,10 @@ def _index_top(
     if kernels.enabled(q):
         from ..kernels import ops
 
-        return (ops.index_top_indices if slots else ops.index_top)(q, keys, head_w, visible, k)
+        if slots:
+            return ops.index_top_indices(q, keys, head_w, visible, k, *(open_key or ()))
+        return ops.index_top(q, _with_open(keys, open_key), head_w, visible, k)
+    keys = _with_open(keys, open_key)
     scores = torch.matmul(q.float(), keys.float().t())  # [S, ih, T]
     scores = F.relu(scores) * dim**-0.5
     scores = (scores * (head_w.float() * ih**-0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]
@@ -387,8 +414,10 @@ def _attend(
     scale: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    open_entry: OpenEntry | None = None,
 ) -> torch.Tensor:
-    """Attention over the concatenated key parts, then the inverse RoPE of the output.
+    """Attention over the concatenated key parts, then the inverse RoPE of the output (``open_entry``:
+    the last part's row read in its slot's place, :func:`_all_entries`).
 
     With the kernels (:mod:`ds4serve.kernels.decode_attention`) the parts are read in place and the
     attention is two launches instead of the cat, two products and the softmax kernels between them.
@@ -396,8 +425,9 @@ def _attend(
     if kernels.enabled(q):
         from ..kernels import ops
 
-        out = ops.decode_attention(q, keys, allowed, sinks, scale)
+        out = ops.decode_attention(q, keys, allowed, sinks, scale, *(open_entry or ()))
     else:
+        keys = [*keys[:-1], _with_open(keys[-1], open_entry)]
         keys_all = torch.cat(keys) if len(keys) > 1 else keys[0]
         mask = torch.cat(allowed, dim=-1) if len(allowed) > 1 else allowed[0]
         out = _core(q, keys_all, mask, sinks, scale)
