@@ -192,10 +192,14 @@ def _hard_rows(gen: torch.Generator, T: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "T,k,config",
     [
-        (2048, 512, None),  # a decode row of an 8K context: one 2048-wide tile, the default configuration
-        (1500, 512, None),  # one 2048-wide tile, T not a power of two
-        (3001, 512, None),  # two programs, the default configuration, the last tile partial
-        (9000, 512, None),  # a decode row of a 36K context: five programs
+        (
+            2048,
+            512,
+            SelectConfig(),
+        ),  # a decode row of an 8K context: one 2048-wide tile (decode rows' default)
+        (1500, 512, SelectConfig()),  # one 2048-wide tile, T not a power of two
+        (3001, 512, SelectConfig()),  # two programs, the last tile partial
+        (9000, 512, None),  # the default for 11 rows (a prefill chunk's): three 4096-wide tiles
         (300, 37, SelectConfig(tile=64, warps=1)),  # five programs, 8-bit digit histograms summed per pass
         (300, 37, SelectConfig(tile=64, split_bits=4, warps=1)),
     ],
@@ -227,7 +231,7 @@ def _mask_positions(mask: torch.Tensor, k: int) -> torch.Tensor:
     "T,k,config",
     [
         (2048, 512, None),
-        (3001, 512, None),
+        (3001, 512, SelectConfig()),
         (300, 37, SelectConfig(tile=128, warps=1)),  # three programs, the last tile partial
     ],
     ids=["one_tile_2048", "split_3001", "split"],

@@ -76,6 +76,15 @@ class SelectConfig:
 
 
 @functools.cache
+def default_select_config(rows: int) -> SelectConfig:
+    """Decode / verify rows: the defaults (2048-score tiles, 8 warps); prefill chunks, whose rows fill the GPU
+    without splitting: 4096-score tiles of 4 warps (a 2048-row chunk over 32,768 entries: 1.89 ms against
+    2.49 with the decode tiles and 1.73 with the former one program a row;
+    ``bench/results/2026-12-03-h200-long-context-decode.log``). The selection is the same either way."""
+    return SelectConfig() if rows <= 8 else SelectConfig(tile=4096, warps=4)
+
+
+@functools.cache
 def default_scores_config(rows: int, entries: int) -> ScoresConfig:
     """Decode / verify rows: narrow entry tiles, so that a buffer of up to 8192 entries fills 128
     programs, and wide ones past that (262,144 entries: 29 us against 54 with 16-entry tiles); prefill
@@ -418,9 +427,9 @@ def _split_write_kernel(
 
 
 def _select(scores: torch.Tensor, k: int, config: SelectConfig | None, indices: bool) -> torch.Tensor:
-    cfg = config or SelectConfig()
     scores = scores.contiguous()
     S, T = scores.shape
+    cfg = config or default_select_config(S)
     if indices:
         out = torch.empty(S, k, device=scores.device, dtype=torch.int32)
     else:
