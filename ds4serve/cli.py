@@ -274,8 +274,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slot-memory-fraction",
         type=fraction,
-        default=0.5,
-        help="share of the GPU's free memory after loading that the default decode slots may take",
+        default=None,
+        help="share of the GPU's free memory after loading that the default decode slots may take (default: half)",
     )
     p.add_argument(
         "--max-prefill-tokens",

@@ -310,7 +310,7 @@ def test_the_slots_memory_share_is_checked_and_passed_through():
     p = argparse.ArgumentParser()
     engine_args(p)
     assert p.parse_args(["--slot-memory-fraction", "0.25"]).slot_memory_fraction == 0.25
-    assert p.parse_args([]).slot_memory_fraction == 0.5
+    assert p.parse_args([]).slot_memory_fraction is None  # the engine's SLOT_MEMORY_FRACTION
     for bad in ("0", "1.5", "x"):
         with pytest.raises(SystemExit):
             p.parse_args(["--slot-memory-fraction", bad])

@@ -87,7 +87,7 @@ class Engine:
         kernels: KernelConfig | None = None,
         max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
-        slot_memory_fraction: float = SLOT_MEMORY_FRACTION,
+        slot_memory_fraction: float | None = None,
     ):
         """``max_batch``: the most sequences that run at once (decoded together in one batched forward);
         default :data:`DEFAULT_MAX_BATCH`, on a GPU as many decode slots of ``max_context`` tokens as
@@ -95,10 +95,12 @@ class Engine:
         in a pipeline (their batched forward is not captured). An engine with ``max_batch`` 1 decodes through
         the one-sequence step, any other through the batched one, a lone sequence included, so that a
         sequence's results never depend on what runs beside it. ``slot_memory_fraction``: the share of a GPU's
-        free memory that the default decode slots may take (0 < fraction <= 1).
+        free memory that the default decode slots may take (0 < fraction <= 1; default
+        :data:`SLOT_MEMORY_FRACTION`).
         ``max_prefill_tokens``: prompt tokens forwarded per step, at least one chunk (default ``chunk_size``)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size}")
+        slot_memory_fraction = SLOT_MEMORY_FRACTION if slot_memory_fraction is None else slot_memory_fraction
         if not 0 < slot_memory_fraction <= 1:
             raise ValueError(f"slot_memory_fraction: expected 0 < fraction <= 1, got {slot_memory_fraction}")
         self.model: DeepSeekV4 | None = model
@@ -157,7 +159,7 @@ class Engine:
         kernels: KernelConfig | None = None,
         max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
-        slot_memory_fraction: float = SLOT_MEMORY_FRACTION,
+        slot_memory_fraction: float | None = None,
     ) -> "Engine":
         """Load a checkpoint on ``device``, or split its layers over ``devices`` (see docs/PARALLEL.md).
 
@@ -588,8 +590,8 @@ class Engine:
             return 1 if one else DEFAULT_MAX_BATCH
         if model.device.type != "cuda":
             return DEFAULT_MAX_BATCH
-        per_slot = state_nbytes(model.cfg, model.layers, self.max_context, model.dtype)
-        count = default_max_batch(per_slot, torch.cuda.mem_get_info(model.device)[0], fraction)
+        per_slot, free = _slot_memory(model, self.max_context)
+        count = default_max_batch(per_slot, free, fraction)
         log.info(
             "max_batch %d: decode slots of %d tokens take %.2f GiB each, at most %.0f%% of the free memory",
             count,
@@ -749,13 +751,20 @@ def default_max_batch(slot_bytes: int, free_bytes: int, fraction: float = SLOT_M
     return count if count >= 2 else 1
 
 
+def _slot_memory(model: DeepSeekV4, max_context: int) -> tuple[int, int]:
+    """Bytes of one decode slot of ``max_context`` tokens and the free bytes of the model's CUDA device."""
+    return (
+        state_nbytes(model.cfg, model.layers, max_context, model.dtype),
+        torch.cuda.mem_get_info(model.device)[0],
+    )
+
+
 def _check_slots_fit(model: DeepSeekV4, count: int, max_context: int) -> None:
     """Raise a RuntimeError naming the options to change when ``count`` decode slots of ``max_context`` tokens
     would not fit in the free memory of the model's CUDA device (nothing is checked elsewhere)."""
     if model.device.type != "cuda":
         return
-    one = state_nbytes(model.cfg, model.layers, max_context, model.dtype)
-    free = torch.cuda.mem_get_info(model.device)[0]
+    one, free = _slot_memory(model, max_context)
     if count * one > free:
         raise RuntimeError(
             f"decode slots: --max-batch {count} slots of --max-context {max_context} tokens need "
