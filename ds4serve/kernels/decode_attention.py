@@ -88,38 +88,18 @@ def _tile(
     open_at,
     D: tl.constexpr,
     D_P: tl.constexpr,
+    GATHER: tl.constexpr,
     OPEN: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
-    """The online softmax state after key tile ``k`` (unchanged when none of its keys is allowed)."""
-    ok = tl.load(allowed + k, mask=k < hi, other=0) != 0
-    if tl.max(ok.to(tl.int32), axis=0) > 0:
-        kt = _keys_tile(keys, k, ok, open_row, open_at, D, D_P, OPEN)
-        m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
-    return m, total, acc
-
-
-@triton.jit
-def _gathered_tile(
-    q,
-    keys,
-    index,
-    k,
-    hi,
-    m,
-    total,
-    acc,
-    scale,
-    open_row,
-    open_at,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    OPEN: tl.constexpr,
-    WIDEN: tl.constexpr,
-):
-    """The online softmax state after the keys named by index slots ``k`` (-1: an unused slot)."""
-    rows = tl.load(index + k, mask=k < hi, other=-1)
-    ok = rows >= 0
+    """The online softmax state after tile ``k`` of a key part, unchanged when none of its keys is allowed:
+    ``allowed`` is the part's bool mask, or (``GATHER``) int32 index slots naming its rows (-1: unused)."""
+    if GATHER:
+        rows = tl.load(allowed + k, mask=k < hi, other=-1)
+        ok = rows >= 0
+    else:
+        rows = k
+        ok = tl.load(allowed + k, mask=k < hi, other=0) != 0
     if tl.max(ok.to(tl.int32), axis=0) > 0:
         kt = _keys_tile(keys, rows, ok, open_row, open_at, D, D_P, OPEN)
         m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
@@ -193,6 +173,7 @@ def _partial_kernel(
                 D,
                 D_P,
                 False,
+                False,
                 WIDEN,
             )
     else:
@@ -202,42 +183,24 @@ def _partial_kernel(
         if OPEN1:
             open_at = tl.load(open_at_ptr)
         for k0 in range(lo, hi, BLOCK_N):
-            if GATHER1:
-                m, total, acc = _gathered_tile(
-                    q,
-                    k1_ptr,
-                    a1_ptr + s * sa1,
-                    k0 + tl.arange(0, BLOCK_N),
-                    hi,
-                    m,
-                    total,
-                    acc,
-                    scale,
-                    open_ptr,
-                    open_at,
-                    D,
-                    D_P,
-                    OPEN1,
-                    WIDEN,
-                )
-            else:
-                m, total, acc = _tile(
-                    q,
-                    k1_ptr,
-                    a1_ptr + s * sa1,
-                    k0 + tl.arange(0, BLOCK_N),
-                    hi,
-                    m,
-                    total,
-                    acc,
-                    scale,
-                    open_ptr,
-                    open_at,
-                    D,
-                    D_P,
-                    OPEN1,
-                    WIDEN,
-                )
+            m, total, acc = _tile(
+                q,
+                k1_ptr,
+                a1_ptr + s * sa1,
+                k0 + tl.arange(0, BLOCK_N),
+                hi,
+                m,
+                total,
+                acc,
+                scale,
+                open_ptr,
+                open_at,
+                D,
+                D_P,
+                GATHER1,
+                OPEN1,
+                WIDEN,
+            )
     row = (s * H + heads) * tl.num_programs(1) + c  # partials [S, H, chunks(, D)]
     tl.store(m_ptr + row, m, mask=heads_in)
     tl.store(sum_ptr + row, total, mask=heads_in)

@@ -482,10 +482,9 @@ def index_top(
     head_w: torch.Tensor,
     visible: torch.Tensor,
     k: int,
-    open_entry: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The visible entries among the ``k`` best by indexer score, per query ``[S, T]`` (bool)."""
-    return select_top(index_scores(q, keys, head_w, visible, open_entry=open_entry), k)
+    return select_top(index_scores(q, keys, head_w, visible), k)
 
 
 def index_top_indices(
