@@ -2,7 +2,8 @@
 
 Measures, in the same process: the device copy bandwidth and the bf16 matmul rate (the two
 ceilings), then per weight variant batch-1 decode at 512 and 8192 tokens of context (eager torch
-reference path, eager with kernels, CUDA graph), prefill at chunks of 512 / 2048 / 8192, and
+reference path, eager with kernels, CUDA graph) after a prefill of that context in chunks of 2048 (its
+prompt rate reported, the chunk regions compiled by a warm-up before), prefill at chunks of 512 / 2048 / 8192, and
 transformers' DeepseekV4ForCausalLM on a 4-layer truncation of the proxy. Writes a JSON file and
 prints a markdown table. Kernel tables come from ``bench/graph_timeline.py``, in a process of its own:
 once ``torch.profiler`` has run in a process, every later graph launch there costs the host about
@@ -83,6 +84,9 @@ def ceilings() -> dict:
     return {"copy_GBps": copy, "bf16_matmul_TFLOPs": rate}
 
 
+PREFILL_CHUNK = 2048  # the chunk of each context's prefill
+
+
 def prefill(model, state, ids: list[int], chunk: int) -> None:
     for i in range(0, len(ids), chunk):
         part = ids[i : i + chunk]
@@ -129,19 +133,30 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
     log(f"weights {out['weights_GB']:.1f} GB, read per decode token {out['bytes_per_token_GB']:.2f} GB")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
+        if (
+            not args.synthetic_state
+        ):  # compile the chunk regions first, so that no context's prefill time holds it
+            warm = torch.randint(3, 128000, (2 * PREFILL_CHUNK,), generator=gen).tolist()
+            prefill(model, model.new_state(len(warm) + 16), warm, PREFILL_CHUNK)
         for ctx in args.contexts:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
             capacity = ctx + (args.steps + 4) * 2 + 16
+            row: dict = {"synthetic_state": args.synthetic_state}
             t0 = time.perf_counter()
             if args.synthetic_state:
                 state = synthetic_state(model, ctx, capacity, seed=ctx)
             else:
                 state = model.new_state(capacity)
-                prefill(model, state, ids, 2048)
+                prefill(model, state, ids, PREFILL_CHUNK)
             torch.cuda.synchronize()
-            how = "synthetic state made" if args.synthetic_state else "prefilled"
-            log(f"ctx {ctx}: {how} in {time.perf_counter() - t0:.1f} s")
-            row: dict = {"synthetic_state": args.synthetic_state}
+            seconds = time.perf_counter() - t0
+            if args.synthetic_state:
+                log(f"ctx {ctx}: synthetic state made in {seconds:.1f} s")
+            else:
+                row["prefill_s"], row["prefill_tokens_per_s"] = seconds, ctx / seconds
+                log(
+                    f"ctx {ctx}: prefilled in {seconds:.1f} s ({ctx / seconds:,.0f} tok/s, chunks of {PREFILL_CHUNK})"
+                )
             if variant == "bf16" and ctx == args.contexts[0]:
                 with kernels.disabled():
                     row["eager_torch_ms"], _ = decode_ms(eager_step(model), state, 4, ids[-1])
@@ -312,16 +327,18 @@ def main() -> None:
 
 def summary(r: dict, layers: int) -> str:
     lines = [
-        "| variant | ctx | eager torch ms | eager kernels ms | graph ms | tok/s | GB/s | % copy | replay % copy |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | ctx | prefill tok/s | eager torch ms | eager kernels ms | graph ms | tok/s | GB/s | % copy "
+        "| replay % copy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in ("bf16", "fp8", "fp8+fp4"):
         for key, row in sorted(
-            (k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_") and "graph_ms" in x
+            ((k, x) for k, x in r.get(v, {}).items() if k.startswith("decode_") and "graph_ms" in x),
+            key=lambda kx: int(kx[0][7:]),
         ):
             f = lambda k, fmt="{:.2f}": fmt.format(row[k]) if k in row else "-"  # noqa: E731
             lines.append(
-                f"| {v} | {key[7:]} | {f('eager_torch_ms')} | {f('eager_kernels_ms')} | {f('graph_ms')} | "
+                f"| {v} | {key[7:]} | {f('prefill_tokens_per_s', '{:,.0f}')} | {f('eager_torch_ms')} | {f('eager_kernels_ms')} | {f('graph_ms')} | "
                 f"{f('tokens_per_s', '{:.1f}')} | {f('GBps', '{:.0f}')} | "
                 f"{100 * row['fraction_of_copy_bw']:.1f} | {100 * row['replay_fraction_of_copy_bw']:.1f} |"
             )
