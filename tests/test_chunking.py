@@ -162,3 +162,29 @@ def test_forked_states_continue_independently(engines):
     b = engine.prefill(fork, tail_b)
     assert max_rel(a, engine.score(ids + tail_a)[-1]) <= REL
     assert max_rel(b, engine.score(ids + tail_b)[-1]) <= REL
+
+
+@pytest.mark.parametrize("start", [0, 37])
+def test_gathered_entries_attend_as_their_mask(start):
+    """A chunk's queries given their selected entries as index slots (gathered, a long prefix's CSA layer)
+    attend as with the same selection as a mask over every entry: fewer than k selected in some rows, none
+    in one, blocks of window keys before position 0 and after it."""
+    from ds4serve.model.chunk_attention import chunk_attention
+
+    g = torch.Generator().manual_seed(start)
+    S, H, d, W, E, k = 20, 4, 16, 8, 30, 6
+    q = torch.randn(S, H, d, generator=g)
+    seq = torch.randn(W - 1 + S, d, generator=g)
+    entries = torch.randn(E, d, generator=g)
+    sinks = torch.randn(H, generator=g)
+    slots = torch.full((S, k), -1, dtype=torch.int32)
+    mask = torch.zeros(S, E, dtype=torch.bool)
+    for s in range(S - 1):  # the last row selects nothing
+        chosen = torch.randperm(E, generator=g)[: 1 + s % k].sort().values
+        slots[s, : chosen.numel()] = chosen.to(torch.int32)
+        mask[s, chosen] = True
+    gathered = chunk_attention(q, seq, start, entries, slots, sinks, 0.25)
+    masked = chunk_attention(q, seq, start, entries, mask, sinks, 0.25)
+    assert torch.allclose(gathered, masked, rtol=1e-5, atol=1e-6), (gathered - masked).abs().max()
+    nothing = chunk_attention(q, seq, start, entries, torch.full((S, k), -1, dtype=torch.int32), sinks, 0.25)
+    assert not torch.allclose(gathered[:-1], nothing[:-1])  # the selected entries matter

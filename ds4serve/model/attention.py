@@ -20,7 +20,7 @@ from ..config import CSA, SLIDING, ModelConfig
 from ..kernels.regions import region
 from ..quant import Weight
 from ..state import CompressorDelta, CompressorState, LayerDelta, LayerState, OpenEntry
-from .chunk_attention import chunk_attention, window_sequence
+from .chunk_attention import chunk_attention, gathers, window_sequence
 from .compressor import CompressorWeights, compress_chunk
 from .linear import grouped_linear, linear
 from .norms import rms_norm, unweighted_rms_norm
@@ -352,7 +352,7 @@ def _indexer_select(
         return delta, visible
     cos, sin = chunk.rope["compress"]
     q = qp["indexer.wq_b"].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-    slots = chunk.static and kernels.enabled(q)
+    slots = kernels.enabled(q) if chunk.static else gathers(n_entries, cfg.index_topk)
     return delta, _index_top(
         q,
         cos,
@@ -378,9 +378,10 @@ def _index_top(
     slots: bool = False,
     open_key: OpenEntry | None = None,
 ) -> torch.Tensor:
-    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``; with ``slots``
-    (kernels only) as int32 index slots ``[S, k]`` instead, which the decode attention kernel reads.
-    ``open_key``: the key read in its slot's place (:func:`_all_entries`).
+    """The visible entries among the ``k`` best by indexer score, per query ``[S, T]``; with ``slots`` as int32
+    index slots ``[S, k]`` instead (ascending, then -1), which the decode attention kernel and a gathering
+    chunk (:func:`~.chunk_attention.gathers`) read. ``open_key``: the key read in its slot's place
+    (:func:`_all_entries`).
 
     With the kernels (:mod:`ds4serve.kernels.indexer`) the per-head scores never reach memory and
     the selection needs no sort; among scores equal to the k-th largest they keep the lowest entry
@@ -399,9 +400,13 @@ def _index_top(
     scores = F.relu(scores) * dim**-0.5
     scores = (scores * (head_w.float() * ih**-0.5).unsqueeze(-1)).sum(dim=1)  # [S, T]
     scores = scores.masked_fill(~visible, float("-inf"))
-    top = scores.topk(k, dim=-1).indices
+    top = scores.topk(k, dim=-1)
+    if slots:
+        n = scores.shape[-1]  # the places of invisible entries sort last, then become -1
+        index = torch.where(top.values > float("-inf"), top.indices, n).sort(dim=-1).values
+        return torch.where(index < n, index, -1).to(torch.int32)
     selected = torch.zeros_like(visible)
-    selected.scatter_(-1, top, True)
+    selected.scatter_(-1, top.indices, True)
     return selected & visible
 
 

@@ -11,6 +11,12 @@ With one shared K=V head the heads fold into the rows of a batched matrix produc
 ``[B*H, d] @ [d, B+W-1+E]``, bf16 tensor-core work on the GPU. Logits, mask and softmax are those
 of the dense path: scores in the activation dtype times the scale, fp32 softmax with the sink
 column, probabilities cast to the keys' dtype before the product with the values.
+
+A CSA layer's queries each see at most the indexer's ``k`` selected entries. Given as index slots
+``[S, k]`` (a prefix of many entries, :func:`gathers`), each query's selected entries are gathered and
+scored on their own, ``[H, d] @ [d, k]`` a query, instead of every block scoring all ``E`` entries: at a
+131,072-token prefix, 512 entries a query instead of 32,768. The window's and the entries' scores share one
+softmax; the two products with the values are summed in fp32 and rounded once.
 """
 
 from __future__ import annotations
@@ -21,7 +27,17 @@ import torch
 
 from .. import kernels
 
-SCORES_BUDGET = 1 << 28  # fp32 logits of the blocks that run together (about 1 GiB)
+SCORES_BUDGET = 1 << 28  # fp32 logits (and gathered entries) of the blocks that run together (about 1 GiB)
+# A chunk's CSA queries gather their selected entries once the prefix holds more than this many times k.
+GATHER_FACTOR = 4
+
+
+def gathers(n_entries: int, k: int) -> bool:
+    """Whether a chunk's queries read their ``k`` selected entries of ``n_entries`` by index slots (gathered)
+    rather than as a mask over all of them: the prefix alone decides, never the batch."""
+    return n_entries > GATHER_FACTOR * k
+
+
 # Keys per block padded (masked) to a multiple of this: with an odd count (255 window keys, +E entries)
 # the batched products' leading dimensions are unaligned and cuBLAS falls back to slow sm75/sm80 kernels.
 KEY_ALIGN = 32
@@ -52,16 +68,18 @@ def chunk_attention(
     """Softmax attention of ``q [S, H, d]`` at positions ``start ..`` with a per-head sink.
 
     ``seq`` is :func:`window_sequence` (its length fixes the window ``W``); ``entries [E, d]`` are
-    the compressed keys, ``visible [S, E]`` which of them each query sees (None: no entries).
-    Returns ``[S, H, d]`` in the dtype of ``q``.
+    the compressed keys, ``visible`` which of them each query sees: a bool mask ``[S, E]``, or int32 index
+    slots ``[S, k]`` naming them (-1: unused); None: no entries. Returns ``[S, H, d]`` in the dtype of ``q``.
     """
-    S, H = q.shape[0], q.shape[1]
+    S, H, d = q.shape
     window = seq.shape[0] - S + 1
     block = min(S, window)
     if entries is not None and entries.shape[0] == 0:
         entries = visible = None
-    n_entries = 0 if entries is None else entries.shape[0]
-    per_block = block * H * (block + window + n_entries)
+    if visible is not None and visible.dtype == torch.int32:  # scores and gathered entries of each query
+        per_block = block * (H * (block + window + KEY_ALIGN + visible.shape[1]) + visible.shape[1] * d)
+    else:
+        per_block = block * H * (block + window + (0 if entries is None else entries.shape[0]))
     run = max(1, SCORES_BUDGET // per_block) * block
     full = S - S % block
     runs = [(first, min(run, full - first), block) for first in range(0, full, run)]
@@ -104,7 +122,8 @@ def _blocks(
     keys = seq[first : first + (n - 1) * block + span].unfold(0, span, block).transpose(1, 2)  # [n, span, d]
     allowed = _window_mask(n, block, window, start - window + 1 + first, q.device).expand(n, -1, -1)
     key_parts, mask_parts = [keys], [allowed]
-    if entries is not None:
+    gathered = visible is not None and visible.dtype == torch.int32
+    if entries is not None and not gathered:
         key_parts.append(entries.expand(n, -1, -1))
         mask_parts.append(visible.reshape(n, block, -1))
     pad = -sum(k.shape[1] for k in key_parts) % KEY_ALIGN
@@ -114,19 +133,36 @@ def _blocks(
     keys = torch.cat(key_parts, dim=1)
     allowed = torch.cat(mask_parts, dim=2)
     K = keys.shape[1]
-    scores = torch.matmul(q.reshape(n, block * H, d), keys.transpose(1, 2))
-    if kernels.enabled(q):
+    scores = torch.matmul(q.reshape(n, block * H, d), keys.transpose(1, 2)).view(n, block, H, K)
+    if gathered:
+        picked = entries[visible.clamp(min=0).long()]  # [n*block, k, d]; slot -1 reads entry 0, masked
+        k = picked.shape[1]
+        picked_scores = torch.matmul(q, picked.transpose(1, 2)).view(n, block, H, k)
+        scores = torch.cat([scores, picked_scores], dim=-1)
+        allowed = torch.cat([allowed.expand(n, -1, -1), (visible >= 0).view(n, block, k)], dim=-1)
+    probs = _softmax(scores, allowed, sinks, scale, keys.dtype)
+    if not gathered:
+        return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)
+    out = torch.matmul(probs[..., :K].reshape(n, block * H, K), keys).view(n * block, H, d).float()
+    out = out + torch.matmul(probs[..., K:].reshape(n * block, H, k), picked).float()
+    return out.to(keys.dtype)
+
+
+def _softmax(
+    scores: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``softmax([scores * scale masked by allowed, sinks[h]])[..., :K]`` as ``dtype``: ``scores [n, block,
+    H, K]``, ``allowed [n or 1, block, K]``."""
+    if kernels.enabled(scores):
         from ..kernels.attn_softmax import attn_softmax
 
-        probs = attn_softmax(scores.view(n, block, H, K), allowed, sinks, scale, keys.dtype)
-    else:
-        scores = scores.mul_(scale).view(n, block, H, K)
-        logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=q.device)
-        bias = torch.where(allowed, 0.0, float("-inf")).unsqueeze(2)  # fp32 [n or 1, block, 1, K]
-        logits[..., :K] = scores + bias  # not add(out=): autograd (training) takes this form
-        logits[..., K] = sinks.float()
-        probs = torch.softmax(logits, dim=-1)[..., :K].to(keys.dtype)
-    return torch.matmul(probs.view(n, block * H, K), keys).view(n * block, H, d)
+        return attn_softmax(scores, allowed, sinks, scale, dtype)
+    n, block, H, K = scores.shape
+    logits = torch.empty(n, block, H, K + 1, dtype=torch.float32, device=scores.device)
+    bias = torch.where(allowed, 0.0, float("-inf")).unsqueeze(2)  # fp32 [n or 1, block, 1, K]
+    logits[..., :K] = scores * scale + bias  # not add(out=): autograd (training) takes this form
+    logits[..., K] = sinks.float()
+    return torch.softmax(logits, dim=-1)[..., :K].to(dtype)
 
 
 def _window_mask(n: int, block: int, window: int, first_key: int, device: torch.device) -> torch.Tensor:
