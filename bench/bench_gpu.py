@@ -142,6 +142,7 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
             ids = torch.randint(3, 128000, (ctx,), generator=gen).tolist()
             capacity = ctx + (args.steps + 4) * 2 + 16
             row: dict = {"synthetic_state": args.synthetic_state}
+            torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             if args.synthetic_state:
                 state = synthetic_state(model, ctx, capacity, seed=ctx)
@@ -150,6 +151,13 @@ def bench_variant(variant: str, args, ceil: dict) -> dict:
                 prefill(model, state, ids, PREFILL_CHUNK)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
+            row["state_GiB"] = state.nbytes() / 2**30
+            row["peak_GiB"] = (
+                torch.cuda.max_memory_allocated() / 2**30
+            )  # weights, state, the prefill's activations
+            log(
+                f"ctx {ctx}: the sequence's state {row['state_GiB']:.2f} GiB, peak memory {row['peak_GiB']:.1f} GiB"
+            )
             if args.synthetic_state:
                 log(f"ctx {ctx}: synthetic state made in {seconds:.1f} s")
             else:
