@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed; the kernels canno
 
 from ds4serve.kernels import ops  # noqa: E402
 from ds4serve.kernels.gemv import gemv_ref  # noqa: E402
-from ds4serve.kernels.hyper import hc_coefficients  # noqa: E402
+from ds4serve.kernels.hyper import TOKENS, hc_coefficients  # noqa: E402
 from ds4serve.kernels.moe import moe_ref  # noqa: E402
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref  # noqa: E402
 from ds4serve.quant import quantize_fp8  # noqa: E402
@@ -27,16 +27,23 @@ def _experts(gen: torch.Generator, E: int, out: int, inp: int) -> torch.Tensor:
     return (torch.randn(E, out, inp, generator=gen) / inp**0.5).to(DEVICE)
 
 
-def test_hc_coefficients_match_reference():
+@pytest.mark.parametrize(
+    "S", [3, TOKENS + 5]
+)  # a part of one program's block; two blocks, the second partial
+def test_hc_coefficients_match_reference(S):
+    """Each token's coefficients equal the reference's, and do not depend on the tokens beside it in its block."""
     gen = torch.Generator().manual_seed(5)
-    hc, S = 4, 3
+    hc = 4
     mixes = torch.randn(S, (2 + hc) * hc, generator=gen).to(DEVICE)
     base = (0.1 * torch.randn((2 + hc) * hc, generator=gen)).to(DEVICE)
     scale = (1 + 0.1 * torch.randn(3, generator=gen)).to(DEVICE)
     got = hc_coefficients(mixes, base, scale, hc, 20, 1e-6)
     want = hc_coefficients_ref(mixes, base, scale, hc, 20, 1e-6)
     for g, w in zip(got, want):
-        assert norm_rel(g, w) <= 1e-5
+        assert g.shape == w.shape and norm_rel(g, w) <= 1e-5
+    alone = hc_coefficients(mixes[-1:], base, scale, hc, 20, 1e-6)
+    for g, a in zip(got, alone):
+        assert torch.equal(g[-1:], a)
 
 
 def test_kernel_ops_trace_as_single_nodes():
