@@ -37,9 +37,10 @@ from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph, delta_at
 from ds4serve.engine.drafts import OracleProposer, PredictionProposer
 from ds4serve.kernels.gemv import GemvConfig, default_config, gemv, gemv_pair, gemv_ref
 from ds4serve.kernels.hc_pre import hc_merge_pre, hc_pre
+from ds4serve.kernels.hc_streams import hc_mixes
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
-from ds4serve.model import DeepSeekV4
+from ds4serve.model import DeepSeekV4, hyper
 from ds4serve.model.hyper import HCSite, hc_merge, hc_split, sum_terms
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.norms import rms_norm
@@ -201,14 +202,40 @@ def check_kernels() -> None:
     check_moe()
     check_gemv()
     check_gemv_pair()
-    mixes = torch.randn(7, 24, device="cuda")
+    mixes = torch.randn(2053, 24, device="cuda")  # whole blocks of tokens and a partial one
     base, scale = 0.1 * torch.randn(24, device="cuda"), 1 + 0.1 * torch.randn(3, device="cuda")
     got = hc_coefficients(mixes, base, scale, 4, 20, 1e-6)
     want = hc_coefficients_ref(mixes, base, scale, 4, 20, 1e-6)
     err = max(rel(g, w) for g, w in zip(got, want))
-    record("kernel hc_coefficients", err <= 1e-5, rel_err=err)
+    record(
+        "kernel hc_coefficients",
+        err <= 1e-5,
+        rel_err=err,
+        ms=timed(lambda: hc_coefficients(mixes, base, scale, 4, 20, 1e-6)),
+    )
+    check_mixes()
     check_hc_pre()
     check_hc_merge_pre()
+
+
+def check_mixes() -> None:
+    """A prefill chunk's mHC mixes at the real size (hc=4, D=4096, bf16 streams) against the torch code (fp32
+    norm and GEMM), and a row's mixes alone equal to the same row's in the chunk."""
+    site, _ = _hc_site(4, 4096)
+    for S in (9, 2048):
+        X = torch.randn(S, 4, 4096, device="cuda", dtype=torch.bfloat16)
+        with kernels.disabled():
+            want = hyper._hc_mixes.eager(X, site.fn, 1e-6)
+        got = hc_mixes(X, site.fn, 1e-6)
+        alone = torch.equal(hc_mixes(X[-1:].clone(), site.fn, 1e-6), got[-1:])
+        err = rel(got, want)
+        record(
+            f"kernel hc_mixes S={S}",
+            err <= 1e-5 and alone,
+            rel_err=err,
+            alone=alone,
+            ms=timed(lambda: hc_mixes(X, site.fn, 1e-6)),
+        )
 
 
 def check_hc_pre() -> None:

@@ -27,9 +27,9 @@ from ds4serve.model import hyper  # noqa: E402
 
 HC, D, MIX = 4, 4096, 24
 TILES = [
-    MixTile(r, n, w, s)
-    for r, n, w, s in itertools.product((16, 32, 64), (64, 128), (2, 4, 8), (2, 3, 4))
-    if not (r == 64 and w == 2)
+    MixTile(r, 128, parts, w, s)
+    for r, parts, w, s in itertools.product((32, 64, 128), (4, 8, 16), (4, 8), (3,))
+    if not (r == 128 and w == 4)
 ]
 
 

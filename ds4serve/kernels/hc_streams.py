@@ -80,13 +80,13 @@ def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _mixes_kernel(
+def _mixes_part_kernel(
     x_ptr,
     fn_ptr,
-    y_ptr,
+    part_ptr,
     S,
     N,
-    eps,
+    SPAN,
     MIX: tl.constexpr,
     MIX_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -94,8 +94,8 @@ def _mixes_kernel(
     WIDEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Rows ``[BLOCK_S]`` of the flattened bf16 streams: their products with ``fn`` and sums of squares over
-    all ``N`` inputs, then the mixes ``rsqrt(sum / N + eps) * products``."""
+    """Rows ``[BLOCK_S]`` of the flattened bf16 streams times ``fn`` over this program's ``SPAN`` inputs: the
+    partial products and sum of squares, at ``part [programs_n, S, MIX_PAD + 1]`` (the squares last)."""
     pdl.start(PDL)
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     rm = rows < S
@@ -104,7 +104,8 @@ def _mixes_kernel(
     acc = tl.zeros([BLOCK_S, MIX_PAD], dtype=tl.float32)
     sq = tl.zeros([BLOCK_S], dtype=tl.float32)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * N
-    for n0 in range(0, N, BLOCK_N):
+    start = tl.program_id(1) * SPAN
+    for n0 in range(start, start + SPAN, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         x = tl.load(x_rows + n[None, :], mask=rm[:, None], other=0.0)
         xf = x.to(tl.float32)
@@ -122,64 +123,107 @@ def _mixes_kernel(
             acc = tl.dot(x, hi, acc)
             acc = tl.dot(x, mid, acc)
             acc = tl.dot(x, lo, acc)
+    out = part_ptr + (tl.program_id(1) * S + rows.to(tl.int64)) * (MIX_PAD + 1)
+    tl.store(out[:, None] + m[None, :], acc, mask=rm[:, None])
+    tl.store(out + MIX_PAD, sq, mask=rm)
+
+
+@triton.jit
+def _mixes_sum_kernel(
+    part_ptr,
+    y_ptr,
+    S,
+    N,
+    eps,
+    PARTS: tl.constexpr,
+    MIX: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The mixes of rows ``[BLOCK_S]`` from their ``PARTS`` partials, summed in order:
+    ``rsqrt(squares / N + eps) * products``."""
+    pdl.start(PDL)
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    rm = rows < S
+    m = tl.arange(0, MIX_PAD)
+    acc = tl.zeros([BLOCK_S, MIX_PAD], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for p in tl.static_range(PARTS):
+        at = part_ptr + (p * S + rows.to(tl.int64)) * (MIX_PAD + 1)
+        acc += tl.load(at[:, None] + m[None, :], mask=rm[:, None], other=0.0)
+        sq += tl.load(at + MIX_PAD, mask=rm, other=0.0)
     y = acc * tl.rsqrt(sq / N + eps)[:, None]
-    tl.store(y_ptr + rows[:, None] * MIX + m[None, :], y, mask=rm[:, None] & mm[None, :])
+    tl.store(y_ptr + rows[:, None] * MIX + m[None, :], y, mask=rm[:, None] & (m[None, :] < MIX))
 
 
 @dataclass(frozen=True)
 class MixTile:
-    """Launch shape of :func:`hc_mixes`: rows and inputs a loop step of one program takes, warps, loop stages."""
+    """Launch shape of :func:`hc_mixes`: rows and inputs a loop step of one program takes, how many programs split
+    a row's inputs (their partial sums added in order by a second launch), warps, loop stages."""
 
-    rows: int = 16
+    rows: int = 64
     inputs: int = 128
+    parts: int = 8
     warps: int = 4
     stages: int = 3
 
 
-# The fastest tiles of bench/sweep_mixes.py: fewer rows keep short chunks' programs on every SM, more rows
-# read fn fewer times (docs/KERNELS.md).
+# Many rows a program read fn fewer times; the inputs split over ``parts`` programs keep a 2048-token chunk's
+# 32 row blocks on every SM (docs/KERNELS.md). The split depends on nothing but the tile: a row's mixes are the
+# same in any chunk.
 MIX_TILE = MixTile()
-MIX_TILE_LONG = MixTile(rows=64)
-LONG_CHUNK = 4096  # tokens from which a chunk's mixes take MIX_TILE_LONG
+SUM_ROWS = 64  # rows per program of the partials' sum
 
 
 def mixes_apply(X: torch.Tensor) -> bool:
     """Whether :func:`hc_mixes` takes streams like ``X``: bf16 (the tensor-core operand; the products of
     other dtypes would not be exact) whose flattened rows split into whole steps of the kernel's loop."""
-    return (
-        X.dtype == torch.bfloat16
-        and (X.shape[1] * X.shape[2]) % max(MIX_TILE.inputs, MIX_TILE_LONG.inputs) == 0
-    )
+    return X.dtype == torch.bfloat16 and (X.shape[1] * X.shape[2]) % (MIX_TILE.inputs * MIX_TILE.parts) == 0
 
 
-def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile | None = None) -> torch.Tensor:
+def hc_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, tile: MixTile = MIX_TILE) -> torch.Tensor:
     """fp32 mixes ``[S, mix]`` of bf16 streams ``X [S, hc, D]`` (:func:`mixes_apply`): for each flattened row
     ``x``, ``rsqrt(mean(x^2) + eps) * (x @ fn.T)`` with ``fn [mix, hc * D]`` in fp32. ``tile``: the launch
-    shape (default by the chunk's length: :data:`MIX_TILE`, from :data:`LONG_CHUNK` tokens :data:`MIX_TILE_LONG`)."""
-    tile = tile or (MIX_TILE_LONG if X.shape[0] >= LONG_CHUNK else MIX_TILE)
-    if X.dtype != torch.bfloat16 or (X.shape[1] * X.shape[2]) % tile.inputs:
+    shape."""
+    if X.dtype != torch.bfloat16 or (X.shape[1] * X.shape[2]) % (tile.inputs * tile.parts):
         raise ValueError(
-            f"hc_mixes: expected bf16 streams of a multiple of {tile.inputs} values a row, got "
+            f"hc_mixes: expected bf16 streams of a multiple of {tile.inputs * tile.parts} values a row, got "
             f"{X.dtype} {tuple(X.shape)}"
         )
     S = X.shape[0]
     x = X.reshape(S, -1).contiguous()
     N, mix = x.shape[1], fn.shape[0]
-    y = torch.empty(S, mix, device=X.device, dtype=torch.float32)
-    _mixes_kernel[(triton.cdiv(S, tile.rows),)](
+    mix_pad = max(16, triton.next_power_of_2(mix))
+    part = torch.empty(tile.parts, S, mix_pad + 1, device=X.device, dtype=torch.float32)
+    _mixes_part_kernel[(triton.cdiv(S, tile.rows), tile.parts)](
         x,
         fn.float().contiguous(),
-        y,
+        part,
         S,
         N,
-        eps,
+        N // tile.parts,
         MIX=mix,
-        MIX_PAD=max(16, triton.next_power_of_2(mix)),
+        MIX_PAD=mix_pad,
         BLOCK_S=tile.rows,
         BLOCK_N=tile.inputs,
         WIDEN=not X.is_cuda,
         num_warps=tile.warps,
         num_stages=tile.stages,
+        **pdl.launch(X),
+    )
+    y = torch.empty(S, mix, device=X.device, dtype=torch.float32)
+    _mixes_sum_kernel[(triton.cdiv(S, SUM_ROWS),)](
+        part,
+        y,
+        S,
+        N,
+        eps,
+        PARTS=tile.parts,
+        MIX=mix,
+        MIX_PAD=mix_pad,
+        BLOCK_S=SUM_ROWS,
+        num_warps=4,
         **pdl.launch(X),
     )
     return y
