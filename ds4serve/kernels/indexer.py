@@ -4,12 +4,13 @@ The torch reference (:func:`ds4serve.model.attention._index_top`) converts the k
 materialises the per-head scores ``[S, ih, T]`` in fp32 (a 1 GB tensor for a 2048-token prefill
 chunk over 2048 entries) and selects with ``torch.topk``, a radix sort. Here two launches:
 
-* :func:`index_scores`: one program per block of query rows and tile of entries multiplies the
-  ``[rows*ih, dim]`` queries with a ``[dim, BLOCK_T]`` key tile on the tensor cores (fp32
-  accumulation; bf16 products are exact in fp32, so only the summation order differs from the
-  reference), applies relu and the head weights and sums the heads in registers: only the
-  ``[S, T]`` fp32 scores reach memory, ``-inf`` where an entry is not visible. A tile with no
-  visible entry reads no keys: the static decode buffer is sized for the longest context.
+* :func:`index_scores`: one program per block of query rows and tile of entries reads the
+  ``[BLOCK_T, dim]`` key tile once and, for each of its rows, multiplies it with the row's
+  ``[dim, ih]`` queries on the tensor cores (fp32 accumulation; bf16 products are exact in fp32, so
+  only the summation order differs from the reference), applies relu and the head weights and sums
+  the heads along the accumulator's rows in registers: only the ``[S, T]`` fp32 scores reach memory,
+  ``-inf`` where an entry is not visible. A tile no row of the block sees reads no keys: the static
+  decode buffer is sized for the longest context. A row's scores do not depend on the block it shares.
 * :func:`select_top`: finds each row's k-th largest score by a radix select on the order-preserving
   unsigned image of the fp32 bits, a ``bits``-wide digit per pass, most significant first: each pass
   builds the histogram of the digit over the keys whose higher digits are those found so far, and its
@@ -86,13 +87,13 @@ def default_select_config(rows: int) -> SelectConfig:
 
 @functools.cache
 def default_scores_config(rows: int, entries: int) -> ScoresConfig:
-    """Decode / verify rows: narrow entry tiles, so that a buffer of up to 8192 entries fills 128
-    programs, and wide ones past that (262,144 entries: 29 us against 54 with 16-entry tiles); prefill
-    chunks: two rows per program, so that each key tile is read once for 128 head rows (the fastest of
-    ``bench/sweep_indexer.py``). Entries in a row depend on the buffer, never on the other rows."""
+    """Decode / verify rows: 64-entry tiles up to 8192 entries, 128-entry tiles of 8 warps past that;
+    prefill chunks: 16 rows per program, each 128-entry key tile read once for them (the fastest of
+    ``bench/sweep_indexer.py``, ``bench/results/2026-12-04-h200-sweep-indexer.log``). A row's scores
+    depend on the buffer, never on the other rows."""
     if rows > 8:
-        return ScoresConfig(2, 64)
-    return ScoresConfig(1, 16) if entries <= 8192 else ScoresConfig(1, 128, 8)
+        return ScoresConfig(16, 128, 8)
+    return ScoresConfig(1, 64) if entries <= 8192 else ScoresConfig(1, 128, 8)
 
 
 @triton.jit
@@ -130,39 +131,44 @@ def _scores_kernel(
     pdl.start(PDL)
     s0 = tl.program_id(0) * BLOCK_S
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    r = tl.arange(0, BLOCK_S * IH_P)  # (query row, head) pairs, heads fastest
-    rs = s0 + r // IH_P
-    rh = r % IH_P
-    s = s0 + tl.arange(0, BLOCK_S)
-    inside = (s[:, None] < S) & (t[None, :] < T)
-    vis = tl.load(vis_ptr + s[:, None] * sv_s + t[None, :] * sv_t, mask=inside, other=0) != 0
-    score = tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32)
+    tm = t < T
+    rows = s0 + tl.arange(0, BLOCK_S)
+    block_vis = tl.load(
+        vis_ptr + rows[:, None] * sv_s + t[None, :] * sv_t, mask=(rows[:, None] < S) & tm[None, :], other=0
+    )
     if (
-        tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0
+        tl.max(tl.max(block_vis.to(tl.int32), axis=1), axis=0) > 0
     ):  # a static decode buffer is mostly not visible yet
-        rows_in = (rs < S) & (rh < IH)
         d = tl.arange(0, D_P)
-        q = tl.load(
-            q_ptr + rs[:, None] * sq_s + rh[:, None] * sq_h + d[None, :] * sq_d,
-            mask=rows_in[:, None] & (d[None, :] < D),
-            other=0.0,
-        )
-        kt = tl.load(
-            k_ptr + t[None, :] * sk_t + d[:, None] * sk_d, mask=(t[None, :] < T) & (d[:, None] < D), other=0.0
+        h = tl.arange(0, IH_P)
+        keys = tl.load(
+            k_ptr + t[:, None] * sk_t + d[None, :] * sk_d, mask=tm[:, None] & (d[None, :] < D), other=0.0
         )
         if OPEN:  # the open window's entry, which the step holds apart from the buffer
             at = tl.load(open_at_ptr)
-            if (at >= tl.program_id(1) * BLOCK_T) & (at < (tl.program_id(1) + 1) * BLOCK_T):
-                row = tl.load(open_ptr + d, mask=d < D, other=0.0)
-                kt = tl.where((t == at)[None, :], row[:, None], kt)
+            row = tl.load(open_ptr + d, mask=d < D, other=0.0)
+            keys = tl.where((t == at)[:, None], row[None, :], keys)
         if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
-            q = q.to(tl.float32)
-            kt = kt.to(tl.float32)
-        dots = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_S*IH_P, BLOCK_T] fp32
-        w = tl.load(w_ptr + rs * sw_s + rh * sw_h, mask=rows_in, other=0.0).to(tl.float32) * w_scale
-        heads = tl.maximum(dots, 0.0) * qk_scale * w[:, None]
-        score = tl.where(vis, tl.sum(tl.reshape(heads, [BLOCK_S, IH_P, BLOCK_T]), axis=1), float("-inf"))
-    tl.store(out_ptr + s[:, None] * T + t[None, :], score, mask=inside)
+            keys = keys.to(tl.float32)
+        for s in range(s0, tl.minimum(s0 + BLOCK_S, S)):  # the key tile is read once for the block's rows
+            q = tl.load(
+                q_ptr + s * sq_s + h[:, None] * sq_h + d[None, :] * sq_d,
+                mask=(h[:, None] < IH) & (d[None, :] < D),
+                other=0.0,
+            )
+            if WIDEN:
+                q = q.to(tl.float32)
+            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_T, IH_P] fp32
+            w = tl.load(w_ptr + s * sw_s + h * sw_h, mask=h < IH, other=0.0).to(tl.float32) * w_scale
+            score = tl.sum(tl.maximum(dots, 0.0) * qk_scale * w[None, :], axis=1)
+            vis = tl.load(vis_ptr + s * sv_s + t * sv_t, mask=tm, other=0) != 0
+            tl.store(out_ptr + s * T + t, tl.where(vis, score, float("-inf")), mask=tm)
+    else:
+        tl.store(
+            out_ptr + rows[:, None] * T + t[None, :],
+            tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
+            mask=(rows[:, None] < S) & tm[None, :],
+        )
 
 
 def index_scores(
