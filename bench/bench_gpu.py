@@ -2,8 +2,8 @@
 
 Measures, in the same process: the device copy bandwidth and the bf16 matmul rate (the two
 ceilings), then per weight variant batch-1 decode at 512 and 8192 tokens of context (eager torch
-reference path, eager with kernels, CUDA graph) after a prefill of that context in chunks of 2048 (its
-prompt rate reported, the chunk regions compiled by a warm-up before), prefill at chunks of 512 / 2048 / 8192, and
+reference path, eager with kernels, CUDA graph) after a prefill of that context in the engine's default chunks
+(its prompt rate reported, the chunk regions compiled by a warm-up before), prefill at chunks of 512 / 2048 / 8192, and
 transformers' DeepseekV4ForCausalLM on a 4-layer truncation of the proxy. Writes a JSON file and
 prints a markdown table. Kernel tables come from ``bench/graph_timeline.py``, in a process of its own:
 once ``torch.profiler`` has run in a process, every later graph launch there costs the host about
@@ -38,7 +38,7 @@ from proxy import build_proxy, bytes_per_token, flash_config, params_per_token  
 
 from ds4serve import kernels  # noqa: E402
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph  # noqa: E402
-from ds4serve.engine.engine import Engine  # noqa: E402
+from ds4serve.engine.engine import GPU_CHUNK_TOKENS, Engine  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -84,13 +84,17 @@ def ceilings() -> dict:
     return {"copy_GBps": copy, "bf16_matmul_TFLOPs": rate}
 
 
-PREFILL_CHUNK = 2048  # the chunk of each context's prefill
+PREFILL_CHUNK = GPU_CHUNK_TOKENS  # the chunk of each context's prefill: the engine's default on CUDA
+PROGRESS_TOKENS = 1 << 17  # a long prefill logs its progress every this many tokens
 
 
 def prefill(model, state, ids: list[int], chunk: int) -> None:
     for i in range(0, len(ids), chunk):
         part = ids[i : i + chunk]
         state.commit(model.forward(part, state).delta, len(part))
+        if len(ids) > PROGRESS_TOKENS and (i + len(part)) % PROGRESS_TOKENS == 0:
+            torch.cuda.synchronize()
+            log(f"prefilled {i + len(part):,} of {len(ids):,} tokens")
 
 
 def decode_ms(step, state, n: int, token: int) -> tuple[float, list[int]]:
