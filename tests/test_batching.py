@@ -317,3 +317,63 @@ def test_the_slots_memory_share_is_checked_and_passed_through():
     assert default_max_batch(2**30, 20 * 2**30, 0.25) == 5
     with pytest.raises(ValueError, match="slot_memory_fraction"):
         Engine(None, None, slot_memory_fraction=0)
+
+
+def _scarce_memory(engine: Engine, monkeypatch, states: int) -> None:
+    """Make a new sequence state fail to allocate (``torch.OutOfMemoryError``) while the engine's pool holds
+    ``states`` states, in use or free."""
+    pool = engine._states
+    allocate = pool._allocate
+
+    def scarce(capacity: int):
+        if pool.in_use + len(pool._free) >= states:
+            raise torch.OutOfMemoryError(f"no room for a state of {capacity} tokens")
+        return allocate(capacity)
+
+    monkeypatch.setattr(pool, "_allocate", scarce)
+
+
+def test_a_request_that_does_not_fit_in_memory_waits_for_a_running_one(tiny_dir, monkeypatch):
+    """While two states fill the memory, a third request waits at the head of the queue instead of failing,
+    starts once a running request ends, and gets what it gets alone (greedy and seeded); a request that does
+    not fit alone fails with out_of_memory and the engine serves on."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=4)
+    engine.prefix_cache = None
+    prompts = [random_prompt(20 + 7 * i, seed=50 + i) for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+        for i in range(4)
+    ]
+    alone = [engine.generate(p, sp).tokens for p, sp in zip(prompts, params)]
+    _scarce_memory(engine, monkeypatch, states=2)
+    handles = [engine.stream(p, sp) for p, sp in zip(prompts, params)]
+    queued = []
+    while not all(h.done for h in handles):
+        engine.step()
+        assert engine.running <= 2
+        queued.append(engine.waiting)
+    assert max(queued) == 2  # two requests waited for memory, with room in the batch for them
+    assert [h.result.error for h in handles] == [None] * 4
+    assert [h.result.tokens for h in handles] == alone
+    engine._states.clear()
+    _scarce_memory(engine, monkeypatch, states=0)
+    res = engine.generate(prompts[0], params[0])
+    assert res.error is not None and res.error.value == "out_of_memory" and res.finish_reason == "error"
+    monkeypatch.undo()
+    assert engine.generate(prompts[0], params[0]).tokens == alone[0]
+
+
+def test_free_states_make_room_for_a_larger_one(tiny_dir, monkeypatch):
+    """A request that needs a larger state than the free one, with room for only one state: the free state is
+    dropped and the new one allocated, and the request runs as it does on a fresh engine."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=4096, max_batch=2)
+    engine.prefix_cache = None
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    short, long = random_prompt(10, seed=1), random_prompt(1500, seed=2)
+    want = Engine.from_pretrained(tiny_dir, max_context=4096, max_batch=2).generate(long, params).tokens
+    engine.generate(short, params)
+    assert [s.max_context for s in engine._states._free] == [1024]
+    _scarce_memory(engine, monkeypatch, states=1)
+    res = engine.generate(long, params)
+    assert res.error is None and res.tokens == want
+    assert [s.max_context for s in engine._states._free] == [2048]

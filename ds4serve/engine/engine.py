@@ -418,8 +418,15 @@ class Engine:
         return ids
 
     def acquire_state(self, need: int) -> SequenceState:
-        """A state for a request that needs ``need`` tokens (from the pool; it is the engine's current one)."""
-        self._state = self._states.acquire(need)
+        """A state for a request that needs ``need`` tokens (from the pool; it is the engine's current one).
+        When a new one does not fit in memory, the pool's free states (and the graphs captured over them) go
+        first and it is tried once more; ``torch.OutOfMemoryError`` if it still does not fit."""
+        try:
+            self._state = self._states.acquire(need)
+        except torch.OutOfMemoryError:
+            self._states.clear()
+            _free_memory()
+            self._state = self._states.acquire(need)
         return self._state
 
     def release_state(self, state: SequenceState) -> None:

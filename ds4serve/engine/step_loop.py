@@ -4,7 +4,9 @@ One :meth:`StepLoop.step`:
 
 1. **admit** waiting requests while fewer than ``max_batch`` rows run: validate, compile the request's
    constraint, take a state from the pool and restore the given snapshot, else the longest prefix the
-   prefix cache holds;
+   prefix cache holds. A request whose state does not fit in memory beside the running rows goes back to
+   the head of the queue, and nothing is admitted until a row retires (alone, it fails with
+   ``out_of_memory``);
 2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
    forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone (the
    engine's chunk size from the restored prefix on). At the positions the request asked to have cached,
@@ -182,6 +184,7 @@ class StepLoop:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._queue = threading.Lock()
         self._admission_held = 0
+        self._memory_full = False  # a request did not fit in memory: admit again once a row retires
         self._to_cache: list[Snapshot] = []  # cache-point snapshots of this step, on the states' device
 
     # ---- queue (any thread) ------------------------------------------------------------------------
@@ -253,7 +256,7 @@ class StepLoop:
             if handle.cancelled:
                 self.withdraw(handle)
                 continue
-            if self._admission_held or len(self.rows) >= self.max_batch:
+            if self._admission_held or self._memory_full or len(self.rows) >= self.max_batch:
                 break
             if handle.speculative is not None and any(r.speculative for r in self.rows):
                 break
@@ -267,6 +270,17 @@ class StepLoop:
             row = _Row(handle)
             self.rows.append(row)
             self._guarded(row, lambda: self._start(row))
+            if row.state is None and not row.failed:  # no room in memory: it waits at the head of the queue
+                self.rows.remove(row)
+                with self._queue:
+                    self._waiting.appendleft(handle)
+                self._memory_full = True
+                log.info(
+                    "a request of %d tokens waits for memory (%d requests running)",
+                    len(row.prompt) + handle.params.max_tokens,
+                    len(self.rows),
+                )
+                break
 
     def _awaits_cached_prefix(self, handle: RequestHandle) -> bool:
         """Whether a running row is about to cache a prefix of ``handle``'s prompt."""
@@ -286,7 +300,13 @@ class StepLoop:
         row.constraint = constraint_for(params, engine.tokenizer, engine.cfg.vocab_size)
         proposer = engine.proposer(handle.speculative)
         row.feed = None if proposer is None else PromptFeed(proposer)
-        state = row.state = engine.acquire_state(len(prompt) + params.max_tokens)
+        try:
+            state = engine.acquire_state(len(prompt) + params.max_tokens)
+        except torch.OutOfMemoryError:
+            if len(self.rows) == 1:  # alone: it will never fit
+                raise
+            return  # the running rows hold the memory: the request waits (see _admit)
+        row.state = state
         snapshot = handle.snapshot or engine.take_pending_restore()
         if snapshot is None and engine.prefix_cache is not None:
             snapshot = engine.prefix_cache.lookup(prompt)
@@ -476,6 +496,7 @@ class StepLoop:
         if row.timer is not None:
             row.timer.finish()
         self.rows.remove(row)
+        self._memory_full = False
         row.handle._finish()
 
 
