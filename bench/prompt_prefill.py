@@ -90,7 +90,21 @@ def main() -> None:
     model = build_proxy(args.variant, layers=args.layers, experts=args.experts)
     log(f"{args.layers}-layer {args.variant} proxy with {args.experts} experts built")
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    rows: list[dict] = []
+    meta = {
+        "variant": args.variant,
+        "eager": args.eager,
+        "pdl": not args.no_pdl,
+        "experts": args.experts,
+        "layers": args.layers,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+
+    def save() -> None:  # after every row: a run cut short by its time limit keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+
     with torch.inference_mode():
         for n in prompts:
             ids = torch.randint(3, 128000, (n,), generator=gen).tolist()
@@ -99,33 +113,19 @@ def main() -> None:
                 engine.eager = args.eager
                 ms, peak, _ = time_prompt(engine, ids, args.reps)
                 rows.append({"prompt": n, "chunk": c, "ms": ms, "tok_s": n / ms * 1e3, "peak_GiB": peak})
+                save()
                 log(
                     f"prompt {n:>6} in chunks of {c:>5}: {ms:8.1f} ms, {n / ms * 1e3:8.0f} tok/s, peak {peak:5.1f} GiB"
                 )
                 if args.kernels:  # the engine just timed, its graphs captured by now
                     top = kernel_table(engine, ids, args.kernels)
                     rows.append({"prompt": n, "chunk": c, "kernels": top})
+                    save()
                     log(f"prompt {n} in chunks of {c}: top kernels by GPU time")
                     for k in top:
                         print(
                             f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f}% {k['launches']:5d}x  {k['kernel'][:110]}"
                         )
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "variant": args.variant,
-                    "eager": args.eager,
-                    "pdl": not args.no_pdl,
-                    "experts": args.experts,
-                    "layers": args.layers,
-                    "gpu": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "rows": rows,
-                },
-                indent=1,
-            )
-        )
 
 
 if __name__ == "__main__":
