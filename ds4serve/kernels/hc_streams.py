@@ -169,9 +169,9 @@ class MixTile:
     stages: int = 3
 
 
-# Many rows a program read fn fewer times; the inputs split over ``parts`` programs keep a 2048-token chunk's
-# 32 row blocks on every SM (docs/KERNELS.md). The split depends on nothing but the tile: a row's mixes are the
-# same in any chunk.
+# Programs of 64 rows read fn a quarter as often as of 16; splitting the inputs over 8 programs puts a 2048-token
+# chunk's 32 row blocks on every SM (bench/sweep_mixes.py, docs/KERNELS.md). The split depends on the tile alone:
+# a row's mixes are the same in any chunk.
 MIX_TILE = MixTile()
 SUM_ROWS = 64  # rows per program of the partials' sum
 
