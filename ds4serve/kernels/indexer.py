@@ -150,7 +150,10 @@ def _scores_kernel(
             keys = tl.where((t == at)[:, None], row[None, :], keys)
         if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
             keys = keys.to(tl.float32)
-        for s in range(s0, tl.minimum(s0 + BLOCK_S, S)):  # the key tile is read once for the block's rows
+        wide = tl.full((), 0, tl.int64)  # s * T + t is 2**31 - 1 at a chunk of 8192 rows over 262,144 entries
+        # the key tile is read once for the block's rows
+        for row_at in range(s0, tl.minimum(s0 + BLOCK_S, S)):
+            s = row_at + wide
             q = tl.load(
                 q_ptr + s * sq_s + h[:, None] * sq_h + d[None, :] * sq_d,
                 mask=(h[:, None] < IH) & (d[None, :] < D),
@@ -165,7 +168,7 @@ def _scores_kernel(
             tl.store(out_ptr + s * T + t, tl.where(vis, score, float("-inf")), mask=tm)
     else:
         tl.store(
-            out_ptr + rows[:, None] * T + t[None, :],
+            out_ptr + rows.to(tl.int64)[:, None] * T + t[None, :],
             tl.full([BLOCK_S, BLOCK_T], float("-inf"), tl.float32),
             mask=(rows[:, None] < S) & tm[None, :],
         )
