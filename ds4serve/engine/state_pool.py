@@ -58,7 +58,7 @@ class StatePool:
         self._on_drop(state)
 
     def clear(self) -> None:
-        """Forget every free state (the model is being parked)."""
+        """Forget every free state (the model is being parked, or a new state needs their memory)."""
         while self._free:
             self._drop_free(self._free[-1])
 
