@@ -55,9 +55,8 @@ SELECTS = [
     SelectConfig(split_bits=4),
     SelectConfig(bits=8),
 ]
-TORCH_PREFILL_MAX = (
-    8192  # entries up to which a prefill chunk also runs the torch path (fp32 [S, ih, T] scores)
-)
+# entries up to which a prefill chunk also runs the torch path (fp32 [S, ih, T] scores)
+TORCH_PREFILL_MAX = 8192
 RESULTS: list[dict] = []
 
 

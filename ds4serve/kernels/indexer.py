@@ -146,8 +146,9 @@ def _scores_kernel(
         )
         if OPEN:  # the open window's entry, which the step holds apart from the buffer
             at = tl.load(open_at_ptr)
-            row = tl.load(open_ptr + d, mask=d < D, other=0.0)
-            keys = tl.where((t == at)[:, None], row[None, :], keys)
+            if (at >= tl.program_id(1) * BLOCK_T) & (at < (tl.program_id(1) + 1) * BLOCK_T):  # in this tile
+                row = tl.load(open_ptr + d, mask=d < D, other=0.0)
+                keys = tl.where((t == at)[:, None], row[None, :], keys)
         if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
             keys = keys.to(tl.float32)
         wide = tl.full((), 0, tl.int64)  # s * T + t is 2**31 - 1 at a chunk of 8192 rows over 262,144 entries
