@@ -97,6 +97,19 @@ def default_scores_config(rows: int, entries: int) -> ScoresConfig:
 
 
 @triton.jit
+def _row_queries(q_ptr, s, sq_s, sq_h, sq_d, h, d, IH, D, WIDEN: tl.constexpr):
+    """Row ``s``'s queries ``[IH_P, D_P]`` (0 past ``IH`` heads and ``D`` dims)."""
+    q = tl.load(
+        q_ptr + s * sq_s + h[:, None] * sq_h + d[None, :] * sq_d,
+        mask=(h[:, None] < IH) & (d[None, :] < D),
+        other=0.0,
+    )
+    if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
 def _scores_kernel(
     q_ptr,
     k_ptr,
@@ -133,14 +146,16 @@ def _scores_kernel(
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     rows = s0 + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D_P)
+    h = tl.arange(0, IH_P)
     block_vis = tl.load(
         vis_ptr + rows[:, None] * sv_s + t[None, :] * sv_t, mask=(rows[:, None] < S) & tm[None, :], other=0
     )
     if (
         tl.max(tl.max(block_vis.to(tl.int32), axis=1), axis=0) > 0
     ):  # a static decode buffer is mostly not visible yet
-        d = tl.arange(0, D_P)
-        h = tl.arange(0, IH_P)
+        if BLOCK_S == 1:  # a decode row: its queries load beside the key tile, not after it
+            q_row = _row_queries(q_ptr, s0.to(tl.int64), sq_s, sq_h, sq_d, h, d, IH, D, WIDEN)
         keys = tl.load(
             k_ptr + t[:, None] * sk_t + d[None, :] * sk_d, mask=tm[:, None] & (d[None, :] < D), other=0.0
         )
@@ -155,13 +170,10 @@ def _scores_kernel(
         # the key tile is read once for the block's rows
         for row_at in range(s0, tl.minimum(s0 + BLOCK_S, S)):
             s = row_at + wide
-            q = tl.load(
-                q_ptr + s * sq_s + h[:, None] * sq_h + d[None, :] * sq_d,
-                mask=(h[:, None] < IH) & (d[None, :] < D),
-                other=0.0,
-            )
-            if WIDEN:
-                q = q.to(tl.float32)
+            if BLOCK_S == 1:
+                q = q_row
+            else:
+                q = _row_queries(q_ptr, s, sq_s, sq_h, sq_d, h, d, IH, D, WIDEN)
             dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_T, IH_P] fp32
             w = tl.load(w_ptr + s * sw_s + h * sw_h, mask=h < IH, other=0.0).to(tl.float32) * w_scale
             score = tl.sum(tl.maximum(dots, 0.0) * qk_scale * w[None, :], axis=1)
