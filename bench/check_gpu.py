@@ -41,6 +41,7 @@ from ds4serve.kernels.hc_streams import hc_mixes
 from ds4serve.kernels.hyper import hc_coefficients
 from ds4serve.kernels.moe import ExpertStack, moe_fused, moe_ref
 from ds4serve.model import DeepSeekV4, hyper
+from ds4serve.model.chunk_attention import chunk_attention
 from ds4serve.model.hyper import HCSite, hc_merge, hc_split, sum_terms
 from ds4serve.model.hyper import hc_coefficients as hc_coefficients_ref
 from ds4serve.model.norms import rms_norm
@@ -216,6 +217,34 @@ def check_kernels() -> None:
     check_mixes()
     check_hc_pre()
     check_hc_merge_pre()
+    check_sparse_attention()
+
+
+def check_sparse_attention() -> None:
+    """A 4096-token prefill chunk's CSA attention at the real size (64 heads of 512, a 128-key window, 512 of
+    32,768 entries selected per query, bf16) read in place against the torch path's gathered copies."""
+    S, H, d, W, E, k, start = 4096, 64, 512, 128, 32768, 512, 131072 - 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(S, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    seq = torch.randn(W - 1 + S, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    entries = torch.randn(E, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    sinks = torch.randn(H, device="cuda", generator=g)
+    slots = torch.rand(S, E, device="cuda", generator=g).topk(k, dim=-1).indices.sort(dim=-1).values
+    slots = slots.to(torch.int32)
+    slots[-1, k // 2 :] = -1  # a row with fewer selected entries than places
+    with kernels.disabled():
+        want = chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5)
+    got = chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5)
+    err = rel(got, want)
+    with kernels.disabled():
+        torch_ms = timed(lambda: chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5), reps=5)
+    record(
+        "kernel sparse chunk attention S=4096 k=512",
+        err <= 1e-2,
+        rel_err=err,
+        ms=timed(lambda: chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5), reps=5),
+        torch_ms=torch_ms,
+    )
 
 
 def check_mixes() -> None:

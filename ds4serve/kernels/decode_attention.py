@@ -44,7 +44,7 @@ class DecodeAttentionConfig:
 
 
 @triton.jit
-def _update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
+def online_update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
     """The online softmax state after a tile of keys ``kt [BLOCK_N, D_P]`` with at least one ``ok`` row."""
     if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
         kt = kt.to(tl.float32)
@@ -59,7 +59,7 @@ def _update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _keys_tile(keys, rows, ok, open_row, open_at, D: tl.constexpr, D_P: tl.constexpr, OPEN: tl.constexpr):
+def keys_tile(keys, rows, ok, open_row, open_at, D: tl.constexpr, D_P: tl.constexpr, OPEN: tl.constexpr):
     """The key rows ``rows`` where ``ok`` (0 elsewhere); with ``OPEN``, the row at slot ``open_at`` is
     ``open_row``'s (the entry the step holds apart from the buffer)."""
     d = tl.arange(0, D_P)
@@ -101,8 +101,8 @@ def _tile(
         rows = k
         ok = tl.load(allowed + k, mask=k < hi, other=0) != 0
     if tl.max(ok.to(tl.int32), axis=0) > 0:
-        kt = _keys_tile(keys, rows, ok, open_row, open_at, D, D_P, OPEN)
-        m, total, acc = _update(q, kt, ok, m, total, acc, scale, WIDEN)
+        kt = keys_tile(keys, rows, ok, open_row, open_at, D, D_P, OPEN)
+        m, total, acc = online_update(q, kt, ok, m, total, acc, scale, WIDEN)
     return m, total, acc
 
 

@@ -16,7 +16,9 @@ A CSA layer's queries each see at most the indexer's ``k`` selected entries. Giv
 ``[S, k]`` (a prefix of many entries, :func:`gathers`), each query's selected entries are gathered and
 scored on their own, ``[H, d] @ [d, k]`` a query, instead of every block scoring all ``E`` entries: at a
 131,072-token prefix, 512 entries a query instead of 32,768. The window's and the entries' scores share one
-softmax; the two products with the values are summed in fp32 and rounded once.
+softmax; the two products with the values are summed in fp32 and rounded once. On the kernels' devices one
+launch reads the window keys and the selected entries in place instead
+(:mod:`ds4serve.kernels.sparse_attention`): no gathered copy.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def chunk_attention(
     block = min(S, window)
     if entries is not None and entries.shape[0] == 0:
         entries = visible = None
+    if _reads_in_place(q, visible):
+        from ..kernels.sparse_attention import sparse_chunk_attention
+
+        first_key = max(0, window - 1 - start)  # the rows before it lie at negative positions
+        return sparse_chunk_attention(q, seq, first_key, entries, visible, sinks, scale)
     if visible is not None and visible.dtype == torch.int32:  # scores and gathered entries of each query
         per_block = block * (H * (block + window + KEY_ALIGN + visible.shape[1]) + visible.shape[1] * d)
     else:
@@ -101,6 +108,12 @@ def chunk_attention(
         for first, rows, size in runs
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _reads_in_place(q: torch.Tensor, visible: torch.Tensor | None) -> bool:
+    """Whether a chunk reads its selected entries in place (one kernel) rather than as gathered copies: index
+    slots on the kernels' devices."""
+    return visible is not None and visible.dtype == torch.int32 and kernels.enabled(q)
 
 
 def _blocks(
