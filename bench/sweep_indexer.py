@@ -38,7 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import cuda_ms  # noqa: E402
 
 IH, DIM, ROPE, K = 64, 128, 64, 512
-SCORES_DECODE = [ScoresConfig(1, 16), ScoresConfig(1, 32), ScoresConfig(1, 64), ScoresConfig(1, 128, 8)]
+SCORES_DECODE = [
+    ScoresConfig(1, 16),
+    ScoresConfig(1, 32),
+    ScoresConfig(1, 64),
+    ScoresConfig(1, 128),
+    ScoresConfig(1, 128, 8),
+    ScoresConfig(1, 256, 8),
+]
 SCORES_PREFILL = [
     ScoresConfig(4, 64),
     ScoresConfig(8, 64),
