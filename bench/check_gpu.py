@@ -220,30 +220,35 @@ def check_kernels() -> None:
     check_sparse_attention()
 
 
-def check_sparse_attention() -> None:
-    """A 4096-token prefill chunk's CSA attention at the real size (64 heads of 512, a 128-key window, 512 of
-    32,768 entries selected per query, bf16) read in place against the torch path's gathered copies."""
-    S, H, d, W, E, k, start = 4096, 64, 512, 128, 32768, 512, 131072 - 4096
+def sparse_attention_case(S: int, E: int) -> tuple[torch.Tensor, ...]:
+    """A prefill chunk of ``S`` queries over ``E`` CSA entries at DeepSeek-V4-Flash's sizes (64 heads of 512,
+    a 128-key window, 512 entries selected per query, bf16), the chunk that completes entry ``E - 1``:
+    ``(q, window sequence, entries, index slots, sinks, start)``."""
+    H, d, W, k = 64, 512, 128, 512
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(S, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
     seq = torch.randn(W - 1 + S, d, device="cuda", dtype=torch.bfloat16, generator=g)
     entries = torch.randn(E, d, device="cuda", dtype=torch.bfloat16, generator=g)
     sinks = torch.randn(H, device="cuda", generator=g)
     slots = torch.rand(S, E, device="cuda", generator=g).topk(k, dim=-1).indices.sort(dim=-1).values
-    slots = slots.to(torch.int32)
-    slots[-1, k // 2 :] = -1  # a row with fewer selected entries than places
+    return q, seq, entries, slots.to(torch.int32), sinks, 4 * E - S
+
+
+def check_sparse_attention() -> None:
+    """A 4096-token prefill chunk's CSA attention at the real size (:func:`sparse_attention_case` over 32,768
+    entries) read in place against the torch path's gathered copies."""
+    q, seq, entries, slots, sinks, start = sparse_attention_case(4096, 32768)
+    d = q.shape[-1]
+    slots[-1, slots.shape[1] // 2 :] = -1  # a row with fewer selected entries than places
     with kernels.disabled():
         want = chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5)
     got = chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5)
     err = rel(got, want)
-    with kernels.disabled():
-        torch_ms = timed(lambda: chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5), reps=5)
     record(
         "kernel sparse chunk attention S=4096 k=512",
         err <= 1e-2,
         rel_err=err,
         ms=timed(lambda: chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5), reps=5),
-        torch_ms=torch_ms,
     )
 
 

@@ -16,11 +16,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from check_gpu import rel, timed  # noqa: E402
+from check_gpu import rel, sparse_attention_case, timed  # noqa: E402
 
 from ds4serve.kernels import sparse_attention as sa  # noqa: E402
 from ds4serve.model import chunk_attention as ca  # noqa: E402
@@ -50,15 +48,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--entries", type=int, default=32768)
     args = p.parse_args()
-    S, H, d, W, E, k = args.rows, 64, 512, 128, args.entries, 512
-    start = 4 * E - S
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(S, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    seq = torch.randn(W - 1 + S, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    entries = torch.randn(E, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    sinks = torch.randn(H, device="cuda", generator=g)
-    slots = torch.rand(S, E, device="cuda", generator=g).topk(k, dim=-1).indices.sort(dim=-1).values
-    slots = slots.to(torch.int32)
+    q, seq, entries, slots, sinks, start = sparse_attention_case(args.rows, args.entries)
+    d = q.shape[-1]
     in_place = ca._reads_in_place
     ca._reads_in_place = lambda q, visible: False
     want = ca.chunk_attention(q, seq, start, entries, slots, sinks, d**-0.5)

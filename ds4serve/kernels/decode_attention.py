@@ -62,6 +62,25 @@ def online_update(q, kt, ok, m, total, acc, scale, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def head_block(q_ptr, H, BLOCK_H: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, WIDEN: tl.constexpr):
+    """This program's query row ``s`` and block of ``BLOCK_H`` heads (program axis 0 runs over rows x head
+    blocks of ``q [S, H, D]``): ``(s, heads, d, q)``, ``q`` the ``[BLOCK_H, D_P]`` queries (0 past ``H`` heads
+    and ``D`` dims; fp32 with ``WIDEN``)."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    s = tl.program_id(0) // head_blocks
+    heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D_P)
+    q = tl.load(
+        q_ptr + (s * H + heads[:, None]) * D + d[None, :],
+        mask=(heads < H)[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
+    if WIDEN:  # Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; fp32 is exact
+        q = q.to(tl.float32)
+    return s, heads, d, q
+
+
+@triton.jit
 def keys_tile(keys, rows, ok, open_row, open_at, D: tl.constexpr, D_P: tl.constexpr, OPEN: tl.constexpr):
     """The key rows ``rows`` where ``ok`` (0 elsewhere); with ``OPEN``, the row at slot ``open_at`` is
     ``open_row``'s (the entry the step holds apart from the buffer)."""
@@ -141,19 +160,9 @@ def _partial_kernel(
     # GATHER1: the second part's "mask" is int32 index slots [S, n1] naming its rows (-1: unused)
     # OPEN1: the second part's row at slot open_at_ptr[0] is read from open_ptr
     pdl.start(PDL)
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    s = tl.program_id(0) // head_blocks
-    heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-    c = tl.program_id(1)
-    d = tl.arange(0, D_P)
+    s, heads, d, q = head_block(q_ptr, H, BLOCK_H, D, D_P, WIDEN)
     heads_in = heads < H
-    q = tl.load(
-        q_ptr + (s * H + heads[:, None]) * D + d[None, :],
-        mask=heads_in[:, None] & (d < D)[None, :],
-        other=0.0,
-    )
-    if WIDEN:
-        q = q.to(tl.float32)
+    c = tl.program_id(1)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_P], tl.float32)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .decode_attention import keys_tile, online_update
+from .decode_attention import head_block, keys_tile, online_update
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,8 @@ def _sparse_kernel(
     PDL: tl.constexpr,
 ):
     pdl.start(PDL)
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    s = tl.program_id(0) // head_blocks
-    heads = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s, heads, d, q = head_block(q_ptr, H, BLOCK_H, D, D_P, WIDEN)
     heads_in = heads < H
-    d = tl.arange(0, D_P)
-    at = (s * H + heads[:, None]).to(tl.int64) * D + d[None, :]
-    inside = heads_in[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + at, mask=inside, other=0.0)
-    if WIDEN:
-        q = q.to(tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_P], tl.float32)
@@ -91,7 +83,8 @@ def _sparse_kernel(
     top = tl.maximum(m, sink)
     w = tl.exp(m - top)
     out = acc * w[:, None] / (total * w + tl.exp(sink - top))[:, None]
-    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=inside)
+    at = (s * H + heads[:, None]) * D + d[None, :]
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=heads_in[:, None] & (d < D)[None, :])
 
 
 def sparse_chunk_attention(
