@@ -263,28 +263,36 @@ def test_park_lets_the_running_requests_finish_first(tiny_dir):
     assert len(list(queued)) == 6 and queued.result.error is None
 
 
-def test_a_speculative_request_beside_plain_ones_decodes_as_plain_decoding(engines):
-    """A speculative request (oracle drafts, some rejected) runs beside plain ones: every request's greedy
-    tokens are those of plain decoding alone, and a second speculative request waits for the first."""
+def test_speculative_requests_run_together_beside_plain_ones(engines):
+    """Speculative requests (oracle drafts with some rejected, MTP drafts) run beside each other and beside
+    plain ones, each verifying its own drafts every step: the greedy ones get plain decoding's tokens alone,
+    a seeded sampled MTP request gets what it gets alone, and the plain rows were decoded together."""
     from ds4serve.engine.drafts import OracleProposer
 
     engine = engines[0]
     engine.prefix_cache = None
-    prompts = [random_prompt(40 + 9 * i, seed=90 + i) for i in range(4)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    alone = [engine.generate(p, params).tokens for p in prompts]
-    drafts = [OracleProposer(prompts[i] + alone[i], 0.7, 4, seed=i) for i in (1, 3)]
-    handles = [
-        engine.stream(p, params, speculative=drafts[(i - 1) // 2] if i % 2 else None)
-        for i, p in enumerate(prompts)
-    ]
-    widths = []
+    prompts = [random_prompt(40 + 9 * i, seed=90 + i) for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    params = [greedy] * 5 + [seeded]
+    alone = [engine.generate(p, greedy).tokens for p in prompts[:5]]
+    alone.append(engine.generate(prompts[5], seeded, speculative="mtp").tokens)
+
+    def drafts():
+        oracle = {i: OracleProposer(prompts[i] + alone[i], 0.7, 4, seed=i) for i in (1, 3)}
+        return {**oracle, 4: "mtp", 5: "mtp"}
+
+    chosen = drafts()
+    handles = [engine.stream(p, params[i], speculative=chosen.get(i)) for i, p in enumerate(prompts)]
+    widths, speculating = [], []
     while not all(h.done for h in handles):
         widths.append(engine.step().decode_rows)
-        assert engine.running <= 3  # the second speculative request is not admitted beside the first
+        speculating.append(sum(bool(h.result.tokens) and not h.done for h in handles[1::2] + handles[4:5]))
     assert [h.result.tokens for h in handles] == alone
-    assert max(widths) == 2  # the plain requests were decoded together beside the speculative one
-    assert all(h.result.stats.speculative["accepted"] > 0 for h in handles[1::2])
+    assert max(speculating) == 4  # every speculative request decoded in the same steps
+    assert max(widths) == 2  # the plain requests were decoded together beside them
+    assert all(h.result.stats.speculative["accepted"] > 0 for h in handles[1:5:2])
+    assert all(h.result.stats.speculative["method"] == "mtp" for h in handles[4:])
 
 
 def test_the_default_batch_is_what_half_the_free_memory_holds(tiny_dir):

@@ -38,7 +38,7 @@ def test_a_whole_prompt_restored_from_a_host_snapshot(gpu_engine, speculative, t
 
 
 def test_speculative_requests_share_draft_graphs_and_survive_collections(gpu_engine):
-    """The draft passes' graphs are captured once per process, then every speculative request reuses them; a
+    """The draft passes' graphs are captured once per set, then every later speculative request reuses a set; a
     garbage collection during a capture (here forced at nearly every allocation, with dead graphs about) must
     not reset a dead graph mid-capture, which fails the capture (the 500 of a seeded MTP request)."""
     import gc
@@ -61,4 +61,24 @@ def test_speculative_requests_share_draft_graphs_and_survive_collections(gpu_eng
     finally:
         gc.set_threshold(*threshold)
     assert plain.ok and len(res.tokens) == len(plain.tokens)
-    assert resolve_proposer(gpu_engine, "mtp").passes is resolve_proposer(gpu_engine, "mtp:2").passes
+    first = resolve_proposer(gpu_engine, "mtp")
+    first.end()
+    assert resolve_proposer(gpu_engine, "mtp:2").passes is first.passes  # every request released its set
+
+
+def test_speculative_requests_side_by_side_give_what_each_gives_alone(gpu_engine):
+    """Four MTP requests at once (greedy and seeded), each holding a set of draft passes and verifying in graphs
+    over its own state, those graphs sharing one memory pool: each gets, token for token, what it gets alone."""
+    prompts = [[0, *range(3000 + 50 * i, 3020 + 53 * i)] for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.8 if i % 2 else 0.0, seed=11 + i if i % 2 else None)
+        for i in range(4)
+    ]
+    alone = [gpu_engine.generate(p, q, speculative="mtp") for p, q in zip(prompts, params)]
+    handles = [gpu_engine.stream(p, q, speculative="mtp") for p, q in zip(prompts, params)]
+    while not all(h.done for h in handles):
+        gpu_engine.step()
+    for one, handle in zip(alone, handles):
+        assert one.ok and handle.result.ok, handle.result.error_message
+        assert handle.result.tokens == one.tokens
+        assert handle.result.stats.speculative["drafted"] > 0

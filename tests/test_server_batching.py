@@ -39,24 +39,62 @@ def server(tiny_dir):
         yield base, openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
 
 
-def test_concurrent_streamed_chats_each_return_what_they_return_alone(server):
-    base, client = server
+@pytest.fixture(scope="module")
+def speculative_server(tiny_dir):
+    """A server whose requests all decode speculatively with the checkpoint's MTP block."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=CLIENTS)
+    app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY, speculative="mtp"))
+    with running(app) as base:
+        yield engine, openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+def _chats_at_once(client: openai.OpenAI, clients: int) -> dict[int, str]:
+    """Every client's streamed chat, started together; each client's text by its number."""
     texts: dict[int, str] = {}
-    go = threading.Barrier(CLIENTS)
+    go = threading.Barrier(clients)
 
     def run(i: int) -> None:
         go.wait()
         texts[i] = _chat(client, i)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(CLIENTS)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert sorted(texts) == list(range(CLIENTS))
+    assert sorted(texts) == list(range(clients))
+    return texts
+
+
+def test_concurrent_streamed_chats_each_return_what_they_return_alone(server):
+    base, client = server
+    texts = _chats_at_once(client, CLIENTS)
     steps = metric(base, "ds4serve_step_batch_size_count")
     single = metric(base, "ds4serve_step_batch_size_bucket", le="1.0")
     assert steps > single, "no decode step ran more than one sequence"
     assert metric(base, "ds4serve_running") == 0
     for i in range(CLIENTS):
+        assert _chat(client, i) == texts[i], f"client {i} got another answer alone"
+
+
+def test_speculative_chats_run_together_and_each_return_what_it_returns_alone(speculative_server):
+    """A server started with ``--speculative mtp``: concurrent chats decode at the same time (each verifying its
+    own drafts every step) rather than one after the other, and each returns what it returns alone."""
+    engine, client = speculative_server
+    running: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.005):
+            running.append(engine.running)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        texts = _chats_at_once(client, 4)
+    finally:
+        done.set()
+        watcher.join()
+    assert max(running) > 1, "the speculative requests ran one at a time"
+    for i in range(4):
         assert _chat(client, i) == texts[i], f"client {i} got another answer alone"

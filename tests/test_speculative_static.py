@@ -21,8 +21,8 @@ MTP_PROMPT = random_prompt(40, seed=12)
 class EagerVerify(VerifyGraph):
     """The engine's verify graph with the capture left out (``graph=False``): the same static block."""
 
-    def __init__(self, model, state, width: int, capture: tuple[int, ...] = ()):
-        super().__init__(model, state, width, capture, graph=False)
+    def __init__(self, model, state, width: int, capture: tuple[int, ...] = (), pool=None):
+        super().__init__(model, state, width, capture, graph=False, pool=pool)
         self.runs = 0
 
     def run(self, block: list[int]):
@@ -35,8 +35,8 @@ def _static_blocks(engine, monkeypatch) -> dict:
     the host's ``commit_static`` of a verify block is an error (the graphs commit by device writes)."""
     made: dict = {}
 
-    def build(model, state, width, capture):
-        made[(width, capture)] = EagerVerify(model, state, width, capture)
+    def build(model, state, width, capture, pool=None):
+        made[(width, capture)] = EagerVerify(model, state, width, capture, pool)
         return made[(width, capture)]
 
     monkeypatch.setattr(engine_module, "VerifyGraph", build)
@@ -68,6 +68,40 @@ def test_static_verify_blocks_equal_plain_decoding(engine, plain, monkeypatch, w
     assert sum(g.runs for g in made.values()) == spec["steps"]  # every verify step ran as a static block
     assert set(spec["verify_widths"]) == {w for w, _ in made}
     assert spec["accepted"] > 0  # accepted prefixes were committed by the blocks' device writes
+
+
+def test_speculative_requests_side_by_side_verify_in_graphs_of_their_own(engine, monkeypatch):
+    """Three speculative requests run at once through the static verify blocks: each one's state verifies
+    in graphs of its own, none made twice while they run, and every request gets plain decoding's tokens.
+    With room for two states' graphs, those of the state that verified longest ago go first."""
+    from ds4serve.engine.drafts import OracleProposer
+
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    prompts = [PROMPT, random_prompt(30, seed=5), random_prompt(50, seed=6)]
+    refs = [engine.generate(p, params).tokens for p in prompts]
+    _static_blocks(engine, monkeypatch)
+    built = []
+    build = engine_module.VerifyGraph
+    monkeypatch.setattr(
+        engine_module, "VerifyGraph", lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    )
+
+    def run_together() -> list[list[int]]:
+        handles = [
+            engine.stream(p, params, speculative=OracleProposer(p + r, 0.6, 3, seed=i))
+            for i, (p, r) in enumerate(zip(prompts, refs))
+        ]
+        while not all(h.done for h in handles):
+            engine.step()
+        return [h.result.tokens for h in handles]
+
+    assert run_together() == refs
+    assert len({id(g.state) for g in built}) == 3
+    assert len(built) == len({(id(g.state), g.width) for g in built})  # none made twice
+    monkeypatch.setattr(engine, "max_batch", 2)
+    monkeypatch.setattr(engine, "_verify_graphs", {})
+    assert run_together() == refs
+    assert len({state for state, _, _ in engine._verify_graphs}) == 2
 
 
 @pytest.mark.parametrize("which,spec", [("mtp", "mtp"), ("dspark", "dspark")])
@@ -166,9 +200,10 @@ def test_draft_static_passes_on_a_layer_split(request, monkeypatch, which):
     assert current and set(current) == {target.device} and target.device is split.model.shards[-1].device
 
 
-def test_draft_passes_are_kept_across_requests_until_a_park(request):
-    """An engine keeps one set of draft passes per kind (made on the first speculative request that uses
-    graphs, reused by every later one); parking the draft or the target drops them."""
+def test_draft_passes_are_held_by_one_request_and_kept_until_a_park(request):
+    """Draft passes are made on the first speculative request that uses graphs and held by it: a request
+    beside it gets a set of its own; a released set goes to the next request. Parking the draft or the
+    target drops them all."""
     from ds4serve import Engine
     from ds4serve.engine.drafts import _engine_drafts, target_parts
 
@@ -176,6 +211,9 @@ def test_draft_passes_are_kept_across_requests_until_a_park(request):
     drafts = _engine_drafts(engine)
     target = target_parts(engine.model)
     passes = drafts.passes("mtp", target, 64)
+    beside = drafts.passes("mtp", target, 64)
+    assert beside is not passes and passes.in_use and beside.in_use
+    passes.release()
     assert drafts.passes("mtp", target, 64) is passes
     passes.state.pos = 5  # as a request leaves it
     assert passes.reuse(64) is passes.state and passes.state.pos == 0
@@ -183,7 +221,7 @@ def test_draft_passes_are_kept_across_requests_until_a_park(request):
         passes.reuse(65)
     engine.park("draft")
     engine.unpark("draft")
-    assert drafts.passes("mtp", target, 64) is not passes
+    assert drafts.passes("mtp", target, 64) not in (passes, beside)
     passes = drafts.passes("mtp", target, 64)
     engine.park("target")
     assert drafts._passes == {}

@@ -179,8 +179,9 @@ class VerifyGraph:
     """A captured static forward of a ``width``-token block of ``model`` over ``state``: logits of
     every row, the final streams and the ``capture`` layers' streams (for the draft proposer); and the
     device writes that commit an accepted prefix of it.
-    ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split.
-    ``graph=False`` runs the same static forward without capturing it (CPU tests)."""
+    ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split. ``pool``: a memory pool
+    shared with other verify graphs (:class:`Captured`): then a replay's outputs are valid until the next
+    replay of any of them. ``graph=False`` runs the same static forward without capturing it (CPU tests)."""
 
     def __init__(
         self,
@@ -191,12 +192,13 @@ class VerifyGraph:
         warmup: int = 2,
         graph: bool = True,
         hidden: torch.Tensor | None = None,
+        pool: object | None = None,
     ):
         self.model, self.state, self.width, self.capture, self.hidden = model, state, width, capture, hidden
         self.tokens = torch.zeros(width, dtype=torch.long, device=model.device)
         self._offsets = torch.arange(width, device=model.device)
         self.positions = self._offsets + state.pos
-        self._block = Captured(self._forward, model.device, graph=graph, warmup=warmup)
+        self._block = Captured(self._forward, model.device, graph=graph, warmup=warmup, pool=pool)
         self.graph = self._block.graph
         self._last: ForwardResult | None = None
         self._writes = DeviceCommit(state)

@@ -11,8 +11,9 @@ persistent scratch state that commits its own row inside the graph
 from the draft state before each chain.
 
 The passes own their draft state and live as long as the draft weights (``DraftModels.passes``): each
-request's proposer takes them with :meth:`MTPGraphs.reuse` (the state reset), so graphs are captured once
-per process, not per request. One speculative request runs at a time, so one set per draft kind suffices.
+speculative request holds a set of its draft kind while it runs (the draft state reset by
+:meth:`MTPGraphs.reuse`), so graphs are captured once per set, not per request: a process makes as many sets
+of a kind as it ran speculative requests of that kind at once.
 
 :class:`~ds4serve.engine.drafts.DSparkProposer` runs one pass per step over its block (seed, noise
 tokens), attending to each stage's context ring: statically, the whole ring with a mask of the
@@ -53,9 +54,15 @@ def draft_state(
 
 
 class _DraftPasses:
-    """What both drafts' passes share: their draft state, handed to each request reset."""
+    """What both drafts' passes share: their draft state, handed to each request reset, and whether a
+    request holds them (``DraftModels.passes`` hands them out, :meth:`release` gives them back)."""
 
     state: SequenceState
+    in_use: bool = False
+
+    def release(self) -> None:
+        """The request that held these passes ended: the next one may take them."""
+        self.in_use = False
 
     def reuse(self, max_context: int) -> SequenceState:
         """The draft state, reset for a new request of up to ``max_context`` positions."""

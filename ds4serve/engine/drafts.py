@@ -202,7 +202,17 @@ def _draft_layers(cfg: ModelConfig, stages: int) -> range:
     return range(cfg.num_layers, cfg.num_layers + stages)
 
 
-class MTPProposer(DraftProposer):
+class _HeldPasses:
+    """A model draft's proposer: the static passes it holds for its request (None: eager passes)."""
+
+    passes: MTPGraphs | DSparkGraphs | None = None
+
+    def end(self) -> None:
+        if self.passes is not None:
+            self.passes.release()
+
+
+class MTPProposer(_HeldPasses, DraftProposer):
     """The checkpoint's MTP block chained ``k`` times; its window holds committed positions only.
 
     After each verify the block runs over the committed rows (target streams ``H_i`` with the
@@ -298,7 +308,7 @@ class MTPProposer(DraftProposer):
         return Draft(tokens, None if sampler.greedy else probs)
 
 
-class DSparkProposer(DraftProposer):
+class DSparkProposer(_HeldPasses, DraftProposer):
     """DSpark: one pass of the three stages drafts a block; the confidence head sets the width.
 
     Each stage's context ring receives the rows of committed positions only, from the target
@@ -453,15 +463,20 @@ class DraftModels:
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
         self._parked: set[str] = set()
-        self._passes: dict[str, MTPGraphs | DSparkGraphs] = {}
+        self._passes: dict[str, list[MTPGraphs | DSparkGraphs]] = {}
 
     def passes(self, kind: str, target: TargetParts, max_context: int) -> MTPGraphs | DSparkGraphs:
-        """The static passes of draft ``kind`` for ``target`` (CUDA graphs on its head's device), made on the
-        first request and reused by every later one until a park of the draft or the target forgets them."""
-        if kind not in self._passes:
+        """A set of static passes of draft ``kind`` for ``target`` (CUDA graphs on its head's device) that no
+        running request holds, now held until its ``release()``: one made before if one is free, else a new
+        one. The sets are kept until a park of the draft or the target forgets them."""
+        sets = self._passes.setdefault(kind, [])
+        passes = next((p for p in sets if not p.in_use), None)
+        if passes is None:
             make = MTPGraphs if kind == "mtp" else DSparkGraphs
-            self._passes[kind] = make(self.get(kind), target, max_context)
-        return self._passes[kind]
+            passes = make(self.get(kind), target, max_context)
+            sets.append(passes)
+        passes.in_use = True
+        return passes
 
     def forget_passes(self) -> None:
         """Drop the static passes (their graphs hold the target's and drafts' tensors)."""

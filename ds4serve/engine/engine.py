@@ -128,10 +128,11 @@ class Engine:
         self._first_chunks: FirstChunkGraphs | PipelineFirstChunks | None = None  # by bucket
         # (model, eager, whether its first chunks are captured): judged once per model, not per prompt
         self._first_chunks_apply: tuple[object, bool, bool] | None = None
-        # (width, capture) -> the verify graph over self._state
+        # (id of its state, width, capture) -> a verify graph, the least recently used first
         self._verify_graphs: dict[
-            tuple[int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
+            tuple[int, int, tuple[int, ...]], VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph
         ] = {}
+        self._verify_pool: object | None = None  # the memory pool a whole model's verify graphs share
         if max_batch is None:
             max_batch = self._default_max_batch(model, slot_memory_fraction)
         if max_batch > 1 and not hasattr(model, "decode_batch"):
@@ -449,8 +450,7 @@ class Engine:
             self._state = None
         if self._graph is not None and self._graph.state is state:
             self._graph = None
-        if any(g.state is state for g in self._verify_graphs.values()):
-            self._verify_graphs.clear()
+        self._drop_verify_graphs(lambda graph: graph.state is state)
 
     def proposer(self, speculative: object | None) -> object | None:
         """The draft proposer for ``speculative`` (None: plain decoding)."""
@@ -557,7 +557,7 @@ class Engine:
         if self.eager:
             return None
         if self._graphs_apply(model):
-            return DecodeGraph, VerifyGraph
+            return DecodeGraph, self._whole_verify_graph
         if isinstance(model, SplitModel) and all(d.type == "cuda" for d in model.devices):
             return SplitDecodeGraph, SplitVerifyGraph
         if isinstance(model, PipelineModel) and model.device.type == "cuda":
@@ -622,8 +622,9 @@ class Engine:
     def verify(self, state: SequenceState, block: list[int], capture: tuple[int, ...] = ()) -> "VerifyStep":
         """One target forward over ``block`` at ``state.pos`` that writes nothing (a speculative verify
         step): every row's logits, the final streams and the ``capture`` layers' streams, through the verify
-        graph of its width where the engine uses graphs. Commit an accepted prefix with the step's
-        :meth:`VerifyStep.commit` before the next forward over ``state``: a graph reuses its buffers."""
+        graph of its width over ``state`` where the engine uses graphs. Read what is needed of the result and
+        commit an accepted prefix with the step's :meth:`VerifyStep.commit` before the next verify, of any
+        sequence: the graphs reuse their buffers and share their memory."""
         model = self.require_model()
         graph = self._verify_graph(model, state, len(block), capture)
         with profiler.step("verify", len(block), state.pos, model.layers, graph=graph is not None):
@@ -637,18 +638,35 @@ class Engine:
     def _verify_graph(
         self, model: object, state: SequenceState, width: int, capture: tuple[int, ...]
     ) -> VerifyGraph | SplitVerifyGraph | PipelineVerifyGraph | None:
-        """The captured verify block of ``width`` over ``state`` (None: verify eagerly)."""
+        """The captured verify block of ``width`` over ``state`` (None: verify eagerly). Graphs are kept for
+        the ``max_batch`` states that verified last: those of the one used longest ago go first."""
         kinds = self._graph_kinds(model)
         if kinds is None:
             return None
-        key = (width, tuple(capture))
-        graph = self._verify_graphs.get(key)
-        if graph is not None and (graph.state is not state or graph.model is not model):
+        key = (id(state), width, tuple(capture))
+        graph = self._verify_graphs.pop(key, None)
+        if graph is not None and graph.model is not model:
             self._verify_graphs.clear()
             graph = None
         if graph is None:
-            graph = self._verify_graphs[key] = kinds[1](model, state, width, key[1])
+            held = list(dict.fromkeys(k[0] for k in self._verify_graphs))
+            if id(state) not in held and len(held) >= self.max_batch:
+                self._drop_verify_graphs(lambda g: id(g.state) == held[0])
+            graph = kinds[1](model, state, width, key[2])
+        self._verify_graphs[key] = graph
         return graph
+
+    def _whole_verify_graph(
+        self, model: DeepSeekV4, state: SequenceState, width: int, capture: tuple[int, ...]
+    ) -> VerifyGraph:
+        """A whole model's verify graph, in the memory pool all of them share (they never run at once)."""
+        if self._verify_pool is None and model.device.type == "cuda":
+            self._verify_pool = torch.cuda.graph_pool_handle()
+        return VerifyGraph(model, state, width, capture, pool=self._verify_pool)
+
+    def _drop_verify_graphs(self, which: Callable[[object], bool]) -> None:
+        for key in [k for k, graph in self._verify_graphs.items() if which(graph)]:
+            del self._verify_graphs[key]
 
     # ---- snapshots -----------------------------------------------------------------------------
     def snapshot(self, device: str | torch.device | None = None) -> Snapshot:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -59,7 +59,8 @@ class DraftProposer:
     """Proposes draft tokens for the next verify step.
 
     The engine calls :meth:`begin` once per request with the committed context, :meth:`propose`
-    before each verify step and :meth:`observe` after each step that generation continues from.
+    before each verify step, :meth:`observe` after each step that generation continues from and
+    :meth:`end` once the request ended.
     A proposer keeps any per-request state (draft caches) aligned with ``observe``: only committed
     tokens ever reach it. ``capture_layers`` names target layers whose output streams
     :meth:`observe` needs; they are captured inside the verify forward at no extra pass.
@@ -99,6 +100,10 @@ class DraftProposer:
 
     def observe(self, committed: Committed) -> None:
         """The target committed ``committed.tokens``; the next seed is ``committed.next_token``."""
+
+    def end(self) -> None:
+        """The request ended (or never started decoding): give back what it held. A proposer serves one
+        request at a time."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_draft_tokens={self.max_draft_tokens})"
@@ -268,14 +273,18 @@ def speculative_decode(
     logits: torch.Tensor,
     feed: PromptFeed,
     gen: Generation,
-) -> Iterator[int]:
-    """The speculative decode loop: tokens one at a time, as plain decoding would produce them.
+    emit: Callable[[int], None],
+) -> Iterator[None]:
+    """The speculative decode loop: the tokens plain decoding would produce, handed to ``emit`` one by one.
 
-    ``feed`` carries the proposer, already begun and fed the prefilled prompt by the engine; ``gen`` decides
-    and records the request's tokens. With a constraint (structured output, in ``gen``) every row's
-    distribution is the masked one, the mask following the tokens accepted before that row, so a draft the
-    rule forbids is rejected like any other the target would not emit, and the tokens are those of plain
-    constrained decoding.
+    The first ``next()`` chooses the first token from ``logits``; each later one runs one verify step, which
+    emits one to ``k + 1`` tokens (a cancellation seen between two of them ends the step there) and commits
+    them to ``state`` before it returns: nothing is read from the verify's buffers after that, so other
+    sequences' verify steps may run between two steps. ``feed`` carries the proposer, already begun and fed
+    the prefilled prompt by the engine; ``gen`` decides and records the request's tokens. With a constraint
+    (structured output, in ``gen``) every row's distribution is the masked one, the mask following the
+    tokens accepted before that row, so a draft the rule forbids is rejected like any other the target would
+    not emit, and the tokens are those of plain constrained decoding.
     """
     proposer = feed.proposer
     res, params = handle.result, handle.params
@@ -292,7 +301,8 @@ def speculative_decode(
         seed = gen.choose(logits)
         done = gen.accept(seed, logits)
         history.append(seed)
-        yield seed
+        emit(seed)
+        yield
         if not done:
             feed.flush(seed)
         while not done:
@@ -309,8 +319,9 @@ def speculative_decode(
             n = policy.verify_count(draft, k)
             block = [seed] + draft.tokens[:n]
             step = engine.verify(state, block, capture)
-            out = step.out  # buffers that the next verify step of this width overwrites
-            emitted = accepted = 0
+            out = step.out  # buffers that the next verify step overwrites
+            tokens: list[int] = []
+            accepted = 0
             for i in range(len(block)):
                 if i and handle.cancelled:
                     break
@@ -324,28 +335,30 @@ def speculative_decode(
                 else:
                     token = gen.choose(row)
                 accepted += ok
-                emitted += 1
+                tokens.append(token)
                 done = gen.accept(token, row)
-                history.append(token)
-                yield token
+                emit(token)
                 if done or not ok:
                     break
-            committed_at = state.pos
+            emitted = len(tokens)
+            history += tokens
+            committed = None  # what the proposer observes once the tokens are out, if the generation goes on
+            if not done:
+                committed = Committed(
+                    start=state.pos,
+                    tokens=block[:emitted],
+                    next_token=tokens[-1],
+                    hidden=out.hidden[:emitted].clone(),
+                    captured={layer: x[:emitted].clone() for layer, x in out.captured.items()},
+                )
             step.commit(block[:emitted])
             state.last_logits = out.logits[emitted - 1].clone()
-            seed = history[-1]
+            seed = tokens[-1]
             stats.record(n, accepted, emitted)
             policy.update(accepted)
-            if not done and not handle.cancelled:
-                proposer.observe(
-                    Committed(
-                        start=committed_at,
-                        tokens=block[:emitted],
-                        next_token=seed,
-                        hidden=out.hidden[:emitted].clone(),
-                        captured={layer: x[:emitted].clone() for layer, x in out.captured.items()},
-                    )
-                )
+            yield
+            if committed is not None and not handle.cancelled:
+                proposer.observe(committed)
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()

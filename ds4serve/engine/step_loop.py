@@ -18,9 +18,9 @@ One :meth:`StepLoop.step`:
    back to the pool.
 
 Rows never see each other: a row's tokens and logits are what it gets alone (the batched forward is
-batch-invariant, sampling is keyed by (seed, token index)). One speculative request runs at a time, beside
-the others: it runs its own verify forwards (they are not batched yet) and emits one token a step (a step
-with no verify to run is one without a forward: alone, it loses nothing).
+batch-invariant, sampling is keyed by (seed, token index)). A speculative row runs its own verify forward
+each step, one after the other (they are not batched with the decode forward) and emits the tokens the
+step accepted; its state is committed before the next row's verify runs.
 A waiting request whose prompt starts with a prefix another row's prefill is about to cache waits for it.
 """
 
@@ -258,8 +258,6 @@ class StepLoop:
                 continue
             if self._admission_held or self._memory_full or len(self.rows) >= self.max_batch:
                 break
-            if handle.speculative is not None and any(r.speculative for r in self.rows):
-                break
             if self._awaits_cached_prefix(handle):
                 continue
             with self._queue:
@@ -298,8 +296,6 @@ class StepLoop:
         row.prompt = prompt
         # compiled before the prompt is prefilled (a bad schema costs no forward)
         row.constraint = constraint_for(params, engine.tokenizer, engine.cfg.vocab_size)
-        proposer = engine.proposer(handle.speculative)
-        row.feed = None if proposer is None else PromptFeed(proposer)
         try:
             state = engine.acquire_state(len(prompt) + params.max_tokens)
         except torch.OutOfMemoryError:
@@ -307,6 +303,8 @@ class StepLoop:
                 raise
             return  # the running rows hold the memory: the request waits (see _admit)
         row.state = state
+        proposer = engine.proposer(handle.speculative)  # held until the row retires
+        row.feed = None if proposer is None else PromptFeed(proposer)
         snapshot = handle.snapshot or engine.take_pending_restore()
         if snapshot is None and engine.prefix_cache is not None:
             snapshot = engine.prefix_cache.lookup(prompt)
@@ -390,7 +388,7 @@ class StepLoop:
         if row.feed is None:
             self._choose(row, logits)
         else:
-            row.spec = speculative_decode(engine, handle, row.state, logits, row.feed, row.gen)
+            row.spec = speculative_decode(engine, handle, row.state, logits, row.feed, row.gen, handle._emit)
             self._next_speculative(row)
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> None:
@@ -405,13 +403,11 @@ class StepLoop:
     def _next_speculative(self, row: _Row) -> None:
         with _timed(row):
             calls = self.engine.forward_calls
-            token = next(row.spec, None)
-            if row.gen.ended:  # run the generator's bookkeeping after its last token (commit, statistics)
+            next(row.spec, None)
+            if row.gen.ended:  # run the generator's bookkeeping after its last tokens (statistics)
                 for _ in row.spec:
                     pass
             row.forwards += self.engine.forward_calls - calls
-        if token is not None:  # None: the generator saw the cancellation (and ended the generation)
-            row.handle._emit(token)
 
     def _decode(self) -> int:
         for row in [r for r in self.rows if r.spec is not None and not r.ended]:
@@ -486,6 +482,8 @@ class StepLoop:
             row.spec.close()  # a failed one's cleanup records its statistics and decode time
         elif row.decode_start is not None:
             res.timings.decode_s = time.perf_counter() - row.decode_start
+        if row.feed is not None:
+            row.feed.proposer.end()
         if row.slot is not None:
             self._leave_slot(row)
         if row.state is not None:
