@@ -8,6 +8,7 @@ outlasts any of them: a worker waits days for rank 0's next operation.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -25,6 +26,8 @@ import torch
 from ds4serve import SamplingParams
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph
 from ds4serve.engine.prefill_graphs import FirstChunkGraphs
+from ds4serve.model.batch import ROW_TILE
+from ds4serve.parallel.pipeline import micro_batches
 from tests.helpers import random_prompt
 
 SPLIT = [2, 4]
@@ -36,6 +39,8 @@ RUN_S = 900  # the longest wait for rank 0's report of the exact scenario (many 
 PROMPT = random_prompt(45, seed=21)
 CHUNKS = [5, 1, 20, 19]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+BATCHED = [random_prompt(3 + 4 * i, seed=60 + i) for i in range(10)]  # prompts of requests run together
+LOGPROBS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)
 
 
 def _free_port() -> int:
@@ -114,7 +119,24 @@ def _exact(engine) -> dict:
     out["verify_graph_steps"] = _verify_graph_steps(engine, state, model.verify_graph(state, 4, graph=False))
     out["speculative_graphs"] = _speculative_through_graphs(engine, out["generate"])
     out["first_chunks"] = _first_chunk_steps(engine, model.first_chunks(96, graph=False))
+    out["together"] = _together(engine)
     return out
+
+
+def _together(engine) -> dict:
+    """``BATCHED`` requests, each alone and then all submitted at once: their tokens and logprobs both ways,
+    and the most rows a decode step took together (over 8: the step ran as two micro-batches)."""
+    alone = [_tokens_and_logprobs(engine.generate(p, LOGPROBS)) for p in BATCHED]
+    handles = [engine.stream(p, LOGPROBS) for p in BATCHED]
+    rows = 0
+    while not all(h.done for h in handles):
+        rows = max(rows, engine.step().decode_rows)
+    return {"rows": rows, "alone": alone, "together": [_tokens_and_logprobs(h.result) for h in handles]}
+
+
+def _tokens_and_logprobs(result) -> tuple[list[int], list[tuple]]:
+    """A result's tokens and logprobs as plain values (what torch.load reads back)."""
+    return result.tokens, [dataclasses.astuple(lp) for lp in result.logprobs]
 
 
 def _paused(engine, state) -> torch.Tensor:
@@ -293,6 +315,7 @@ def _reference(engine) -> dict:
         engine, state, VerifyGraph(engine.model, state, 4, graph=False)
     )
     out["first_chunks"] = _first_chunk_steps(engine, FirstChunkGraphs(engine.model, 96, graph=False))
+    out["alone"] = [engine.generate(p, LOGPROBS).tokens for p in BATCHED]
     return out
 
 
@@ -321,6 +344,20 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     spec = got["speculative_graphs"]
     assert spec["tokens"] == reference["generate"] and spec["drafted"] > 0
     assert spec["graphs"] == ["PipelineVerifyGraph"]
+    # requests run together over the ranks, in two micro-batches: each bitwise what it gets alone there, and
+    # the single device's tokens
+    batched = got["together"]
+    assert batched["rows"] > ROW_TILE
+    assert batched["together"] == batched["alone"]
+    assert [tokens for tokens, _ in batched["together"]] == reference["alone"]
+
+
+def test_micro_batches_cut_at_a_row_tile():
+    assert micro_batches(1) == [(0, 1)]
+    assert micro_batches(ROW_TILE) == [(0, ROW_TILE)]
+    assert micro_batches(ROW_TILE + 1) == [(0, ROW_TILE), (ROW_TILE, ROW_TILE + 1)]
+    assert micro_batches(3 * ROW_TILE) == [(0, 2 * ROW_TILE), (2 * ROW_TILE, 3 * ROW_TILE)]
+    assert micro_batches(4 * ROW_TILE - 1) == [(0, 2 * ROW_TILE), (2 * ROW_TILE, 4 * ROW_TILE - 1)]
 
 
 @pytest.mark.timeout(5 * EVENT_S)

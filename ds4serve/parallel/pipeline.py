@@ -41,6 +41,7 @@ from ..engine.prefill_graphs import (
     shard_capturable,
 )
 from ..model import DeepSeekV4
+from ..model.batch import ROW_TILE, BatchForward
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
 
@@ -127,6 +128,22 @@ class _Link:
     def send(self, t: torch.Tensor, dst: int, what: str) -> None:
         with _comm(f"sending {what}", dst):
             dist.send(t.contiguous(), dst=dst)
+
+    def isend(self, t: torch.Tensor, dst: int, what: str) -> Callable[[], None]:
+        """Start sending ``t`` to ``dst`` without waiting for the receiver; the returned call waits until it
+        is sent. A micro-batched step sends this way: a rank that waited for its send while its receiver
+        waited for a send of its own would deadlock."""
+        t = t.contiguous()
+        with _comm(f"sending {what}", dst):
+            work = dist.isend(t, dst=dst)
+
+        def wait() -> None:
+            with _comm(f"sending {what}", dst):
+                work.wait()
+            del t_kept[:]
+
+        t_kept = [t]  # the tensor stays alive until its send completes
+        return wait
 
     def recv(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
         with _comm(f"receiving {what}", src):
@@ -241,6 +258,38 @@ class PipelineModel:
         )
         return ForwardResult(hidden=final, delta=delta, logits=logits, captured=captured)
 
+    def decode_batch(self, token_ids: list[int], states: list["PipelineState"]) -> BatchForward:
+        """One new token for each of N sequences over every rank (:meth:`DeepSeekV4.decode_batch` on each
+        rank's layers), in micro-batches (:func:`micro_batches`): rank 0 sends one on and runs the next while
+        the ranks after it run the first, so that the ranks work at the same time. Each row's logits are the
+        unsplit model's batched step's, bit for bit; writes nothing (commit each row's delta)."""
+        ids = [int(t) for t in token_ids]
+        if len(ids) != len(states) or not ids:
+            raise ValueError(f"decode_batch: {len(ids)} tokens for {len(states)} states")
+        seq = next(self._seqs)
+        parts = micro_batches(len(ids))
+        self._op("decode_batch", [s.sid for s in states], seq, ids, parts)
+        return self._guarded(self._decode_batch, ids, states, seq, parts)
+
+    def _decode_batch(
+        self, ids: list[int], states: list["PipelineState"], seq: int, parts: list[tuple[int, int]]
+    ) -> BatchForward:
+        local, sends = [], []
+        for a, b in parts:
+            out = self.shard.decode_batch(ids[a:b], states[a:b])
+            sends.append(self.link.isend(out.hidden, 1, "hidden streams"))
+            local.extend(out.deltas)
+        last = self.groups.world - 1
+        finals, logits = [], []
+        for a, b in parts:
+            finals.append(self.link.recv(self.link.streams(b - a), last, "final streams"))
+            buf = torch.empty(b - a, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+            logits.append(self.link.recv(buf, last, "logits"))
+        for wait in sends:
+            wait()
+        deltas = [PipelineDelta(start=d.start, tokens=d.tokens, layers=d.layers, seq=seq) for d in local]
+        return BatchForward(logits=torch.cat(logits), deltas=deltas, hidden=torch.cat(finals))
+
     def decode_graph(self, state: "PipelineState", graph: bool | None = None) -> "PipelineDecodeGraph":
         """Plain decoding of ``state`` as one CUDA graph per rank (default: on CUDA; ``graph=False``
         runs the same static steps uncaptured, for CPU tests)."""
@@ -298,6 +347,17 @@ class PipelineModel:
             start, stop, _ = self.table[rank]
             part = {i: {k: v.cpu() for k, v in snap.layers[i].items()} for i in range(start, stop)}
             self._guarded(_send_object, part, rank, self.groups)
+
+
+def micro_batches(rows: int) -> list[tuple[int, int]]:
+    """A batched step's rows as the pipeline's micro-batches ``[(start, stop), ...]``: two halves cut at a
+    multiple of the batched forward's row tile (so that no half adds a padded tile), one when a tile holds
+    them all."""
+    tiles = -(-rows // ROW_TILE)
+    if tiles < 2:
+        return [(0, rows)]
+    cut = -(-tiles // 2) * ROW_TILE
+    return [(0, cut), (cut, rows)]
 
 
 def _recv_object(box: list[Any], src: int, groups: Groups) -> None:
@@ -585,6 +645,26 @@ class _ShardServer:
         else:
             link.send(out.hidden, rank + 1, "hidden streams")
 
+    def decode_batch(self, sids: list[int], seq: int, ids: list[int], parts: list[tuple[int, int]]) -> None:
+        """A batched step of this rank's layers, micro-batch by micro-batch as rank 0 sends them; each row's
+        delta kept as its sequence's pending ``seq``."""
+        link, rank = self.link, self.rank
+        sends = []
+        for a, b in parts:
+            hidden = link.recv(link.streams(b - a), rank - 1, "hidden streams")
+            states = [self.states[sid] for sid in sids[a:b]]
+            with profiler.step("decode", b - a, min(s.pos for s in states), self.shard.layers):
+                out = self.shard.decode_batch(ids[a:b], states, hidden=hidden)
+            for sid, delta in zip(sids[a:b], out.deltas):
+                self.pending[sid][seq] = delta
+            if rank == self.last:
+                sends.append(link.isend(out.hidden, 0, "final streams"))
+                sends.append(link.isend(out.logits, 0, "logits"))
+            else:
+                sends.append(link.isend(out.hidden, rank + 1, "hidden streams"))
+        for wait in sends:
+            wait()
+
     def decode_graph(self, sid: int, graph: bool) -> None:
         self.graphs[sid] = DecodeGraph(
             self.shard, self.states[sid], hidden=torch.zeros_like(self.link.streams(1)), graph=graph
@@ -653,6 +733,7 @@ class _ShardServer:
     HANDLERS: dict[str, Callable[..., None]] = {
         "new": new,
         "forward": forward,
+        "decode_batch": decode_batch,
         "graph": decode_graph,
         "step": step,
         "first": first,
