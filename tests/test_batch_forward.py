@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from ds4serve.model import DeepSeekV4
-from ds4serve.model.batch import ROW_TILE
-from ds4serve.parallel import SplitModel
+from ds4serve.model.batch import ROW_TILE, micro_batches
 from ds4serve.state import ChunkDelta, SequenceState
 from ds4serve.weights import Checkpoint
 from tests.helpers import max_rel, random_prompt
@@ -176,17 +175,6 @@ def test_committed_state_equals_a_solo_decode(engine, seqs):
                     assert (g - t).abs().max() <= REL * t.abs().max(), (s.prompt, i, name)
 
 
-def test_layer_split_equals_the_whole_model(engine, tiny_dir, seqs):
-    split = SplitModel.load(Checkpoint(tiny_dir), [range(0, 2), range(2, 3), range(3, 6)], ["cpu"] * 3)
-    rows = seqs[: ROW_TILE + 1]
-    tokens, states = [s.token for s in rows], [s.state for s in rows]
-    whole = engine.model.decode_batch(tokens, states)
-    got = split.decode_batch(tokens, states)
-    assert torch.equal(got.logits, whole.logits) and torch.equal(got.hidden, whole.hidden)
-    for r, (a, b) in enumerate(zip(got.deltas, whole.deltas)):
-        _assert_same_delta(a, b, r)
-
-
 def test_a_shard_without_the_head_returns_streams(engine, tiny_dir, seqs):
     cfg = engine.cfg
     shard = DeepSeekV4.load(Checkpoint(tiny_dir), layers=range(3, cfg.num_layers - 1))
@@ -214,3 +202,11 @@ def test_bad_batches_raise_clear_errors(engine, seqs):
     full.commit(model.forward([5, 6, 7], full).delta, 3)
     with pytest.raises(ValueError, match=r"states\[1\]: full \(3 of 3 tokens\)"):
         model.decode_batch([1, 2], [a, full])
+
+
+def test_micro_batches_cut_at_a_row_tile():
+    assert micro_batches(1) == [(0, 1)]
+    assert micro_batches(ROW_TILE) == [(0, ROW_TILE)]
+    assert micro_batches(ROW_TILE + 1) == [(0, ROW_TILE), (ROW_TILE, ROW_TILE + 1)]
+    assert micro_batches(3 * ROW_TILE) == [(0, 2 * ROW_TILE), (2 * ROW_TILE, 3 * ROW_TILE)]
+    assert micro_batches(4 * ROW_TILE - 1) == [(0, 2 * ROW_TILE), (2 * ROW_TILE, 4 * ROW_TILE - 1)]

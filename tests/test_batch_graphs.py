@@ -11,6 +11,9 @@ import torch
 
 from ds4serve import Engine
 from ds4serve.engine.batch_graphs import BUCKETS, BatchGraphs, DecodeSlots, bucket_for
+from ds4serve.model.batch import ROW_TILE
+from ds4serve.parallel import SplitModel
+from ds4serve.weights import Checkpoint
 from tests.helpers import random_prompt
 
 MAX_CONTEXT = 256
@@ -119,6 +122,52 @@ def test_captured_buckets_match_the_uncaptured_step_on_the_gpu(tiny_dir):
             assert all(torch.equal(a, b) for a, b in zip(got[True, n], got[False, n])), n
             smaller = max(m for m in sizes if m <= n // 2 or m == 1)
             assert all(torch.equal(a[:smaller], b) for a, b in zip(got[True, n], got[True, smaller])), n
+
+
+def _split_and_whole(engine: Engine, split: SplitModel, n: int, graph: bool) -> list[list[tuple]]:
+    """``n`` sequences decoded 3 steps through the batched steps of ``split`` and of the engine's whole model:
+    per model, per step, each row's logits and its slot after the step."""
+    runs = []
+    for model in (split, engine.require_model()):
+        slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 16)
+        batch = BatchGraphs(model, slots, graph=graph)
+        rows = [slots.enter(s) for s in _prefilled(engine, n, seed=60)]
+        runs.append([list(zip(batch.step(rows, [11 + i for i in range(n)]), [r.snapshot() for r in rows]))
+                     for _ in range(3)])  # fmt: skip
+    return runs
+
+
+def _assert_split_equals_whole(runs: list[list[tuple]]) -> None:
+    for step_split, step_whole in zip(*runs):
+        for (logits_a, snap_a), (logits_b, snap_b) in zip(step_split, step_whole):
+            assert torch.equal(logits_a, logits_b)
+            assert snap_a.pos == snap_b.pos and snap_a.tokens == snap_b.tokens
+            for i in snap_b.layers:
+                for k, t in snap_b.layers[i].items():
+                    assert torch.equal(snap_a.layers[i][k].cpu(), t.cpu()), (i, k)
+
+
+@pytest.mark.parametrize("n", [3, ROW_TILE + 1])
+def test_a_layer_split_steps_each_row_bitwise_as_the_whole_model(engine, tiny_dir, n):
+    """The batched step of a three-shard split (each shard its own step over its part of the slots; over
+    ``ROW_TILE`` rows the bucket runs as two micro-batches) gives every row the whole model's logits and
+    state, bit for bit."""
+    split = SplitModel.load(Checkpoint(tiny_dir), [range(0, 2), range(2, 3), range(3, 6)], ["cpu"] * 3)
+    with engine.lock, torch.inference_mode():
+        _assert_split_equals_whole(_split_and_whole(engine, split, n, graph=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_layer_split_captured_on_the_gpu_steps_as_the_whole_model(tiny_dir):
+    """bf16 on one GPU, both shards on it: the split's captured micro-batched steps give every row the whole
+    model's captured step, bit for bit."""
+    engine = Engine.from_pretrained(tiny_dir, device="cuda", dtype="bfloat16", max_context=MAX_CONTEXT)
+    split = SplitModel.load(
+        Checkpoint(tiny_dir), [range(0, 3), range(3, 6)], ["cuda", "cuda"], dtype=torch.bfloat16
+    )
+    with engine.lock, torch.inference_mode():
+        for n in (3, ROW_TILE + 3):
+            _assert_split_equals_whole(_split_and_whole(engine, split, n, graph=True))
 
 
 def test_slots_that_do_not_fit_the_gpu_are_refused_with_the_options_to_change(engine, monkeypatch):

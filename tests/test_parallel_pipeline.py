@@ -27,7 +27,6 @@ from ds4serve import SamplingParams
 from ds4serve.engine.cuda_graphs import DecodeGraph, VerifyGraph
 from ds4serve.engine.prefill_graphs import FirstChunkGraphs
 from ds4serve.model.batch import ROW_TILE
-from ds4serve.parallel.pipeline import micro_batches
 from tests.helpers import random_prompt
 
 SPLIT = [2, 4]
@@ -350,14 +349,6 @@ def test_two_gloo_ranks_equal_single_device(tmp_path, tiny_dir, reference):
     assert batched["rows"] > ROW_TILE
     assert batched["together"] == batched["alone"]
     assert [tokens for tokens, _ in batched["together"]] == reference["alone"]
-
-
-def test_micro_batches_cut_at_a_row_tile():
-    assert micro_batches(1) == [(0, 1)]
-    assert micro_batches(ROW_TILE) == [(0, ROW_TILE)]
-    assert micro_batches(ROW_TILE + 1) == [(0, ROW_TILE), (ROW_TILE, ROW_TILE + 1)]
-    assert micro_batches(3 * ROW_TILE) == [(0, 2 * ROW_TILE), (2 * ROW_TILE, 3 * ROW_TILE)]
-    assert micro_batches(4 * ROW_TILE - 1) == [(0, 2 * ROW_TILE), (2 * ROW_TILE, 4 * ROW_TILE - 1)]
 
 
 @pytest.mark.timeout(5 * EVENT_S)

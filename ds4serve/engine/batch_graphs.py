@@ -11,6 +11,12 @@ every row's commit at its device position. Rows N..B-1 forward token 0 at positi
 contents nothing reads before the next :meth:`DecodeSlots.enter` overwrites them. Every row is what it is in
 any bucket (the batched forward's tile rule), so a sequence's tokens do not depend on what runs beside it.
 With ``graph=False`` (a device without CUDA graphs) each step runs the same static forward uncaptured.
+
+A layer split in this process (:class:`~ds4serve.parallel.SplitModel`) gets one such step per shard, each over
+its shard's part of the slots, captured on the shard's device and replayed in layer order, the streams leaving
+a shard copied into the next one's input buffer. Its bucket runs as two micro-batches
+(:func:`~ds4serve.model.batch.micro_batches`): a replay returns before the device has run it, so while the next
+shard runs the first micro-batch, the first shard runs the second.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from typing import Callable
 
 import torch
 
+from ..devices import on_device
 from ..model import DeepSeekV4
-from ..state import ChunkDelta, SequenceState
+from ..model.batch import BatchForward, micro_batches
+from ..parallel.split_model import SplitModel
+from ..state import SequenceState
 from .cuda_graphs import Captured
 from .device_commit import DeviceCommit
 
@@ -72,13 +81,15 @@ class DecodeSlots:
 
 
 class BatchGraphs:
-    """The batched decode steps of ``model`` over ``slots``, one captured graph per bucket (made on first
-    use or by :meth:`capture`); the graphs share one memory pool (they never run at the same time)."""
+    """The batched decode steps of ``model`` (a whole model or a layer split) over ``slots``, one captured
+    step per bucket (made on first use or by :meth:`capture`); the graphs of a device share one memory pool
+    (they run one after another on its stream)."""
 
-    def __init__(self, model: DeepSeekV4, slots: DecodeSlots, graph: bool = True):
+    def __init__(self, model: DeepSeekV4 | SplitModel, slots: DecodeSlots, graph: bool = True):
         self.model, self.slots, self.graph = model, slots, graph
-        self._steps: dict[int, _BucketStep] = {}
-        self._pool = torch.cuda.graph_pool_handle() if graph else None
+        self._shards: list[DeepSeekV4] = model.shards if isinstance(model, SplitModel) else [model]
+        self._steps: dict[int, list[_MicroBatch]] = {}
+        self._pools = {s.device: _pool(s.device) if graph else None for s in self._shards}
 
     def capture(self) -> None:
         """Capture the step of every bucket up to the slot count (the engine's warm-up)."""
@@ -100,7 +111,10 @@ class BatchGraphs:
             if slot.pos + 1 > slot.max_context:
                 raise ValueError(f"decode at position {slot.pos} exceeds the slot's {slot.max_context}")
             ids[i], positions[i] = token, slot.pos
-        logits = self._step(rows).replay(ids, positions)[:used].clone()
+        batches = self._step(rows)
+        for batch in batches:  # every input first: a host-to-device copy waits for its device
+            batch.fill(ids, positions)
+        logits = torch.cat([batch.replay()[: max(0, used - batch.start)] for batch in batches])
         out = []
         for i, slot, token in zip(order, slots, tokens):
             slot.advance(token)
@@ -108,22 +122,73 @@ class BatchGraphs:
             out.append(logits[i])
         return out
 
-    def _step(self, rows: int) -> "_BucketStep":
+    def _step(self, rows: int) -> list["_MicroBatch"]:
         step = self._steps.get(rows)
         if step is None:
-            step = self._steps[rows] = _BucketStep(
-                self.model, self.slots.states[:rows], self.graph, self._pool
-            )
+            parts = micro_batches(rows) if len(self._shards) > 1 else [(0, rows)]
+            step = self._steps[rows] = [
+                _MicroBatch(self._shards, self.slots.states[a:b], a, self.graph, self._pools)
+                for a, b in parts
+            ]
         return step
 
 
-class _BucketStep:
-    """The static batched forward of ``len(slots)`` rows and each row's commit, captured (or not)."""
+def _pool(device: torch.device) -> object:
+    with on_device(device):
+        return torch.cuda.graph_pool_handle()
 
-    def __init__(self, model: DeepSeekV4, slots: list[SequenceState], graph: bool, pool: object | None):
+
+class _MicroBatch:
+    """Slots ``start ..`` of a bucket through every shard: one :class:`_ShardStep` per shard, replayed in
+    layer order."""
+
+    def __init__(
+        self,
+        shards: list[DeepSeekV4],
+        slots: list[SequenceState],
+        start: int,
+        graph: bool,
+        pools: dict[torch.device, object | None],
+    ):
+        self.start, self.rows = start, len(slots)
+        self.shards: list[_ShardStep] = []
+        for k, shard in enumerate(shards):
+            with on_device(shard.device):
+                parts = slots if len(shards) == 1 else [s.part(shard.layers) for s in slots]
+                self.shards.append(_ShardStep(shard, parts, graph, pools[shard.device], first=k == 0))
+
+    def fill(self, ids: list[int], positions: list[int]) -> None:
+        """The bucket's tokens and positions (every row's): this micro-batch's go to each shard's inputs."""
+        a, b = self.start, self.start + self.rows
+        for step in self.shards:
+            step.inputs.copy_(torch.tensor(ids[a:b] + positions[a:b], dtype=torch.long))
+
+    def replay(self) -> torch.Tensor:
+        """Run the filled rows through every shard, committing each; the logits ``[rows, V]``, a buffer that
+        the next replay overwrites."""
+        out = None
+        for step in self.shards:
+            with on_device(step.model.device):
+                if out is not None:
+                    step.hidden.copy_(out.hidden)
+                out = step.replay()
+        return out.logits
+
+
+class _ShardStep:
+    """The static batched forward of one shard (a whole model: all its layers) over ``slots`` and each row's
+    commit, captured (or not). Past the first shard the incoming streams are read from ``hidden``."""
+
+    def __init__(
+        self, model: DeepSeekV4, slots: list[SequenceState], graph: bool, pool: object | None, first: bool
+    ):
         self.model, self.slots = model, slots
         device = model.device
         n = len(slots)
+        cfg = model.cfg
+        self.hidden = (
+            None if first else torch.zeros(n, cfg.hc_mult, cfg.hidden_size, dtype=model.dtype, device=device)
+        )
         self.inputs = torch.zeros(2 * n, dtype=torch.long, device=device)  # the tokens, then the positions
         # one tensor per row: a row's compiled regions then see the same tensor shape and offset in every row
         self.positions = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(n)]
@@ -142,21 +207,20 @@ class _BucketStep:
     def _prepare(self) -> list[torch.Tensor | None]:
         return [w.prepare_capture(p) for w, p in zip(self._writes, self.positions)]
 
-    def _forward(self) -> tuple[torch.Tensor, list[ChunkDelta]]:
+    def _forward(self) -> BatchForward:
         n = len(self.slots)
         for r, pos in enumerate(self.positions):
             pos.copy_(self.inputs[n + r : n + r + 1])
-        out = self.model.decode_batch(self.inputs[:n], self.slots, positions=self.positions)
-        return out.logits, out.deltas
+        return self.model.decode_batch(
+            self.inputs[:n], self.slots, hidden=self.hidden, positions=self.positions
+        )
 
-    def _forward_and_commit(self) -> torch.Tensor:
-        logits, deltas = self._forward()
-        for writes, delta, pos in zip(self._writes, deltas, self.positions):
+    def _forward_and_commit(self) -> BatchForward:
+        out = self._forward()
+        for writes, delta, pos in zip(self._writes, out.deltas, self.positions):
             writes.write_token(delta, pos)
-        return logits
+        return out
 
-    def replay(self, ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Forward ``ids`` at ``positions`` (one per slot) and commit them; logits ``[rows, V]``, a buffer
-        that the next replay overwrites."""
-        self.inputs.copy_(torch.tensor(ids + positions, dtype=torch.long))
+    def replay(self) -> BatchForward:
+        """Forward the inputs and commit them: buffers that the next replay overwrites."""
         return self._run.replay()

@@ -90,9 +90,9 @@ class Engine:
         slot_memory_fraction: float | None = None,
     ):
         """``max_batch``: the most sequences that run at once (decoded together in one batched forward);
-        default :data:`DEFAULT_MAX_BATCH`, on a GPU as many decode slots of ``max_context`` tokens as
-        :func:`default_max_batch` fits in its free memory, and 1 where the layers are split over devices or
-        in a pipeline (their batched forward is not captured). An engine with ``max_batch`` 1 decodes through
+        default :data:`DEFAULT_MAX_BATCH`, on GPUs as many decode slots of ``max_context`` tokens as
+        :func:`default_max_batch` fits in the free memory of each (a layer split's share of a slot on each
+        of its devices), and 1 in a pipeline on GPUs (its batched steps are not captured). An engine with ``max_batch`` 1 decodes through
         the one-sequence step, any other through the batched one, a lone sequence included, so that a
         sequence's results never depend on what runs beside it. ``slot_memory_fraction``: the share of a GPU's
         free memory that the default decode slots may take (0 < fraction <= 1; default
@@ -135,10 +135,6 @@ class Engine:
         self._verify_pool: object | None = None  # the memory pool a whole model's verify graphs share
         if max_batch is None:
             max_batch = self._default_max_batch(model, slot_memory_fraction)
-        if max_batch > 1 and not hasattr(model, "decode_batch"):
-            raise ValueError(
-                f"max_batch: {type(model).__name__} runs one sequence at a time, got {max_batch}"
-            )
         self.max_batch = max_batch
         self._batch: BatchGraphs | None = None  # the decode slots and their batched steps (see _batch_graphs)
         self._states = StatePool(self.new_sequence, self.max_context, max_batch, self._forget_state)
@@ -511,16 +507,16 @@ class Engine:
         return moved
 
     def _batch_graphs(self) -> BatchGraphs | None:
-        """The decode slots and batched steps of a whole model decoding batches (None: the one-sequence step,
-        or the eager batched forward of a layer split): ``max_batch`` slots of ``max_context`` tokens, made on
-        first use; captured as CUDA graphs where the engine uses graphs."""
+        """The decode slots and batched steps of a whole model or a layer split decoding batches (None: the
+        one-sequence step, or a pipeline's eager batched forward): ``max_batch`` slots of ``max_context``
+        tokens, made on first use; captured as CUDA graphs where the engine uses graphs."""
         if self._batch is None:
             model = self.require_model()
-            if self.max_batch == 1 or not isinstance(model, DeepSeekV4):
+            if self.max_batch == 1 or not isinstance(model, (DeepSeekV4, SplitModel)):
                 return None
             _check_slots_fit(model, self.max_batch, self.max_context)
             slots = DecodeSlots(lambda: model.new_state(self.max_context), self.max_batch)
-            self._batch = BatchGraphs(model, slots, graph=self._graphs_apply(model))
+            self._batch = BatchGraphs(model, slots, graph=self._graph_kinds(model) is not None)
         return self._batch
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
@@ -592,18 +588,17 @@ class Engine:
 
     def _default_max_batch(self, model: object, fraction: float) -> int:
         """The batch size an engine takes when none is given (see ``__init__``)."""
-        if not isinstance(model, DeepSeekV4):
-            one = self._graph_kinds(model) is not None or not hasattr(model, "decode_batch")
-            return 1 if one else DEFAULT_MAX_BATCH
-        if model.device.type != "cuda":
+        if not isinstance(model, (DeepSeekV4, SplitModel)):  # a pipeline: batched eagerly, off CUDA only
+            return 1 if self._graph_kinds(model) is not None else DEFAULT_MAX_BATCH
+        memory = _slot_memory(model, self.max_context)
+        if not memory:
             return DEFAULT_MAX_BATCH
-        per_slot, free = _slot_memory(model, self.max_context)
-        count = default_max_batch(per_slot, free, fraction)
+        count = min(default_max_batch(per_slot, free, fraction) for _, per_slot, free in memory)
         log.info(
-            "max_batch %d: decode slots of %d tokens take %.2f GiB each, at most %.0f%% of the free memory",
+            "max_batch %d: decode slots of %d tokens take %s each, at most %.0f%% of the free memory",
             count,
             self.max_context,
-            per_slot / 2**30,
+            ", ".join(f"{per_slot / 2**30:.2f} GiB on {device}" for device, per_slot, _ in memory),
             fraction * 100,
         )
         return count
@@ -776,26 +771,26 @@ def default_max_batch(slot_bytes: int, free_bytes: int, fraction: float = SLOT_M
     return count if count >= 2 else 1
 
 
-def _slot_memory(model: DeepSeekV4, max_context: int) -> tuple[int, int]:
-    """Bytes of one decode slot of ``max_context`` tokens and the free bytes of the model's CUDA device."""
-    return (
-        state_nbytes(model.cfg, model.layers, max_context, model.dtype),
-        torch.cuda.mem_get_info(model.device)[0],
-    )
+def _slot_memory(model: DeepSeekV4 | SplitModel, max_context: int) -> list[tuple[torch.device, int, int]]:
+    """Per CUDA device of ``model`` (each shard's of a layer split): the bytes of its layers' share of one
+    decode slot of ``max_context`` tokens and the device's free bytes; empty off CUDA."""
+    shards = model.shards if isinstance(model, SplitModel) else [model]
+    need: dict[torch.device, int] = {}
+    for s in shards:
+        need[s.device] = need.get(s.device, 0) + state_nbytes(model.cfg, s.layers, max_context, s.dtype)
+    return [(d, n, torch.cuda.mem_get_info(d)[0]) for d, n in need.items() if d.type == "cuda"]
 
 
-def _check_slots_fit(model: DeepSeekV4, count: int, max_context: int) -> None:
+def _check_slots_fit(model: DeepSeekV4 | SplitModel, count: int, max_context: int) -> None:
     """Raise a RuntimeError naming the options to change when ``count`` decode slots of ``max_context`` tokens
-    would not fit in the free memory of the model's CUDA device (nothing is checked elsewhere)."""
-    if model.device.type != "cuda":
-        return
-    one, free = _slot_memory(model, max_context)
-    if count * one > free:
-        raise RuntimeError(
-            f"decode slots: --max-batch {count} slots of --max-context {max_context} tokens need "
-            f"{count * one / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is free on {model.device}; "
-            "lower --max-batch or --max-context"
-        )
+    would not fit in the free memory of one of the model's CUDA devices (nothing is checked elsewhere)."""
+    for device, one, free in _slot_memory(model, max_context):
+        if count * one > free:
+            raise RuntimeError(
+                f"decode slots: --max-batch {count} slots of --max-context {max_context} tokens need "
+                f"{count * one / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is free on {device}; "
+                "lower --max-batch or --max-context"
+            )
 
 
 def default_chunk_size(on_cuda: bool) -> int:

@@ -42,6 +42,17 @@ from .rope import Rope
 ROW_TILE = 8  # rows per tile: every token-wise op of a batched step runs on exactly this many rows
 
 
+def micro_batches(rows: int) -> list[tuple[int, int]]:
+    """A batched step's rows as two micro-batches ``[(start, stop), ...]`` for the stages of a split model
+    to work on at once: halves cut at a multiple of ``ROW_TILE`` (so that no half adds a padded tile), one
+    when a tile holds them all. A row's results are the same in either (the tile rule)."""
+    tiles = -(-rows // ROW_TILE)
+    if tiles < 2:
+        return [(0, rows)]
+    cut = -(-tiles // 2) * ROW_TILE
+    return [(0, cut), (cut, rows)]
+
+
 @dataclass
 class BatchForward:
     logits: torch.Tensor | None  # [N, V] float32, row r = after token_ids[r] on states[r]; None: no head

@@ -41,7 +41,7 @@ from ..engine.prefill_graphs import (
     shard_capturable,
 )
 from ..model import DeepSeekV4
-from ..model.batch import ROW_TILE, BatchForward
+from ..model.batch import BatchForward, micro_batches
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, Snapshot
 
@@ -347,17 +347,6 @@ class PipelineModel:
             start, stop, _ = self.table[rank]
             part = {i: {k: v.cpu() for k, v in snap.layers[i].items()} for i in range(start, stop)}
             self._guarded(_send_object, part, rank, self.groups)
-
-
-def micro_batches(rows: int) -> list[tuple[int, int]]:
-    """A batched step's rows as the pipeline's micro-batches ``[(start, stop), ...]``: two halves cut at a
-    multiple of the batched forward's row tile (so that no half adds a padded tile), one when a tile holds
-    them all."""
-    tiles = -(-rows // ROW_TILE)
-    if tiles < 2:
-        return [(0, rows)]
-    cut = -(-tiles // 2) * ROW_TILE
-    return [(0, cut), (cut, rows)]
 
 
 def _recv_object(box: list[Any], src: int, groups: Groups) -> None:

@@ -1,8 +1,9 @@
 """A model split into contiguous layer ranges, one :class:`DeepSeekV4` per device, in one process.
 
-Each shard runs the one forward path (:meth:`DeepSeekV4.forward`, or :meth:`DeepSeekV4.decode_batch` for a
-batched decode step) over its own layers; the hidden streams ``[S, hc, D]`` leaving a shard are copied into
-a fresh tensor on the next shard's device, so no shard ever reads a buffer another shard writes. One
+Each shard runs the one forward path (:meth:`DeepSeekV4.forward`; for a batched decode step
+:meth:`DeepSeekV4.decode_batch`, through :mod:`ds4serve.engine.batch_graphs`) over its own layers; the hidden
+streams ``[S, hc, D]`` leaving a shard are copied into a fresh tensor on the next shard's device, so no shard
+ever reads a buffer another shard writes. One
 :class:`SequenceState` holds every layer's state on its own shard's device, so commit, snapshot, restore and
 fork cover all shards.
 """
@@ -11,14 +12,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 from ..config import ModelConfig
 from ..devices import on_device
 from ..model import DeepSeekV4
-from ..model.batch import BatchForward
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint
@@ -106,19 +106,6 @@ class SplitModel:
                 hidden = handoff(result.hidden, self.shards[k + 1].device)
         delta = ChunkDelta(start=result.delta.start, tokens=result.delta.tokens, layers=layers)
         return ForwardResult(hidden=result.hidden, delta=delta, logits=result.logits, captured=captured)
-
-    def decode_batch(self, token_ids: Sequence[int], states: Sequence[SequenceState]) -> BatchForward:
-        """Every shard's :meth:`DeepSeekV4.decode_batch` in order; the result is the unsplit model's."""
-        deltas = [ChunkDelta(start=s.pos, tokens=[int(t)], layers={}) for t, s in zip(token_ids, states)]
-        hidden = None
-        for k, shard in enumerate(self.shards):
-            with on_device(shard.device):
-                result = shard.decode_batch(token_ids, states, hidden=hidden)
-            for delta, part in zip(deltas, result.deltas):
-                delta.layers.update(part.layers)
-            if k + 1 < len(self.shards):
-                hidden = handoff(result.hidden, self.shards[k + 1].device)
-        return BatchForward(logits=result.logits, deltas=deltas, hidden=result.hidden)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for s in self.shards for t in s.tensors()]
