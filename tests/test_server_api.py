@@ -266,14 +266,23 @@ def test_reasoning_content_with_a_thinking_budget(oai):
     assert reasoning == msg.model_extra["reasoning_content"] and content == (msg.content or "")
 
 
-def test_stop_string_truncates_and_finishes_with_stop(oai):
+def test_stop_string_truncates_and_finishes_with_stop(oai, base):
+    """A stop string ends the request with ``stop``, and the metrics count it so, not as a cancellation."""
     full = chat(oai, "Stop test", max_tokens=8, temperature=0, logprobs=True).choices[0]
     pieces = [e.token for e in full.logprobs.content]
     stop = pieces[3]
     assert stop.strip()
+    counts = [
+        metric(base, "ds4serve_generations_total", AUTH, finish_reason="stop"),
+        metric(base, "ds4serve_generations_total", AUTH, finish_reason="cancelled"),
+        metric(base, "ds4serve_cancelled_total", AUTH, reason="stop_sequence"),
+    ]
     cut = chat(oai, "Stop test", max_tokens=8, temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.message.content == full.message.content[: full.message.content.index(stop)]
+    wait_for(lambda: metric(base, "ds4serve_generations_total", AUTH, finish_reason="stop") == counts[0] + 1)
+    assert metric(base, "ds4serve_generations_total", AUTH, finish_reason="cancelled") == counts[1]
+    assert metric(base, "ds4serve_cancelled_total", AUTH, reason="stop_sequence") == counts[2] == 0
 
 
 def test_completions_plain_and_streaming(oai):

@@ -249,6 +249,11 @@ def test_echo_with_generation_and_prompts_times_n_in_order(oai, engine):
         assert lps.token_logprobs[1 : len(ids)] == pytest.approx(
             _expected_prompt_logprobs(engine, ids)[1:], abs=1e-5
         )
+        # each offset indexes the returned text; the BOS the server added is not in it (offset 0, no width)
+        assert lps.text_offset[:2] == [0, 0]
+        for token, offset in list(zip(lps.tokens, lps.text_offset))[1:]:
+            assert choice.text[offset : offset + len(token)] == token
+        assert lps.text_offset[len(ids)] == len(prompt_text)
     assert r.usage.completion_tokens == 12
     streamed = list(
         oai.completions.create(

@@ -334,10 +334,13 @@ def test_sampling_values_at_the_edges_of_their_ranges_are_served(base, path, bod
     assert r.status_code == 200, r.text
 
 
-def test_context_overflow_uses_the_openai_wording(base):
+def test_context_overflow_uses_the_openai_wording_and_names_the_prompt_field(base):
     err = post(base, CHAT, chat(messages=[{"role": "user", "content": "word " * 400}])).json()["error"]
-    assert err["code"] == "context_length_exceeded"
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert err["message"].startswith("This model's maximum context length is 256 tokens.")
+    err = post(base, COMP, {"prompt": "word " * 400, "max_tokens": 8}).json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert "in the prompt, 8 in the completion" in err["message"]
 
 
 def test_wrong_method_is_405(base):

@@ -20,7 +20,7 @@ from fastapi import Request
 from ..engine import ErrorCode, GenerateError, GenerateResult, SamplingParams, TokenLogprob
 from .errors import APIError, context_overflow, invalid, unavailable
 from .output_parser import OutputParser, ParsedDelta
-from .scheduler import Job
+from .scheduler import STOP_SEQUENCE, Job
 from .textstream import Detokenizer, StopMatcher
 
 log = logging.getLogger("ds4serve.server")
@@ -58,18 +58,21 @@ def _pieces(segments: list[ParsedDelta], logprobs: list[TokenLogprob]) -> list[P
     return [Piece(s, []) for s in segments[:-1]] + [Piece(segments[-1], logprobs)]
 
 
-def resolve_max_tokens(server, prompt_len: int, requested: int | None, field_name: str) -> int:
-    """``requested`` checked against the server limit and the context; a default when omitted."""
+def resolve_max_tokens(
+    server, prompt_len: int, requested: int | None, field_name: str, prompt_field: str = "messages"
+) -> int:
+    """``requested`` checked against the server limit and the context (the overflow error names
+    ``prompt_field``); a default when omitted."""
     limit, context = server.config.max_tokens_limit, server.engine.max_context
     if requested is None:
         room = context - prompt_len
         if room < 1:
-            raise context_overflow(context, prompt_len, 1)
+            raise context_overflow(context, prompt_len, 1, prompt_field)
         return min(limit, room)
     if requested > limit:
         raise invalid(f"{field_name}: {requested} exceeds this server's limit of {limit}", field_name)
     if prompt_len + requested > context:
-        raise context_overflow(context, prompt_len, requested)
+        raise context_overflow(context, prompt_len, requested, prompt_field)
     return requested
 
 
@@ -137,7 +140,7 @@ class Completion:
                 pending.append(event.logprob)
             text = self.stopper.feed(self.detok.feed(event.token), count >= self.spec.params.min_tokens)
             if self.stopper.hit is not None and not self.job.cancelled:
-                self.server.scheduler.withdraw(self.job, "stop_sequence")
+                self.server.scheduler.withdraw(self.job, STOP_SEQUENCE)
             segments = self.parser.feed(text)
             if segments or (pending and self.stopper.hit is None):
                 for piece in _pieces(segments, pending):
@@ -154,7 +157,7 @@ class Completion:
     def _raise_for_error(self) -> None:
         res = self.result
         if res.error is None or (
-            res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "stop_sequence"
+            res.error is ErrorCode.CANCELLED and self.job.cancel_reason == STOP_SEQUENCE
         ):
             return
         if res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "shutdown":

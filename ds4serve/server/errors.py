@@ -70,15 +70,16 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, ErrorCode.INVALID_REQUEST.value, param)
 
 
-def context_overflow(max_context: int, prompt: int, completion: int) -> APIError:
-    """The OpenAI wording, so clients that parse it (to trim history) keep working."""
+def context_overflow(max_context: int, prompt: int, completion: int, field: str = "messages") -> APIError:
+    """The OpenAI wording, so clients that parse it (to trim history) keep working; ``field`` holds the prompt
+    (``messages``, or ``prompt`` for text completions)."""
     return APIError(
         400,
         f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
-        "Please reduce the length of the messages or completion.",
+        f"{prompt + completion} tokens ({prompt} in the {field}, {completion} in the completion). "
+        f"Please reduce the length of the {field} or completion.",
         "context_length_exceeded",
-        "messages",
+        field,
     )
 
 

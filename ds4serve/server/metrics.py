@@ -19,7 +19,7 @@ class Metrics:
         )
         self.cancelled = Counter(
             p + "cancelled",
-            "Generations cancelled (client disconnect or stop string)",
+            "Generations cancelled (client disconnect, shutdown, park)",
             ["reason"],
             registry=r,
         )

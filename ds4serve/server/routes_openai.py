@@ -374,7 +374,7 @@ def completion_prompts(server, body: CompletionRequest, add_bos: bool = True) ->
 def completion_spec(server, body: CompletionRequest, prompt: list[int], param: str) -> CompletionSpec | None:
     """The generation of one prompt; None when there is none (``max_tokens`` 0, the prompt echoed alone)."""
     check_prompt(server, prompt, param)
-    max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens", "prompt")
     if max_tokens == 0:
         if not body.echo:
             raise invalid("max_tokens: 0 generates nothing; it needs echo=true", "max_tokens")
@@ -417,9 +417,11 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _prompt_logprobs(engine, prompt: list[int], top: int) -> dict:
+def _prompt_logprobs(engine, prompt: list[int], top: int, added: int) -> dict:
     """The legacy logprobs of the prompt's own tokens (``echo``): ``log_softmax`` of :meth:`Engine.score` at the
-    position before each token, and its ``top`` alternatives there; the first token has none (null)."""
+    position before each token, and its ``top`` alternatives there; the first token has none (null). The first
+    ``added`` tokens (a BOS the server put before the text) are not in the echoed text: their ``text_offset`` is
+    0 and they take no room in it."""
     tok = engine.tokenizer
     lp = torch.log_softmax(engine.score(prompt).float(), dim=-1).cpu()
     tokens = [tok.decode([t]) for t in prompt]
@@ -429,7 +431,8 @@ def _prompt_logprobs(engine, prompt: list[int], top: int) -> dict:
         token_lps.append(float(lp[i, t]))
         vals, ids = lp[i].topk(top) if top else (lp[i, :0], lp[i, :0])
         tops.append({tok.decode([int(k)]): float(v) for k, v in zip(ids, vals)})
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    widths = [0 if i < added else len(t) for i, t in enumerate(tokens)]
+    offsets = [sum(widths[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -448,8 +451,8 @@ class _Echo:
 
     @property
     def offset(self) -> int:
-        """Where the generated tokens' ``text_offset`` starts."""
-        return 0 if self.logprobs is None else sum(len(t) for t in self.logprobs["tokens"])
+        """Where the generated tokens' ``text_offset`` starts: after the echoed text."""
+        return len(self.text)
 
 
 async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> list[_Echo]:
@@ -458,6 +461,7 @@ async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> 
     tok, out = server.engine.tokenizer, []
     texts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else None
     for i, prompt in enumerate(prompts):
+        from_text = isinstance(body.prompt, str) or texts is not None
         text = body.prompt if isinstance(body.prompt, str) else texts[i] if texts else tok.decode(prompt)
         lps = None
         if body.logprobs is not None:
@@ -465,7 +469,8 @@ async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> 
                 raise APIError.from_code(
                     ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
                 )
-            lps = await asyncio.to_thread(_prompt_logprobs, server.engine, prompt, body.logprobs)
+            added = int(from_text and not text.startswith(BOS))  # completion_prompts put a BOS before it
+            lps = await asyncio.to_thread(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
         out.append(_Echo(text, lps))
     return out
 

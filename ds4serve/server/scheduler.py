@@ -40,6 +40,11 @@ class TokenEvent:
     logprob: TokenLogprob | None
 
 
+STOP_SEQUENCE = (
+    "stop_sequence"  # the cancel reason of a job the server ends at a stop string: a normal finish
+)
+
+
 @dataclass(eq=False)
 class Job:
     """One generation request and the channel its tokens come back on."""
@@ -234,7 +239,8 @@ class Scheduler:
 
     def _record(self, job: Job, res: GenerateResult) -> None:
         m = self.metrics
-        m.finished.labels(res.finish_reason).inc()
+        stopped = job.cancel_reason == STOP_SEQUENCE
+        m.finished.labels("stop" if stopped else res.finish_reason).inc()
         m.prompt_tokens.inc(res.stats.prompt_tokens)
         m.prefilled_tokens.inc(res.stats.prefilled_tokens)
         m.cached_tokens.inc(res.stats.cached_tokens)
@@ -244,7 +250,8 @@ class Scheduler:
         m.spec_accepted.inc(spec.get("accepted", 0))
         if job.cancelled:
             after = job.tokens_sent - (job.tokens_at_cancel or 0)
-            m.cancelled.labels(job.cancel_reason or "unknown").inc()
+            if not stopped:
+                m.cancelled.labels(job.cancel_reason or "unknown").inc()
             m.tokens_after_cancel.inc(after)
             log.info(
                 "request %d cancelled (%s) after %d tokens; %d more token(s) were generated before it stopped",
