@@ -91,6 +91,62 @@ def test_openai_streamed_tool_call(oai, scripted):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_deprecated_functions_call_and_round_trip_as_openai_shapes_them(oai, base, scripted):
+    """``functions`` / ``function_call`` (OpenAI's deprecated function calling): the prompt is the one ``tools``
+    gives, the call comes back as the message's ``function_call`` with finish ``function_call`` (streamed as
+    ``function_call`` deltas), and a history of an assistant ``function_call`` and a ``function`` message is the
+    prompt of the tool call and tool result it stands for."""
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    legacy = {"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
+    scripted.script("Let me check." + CALL)
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "tiny", "messages": question, "max_tokens": 100, **legacy},
+    ).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    call = choice["message"]["function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris", "days": 2}
+    expected = encode_messages(question, thinking=False, tools=[WEATHER]).text
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(expected)
+
+    scripted.script("Let me check." + CALL)
+    body = {"model": "tiny", "messages": question, "max_tokens": 100, "stream": True, **legacy}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    deltas = [
+        c["choices"][0]["delta"]["function_call"]
+        for c in chunks
+        if "function_call" in c["choices"][0]["delta"]
+    ]
+    assert deltas[0]["name"] == "get_weather" and all("name" not in d for d in deltas[1:])
+    assert json.loads("".join(d["arguments"] for d in deltas)) == {"city": "Paris", "days": 2}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+
+    scripted.script("It is 18°C.")
+    history = question + [
+        {"role": "assistant", "content": "Let me check.", "function_call": call},
+        {"role": "function", "name": "get_weather", "content": '{"temp": 18}'},
+    ]
+    r2 = oai.chat.completions.create(model="tiny", messages=history, max_tokens=100, extra_body=legacy)
+    assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content == "It is 18°C."
+    as_tools = question + [
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [{"type": "function", "function": call}],
+        },
+        {"role": "tool", "content": '{"temp": 18}'},
+    ]
+    expected = encode_messages(as_tools, thinking=False, tools=[WEATHER]).text
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(expected)
+    assert expected.endswith('<｜User｜><tool_result>{"temp": 18}</tool_result><｜Assistant｜></think>')
+
+    both = {"model": "tiny", "messages": question, "tools": [WEATHER], **legacy}
+    err = httpx.post(f"{base}/v1/chat/completions", json=both)
+    assert err.status_code == 400 and err.json()["error"]["param"] == "functions"
+
+
 def test_a_call_cut_off_by_the_end_of_generation_is_closed_in_both_apis(base, scripted):
     cut = CALL[: CALL.index("Paris") + 3]  # the stream ends inside the city's value
     scripted.script("ok" + cut)

@@ -29,7 +29,7 @@ from .completion import (
 from .errors import APIError, invalid, openai_body
 from .output_parser import merged
 from .prepare import json_body, offload
-from .schemas import ChatRequest, CompletionRequest, NamedToolChoice
+from .schemas import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Tool, ToolCallIn
 from .sse import OPENAI_PING, event_stream
 from .structured import requested_rule, structured_rule
 from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
@@ -60,6 +60,45 @@ def _thinking(body: ChatRequest) -> tuple[bool, str | None]:
     if body.reasoning_effort is not None:
         return body.reasoning_effort != "none", effort
     return False, None
+
+
+def as_tools(body: ChatRequest) -> ChatRequest:
+    """``body`` with OpenAI's deprecated function calling in today's terms: ``functions`` as ``tools`` (one call
+    at most, as then), ``function_call`` as ``tool_choice``, an assistant message's ``function_call`` as a tool
+    call and a ``function`` message as a tool result. A 400 for a request that gives both forms."""
+    legacy_messages = any(m.role == "function" or m.function_call is not None for m in body.messages)
+    if body.functions is None and body.function_call is None and not legacy_messages:
+        return body
+    update: dict = {
+        "functions": None,
+        "function_call": None,
+        "messages": list(map(_tool_message, body.messages)),
+    }
+    if body.functions is not None:
+        if body.tools is not None:
+            raise invalid("functions: give tools or the deprecated functions, not both", "functions")
+        update["tools"] = [Tool(type="function", function=f) for f in body.functions]
+        update["parallel_tool_calls"] = False
+    choice = body.function_call
+    if choice is not None:
+        if body.tool_choice is not None:
+            raise invalid(
+                "function_call: give tool_choice or the deprecated function_call, not both", "function_call"
+            )
+        named = not isinstance(choice, str)
+        update["tool_choice"] = (
+            NamedToolChoice(type="function", function={"name": choice.name}) if named else choice
+        )
+    return body.model_copy(update=update)
+
+
+def _tool_message(m: ChatMessage) -> ChatMessage:
+    if m.role == "function":
+        return m.model_copy(update={"role": "tool"})
+    if m.function_call is not None:
+        calls = [*(m.tool_calls or []), ToolCallIn(function=m.function_call)]
+        return m.model_copy(update={"function_call": None, "tool_calls": calls})
+    return m
 
 
 def _messages(body: ChatRequest) -> list[dict]:
@@ -146,6 +185,7 @@ def _answer_rule(
 def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], list[dict] | None, dict | None]:
     """A chat request's encoded prompt, its token ids (what ``/tokenize`` reports), its tools and its
     response-format schema."""
+    body = as_tools(body)
     thinking, effort = _thinking(body)
     tools, response_format = _tools(body), _response_format(body)
     encoded = encode_messages(
@@ -159,6 +199,7 @@ def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], li
 
 
 def chat_spec(server, body: ChatRequest) -> CompletionSpec:
+    body = as_tools(body)
     encoded, prompt, tools, response_format = chat_prompt(server, body)
     thinking = encoded.thinking
     if body.top_logprobs is not None and not body.logprobs:
@@ -242,6 +283,17 @@ def _call_chunks(piece: Piece, ids: dict[int, str]) -> list[dict]:
     return out
 
 
+def _function_call_delta(chunks: list[dict]) -> dict:
+    """A piece's fragments of the one call as the deprecated ``function_call`` delta: its name when it opens, the
+    arguments it adds."""
+    out: dict = {}
+    for c in chunks:
+        if "name" in c["function"]:
+            out["name"] = c["function"]["name"]
+        out["arguments"] = out.get("arguments", "") + c["function"]["arguments"]
+    return out
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatRequest = Depends(json_body(ChatRequest))):
     server = request.app.state.server
@@ -253,6 +305,7 @@ async def chat_completions(request: Request, body: ChatRequest = Depends(json_bo
     if body.stream:
         return await _stream_chat(choices, rid, created, model, tok, body)
     outputs = await choices.collect()
+    legacy = body.functions is not None
     return JSONResponse(
         {
             "id": rid,
@@ -260,7 +313,7 @@ async def chat_completions(request: Request, body: ChatRequest = Depends(json_bo
             "created": created,
             "model": model,
             "choices": [
-                _chat_choice(i, c, pieces, tok, body.logprobs)
+                _chat_choice(i, c, pieces, tok, body.logprobs, legacy)
                 for i, (c, pieces) in enumerate(zip(choices.completions, outputs))
             ],
             "usage": choices.usage(),
@@ -268,7 +321,17 @@ async def chat_completions(request: Request, body: ChatRequest = Depends(json_bo
     )
 
 
-def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, logprobs: bool | None) -> dict:
+def _finish_reason(completion: Completion, legacy: bool) -> str:
+    """The choice's finish reason; a call asked for with the deprecated ``functions`` ends in ``function_call``."""
+    reason = completion.finish_reason
+    return "function_call" if legacy and reason == "tool_calls" else reason
+
+
+def _chat_choice(
+    index: int, completion: Completion, pieces: list[Piece], tok, logprobs: bool | None, legacy: bool
+) -> dict:
+    """A whole choice; ``legacy``: the request gave the deprecated ``functions``, so its one call is the message's
+    ``function_call``."""
     total = merged([p.delta for p in pieces])
     calls = [
         {"id": mint_id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -277,10 +340,17 @@ def _chat_choice(index: int, completion: Completion, pieces: list[Piece], tok, l
     message: dict = {"role": "assistant", "content": total.content if total.content or not calls else None}
     if total.reasoning:
         message["reasoning_content"] = total.reasoning
-    if calls:
+    if calls and legacy:
+        message["function_call"] = calls[0]["function"]
+    elif calls:
         message["tool_calls"] = calls
     lps = {"content": [e for p in pieces for e in token_logprobs(tok, p)]} if logprobs else None
-    return {"index": index, "message": message, "logprobs": lps, "finish_reason": completion.finish_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": lps,
+        "finish_reason": _finish_reason(completion, legacy),
+    }
 
 
 async def _stream_chat(
@@ -288,6 +358,7 @@ async def _stream_chat(
 ) -> StreamingResponse:
     stream = await choices.opened()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    legacy = body.functions is not None
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
         obj = {
@@ -315,7 +386,7 @@ async def _stream_chat(
                 ids[i] = {}
                 yield chunk(i, {"role": "assistant", "content": ""})
             if piece is None:
-                yield chunk(i, {}, finish=choices.completions[i].finish_reason)
+                yield chunk(i, {}, finish=_finish_reason(choices.completions[i], legacy))
                 continue
             d = piece.delta
             lps = token_logprobs(tok, piece) if body.logprobs else None
@@ -324,7 +395,9 @@ async def _stream_chat(
                 lps = None
             if d.content or lps:
                 yield chunk(i, {"content": d.content}, logprobs=lps)
-            if d.tool_calls:
+            if d.tool_calls and legacy:
+                yield chunk(i, {"function_call": _function_call_delta(_call_chunks(piece, ids[i]))})
+            elif d.tool_calls:
                 yield chunk(i, {"tool_calls": _call_chunks(piece, ids[i])})
 
     usage_head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}

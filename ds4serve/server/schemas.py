@@ -79,10 +79,11 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated tool
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
+    function_call: FunctionCall | None = None  # deprecated: an assistant's one tool call
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name for reasoning_content
@@ -116,6 +117,10 @@ class NamedToolChoice(_Body):
 
     type: Literal["function"]
     function: _Name
+
+
+class FunctionChoice(_Body):
+    name: str
 
 
 class StreamOptions(_Body):
@@ -197,6 +202,8 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = None  # deprecated function calling: tools, one call at most
+    function_call: Literal["none", "auto"] | FunctionChoice | None = None  # deprecated: tool_choice
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     thinking: ThinkingOption | None = None
     chat_template_kwargs: dict[str, Any] | None = None
