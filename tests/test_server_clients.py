@@ -298,7 +298,7 @@ def test_context_overflow_reports_the_completion_asked_for(oai):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="tiny", prompt=list(range(1, 300)), max_tokens=10)
     assert exc.value.code == "context_length_exceeded"
-    assert "(299 in the messages, 10 in the completion)" in exc.value.message
+    assert "(299 in the prompt, 10 in the completion)" in exc.value.message and exc.value.param == "prompt"
 
 
 @pytest.fixture(scope="module")
