@@ -31,6 +31,7 @@ class Spec:
     cancel_after: int | None = None  # tokens after which the client cancels
     cache_at: tuple[int, ...] = ()
     arrival: int = 0  # the step at which it is submitted (arrival runs)
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -92,7 +93,9 @@ def _submit(engine: Engine, spec: Spec, out: dict[int, list[int]], key: int):
         out.setdefault(key, []).append(token)
         return spec.cancel_after is None or len(out[key]) < spec.cancel_after
 
-    return engine.stream(spec.prompt, spec.params, cache_at=spec.cache_at, on_token=on_token)
+    return engine.stream(
+        spec.prompt, spec.params, cache_at=spec.cache_at, priority=spec.priority, on_token=on_token
+    )
 
 
 def _outcome(handle) -> Outcome:
@@ -261,6 +264,64 @@ def test_park_lets_the_running_requests_finish_first(tiny_dir):
     assert not queued.started and engine.parked
     assert engine.unpark() == ["target"]
     assert len(list(queued)) == 6 and queued.result.error is None
+
+
+def _preempting_specs() -> list[Spec]:
+    """Two requests of priority 1 take both rows (one still prefilling its 200 tokens in chunks of 16 when the
+    first request of priority 0 arrives, the other decoding when the second arrives); one of priority 2
+    waits behind everything."""
+    greedy = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, seed=5, logprobs=1, ignore_eos=True)
+    return [
+        Spec(random_prompt(30, seed=1), greedy, priority=1),
+        Spec(random_prompt(200, seed=2), seeded, priority=1),
+        Spec(random_prompt(20, seed=3), dataclasses.replace(greedy, max_tokens=5), arrival=3),
+        Spec(random_prompt(40, seed=4), dataclasses.replace(seeded, max_tokens=4), arrival=6),
+        Spec(random_prompt(10, seed=5), greedy, arrival=1, priority=2),
+    ]
+
+
+def test_higher_priority_requests_preempt_and_every_request_is_what_it_is_alone(tiny_dir):
+    """Preemption is exact: a row taken off the engine mid-prefill or mid-decode (its state on the host)
+    resumes where it was, and every request's tokens and logprobs equal its run alone."""
+    made = [Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=2, chunk_size=16) for _ in range(2)]
+    specs = _preempting_specs()
+    seen = []  # per preemption: the row's prompt length, its position, whether it was decoding
+    loop = made[0]._loop
+    preempt = loop._preempt
+
+    def recorded(row):
+        seen.append((len(row.prompt), (row.slot or row.state).pos, row.gen is not None))
+        preempt(row)
+
+    loop._preempt = recorded
+    together, _ = run_together(made[0], specs)
+    assert together == run_alone(made[1], specs)
+    (prompt, pos, decoding), (_, later, decoding_later) = seen
+    assert prompt == 200 and 0 < pos < 200 and not decoding  # mid-prefill
+    assert later > 30 and decoding_later  # the 30-token prompt's row, mid-decode
+
+
+def test_a_preempted_request_can_be_cancelled_and_park_resumes_preempted_ones(tiny_dir):
+    """A preempted request cancelled before it resumes ends cancelled without another forward; parking drains
+    the preempted requests too (they are running requests: they resume and finish first)."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    low = [engine.stream(random_prompt(20 + i, seed=i), params, priority=1) for i in range(2)]
+    engine.step()
+    engine.step()
+    urgent = engine.stream(random_prompt(15, seed=9), params)
+    report = engine.step()
+    assert report.preempted == 1 and engine.running == 2 and engine.waiting == 1
+    tokens = list(low[0].result.tokens)
+    low[0].cancel()
+    engine.step()
+    assert low[0].done and low[0].result.finish_reason == "cancelled"
+    assert low[0].result.tokens == tokens and low[0].result.stats.preemptions == 1
+    assert engine.park() == ["target"]
+    assert urgent.done and len(urgent.result.tokens) == 6 and urgent.result.stats.preemptions == 0
+    assert not low[1].started and engine.unpark() == ["target"]
+    assert len(list(low[1])) == 6 and low[1].result.error is None
 
 
 def test_speculative_requests_run_together_beside_plain_ones(engines):

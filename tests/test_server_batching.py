@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -11,7 +12,7 @@ from ds4serve import Engine
 from ds4serve.engine.prefix_cache import PrefixCache
 from ds4serve.server.app import ServerConfig, create_app
 
-from .server_harness import metric, running
+from .server_harness import metric, running, wait_for
 
 KEY = "batch-key"
 CLIENTS = 8
@@ -98,3 +99,47 @@ def test_speculative_chats_run_together_and_each_return_what_it_returns_alone(sp
     assert max(running) > 1, "the speculative requests ran one at a time"
     for i in range(4):
         assert _chat(client, i) == texts[i], f"client {i} got another answer alone"
+
+
+def test_a_request_of_higher_priority_preempts_a_running_one_and_both_answer_as_alone(tiny_dir):
+    """``priority`` through the server (one place): a priority-0 chat arriving while a priority-5 one streams
+    takes its place at the next step (the engine is held meanwhile, so the order does not depend on speed);
+    both answers equal their runs alone, and the metric counts the preemption."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=1)
+    app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY))
+    with running(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+        def ask(question: str, priority: int, tokens: int):
+            return client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": question}],
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "priority": priority},
+            )
+
+        low = ask("A long answer, please.", 5, 200)
+        first = next(iter(low)).choices[0].delta.content or ""  # the role chunk: the request is running
+        urgent: dict[str, str] = {}
+        with engine.lock:  # the engine makes no step until the urgent request waits
+            thread = threading.Thread(
+                target=lambda: urgent.setdefault("text", "".join(
+                    c.choices[0].delta.content or "" for c in ask("Quick!", 0, 6) if c.choices
+                ))
+            )  # fmt: skip
+            thread.start()
+            wait_for(lambda: engine.waiting == 1)
+        thread.join(120)
+        rest = "".join(c.choices[0].delta.content or "" for c in low if c.choices)
+        assert metric(base, "ds4serve_preemptions_total") == 1
+        alone_low = "".join(c.choices[0].delta.content or "" for c in ask("A long answer, please.", 5, 200))
+        alone_urgent = "".join(c.choices[0].delta.content or "" for c in ask("Quick!", 0, 6))
+        assert first + rest == alone_low and urgent["text"] == alone_urgent
+        bad = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"messages": [{"role": "user", "content": "x"}], "priority": "high"},
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"

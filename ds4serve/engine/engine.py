@@ -293,6 +293,7 @@ class Engine:
         speculative: object | None = None,
         snapshot: Snapshot | None = None,
         cache_at: tuple[int, ...] = (),
+        priority: int = 0,
         on_token: Callable[[int], bool | None] | None = None,
         on_done: Callable[[GenerateResult], None] | None = None,
     ) -> RequestHandle:
@@ -300,7 +301,9 @@ class Engine:
 
         ``snapshot`` (else one armed by :meth:`restore`, else the longest prefix in ``prefix_cache``) is
         restored when its tokens begin the prompt; ``cache_at``: prompt positions at which the prefill
-        snapshots the state into ``prefix_cache``. ``on_token`` and ``on_done`` as in :class:`RequestHandle`.
+        snapshots the state into ``prefix_cache``. ``priority``: lower is admitted first and may preempt a
+        running request of a higher value (:mod:`.step_loop`). ``on_token`` and ``on_done`` as in
+        :class:`RequestHandle`.
         """
         handle = RequestHandle(
             self,
@@ -309,6 +312,7 @@ class Engine:
             speculative=speculative,
             snapshot=snapshot,
             cache_at=cache_at,
+            priority=priority,
             on_token=on_token,
             on_done=on_done,
         )

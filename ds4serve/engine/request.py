@@ -169,6 +169,7 @@ class GenerateStats:
     reasoning_tokens: int = 0
     answer_tokens: int = 0
     budget_forced_close: bool = False
+    preemptions: int = 0  # times the request was taken off the engine for one of a higher priority
     speculative: dict = field(default_factory=dict)
     host_timing: dict = field(
         default_factory=dict

@@ -2,11 +2,14 @@
 
 One :meth:`StepLoop.step`:
 
-1. **admit** waiting requests while fewer than ``max_batch`` rows run: validate, compile the request's
-   constraint, take a state from the pool and restore the given snapshot, else the longest prefix the
-   prefix cache holds. A request whose state does not fit in memory beside the running rows goes back to
-   the head of the queue, and nothing is admitted until a row retires (alone, it fails with
-   ``out_of_memory``);
+1. **admit** waiting requests while fewer than ``max_batch`` rows run, by priority (lower first, as vLLM's)
+   then arrival: validate, compile the request's constraint, take a state from the pool and restore the
+   given snapshot, else the longest prefix the prefix cache holds. A request whose state does not fit in
+   memory beside the running rows goes back to the head of the queue, and nothing is admitted until a row
+   retires (alone, it fails with ``out_of_memory``). When every row is taken, a request of a higher
+   priority than a running row **preempts** it (the lowest priority, the latest admitted among equals; not
+   a speculative row): the row's state is snapshotted to the host and its state freed, and it resumes,
+   restored exactly, when a row is free again and nothing of a higher priority waits;
 2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
    forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone (the
    engine's chunk size from the restored prefix on). At the positions the request asked to have cached,
@@ -68,11 +71,13 @@ class RequestHandle:
         speculative: object | None = None,
         snapshot: Snapshot | None = None,
         cache_at: tuple[int, ...] = (),
+        priority: int = 0,
         on_token: Callable[[int], bool | None] | None = None,
         on_done: Callable[[GenerateResult], None] | None = None,
     ):
         self.prompt = list(prompt)
         self.params = params
+        self.priority = priority  # lower runs first; a lower one may preempt a running higher one
         self.speculative = speculative
         self.snapshot = snapshot
         self.cache_at = tuple(cache_at)
@@ -129,6 +134,7 @@ class StepReport:
     """What one step did."""
 
     decode_rows: int = 0  # sequences in the step's decode forward
+    preempted: int = 0  # rows the step took off the engine for requests of a higher priority
 
 
 class _Row:
@@ -151,6 +157,7 @@ class _Row:
         self.pending: int | None = None  # the token the next decode forward takes
         self.forwards = 0
         self.failed = False
+        self.saved: Snapshot | None = None  # the state on the host while the row is preempted
         self.decode_start: float | None = None
         self.timer = profiler.request_timer(handle.result)
 
@@ -181,6 +188,7 @@ class StepLoop:
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.rows: list[_Row] = []
+        self._preempted: list[_Row] = []  # admitted rows whose state waits on the host to resume
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._queue = threading.Lock()
         self._admission_held = 0
@@ -218,11 +226,12 @@ class StepLoop:
 
     @property
     def running(self) -> int:
-        return len(self.rows)
+        """Admitted requests, preempted ones included (they resume before anything of their priority waiting)."""
+        return len(self.rows) + len(self._preempted)
 
     @property
     def idle(self) -> bool:
-        return not self.rows and not self._waiting
+        return not self.rows and not self._preempted and not self._waiting
 
     def hold_admission(self) -> None:
         """Admit nothing until :meth:`release_admission` (park drains the rows this way)."""
@@ -233,9 +242,9 @@ class StepLoop:
 
     # ---- the step (engine lock held) --------------------------------------------------------------
     def step(self) -> StepReport:
-        self._admit()
+        preempted = self._admit()
         self._prefill()
-        report = StepReport(decode_rows=self._decode())
+        report = StepReport(decode_rows=self._decode(), preempted=preempted)
         self._fill_cache()
         for row in [r for r in self.rows if r.ended]:
             self._retire(row)
@@ -249,16 +258,35 @@ class StepLoop:
             cache.insert(snap.to(cache.device))
         self._to_cache.clear()
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Admit and resume what fits, by priority then arrival (module docstring); returns how many rows were
+        preempted. Held admission (park draining) stops new requests, not preempted rows."""
         with self._queue:
-            candidates = list(self._waiting)
-        for handle in candidates:
-            if handle.cancelled:
+            candidates: list[RequestHandle | _Row] = [*self._preempted, *self._waiting]
+        candidates.sort(key=lambda c: (_handle(c).priority, _handle(c).submitted))
+        preempted = 0
+        for item in candidates:
+            handle = _handle(item)
+            if isinstance(item, _Row):
+                if handle.cancelled:
+                    self._end_preempted(item)
+                    continue
+            elif handle.cancelled:
                 self.withdraw(handle)
                 continue
-            if self._admission_held or self._memory_full or len(self.rows) >= self.max_batch:
+            elif self._admission_held or self._awaits_cached_prefix(handle):
+                continue
+            if self._memory_full:
                 break
-            if self._awaits_cached_prefix(handle):
+            if len(self.rows) >= self.max_batch:
+                victim = self._victim(handle.priority)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted += 1
+            if isinstance(item, _Row):
+                if not self._resume(item):
+                    break
                 continue
             with self._queue:
                 if handle not in self._waiting:
@@ -279,6 +307,73 @@ class StepLoop:
                     len(self.rows),
                 )
                 break
+        return preempted
+
+    def _victim(self, priority: int) -> _Row | None:
+        """The running row a request of ``priority`` may preempt: of a higher priority value, the highest,
+        the latest admitted among equals; not a speculative row (its draft state stays with it). None: none."""
+        rows = [
+            r
+            for r in self.rows
+            if r.handle.priority > priority and r.state is not None and r.feed is None and not r.ended
+        ]
+        return max(rows, key=lambda r: (r.handle.priority, r.handle.admitted), default=None)
+
+    def _preempt(self, row: _Row) -> None:
+        """Take ``row`` off the engine: its sequence snapshotted to the host (what it has prefilled and decoded,
+        its last logits), its state back to the pool; it resumes with :meth:`_resume`."""
+        if row.slot is not None:
+            self._leave_slot(row)
+        row.saved = row.state.snapshot("cpu")
+        self.engine.release_state(row.state)
+        row.state = None
+        self.rows.remove(row)
+        self._preempted.append(row)
+        self._memory_full = False
+        row.handle.result.stats.preemptions += 1
+        log.info(
+            "a request of priority %d preempted (%d tokens kept on the host)",
+            row.handle.priority,
+            row.saved.pos,
+        )
+
+    def _resume(self, row: _Row) -> bool:
+        """Put a preempted row back on the engine, its state restored from the host; False when the state does
+        not fit in memory now (it stays preempted and nothing more is admitted this step)."""
+        self._preempted.remove(row)
+        self.rows.append(row)
+
+        def restore() -> None:
+            self.engine.require_model()
+            try:
+                state = self.engine.acquire_state(len(row.prompt) + row.handle.params.max_tokens)
+            except torch.OutOfMemoryError:
+                if len(self.rows) == 1:
+                    raise
+                return
+            state.restore(row.saved)
+            row.state, row.saved = state, None
+
+        self._guarded(row, restore)
+        if row.state is None and not row.failed:
+            self.rows.remove(row)
+            self._preempted.append(row)
+            self._memory_full = True
+            return False
+        return True
+
+    def _end_preempted(self, row: _Row) -> None:
+        """A preempted row was cancelled: it ends (retires at the end of the step) without resuming."""
+        self._preempted.remove(row)
+        self.rows.append(row)
+        row.saved = None
+        if row.gen is not None:
+            row.gen.cancel()
+        else:
+            self._fail(
+                row,
+                GenerateError(ErrorCode.CANCELLED, "cancelled while preempted, before its prompt was done"),
+            )
 
     def _awaits_cached_prefix(self, handle: RequestHandle) -> bool:
         """Whether a running row is about to cache a prefix of ``handle``'s prompt."""
@@ -506,6 +601,10 @@ def _timed(*rows: _Row) -> Iterator[None]:
             if row.timer is not None:
                 stack.enter_context(row.timer.active())
         yield
+
+
+def _handle(item: RequestHandle | _Row) -> RequestHandle:
+    return item.handle if isinstance(item, _Row) else item
 
 
 def _end_unstarted(handle: RequestHandle, message: str) -> None:

@@ -36,6 +36,7 @@ class CompletionSpec:
     cache_at: tuple[int, ...] = ()  # prompt positions to snapshot at (ascending; chat_format.cache_points)
     speculative: object | None = None  # this request's draft (a predicted output); None: the server's
     skip_special_tokens: bool = True  # special tokens (BOS, placeholders) leave no text
+    priority: int = 0  # lower is admitted first and may preempt a running request of a higher value
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Completion:
             params=spec.params,
             loop=asyncio.get_running_loop(),
             cache_at=spec.cache_at,
+            priority=spec.priority,
             speculative=server.config.speculative if spec.speculative is None else spec.speculative,
         )
         self.result: GenerateResult | None = None

@@ -23,6 +23,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.preemptions = Counter(
+            p + "preemptions",
+            "Running requests taken off the engine (state kept on the host) for requests of a higher priority",
+            registry=r,
+        )
         self.tokens_after_cancel = Counter(
             p + "tokens_after_cancel",
             "Tokens generated after a cancel request "

@@ -232,6 +232,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
         ),
         speculative=_prediction(server, body),
         skip_special_tokens=body.skip_special_tokens,
+        priority=body.priority,
     )
 
 
@@ -467,6 +468,7 @@ def completion_spec(server, body: CompletionRequest, prompt: list[int], param: s
         params=params,
         stops=_stops(body.stop),
         skip_special_tokens=body.skip_special_tokens,
+        priority=body.priority,
     )
 
 

@@ -53,6 +53,7 @@ class Job:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     cache_at: tuple[int, ...] = ()
+    priority: int = 0
     speculative: object | None = None
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
@@ -162,6 +163,7 @@ class Scheduler:
                 job.params,
                 speculative=job.speculative,
                 cache_at=job.cache_at,
+                priority=job.priority,
                 on_token=lambda token: self._on_token(job, token),
                 on_done=lambda result: self._on_done(job, result),
             )
@@ -190,6 +192,8 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - the worker must survive anything; the rows carry their errors
                 log.exception("an engine step failed outside its requests")
                 continue
+            if report.preempted:
+                self.metrics.preemptions.inc(report.preempted)
             if report.decode_rows:
                 self.metrics.step_batch_size.observe(report.decode_rows)
                 self.live.decode_step(report.decode_rows)

@@ -183,6 +183,7 @@ class SamplingFields(_Body):
         default=None, ge=0
     )  # vLLM's: no stop token or stop string before this many
     skip_special_tokens: bool = True  # vLLM's: special tokens (BOS, placeholders) leave no text
+    priority: int = 0  # vLLM's: lower is admitted first and may preempt a running request of a higher value
 
     @field_validator("stop")
     @classmethod
