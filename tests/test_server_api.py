@@ -89,6 +89,19 @@ def test_a_model_is_retrieved_by_its_id(oai):
     assert exc.value.body["code"] == "model_not_found" and exc.value.body["param"] == "model"
 
 
+def test_a_request_naming_another_model_is_served_and_answered_under_the_served_name(oai, claude):
+    """Coding agents send model names of their own: the one model answers, and every API says which it is."""
+    chat_reply = oai.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    text_reply = oai.completions.create(model="gpt-3.5-turbo-instruct", prompt="Hi", max_tokens=2)
+    response = oai.responses.create(model="o3", input="Hi", max_output_tokens=2)
+    message = claude.messages.create(
+        model="claude-sonnet-4-5", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert {chat_reply.model, text_reply.model, response.model, message.model} == {"tiny"}
+
+
 def test_chat_non_streaming_with_logprobs_and_usage(oai):
     r = chat(oai, "Hello there", max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     choice = r.choices[0]

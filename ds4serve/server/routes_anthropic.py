@@ -234,7 +234,7 @@ async def messages(request: Request, body: MessagesRequest = Depends(json_body(M
     completion = Completion(server, request, await offload(request, messages_spec, server, body))
     completion.start()
     mid = mint_id("msg_")
-    model = body.model or server.config.model_name
+    model = server.config.model_name
     if body.stream:
         return await _stream(completion, mid, model)
     total = merged([p.delta for p in await run_to_end(completion)])

@@ -300,7 +300,7 @@ async def chat_completions(request: Request, body: ChatRequest = Depends(json_bo
     server = request.app.state.server
     choices = Choices(server, request, await offload(request, chat_spec, server, body), body.n)
     choices.start()
-    model = body.model or server.config.model_name
+    model = server.config.model_name
     rid, created = mint_id("chatcmpl-"), int(time.time())
     tok = server.engine.tokenizer
     if body.stream:
@@ -571,7 +571,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
     _start_all(groups)
     echoes = await _echoes(server, body, prompts)
-    model = body.model or server.config.model_name
+    model = server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None

@@ -376,7 +376,7 @@ class _Response:
     def __init__(self, server, body: ResponsesRequest, completion: Completion):
         self.body, self.completion = body, completion
         self.id, self.created = mint_id("resp_"), int(time.time())
-        self.model = body.model or server.config.model_name
+        self.model = server.config.model_name
         self.store = server.responses if _stored_here(server, body) else None
         self.input_items = _own_items(body)
         self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None

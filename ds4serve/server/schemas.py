@@ -194,7 +194,7 @@ class SamplingFields(_Body):
 
 
 class ChatRequest(SamplingFields):
-    model: str | None = None
+    model: str | None = None  # any name is served by the one model; responses name it
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -214,7 +214,7 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    model: str | None = None
+    model: str | None = None  # any name is served by the one model; responses name it
     prompt: str | list[int] | list[str] | list[list[int]]  # a list of texts or of id lists: one prompt each
     max_tokens: int = Field(default=16, ge=0)  # 0 only with echo: the prompt's own logprobs
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -334,7 +334,7 @@ LOGPROBS_INCLUDED = "message.output_text.logprobs"
 
 
 class ResponsesRequest(_Body):
-    model: str | None = None
+    model: str | None = None  # any name is served by the one model; responses name it
     input: str | Annotated[list[ResponseInputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
@@ -430,7 +430,7 @@ class AnthropicOutputConfig(_Body):
 
 
 class CountTokensRequest(_Body):
-    model: str | None = None
+    model: str | None = None  # any name is served by the one model; responses name it
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
