@@ -241,7 +241,7 @@ async def messages(request: Request, body: MessagesRequest = Depends(json_body(M
     content: list[dict] = []
     if total.reasoning:
         content.append({"type": "thinking", "thinking": total.reasoning, "signature": ""})
-    if total.content or not total.tool_calls:
+    if total.content or not (total.tool_calls or total.reasoning):  # an empty text block only for no output
         content.append({"type": "text", "text": total.content})
     for call in total.tool_calls:
         content.append(
