@@ -3,6 +3,8 @@ parked models answer 503; admin selectors are validated."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -341,6 +343,21 @@ def test_context_overflow_uses_the_openai_wording_and_names_the_prompt_field(bas
     err = post(base, COMP, {"prompt": "word " * 400, "max_tokens": 8}).json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert "in the prompt, 8 in the completion" in err["message"]
+
+
+def test_context_overflow_on_messages_uses_the_anthropic_wording(base):
+    """Claude Code matches these: "prompt is too long" to compact, the sum over the limit to lower max_tokens."""
+    words = [{"role": "user", "content": "word " * 400}]
+    err = post(base, MSGS, {"model": "m", "max_tokens": 8, "messages": words}).json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 255 maximum", err["message"]), err["message"]
+    few = [{"role": "user", "content": "word " * 20}]
+    err = post(base, MSGS, {"model": "m", "max_tokens": 250, "messages": few}).json()["error"]
+    assert re.fullmatch(
+        r"input length and `max_tokens` exceed context limit: \d+ \+ 250 > 256, decrease input length or "
+        r"`max_tokens` and try again",
+        err["message"],
+    ), err["message"]
 
 
 def test_wrong_method_is_405(base):

@@ -83,6 +83,19 @@ def context_overflow(max_context: int, prompt: int, completion: int, field: str 
     )
 
 
+def anthropic_context_overflow(max_context: int, prompt: int, completion: int) -> APIError:
+    """Anthropic's wording, which Claude Code matches: "prompt is too long" (it compacts the conversation) when
+    the prompt alone leaves no room, else the sum over the limit (it retries with a smaller ``max_tokens``)."""
+    if prompt >= max_context:
+        message = f"prompt is too long: {prompt} tokens > {max_context - 1} maximum"
+    else:
+        message = (
+            f"input length and `max_tokens` exceed context limit: {prompt} + {completion} > {max_context}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+    return APIError(400, message, "context_length_exceeded", "messages")
+
+
 def openai_body(err: APIError) -> dict:
     kind = _OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}

@@ -18,7 +18,7 @@ from .completion import (
     resolve_max_tokens,
     run_to_end,
 )
-from .errors import APIError, anthropic_body, invalid
+from .errors import APIError, anthropic_body, anthropic_context_overflow, invalid
 from .output_parser import merged
 from .prepare import json_body, offload
 from .schemas import CountTokensRequest, MessagesRequest, TextBlock
@@ -171,7 +171,12 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     encoded, prompt, tools = _encode(server, body)
     grammar, json_schema = _answer_rule(server, body, tools)
     check_prompt(server, prompt, "messages")
-    max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    try:
+        max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
+    except APIError as err:
+        if err.code != "context_length_exceeded":
+            raise
+        raise anthropic_context_overflow(server.engine.max_context, len(prompt), body.max_tokens) from None
     params = build_params(
         max_tokens=max_tokens,
         temperature=body.temperature,
