@@ -148,11 +148,26 @@ def test_a_block_cut_after_its_calls_completed_finishes_as_tool_calls():
     assert parser.saw_tool_calls and not parser.cut_call
 
 
-def test_a_cut_block_before_any_call_stays_content():
-    text = "ok\n\n<｜DSML｜tool_calls>\n<｜DSML｜inv"
-    parser = OutputParser(thinking=False, tools={"f"})
-    out = _all(parser, text, 2)
-    assert out.tool_calls == [] and out.content == "ok" + text[4:] and not parser.cut_call
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "\n\n<｜DSML｜tool_calls>\n<｜DSML｜inv",
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f',
+        "\n\n<｜DSML｜tool_ca",
+    ],
+)
+def test_markup_cut_off_before_any_call_formed_is_dropped(tail):
+    """The end of generation cut a tool-call block (or its tag) before a call opened: no DSML reaches the
+    content, streamed or whole."""
+    for step in (1, 2, 1000):
+        parser = OutputParser(thinking=False, tools={"f"})
+        out = _all(parser, "ok" + tail, step)
+        assert out.tool_calls == [] and out.content == "ok" and not parser.cut_call
+
+
+def test_a_held_back_text_that_is_not_dsml_stays_content_at_the_end():
+    out = _all(OutputParser(thinking=False, tools={"f"}), "a < b\n\n<｜DS", 3)
+    assert out.content == "a < b\n\n<｜DS"
 
 
 def test_tool_block_inside_reasoning_and_direct_json_invoke():

@@ -8,7 +8,9 @@ and ``}`` when the invoke closes. An invoke whose body is a bare JSON object sen
 
 Parsing is lenient where DeepSeek's reference parser is strict, and nothing the model writes raises:
 
-* a block that stops following the DSML layout before any of its calls opened stays content, whole;
+* a block that stops following the DSML layout before any of its calls opened stays content, whole; one
+  that the end of generation cuts before a call opened is dropped, as is a tool-call tag cut off halfway
+  (from ``<｜DSML｜`` on): DSML markup is never content;
 * one that stops after a call opened ends that call where its well-formed part ends (its arguments
   closed, so they are always a JSON object), and the rest of the block is content;
 * a call cut off by the end of generation (max_tokens, a stop string) keeps what was written of its
@@ -281,6 +283,10 @@ class OutputParser:
         out = _Segments()
         while self._step(out, final=True):
             pass
+        if self.tools is not None:
+            held = _partial_suffix(self.buf, (TOOL_CALLS_START,))
+            if held > len(DSML):  # "<｜DSML｜" at least: a tool-call tag the end of generation cut off
+                self.buf = self.buf[: len(self.buf) - held].rstrip()
         if self.state == "reasoning":
             out.reasoning(self.buf)
         else:
@@ -344,9 +350,12 @@ class OutputParser:
 
     def _leave_block(self, out: _Segments, cut: bool) -> None:
         """The block ends without its closing tag: malformed, or ``cut`` off by the end of generation.
-        Before any call opened, its text is content. After, the open call is closed; the rest of a
+        Before any call opened, a malformed block's text is content and a cut one's is dropped. After, the open call is closed; the rest of a
         malformed block is content, and what the end of generation left unfinished (a partial tag) is dropped."""
         block, self.block = self.block, None
+        if not block.opened and cut:  # no call formed before the end of generation: nothing of it is content
+            self.buf = ""
+            return
         if not block.opened:
             out.content(TOOL_CALLS_START + block.raw)
             return
