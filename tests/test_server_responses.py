@@ -77,6 +77,7 @@ def test_text_answer_and_its_stream(client, scripted):
         "response.completed",
     ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[2].item.content == []  # as OpenAI: the part comes with content_part.added, once
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there."
     assert final.output_text == "Hello there." and final.usage.output_tokens == r.usage.output_tokens
 

@@ -246,7 +246,9 @@ class _Items:
         events = self._close()
         self.items.append(item)
         self.open = item
-        events.append(self._event("output_item.added", item=_copy(item)))
+        # as OpenAI: a message or reasoning item is added empty, its part then comes with content_part.added
+        added = _copy(item) if item["type"] == "function_call" else {**_copy(item), "content": []}
+        events.append(self._event("output_item.added", item=added))
         if item["type"] != "function_call":
             part = item["content"][0]
             events.append(
