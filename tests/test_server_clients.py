@@ -266,6 +266,22 @@ def test_echo_with_generation_and_prompts_times_n_in_order(oai, engine):
     assert [by_index[i] for i in range(4)] == [c.text for c in r.choices]
 
 
+def test_text_offsets_index_the_text_when_tokens_split_characters(oai):
+    """A character whose UTF-8 bytes span tokens: each of those tokens is at that character, and the offsets
+    of every other token index the returned text (prompt echoed, then generated)."""
+    for prompt in ("🎉 ab", "x = '日本語 🎉 café'\n"):
+        r = oai.completions.create(
+            model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=4, temperature=0
+        )
+        lps, text = r.choices[0].logprobs, r.choices[0].text
+        assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[-1] < len(text)
+        for token, offset in list(zip(lps.tokens, lps.text_offset))[1:]:
+            assert "\ufffd" in token or text[offset : offset + len(token)] == token, (prompt, token, offset)
+        if prompt == "🎉 ab":  # the added BOS, the emoji's byte tokens, then " ab" after the emoji
+            split = sum("\ufffd" in t for t in lps.tokens[1:])
+            assert split >= 2 and lps.text_offset[: split + 2] == [0] * (split + 1) + [1]
+
+
 def test_a_list_of_prompts_without_echo(oai):
     r = oai.completions.create(model="tiny", prompt=["one", "two", "three"], max_tokens=2, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2]

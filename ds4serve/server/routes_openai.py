@@ -32,6 +32,7 @@ from .prepare import json_body, offload
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Tool, ToolCallIn
 from .sse import OPENAI_PING, event_stream
 from .structured import requested_rule, structured_rule
+from .textstream import Detokenizer
 from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
@@ -480,16 +481,28 @@ def completion_specs(server, body: CompletionRequest) -> tuple[list[list[int]], 
 
 
 def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
+    """The legacy logprobs of generated tokens whose text starts at ``offset`` (see :func:`_text_offsets`)."""
+    tokens, lps, tops, ids = [], [], [], []
     for p in pieces:
         for lp in p.logprobs:
-            text = tok.decode([lp.token])
-            tokens.append(text)
+            tokens.append(tok.decode([lp.token]))
             lps.append(lp.logprob)
             tops.append({tok.decode([t]): v for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(text)
+            ids.append(lp.token)
+    offsets = _text_offsets(tok, ids, offset, skip_special=True)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _text_offsets(tok, ids: list[int], start: int, skip_special: bool) -> list[int]:
+    """Where each token's text starts in the text they decode to, from ``start``: a token holding part of a
+    character (a UTF-8 sequence split over tokens) is at that character, and a special token the text leaves
+    out (``skip_special``) takes no room."""
+    detok = Detokenizer(tok, set(), skip_special)
+    offsets = []
+    for t in ids:
+        offsets.append(start)
+        start += len(detok.feed(t))
+    return offsets
 
 
 def _prompt_logprobs(engine, prompt: list[int], top: int, added: int) -> dict:
@@ -506,8 +519,7 @@ def _prompt_logprobs(engine, prompt: list[int], top: int, added: int) -> dict:
         token_lps.append(float(lp[i, t]))
         vals, ids = lp[i].topk(top) if top else (lp[i, :0], lp[i, :0])
         tops.append({tok.decode([int(k)]): float(v) for k, v in zip(ids, vals)})
-    widths = [0 if i < added else len(t) for i, t in enumerate(tokens)]
-    offsets = [sum(widths[:i]) for i in range(len(tokens))]
+    offsets = [0] * added + _text_offsets(tok, prompt[added:], 0, skip_special=False)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
