@@ -205,6 +205,8 @@ CASES = [
     (MSGS, msgs(messages=[{"role": "system", "content": "hi"}]), 400, None),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None),
     (MSGS, msgs(tools=[{"name": "f"}]), 400, None),
+    (MSGS, msgs(tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400, "tools.0"),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0"),
     (
         MSGS,
         msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}),
@@ -343,6 +345,14 @@ def test_context_overflow_uses_the_openai_wording_and_names_the_prompt_field(bas
     err = post(base, COMP, {"prompt": "word " * 400, "max_tokens": 8}).json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert "in the prompt, 8 in the completion" in err["message"]
+
+
+def test_a_hosted_tool_is_refused_by_its_type(base):
+    """Server-side tools (web search, a shell) are not run here: the 400 says so, naming the type."""
+    err = post(base, MSGS, msgs(tools=[{"type": "web_search_20250305", "name": "web_search"}])).json()
+    assert "tool type 'web_search_20250305' is not supported here" in err["error"]["message"]
+    err = post(base, "/v1/responses", {"input": "hi", "tools": [{"type": "local_shell"}]}).json()
+    assert "tool type 'local_shell' is not supported here: only function tools" in err["error"]["message"]
 
 
 def test_context_overflow_on_messages_uses_the_anthropic_wording(base):

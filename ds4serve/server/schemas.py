@@ -51,6 +51,13 @@ class _Body(BaseModel):
         return value
 
 
+def _only_tool_type(value: Any, kind: str, what: str) -> Any:
+    """A tool of another ``type`` than ``kind`` (a hosted tool: web search, a shell) is refused by name."""
+    if isinstance(value, dict) and value.get("type", kind) != kind:
+        raise ValueError(f"tool type {value['type']!r} is not supported here: only {what}")
+    return value
+
+
 def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     if schema is not None and schema.get("type", "object") != "object":
         raise ValueError("a tool's parameters must be a JSON schema of type 'object'")
@@ -296,6 +303,11 @@ class ResponseTool(FunctionDef):
     type: Literal["function"]
     strict: bool = True  # the Responses API holds function calls to their schemas unless told not to
 
+    @model_validator(mode="before")
+    @classmethod
+    def _function(cls, value: Any) -> Any:
+        return _only_tool_type(value, "function", "function tools")
+
 
 class ResponseNamedTool(_Body):
     type: Literal["function"]
@@ -406,6 +418,11 @@ class AnthropicTool(_Body):
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom(cls, value: Any) -> Any:
+        return _only_tool_type(value, "custom", "custom tools, each with an input_schema")
 
     @field_validator("input_schema")
     @classmethod
