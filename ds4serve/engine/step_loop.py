@@ -6,10 +6,10 @@ One :meth:`StepLoop.step`:
    then arrival: validate, compile the request's constraint, take a state from the pool and restore the
    given snapshot, else the longest prefix the prefix cache holds. A request whose state does not fit in
    memory beside the running rows goes back to the head of the queue, and nothing is admitted until a row
-   retires (alone, it fails with ``out_of_memory``). When every row is taken, a request of a higher
-   priority than a running row **preempts** it (the lowest priority, the latest admitted among equals; not
-   a speculative row): the row's state is snapshotted to the host and its state freed, and it resumes,
-   restored exactly, when a row is free again and nothing of a higher priority waits;
+   retires (alone, it fails with ``out_of_memory``). When every row is taken, a request whose priority value
+   is lower than a running row's **preempts** it (the highest value, the latest admitted among equals; not
+   a speculative row): the row's state is snapshotted to the host and goes back to the pool, and the row
+   resumes, restored exactly, when a row is free again and nothing of a lower value waits;
 2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
    forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone (the
    engine's chunk size from the restored prefix on). At the positions the request asked to have cached,
