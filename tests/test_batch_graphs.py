@@ -187,6 +187,42 @@ def test_slots_that_do_not_fit_the_gpu_are_refused_with_the_options_to_change(en
         _check_slots_fit(gpu, 11, MAX_CONTEXT)
 
 
+def test_a_split_counts_each_gpus_share_of_a_slot_against_that_gpu(engine, monkeypatch):
+    """A layer split's slots are checked per device: each GPU holds its shards' layers of every slot (two shards
+    on one GPU add up), and the refusal names the GPU that is short."""
+    from types import SimpleNamespace
+
+    from ds4serve.engine.engine import _check_slots_fit, _slot_memory
+
+    model = engine.require_model()
+    split = SplitModel.__new__(SplitModel)
+    split.cfg = model.cfg
+    gpu = [torch.device("cuda", i) for i in range(2)]
+    split.shards = [
+        SimpleNamespace(layers=range(0, 2), dtype=model.dtype, device=gpu[0]),
+        SimpleNamespace(layers=range(2, 4), dtype=model.dtype, device=gpu[1]),
+        SimpleNamespace(layers=range(4, 6), dtype=model.dtype, device=gpu[1]),
+    ]
+    free = {0: 100 << 20, 1: 10 << 20}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[device.index], 1 << 40))
+    (d0, first, _), (d1, second, _) = _slot_memory(split, MAX_CONTEXT)
+    state = model.new_state(MAX_CONTEXT)
+    share = [
+        sum(t.numel() * t.element_size() for i in r for t in _layer_tensors(state, i))
+        for r in (range(0, 2), range(2, 6))
+    ]
+    assert (d0, d1) == tuple(gpu) and [first, second] == share
+    fits = free[1] // second
+    _check_slots_fit(split, fits, MAX_CONTEXT)
+    with pytest.raises(RuntimeError, match=rf"--max-batch {fits + 1} slots .* free on cuda:1; lower"):
+        _check_slots_fit(split, fits + 1, MAX_CONTEXT)
+
+
+def _layer_tensors(state, layer: int) -> list:
+    ls = state.layers[layer]
+    return [ls.window, *(t for c in ls.compressors() for t in c.tensors())]
+
+
 def test_the_snapshot_after_requests_that_ran_together_is_the_last_admitted_one_whole(tiny_dir):
     """Engine.snapshot() gives the sequence admitted last, whole, even when it moved to another decode slot
     while it ran (the one before it finished first)."""
