@@ -290,9 +290,11 @@ def test_stop_string_truncates_and_finishes_with_stop(oai, base):
         metric(base, "ds4serve_generations_total", AUTH, finish_reason="cancelled"),
         metric(base, "ds4serve_cancelled_total", AUTH, reason="stop_sequence"),
     ]
-    cut = chat(oai, "Stop test", max_tokens=8, temperature=0, stop=[stop]).choices[0]
+    cut = chat(oai, "Stop test", max_tokens=8, temperature=0, stop=[stop], logprobs=True).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.message.content == full.message.content[: full.message.content.index(stop)]
+    # the logprobs are the content's tokens: not the stop string's, nor any generated after it
+    assert "".join(e.token for e in cut.logprobs.content) == cut.message.content
     wait_for(lambda: metric(base, "ds4serve_generations_total", AUTH, finish_reason="stop") == counts[0] + 1)
     assert metric(base, "ds4serve_generations_total", AUTH, finish_reason="cancelled") == counts[1]
     assert metric(base, "ds4serve_cancelled_total", AUTH, reason="stop_sequence") == counts[2] == 0

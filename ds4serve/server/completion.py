@@ -133,27 +133,35 @@ class Completion:
 
     # ---- output --------------------------------------------------------------------------------
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Parsed output as it becomes certain; raises :class:`APIError` if generation fails."""
-        pending: list[TokenLogprob] = []
-        count = 0
+        """Parsed output as it becomes certain; raises :class:`APIError` if generation fails. The logprobs are
+        those of the tokens behind the text: once a stop string is found, not those of the tokens whose text
+        starts at it or after it."""
+        pending: list[tuple[TokenLogprob, int]] = []  # with where its token's text starts in the stream
+        count = fed = released = 0  # tokens; characters into the stop matcher; characters out of it
         async for event in self.job.stream():
             count += 1
+            text = self.detok.feed(event.token)
             if event.logprob is not None:
-                pending.append(event.logprob)
-            text = self.stopper.feed(self.detok.feed(event.token), count >= self.spec.params.min_tokens)
-            if self.stopper.hit is not None and not self.job.cancelled:
-                self.server.scheduler.withdraw(self.job, STOP_SEQUENCE)
+                pending.append((event.logprob, fed))
+            fed += len(text)
+            text = self.stopper.feed(text, count >= self.spec.params.min_tokens)
+            released += len(text)
+            if self.stopper.hit is not None:
+                pending = [(lp, at) for lp, at in pending if at < released]
+                if not self.job.cancelled:
+                    self.server.scheduler.withdraw(self.job, STOP_SEQUENCE)
             segments = self.parser.feed(text)
-            if segments or (pending and self.stopper.hit is None):
-                for piece in _pieces(segments, pending):
+            ready = [lp for lp, at in pending if at < released]  # tokens whose text has begun to come out
+            if segments or ready:
+                for piece in _pieces(segments, ready):
                     yield piece
-                pending = []
+                pending = pending[len(ready) :]
         self.result = self.job.result
         self._raise_for_error()
         tail = self.stopper.feed(self.detok.finish()) + self.stopper.finish()
         segments = self.parser.feed(tail) + self.parser.finish()
         if segments or pending:
-            for piece in _pieces(segments, pending):
+            for piece in _pieces(segments, [lp for lp, _ in pending]):
                 yield piece
 
     def _raise_for_error(self) -> None:
