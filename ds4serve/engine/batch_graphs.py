@@ -160,8 +160,9 @@ class _MicroBatch:
     def fill(self, ids: list[int], positions: list[int]) -> None:
         """The bucket's tokens and positions (every row's): this micro-batch's go to each shard's inputs."""
         a, b = self.start, self.start + self.rows
+        inputs = torch.tensor(ids[a:b] + positions[a:b], dtype=torch.long)
         for step in self.shards:
-            step.inputs.copy_(torch.tensor(ids[a:b] + positions[a:b], dtype=torch.long))
+            step.inputs.copy_(inputs)
 
     def replay(self) -> torch.Tensor:
         """Run the filled rows through every shard, committing each; the logits ``[rows, V]``, a buffer that

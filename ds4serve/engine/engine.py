@@ -92,8 +92,8 @@ class Engine:
         """``max_batch``: the most sequences that run at once (decoded together in one batched forward);
         default :data:`DEFAULT_MAX_BATCH`, on GPUs as many decode slots of ``max_context`` tokens as
         :func:`default_max_batch` fits in the free memory of each (a layer split's share of a slot on each
-        of its devices), and 1 in a pipeline on GPUs (its batched steps are not captured). An engine with ``max_batch`` 1 decodes through
-        the one-sequence step, any other through the batched one, a lone sequence included, so that a
+        of its devices), and 1 in a pipeline on GPUs (its batched steps are not captured). An engine with
+        ``max_batch`` 1 decodes through the one-sequence step, any other through the batched one, a lone sequence included, so that a
         sequence's results never depend on what runs beside it. ``slot_memory_fraction``: the share of a GPU's
         free memory that the default decode slots may take (0 < fraction <= 1; default
         :data:`SLOT_MEMORY_FRACTION`).

@@ -60,20 +60,24 @@ def _pieces(segments: list[ParsedDelta], logprobs: list[TokenLogprob]) -> list[P
 
 
 def resolve_max_tokens(
-    server, prompt_len: int, requested: int | None, field_name: str, prompt_field: str = "messages"
+    server,
+    prompt_len: int,
+    requested: int | None,
+    field_name: str,
+    overflow: Callable[[int, int, int], APIError] = context_overflow,
 ) -> int:
-    """``requested`` checked against the server limit and the context (the overflow error names
-    ``prompt_field``); a default when omitted."""
+    """``requested`` checked against the server limit and the context; a default when omitted. Past the
+    context, ``overflow(max_context, prompt, completion)`` is raised (the API's own wording)."""
     limit, context = server.config.max_tokens_limit, server.engine.max_context
     if requested is None:
         room = context - prompt_len
         if room < 1:
-            raise context_overflow(context, prompt_len, 1, prompt_field)
+            raise overflow(context, prompt_len, 1)
         return min(limit, room)
     if requested > limit:
         raise invalid(f"{field_name}: {requested} exceeds this server's limit of {limit}", field_name)
     if prompt_len + requested > context:
-        raise context_overflow(context, prompt_len, requested, prompt_field)
+        raise overflow(context, prompt_len, requested)
     return requested
 
 

@@ -350,8 +350,9 @@ class OutputParser:
 
     def _leave_block(self, out: _Segments, cut: bool) -> None:
         """The block ends without its closing tag: malformed, or ``cut`` off by the end of generation.
-        Before any call opened, a malformed block's text is content and a cut one's is dropped. After, the open call is closed; the rest of a
-        malformed block is content, and what the end of generation left unfinished (a partial tag) is dropped."""
+        Before any call opened, a malformed block's text is content and a cut one's is dropped. After, the
+        open call is closed; the rest of a malformed block is content, and what the end of generation left
+        unfinished (a partial tag) is dropped."""
         block, self.block = self.block, None
         if not block.opened and cut:  # no call formed before the end of generation: nothing of it is content
             self.buf = ""

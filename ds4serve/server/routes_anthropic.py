@@ -171,12 +171,9 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     encoded, prompt, tools = _encode(server, body)
     grammar, json_schema = _answer_rule(server, body, tools)
     check_prompt(server, prompt, "messages")
-    try:
-        max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens")
-    except APIError as err:
-        if err.code != "context_length_exceeded":
-            raise
-        raise anthropic_context_overflow(server.engine.max_context, len(prompt), body.max_tokens) from None
+    max_tokens = resolve_max_tokens(
+        server, len(prompt), body.max_tokens, "max_tokens", overflow=anthropic_context_overflow
+    )
     params = build_params(
         max_tokens=max_tokens,
         temperature=body.temperature,

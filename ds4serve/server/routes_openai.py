@@ -26,7 +26,7 @@ from .completion import (
     mint_id,
     resolve_max_tokens,
 )
-from .errors import APIError, invalid, openai_body
+from .errors import APIError, context_overflow, invalid, openai_body
 from .output_parser import merged
 from .prepare import json_body, offload
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Tool, ToolCallIn
@@ -186,7 +186,13 @@ def _answer_rule(
 def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], list[dict] | None, dict | None]:
     """A chat request's encoded prompt, its token ids (what ``/tokenize`` reports), its tools and its
     response-format schema."""
-    body = as_tools(body)
+    return _chat_prompt(server, as_tools(body))
+
+
+def _chat_prompt(
+    server, body: ChatRequest
+) -> tuple[EncodedPrompt, list[int], list[dict] | None, dict | None]:
+    """:func:`chat_prompt` of a body already in today's tool terms (:func:`as_tools`)."""
     thinking, effort = _thinking(body)
     tools, response_format = _tools(body), _response_format(body)
     encoded = encode_messages(
@@ -201,7 +207,7 @@ def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], li
 
 def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     body = as_tools(body)
-    encoded, prompt, tools, response_format = chat_prompt(server, body)
+    encoded, prompt, tools, response_format = _chat_prompt(server, body)
     thinking = encoded.thinking
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
@@ -449,7 +455,13 @@ def completion_prompts(server, body: CompletionRequest, add_bos: bool = True) ->
 def completion_spec(server, body: CompletionRequest, prompt: list[int], param: str) -> CompletionSpec | None:
     """The generation of one prompt; None when there is none (``max_tokens`` 0, the prompt echoed alone)."""
     check_prompt(server, prompt, param)
-    max_tokens = resolve_max_tokens(server, len(prompt), body.max_tokens, "max_tokens", "prompt")
+    max_tokens = resolve_max_tokens(
+        server,
+        len(prompt),
+        body.max_tokens,
+        "max_tokens",
+        overflow=functools.partial(context_overflow, field="prompt"),
+    )
     if max_tokens == 0:
         if not body.echo:
             raise invalid("max_tokens: 0 generates nothing; it needs echo=true", "max_tokens")

@@ -40,9 +40,8 @@ class TokenEvent:
     logprob: TokenLogprob | None
 
 
-STOP_SEQUENCE = (
-    "stop_sequence"  # the cancel reason of a job the server ends at a stop string: a normal finish
-)
+# the cancel reason of a job the server ends at a stop string: a normal finish, not a cancellation
+STOP_SEQUENCE = "stop_sequence"
 
 
 @dataclass(eq=False)
