@@ -129,6 +129,8 @@ def test_a_call_that_breaks_ends_where_its_well_formed_part_ends(step):
         ('<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜param', {"city": "Paris"}),
         ('<｜DSML｜parameter name="days" string="false">3448', {"days": 3448}),
         ('<｜DSML｜parameter name="days" string="false">[1, ', {"days": "[1, "}),
+        ('<｜DSML｜parameter name="days" string="false">-8<', {"days": -8}),
+        ('<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter', {"days": 2}),
         ('<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n<｜DSML｜para', {"days": 2}),
         ("", {}),
     ],

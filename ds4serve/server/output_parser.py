@@ -247,8 +247,10 @@ class _ToolBlock:
             return False
         if self.mode == "string":
             out.call(self.index, None, '"')
-        elif self.mode == "value" and rest.strip():
-            self._argument(out, f"{_json(self.key)}: {_json(_parameter_value(rest))}")
+        elif self.mode == "value":
+            value = rest[: len(rest) - _partial_suffix(rest, (PARAMETER_END,))]  # a closing tag cut halfway
+            if value.strip():
+                self._argument(out, f"{_json(self.key)}: {_json(_parameter_value(value))}")
         self._close_call(out)
         return True
 
