@@ -476,3 +476,31 @@ def test_structured_outputs_that_cannot_be_held_are_named(oai, rule, param):
             extra_body={"structured_outputs": {"choice": ["a"]}},
         )
     assert err.value.body["param"] == "structured_outputs"
+
+
+def test_stop_strings_do_not_cut_a_forced_call(oai, base):
+    """A forced call's markup is not text the client sees: stop strings that its layout holds ("\\n" before the
+    block, "invoke" in its tags) leave the call whole, on both APIs, as without them."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    alone = _ask(oai, tool_choice=named, extra_body={"temperature": 0}).choices[0]
+    r = _ask(oai, tool_choice=named, stop=["\n", "invoke"], extra_body={"temperature": 0}).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.tool_calls[0].function == alone.message.tool_calls[0].function
+    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
+        for t in TOOLS
+    ]
+    asks = [
+        claude.messages.create(
+            model="tiny",
+            max_tokens=200,
+            tools=tools,
+            messages=[{"role": "user", "content": "?"}],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            extra_body={"temperature": 0},
+            **kw,
+        )
+        for kw in ({}, {"stop_sequences": ["\n", "invoke"]})
+    ]
+    assert [m.stop_reason for m in asks] == ["tool_use", "tool_use"]
+    assert asks[1].content[-1].input == asks[0].content[-1].input

@@ -143,6 +143,11 @@ def _encode(server, body: CountTokensRequest):
     return encoded, server.engine.tokenizer.encode(encoded.text), tools
 
 
+def _forces_call(body: MessagesRequest, tools: list[dict] | None) -> bool:
+    """Whether ``tool_choice`` ("any" or a named tool) forces the answer to be a tool call."""
+    return bool(tools) and body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
+
+
 def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tuple[str | None, dict | None]:
     """``(grammar, json_schema)`` the answer is held to (tool_grammar.py): the tool call that ``tool_choice``
     "any" or "tool" forces (``output_config.format`` then holds a later answer); under "auto", content (a document of ``output_config.format``'s schema, if any)
@@ -153,7 +158,7 @@ def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tup
     if not tools:
         return None, schema
     tok, parallel = server.engine.tokenizer, not (choice is not None and choice.disable_parallel_tool_use)
-    if choice is not None and choice.type in ("any", "tool"):
+    if _forces_call(body, tools):
         name = choice.name if choice.type == "tool" else None
         return forced_tool_call(tools, tok, name, parallel, "tools.{}.input_schema"), None
     strict = strict_tool_calls(
@@ -189,7 +194,7 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     return CompletionSpec(
         prompt=prompt,
         params=params,
-        stops=list(body.stop_sequences or []),
+        stops=[] if _forces_call(body, tools) else list(body.stop_sequences or []),  # the answer is the call
         thinking=encoded.thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
         cache_at=cache_points(

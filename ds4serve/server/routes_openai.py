@@ -174,13 +174,18 @@ def _answer_rule(
                 rule[1],
             )
         return structured_rule(*rule)
-    if tools and choice not in (None, "auto"):
+    if _forces_call(body, tools):
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return forced_tool_call(tools, tok, name, parallel), None
     strict = strict_tool_calls(tools, tok, parallel, response_format) if tools else None
     if strict is None and response_format is not None:
         validate_schema(response_format, "response_format")
     return (strict, None) if strict is not None else (None, response_format)
+
+
+def _forces_call(body: ChatRequest, tools: list[dict] | None) -> bool:
+    """Whether ``tool_choice`` ("required" or a named tool) forces the answer to be a tool call."""
+    return bool(tools) and body.tool_choice not in (None, "auto")
 
 
 def chat_prompt(server, body: ChatRequest) -> tuple[EncodedPrompt, list[int], list[dict] | None, dict | None]:
@@ -231,7 +236,7 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     return CompletionSpec(
         prompt=prompt,
         params=params,
-        stops=_stops(body.stop),
+        stops=[] if _forces_call(body, tools) else _stops(body.stop),  # the answer is the call, not text
         thinking=thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
         cache_at=cache_points(
