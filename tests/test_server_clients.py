@@ -231,6 +231,21 @@ def test_echo_gives_the_prompts_own_logprobs_for_a_list_of_prompts(oai, engine):
     assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 0
 
 
+def test_an_echo_alone_streams_when_asked_to(oai):
+    """``max_tokens`` 0 with ``stream``: the echoed prompts come as a stream (a chunk per choice, the usage
+    chunk, ``[DONE]``) equal to the answer not streamed."""
+    kw = dict(model="tiny", prompt=["import os", "def f"], echo=True, logprobs=2, max_tokens=0)
+    whole = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason) for c in chunks[:-1]] == [
+        (c.index, c.text, "length") for c in whole.choices
+    ]
+    assert [c.choices[0].logprobs.token_logprobs for c in chunks[:-1]] == [
+        c.logprobs.token_logprobs for c in whole.choices
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_echo_with_generation_and_prompts_times_n_in_order(oai, engine):
     texts = ["The first prompt", "A second one"]
     r = oai.completions.create(

@@ -7,7 +7,7 @@ import functools
 import json
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 import torch
 from fastapi import APIRouter, Depends, Request
@@ -605,6 +605,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     if not groups:  # max_tokens 0: the prompts echoed
         total = sum(map(len, prompts))
         choices = [
@@ -613,7 +614,10 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
             for j in range(body.n)
         ]
         usage = {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
-        return JSONResponse({**head, "choices": choices, "usage": usage})
+        if not body.stream:
+            return JSONResponse({**head, "choices": choices, "usage": usage})
+        echoed = (_sse({**head, "choices": [c]}) for c in choices)
+        return _sse_response(_Usage(server, [], usage), _aiter(echoed), head if include_usage else None)
     if not body.stream:
         outputs = await asyncio.gather(*(group.collect() for group in groups))
         choices = [
@@ -628,7 +632,6 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
         ]
         return JSONResponse({**head, "choices": choices, "usage": _summed([g.usage() for g in groups])})
     first = await groups[0].opened()
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -651,7 +654,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
                 offsets[i] += len(piece.delta.content)
                 yield chunk(index, piece.delta.content, None, lps)
 
-    return _sse_response(_Usage(groups), events(), head if include_usage else None)
+    return _sse_response(_Usage(server, groups), events(), head if include_usage else None)
 
 
 def _start_all(groups: list[Choices]) -> None:
@@ -666,13 +669,21 @@ def _start_all(groups: list[Choices]) -> None:
 
 
 class _Usage:
-    """What :func:`_sse_response` needs of the choices of several prompts: their summed usage, and closing."""
+    """What :func:`_sse_response` needs of the choices of several prompts: their summed usage (``echoed``'s
+    when no prompt generates), and closing."""
 
-    def __init__(self, groups: list[Choices]):
-        self.groups, self.server = groups, groups[0].server
+    def __init__(self, server, groups: list[Choices], echoed: dict | None = None):
+        self.groups, self.server, self.echoed = groups, server, echoed
 
     def usage(self) -> dict:
+        if self.echoed is not None:
+            return self.echoed
         return _summed([g.usage() for g in self.groups if g.completions])
+
+
+async def _aiter(items: Iterable[str]) -> AsyncIterator[str]:
+    for item in items:
+        yield item
 
     def close(self) -> None:
         for g in self.groups:
