@@ -22,7 +22,7 @@ GUIDED = {
     "guided_regex": "regex",
     "guided_grammar": "grammar",
 }
-# vLLM request fields that hold the output to something this server does not implement
+# vLLM request fields that hold the output to something this server does not implement, or choose it by search
 UNSUPPORTED = (
     "allowed_token_ids",
     "bad_words",
@@ -30,17 +30,21 @@ UNSUPPORTED = (
     "guided_whitespace_pattern",
     "logits_processors",
     "include_stop_str_in_output",
+    "use_beam_search",
 )
 
 
 def requested_rule(body) -> tuple[StructuredOutputs, str] | None:
     """The structured output a chat or completions ``body`` asks for and the field that asked (``structured_outputs``
-    or one ``guided_*`` alias); None when none. A 400 naming the field for two rules, or for a constraint field this
-    server does not implement."""
+    or one ``guided_*`` alias); None when none. A 400 naming the field for two rules, or for a field this server does
+    not implement (``best_of`` other than ``n``)."""
     extra = body.model_extra or {}
     for name in UNSUPPORTED:
         if extra.get(name) not in (None, False, [], {}, ""):
             raise invalid(f"{name}: not supported by this server", name)
+    best_of = extra.get("best_of")
+    if best_of is not None and best_of != body.n:  # n choices of n drawn: nothing to choose between
+        raise invalid(f"best_of: only best_of equal to n ({body.n}) is supported, got {best_of!r}", "best_of")
     guided = [name for name, value in extra.items() if name in GUIDED and value is not None]
     if not guided:
         return None if body.structured_outputs is None else (body.structured_outputs, FIELD)
