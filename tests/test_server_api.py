@@ -362,9 +362,14 @@ def test_anthropic_thinking_blocks(claude):
         messages=[{"role": "user", "content": "Think"}],
         thinking={"type": "enabled", "budget_tokens": 2},
     ) as s:
+        events = [e.type for e in s]
         final = s.get_final_message()
     assert [b.type for b in final.content] == [b.type for b in r.content]
     assert final.content[0].thinking == r.content[0].thinking
+    # signed as Anthropic signs: the signature delta last in the block, the same as the message's not streamed
+    assert final.content[0].signature and final.content[0].signature == r.content[0].signature
+    stop = events.index("content_block_stop")
+    assert events[stop - 1] == "signature" and events.count("signature") == 1
 
 
 def test_second_turn_forwards_only_new_tokens_and_matches_a_cold_run(oai, base, engine):

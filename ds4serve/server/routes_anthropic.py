@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from typing import AsyncIterator
 
@@ -247,7 +249,7 @@ async def messages(request: Request, body: MessagesRequest = Depends(json_body(M
     total = merged([p.delta for p in await run_to_end(completion)])
     content: list[dict] = []
     if total.reasoning:
-        content.append({"type": "thinking", "thinking": total.reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": total.reasoning, "signature": signature(total.reasoning)})
     if total.content or not (total.tool_calls or total.reasoning):  # an empty text block only for no output
         content.append({"type": "text", "text": total.content})
     for call in total.tool_calls:
@@ -273,11 +275,19 @@ async def messages(request: Request, body: MessagesRequest = Depends(json_body(M
     )
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: the SHA-256 of its text, base64 (clients that keep only signed thinking
+    keep it; this server reads none back)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 class _Blocks:
-    """Content-block bookkeeping of one Anthropic stream: which block is open, at which index."""
+    """Content-block bookkeeping of one Anthropic stream: which block is open, at which index (and a thinking
+    block's text so far, for its signature)."""
 
     def __init__(self) -> None:
         self.index, self.kind = -1, None
+        self.thinking = ""
 
     def open(self, kind: str, block: dict) -> list[str]:
         out = self.close()
@@ -287,8 +297,13 @@ class _Blocks:
     def close(self) -> list[str]:
         if self.kind is None:
             return []
+        out = []
+        if self.kind == "thinking":  # Anthropic's order: the signature last, before the block stops
+            delta = {"type": "signature_delta", "signature": signature(self.thinking)}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+            self.thinking = ""
         self.kind = None
-        return [_event("content_block_stop", {"index": self.index})]
+        return out + [_event("content_block_stop", {"index": self.index})]
 
     def delta(self, kind: str, block: dict, delta: dict) -> list[str]:
         out = self.open(kind, block) if self.kind != kind else []
@@ -297,6 +312,7 @@ class _Blocks:
     def piece(self, piece) -> list[str]:
         d, out = piece.delta, []
         if d.reasoning:
+            self.thinking += d.reasoning
             out += self.delta(
                 "thinking",
                 {"type": "thinking", "thinking": "", "signature": ""},
