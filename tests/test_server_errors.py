@@ -376,6 +376,18 @@ def test_context_overflow_on_messages_uses_the_anthropic_wording(base):
 def test_wrong_method_is_405(base):
     r = httpx.get(base + CHAT)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+
+
+def test_every_response_carries_its_request_id(base):
+    """The SDKs read it (``x-request-id`` OpenAI's, ``request-id`` Anthropic's): a client's own id comes back,
+    else each response has a new one, errors included."""
+    r = post(base, CHAT, chat(max_tokens=1))
+    assert r.status_code == 200 and r.headers["request-id"] == r.headers["x-request-id"]
+    other = httpx.get(base + "/v1/nothing")
+    assert other.status_code == 404 and other.headers["x-request-id"] not in ("", r.headers["x-request-id"])
+    mine = httpx.post(base + CHAT, json=chat(max_tokens=1), headers={"x-request-id": "trace-42"}, timeout=60)
+    assert mine.headers["x-request-id"] == mine.headers["request-id"] == "trace-42"
 
 
 def test_park_makes_requests_503_until_unpark(base):

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -113,8 +114,17 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body_for(path, err), status_code=err.status, headers=err.headers)
 
 
+def _request_id(scope) -> bytes:
+    """The id a response carries: the client's ``x-request-id`` when it sent a short printable one, else a new one."""
+    given = dict(scope["headers"]).get(b"x-request-id", b"")
+    if 0 < len(given) <= 128 and all(0x21 <= c <= 0x7E for c in given):
+        return given
+    return b"req_" + secrets.token_hex(12).encode()
+
+
 class _Gate:
-    """Pure ASGI middleware: counts requests, checks the API key, enforces the body size limit.
+    """Pure ASGI middleware: counts requests, checks the API key, enforces the body size limit, and tags each
+    response with its request id (``x-request-id``, OpenAI's header, and ``request-id``, Anthropic's).
 
     The body is read here (up to the limit) and replayed, so an oversized body is a 413 whether or
     not it declares its length; after the body, ``receive`` reaches the client again (disconnects).
@@ -131,10 +141,15 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = scope["path"]
         status = {"code": 500}
+        rid = _request_id(scope)
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", rid), (b"request-id", rid)],
+                }
             await send(message)
 
         try:
@@ -305,7 +320,9 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
-        return error_response(request.url.path, APIError(exc.status_code, message, code))
+        return error_response(
+            request.url.path, APIError(exc.status_code, message, code, headers=dict(exc.headers or {}))
+        )
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):

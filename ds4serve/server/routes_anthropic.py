@@ -249,7 +249,9 @@ async def messages(request: Request, body: MessagesRequest = Depends(json_body(M
     total = merged([p.delta for p in await run_to_end(completion)])
     content: list[dict] = []
     if total.reasoning:
-        content.append({"type": "thinking", "thinking": total.reasoning, "signature": signature(total.reasoning)})
+        content.append(
+            {"type": "thinking", "thinking": total.reasoning, "signature": signature(total.reasoning)}
+        )
     if total.content or not (total.tool_calls or total.reasoning):  # an empty text block only for no output
         content.append({"type": "text", "text": total.content})
     for call in total.tool_calls:
