@@ -45,7 +45,7 @@ CASES = [
         CHAT,
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
         400,
-        "messages.0.content.0.type",
+        "messages.0.content.0",
     ),  # of a union's members, the one the body came closest to
     (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
     (CHAT, chat(prediction={"type": "file", "content": "x"}), 400, "prediction.type"),
@@ -371,6 +371,49 @@ def test_context_overflow_on_messages_uses_the_anthropic_wording(base):
         r"`max_tokens` and try again",
         err["message"],
     ), err["message"]
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (
+            CHAT,
+            chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "messages.0.content.0",
+        ),
+        (
+            CHAT,
+            chat(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]),
+            "messages.0.content.0",
+        ),
+        (
+            "/v1/responses",
+            {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+            "input.0.content.0",
+        ),
+    ],
+)
+def test_parts_the_model_cannot_read_are_named_as_such(base, path, body, param):
+    err = post(base, path, body).json()["error"]
+    kind = body.get("messages", body.get("input"))[0]["content"][0]["type"]
+    assert err["param"] == param
+    assert (
+        err["message"]
+        == f"{param}: content parts of type {kind!r} are not supported: this model reads text only"
+    )
+
+
+def test_an_assistant_refusal_part_is_its_text(base):
+    r = post(base, CHAT, chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+        {"role": "user", "content": "why?"},
+    ]))  # fmt: skip
+    assert r.status_code == 200, r.text
+    tokens = post(base, "/tokenize", chat(messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "I cannot."}, {"role": "user", "content": "why?"},
+    ])).json()  # fmt: skip
+    assert r.json()["usage"]["prompt_tokens"] == tokens["count"]
 
 
 def test_wrong_method_is_405(base):

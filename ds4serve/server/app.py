@@ -243,11 +243,15 @@ def _replay(body: bytes, receive):
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """The problem of the field the body came closest to: where a union's members all fail, the deepest one."""
+    """The problem of the field the body came closest to: where a union's members all fail, the deepest one (a
+    validator's own message before pydantic's)."""
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
         return invalid(f"invalid JSON body: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}")
-    first = max(errors, key=lambda e: len(_field_path(e["loc"])), default={"loc": (), "msg": "", "type": ""})
+    ours = [e for e in errors if e["type"] == "value_error"]  # a validator's own diagnosis comes first
+    first = max(
+        ours or errors, key=lambda e: len(_field_path(e["loc"])), default={"loc": (), "msg": "", "type": ""}
+    )
     loc = _field_path(first["loc"])
     if not loc:
         return invalid(
@@ -256,6 +260,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
             else "a JSON request body is required"
         )
     param = ".".join(loc)
+    if first["type"] == "value_error":  # one of ours: its message says it all
+        return invalid(f"{param}: {first['msg'].removeprefix('Value error, ')}", param)
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return invalid(f"{param}: {first['msg']}{more}", param)
 

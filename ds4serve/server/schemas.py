@@ -69,9 +69,26 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
 # ---- OpenAI ---------------------------------------------------------------------------------------
 
 
+def _text_part(value: Any, kinds: tuple[str, ...]) -> Any:
+    """A content part of one of the text ``kinds``; an image, audio or file part is refused by name (the
+    model reads text only), and an assistant's ``refusal`` part becomes its text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind not in kinds and kind != "refusal":
+        if any(word in kind for word in ("image", "audio", "file")):
+            raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text only")
+    if kind == "refusal" and isinstance(value.get("refusal"), str):
+        return {"type": kinds[0], "text": value["refusal"]}
+    return value
+
+
 class ContentPart(_Body):
     type: Literal["text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return _text_part(value, ("text",))
 
 
 class FunctionCall(_Body):
@@ -247,6 +264,11 @@ class DetokenizeRequest(_Body):
 class ResponseText(_Body):
     type: Literal["input_text", "output_text", "text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return _text_part(value, ("output_text", "input_text", "text"))
 
 
 def _joined(content: str | list[ResponseText]) -> str:
