@@ -1,5 +1,5 @@
-"""SIGTERM to ``ds4serve serve``: the running stream ends with its terminal event, the queued request gets a JSON
-503 with Retry-After, the disk tier holds the finished request's entry, and the process exits 0. The same process
+"""SIGTERM to ``ds4serve serve``: the running stream ends with its terminal event, the queued request and one sent
+during the drain get a JSON 503 with Retry-After (``/health`` says shutting_down), the disk tier holds the finished request's entry, and the process exits 0. The same process
 takes its API key from the environment and closes a connection that never sends a request."""
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def test_sigterm_finishes_running_streams_and_refuses_queued_ones(tiny_dir, tmp_
         assert lines[-1] != "[DONE]", "the stream ended before the signal: nothing was tested"
         proc.send_signal(signal.SIGTERM)
         waiter.join(60)
+        # still listening while the stream runs: the drain is said, not a refused connection
+        assert lines[-1] != "[DONE]", "the stream ended before the drain could be seen"
+        health = httpx.get(f"{base}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+        late = httpx.post(f"{base}/v1/chat/completions", json=short, headers=AUTH, timeout=30)
+        assert late.status_code == 503 and late.headers["retry-after"]
         running.join(SHUTDOWN_TIMEOUT + 30)
         assert proc.wait(SHUTDOWN_TIMEOUT + 30) == 0, (tmp_path / "serve.log").read_text()
     finally:

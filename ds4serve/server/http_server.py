@@ -2,9 +2,11 @@
 
 The first SIGTERM (or SIGINT) drains the ds4serve server (:meth:`~.app.Server.begin_shutdown`): new and
 queued requests get a 503 with Retry-After, running ones finish or are stopped after the shutdown
-timeout with their terminal event; uvicorn waits for them, runs the app's shutdown (the engine's worker
-ends; the disk tier's writes are synchronous, so nothing is pending) and returns. After a SIGTERM the
-process exits 0: uvicorn alone would raise the signal again once it has stopped.
+timeout with their terminal event. After a SIGTERM the server keeps listening until nothing runs or waits
+(so clients and load balancers get that 503, and ``/health`` its ``shutting_down``, not a refused
+connection); then uvicorn closes the listener, waits for the responses still being sent, runs the app's
+shutdown (the engine's worker ends; the disk tier's writes are synchronous, so nothing is pending) and
+returns, and the process exits 0: uvicorn alone would raise the signal again once it has stopped.
 
 uvicorn closes a kept-alive connection idle for ``timeout_keep_alive`` seconds, but not a new one that
 never sends a byte; :class:`IdleClosingH11` starts that timer when the connection opens too.
@@ -19,17 +21,33 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
+DRAIN_POLL_S = 0.05  # how often a draining server looks whether its requests have ended
+
+
 class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, server) -> None:
         super().__init__(config)
         self.ds4serve = server
+        self.draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
         self.ds4serve.begin_shutdown()
-        if sig == signal.SIGTERM and not self.should_exit:
-            self.should_exit = True
+        if (
+            sig == signal.SIGTERM
+            and self.ds4serve.loop is not None
+            and not (self.draining or self.should_exit)
+        ):
+            self.draining = True
+            self.ds4serve.loop.call_soon_threadsafe(self._exit_when_drained)
             return
         super().handle_exit(sig, frame)
+
+    def _exit_when_drained(self) -> None:
+        scheduler = self.ds4serve.scheduler
+        if scheduler.running or scheduler.queue_depth:
+            self.ds4serve.loop.call_later(DRAIN_POLL_S, self._exit_when_drained)
+        else:
+            self.should_exit = True
 
 
 class IdleClosingH11(H11Protocol):
