@@ -303,21 +303,31 @@ def test_openai_a_forced_call_with_a_response_format(oai):
     assert json.loads(after.choices[0].message.content)["city"] in ("Paris", "Rome")
 
 
-def test_anthropic_any_and_named_tool(base):
-    """Greedy: Anthropic's API takes no seed, and a sampled call on the random model may run into max_tokens."""
+ANTHROPIC_TOOLS = [
+    {"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
+    for t in TOOLS
+]
+
+
+def _claude_ask(base, **kw):
+    """A greedy Messages request for the weather tool, with ``kw`` added."""
     claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
-    tools = [
-        {"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
-        for t in TOOLS
-    ]
-    msg = claude.messages.create(
+    return claude.messages.create(
         model="tiny",
         max_tokens=200,
-        tools=tools,
+        tools=ANTHROPIC_TOOLS,
         messages=[{"role": "user", "content": "?"}],
         tool_choice={"type": "tool", "name": "get_weather"},
         extra_body={"temperature": 0},
+        **kw,
     )
+
+
+def test_anthropic_any_and_named_tool(base):
+    """Greedy: Anthropic's API takes no seed, and a sampled call on the random model may run into max_tokens."""
+    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    tools = ANTHROPIC_TOOLS
+    msg = _claude_ask(base)
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content if b.type != "text"] == ["tool_use"]
     _check_weather(next(b for b in msg.content if b.type == "tool_use").input)
     msg = claude.messages.create(
@@ -484,23 +494,10 @@ def test_stop_strings_do_not_cut_a_forced_call(oai, base):
     named = {"type": "function", "function": {"name": "get_weather"}}
     alone = _ask(oai, tool_choice=named, extra_body={"temperature": 0}).choices[0]
     r = _ask(oai, tool_choice=named, stop=["\n", "invoke"], extra_body={"temperature": 0}).choices[0]
-    assert r.finish_reason == "tool_calls" and r.message.tool_calls[0].function == alone.message.tool_calls[0].function
-    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
-    tools = [
-        {"name": t["function"]["name"], "input_schema": t["function"].get("parameters", {"type": "object"})}
-        for t in TOOLS
-    ]
-    asks = [
-        claude.messages.create(
-            model="tiny",
-            max_tokens=200,
-            tools=tools,
-            messages=[{"role": "user", "content": "?"}],
-            tool_choice={"type": "tool", "name": "get_weather"},
-            extra_body={"temperature": 0},
-            **kw,
-        )
-        for kw in ({}, {"stop_sequences": ["\n", "invoke"]})
-    ]
+    assert (
+        r.finish_reason == "tool_calls"
+        and r.message.tool_calls[0].function == alone.message.tool_calls[0].function
+    )
+    asks = [_claude_ask(base), _claude_ask(base, stop_sequences=["\n", "invoke"])]
     assert [m.stop_reason for m in asks] == ["tool_use", "tool_use"]
     assert asks[1].content[-1].input == asks[0].content[-1].input
