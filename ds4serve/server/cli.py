@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+from pathlib import Path
 
 from .. import envs
 from ..cli import (
@@ -22,6 +24,18 @@ from ..state import state_nbytes
 log = logging.getLogger("ds4serve.server")
 
 STOP_GRACE_S = 5  # after --shutdown-timeout, the stopped requests' last events get this long to go out
+
+
+def _directory(text: str) -> str:
+    """An argparse type: a directory this process can write to, made if missing."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot make a directory at {text!r}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory this process can write to")
+    return text
 
 
 @command("serve", "serve a checkpoint over OpenAI- and Anthropic-compatible HTTP APIs")
@@ -51,7 +65,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--max-queue", type=at_least(0), default=64, help="requests allowed to wait; more get 429")
     p.add_argument(
         "--max-body-mb",
-        type=at_least(0, float),
+        type=at_least(0.01, float),
         default=8.0,
         help="largest request body; larger ones get 413",
     )
@@ -64,7 +78,9 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         default=1024.0,
         help="memory for prefix snapshots (0: off)",
     )
-    p.add_argument("--prefix-cache-dir", default=None, help="also keep prefix snapshots on disk here")
+    p.add_argument(
+        "--prefix-cache-dir", type=_directory, default=None, help="also keep prefix snapshots on disk here"
+    )
     p.add_argument(
         "--prefix-cache-disk-mb",
         type=at_least(0, float),
