@@ -197,9 +197,9 @@ class SamplingFields(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices run one after another
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True)  # choices run one after another
     structured_outputs: StructuredOutputs | None = None
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # vLLM's: generation also ends at these tokens
@@ -220,9 +220,9 @@ class SamplingFields(_Body):
 class ChatRequest(SamplingFields):
     model: str | None = None  # any name is served by the one model; responses name it
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    logprobs: bool = Field(default=False, strict=True)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -240,9 +240,9 @@ class ChatRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model: str | None = None  # any name is served by the one model; responses name it
     prompt: str | list[int] | list[str] | list[list[int]]  # a list of texts or of id lists: one prompt each
-    max_tokens: int = Field(default=16, ge=0)  # 0 only with echo: the prompt's own logprobs
+    max_tokens: int = Field(default=16, ge=0, strict=True)  # 0 only with echo: the prompt's own logprobs
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
     user: str | None = None
 
@@ -374,13 +374,13 @@ class ResponsesRequest(_Body):
     tools: list[ResponseTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None  # not in OpenAI's API; as in chat completions
     reasoning: ResponseReasoningOption | None = None
     text: ResponseTextOption | None = None
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     previous_response_id: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -479,9 +479,9 @@ class CountTokensRequest(_Body):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOPS)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
