@@ -256,6 +256,7 @@ def test_tokenize_and_detokenize_match_what_the_routes_encode(base, engine):
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"messages": []}, "messages"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ("/tokenize", {"prompt": [5, 10**9]}, "prompt"),  # ids as /v1/completions takes them
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
         ("/detokenize", {}, "tokens"),
     ):

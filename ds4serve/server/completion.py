@@ -84,8 +84,13 @@ def resolve_max_tokens(
 def check_prompt(server, prompt: list[int], param: str) -> None:
     if not prompt:
         raise invalid(f"{param}: the prompt is empty", param)
+    check_ids(server, prompt, param)
+
+
+def check_ids(server, ids: list[int], param: str) -> None:
+    """A 400 naming ``param`` for token ids outside the model's vocabulary."""
     vocab = server.engine.cfg.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise invalid(f"{param}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
 

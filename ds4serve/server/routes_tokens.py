@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from .completion import check_ids
 from .errors import invalid
 from .prepare import json_body, offload
 from .routes_openai import chat_prompt, completion_prompts
@@ -50,6 +51,7 @@ def _tokens(server, body: dict) -> list[int]:
         if len(prompts) != 1:
             raise invalid("prompt: expected one prompt (text or token ids)", "prompt")
         tokens = prompts[0]
+        check_ids(server, tokens, "prompt")
     else:
         raise invalid("expected a 'prompt' (text or token ids) or chat 'messages'", "prompt")
     return tokens
@@ -57,8 +59,6 @@ def _tokens(server, body: dict) -> list[int]:
 
 @router.post("/detokenize")
 async def detokenize(request: Request, body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))):
-    tok, vocab = request.app.state.server.engine.tokenizer, request.app.state.server.engine.cfg.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"tokens: ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-    return {"prompt": tok.decode(body.tokens)}
+    server = request.app.state.server
+    check_ids(server, body.tokens, "tokens")
+    return {"prompt": server.engine.tokenizer.decode(body.tokens)}
