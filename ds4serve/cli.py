@@ -212,7 +212,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> Handler:
         )
         print(f"indexer      {cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk}")
         print(f"drafts       mtp blocks {cfg.n_mtp_layers}, dspark {'yes' if cfg.dspark else 'no'}")
-        print(f"quant        fp8 block {cfg.quant.fp8_block}, experts {cfg.quant.expert_dtype}")
+        fp8 = f"fp8 block {cfg.quant.fp8_block}" if cfg.quant.fp8_block is not None else "none"
+        print(f"quant        {fp8}, experts {cfg.quant.expert_dtype}")
         contexts = sorted({min(n, cfg.max_position_embeddings) for n in STATE_CONTEXTS})
         sizes = [
             f"{n:,} tokens {state_nbytes(cfg, range(cfg.num_layers), n, torch.bfloat16) / 2**20:,.1f} MiB"

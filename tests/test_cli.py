@@ -24,6 +24,10 @@ def test_make_tiny_inspect_generate(tmp_path, capsys, monkeypatch):
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "SSCH" in text and "official layout" in text and "F8_E4M3" in text and "I8" in text
+    assert "quant        fp8 block (32, 32), experts fp4" in text
+    assert main(["make-tiny", str(tmp_path / "plain"), "--layers", "2"]) == 0
+    assert main(["inspect", str(tmp_path / "plain")]) == 0
+    assert "quant        none, experts bf16" in capsys.readouterr().out  # no FP8 block of a dense checkpoint
 
     assert main(["generate", "--model", str(out), "--max-tokens", "5", "Hello"]) == 0
     captured = capsys.readouterr()
