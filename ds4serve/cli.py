@@ -57,6 +57,14 @@ def at_least(low: float, kind: type = int) -> Callable[[str], float]:
     return parse
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = at_least(0, float)(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """An argparse type: a TCP port (0: any free one)."""
     value = at_least(0)(text)
@@ -353,8 +361,8 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     engine_args(p)
     p.add_argument("--max-tokens", type=at_least(1), default=64)
     p.add_argument("--temperature", type=at_least(0, float), default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=at_least(0), default=0, help="sample among the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
     p.add_argument(
