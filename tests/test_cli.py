@@ -56,7 +56,14 @@ def test_generate_uses_the_cached_default_model(shipped, tmp_path, capsys, monke
         (["serve", "--max-context", "0"], "--max-context: expected at least 1"),
         (["serve", "--max-queue", "many"], "--max-queue: expected an integer"),
         (["serve", "--speculative", "bogus"], "--speculative: expected one of"),
-        (["serve", "--max-body-mb", "0"], "--max-body-mb: expected at least 0.01"),  # every POST would be a 413
+        (
+            ["serve", "--allowed-origins", "http://a.example,notaurl"],
+            "--allowed-origins: expected origins like",
+        ),
+        (
+            ["serve", "--max-body-mb", "0"],
+            "--max-body-mb: expected at least 0.01",
+        ),  # every POST would be a 413
         (["serve", "--prefix-cache-dir", "/dev/null"], "--prefix-cache-dir: cannot make a directory at"),
         (["generate", "--speculative", "ngram:99", "hi"], "--speculative: K in 'ngram:99' must be in"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: expected at least 0"),

@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 from .. import envs
@@ -24,6 +25,21 @@ from ..state import state_nbytes
 log = logging.getLogger("ds4serve.server")
 
 STOP_GRACE_S = 5  # after --shutdown-timeout, the stopped requests' last events get this long to go out
+
+
+_ORIGIN = re.compile(r"https?://(\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+)(:\d{1,5})?")
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated browser origins (``scheme://host[:port]``, as a browser sends them), or
+    ``*``."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    bad = [o for o in origins if o != "*" and not _ORIGIN.fullmatch(o)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"expected origins like http://localhost:3000 (scheme, host, port; no path) or '*', got {bad[0]!r}"
+        )
+    return origins
 
 
 def _directory(text: str) -> str:
@@ -57,7 +73,8 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
     )
     p.add_argument(
         "--allowed-origins",
-        default="",
+        type=_origins,
+        default=(),
         help="comma-separated browser origins allowed to call the API (CORS), or '*' for any; "
         "default none (a web page cannot drive this server)",
     )
@@ -146,7 +163,7 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             speculative=a.speculative,
             responses_store_bytes=int(a.responses_store_mb * 2**20),
             stream_keepalive_s=a.stream_keepalive_s,
-            allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
+            allowed_origins=a.allowed_origins,
             shutdown_timeout=a.shutdown_timeout,
         )
         if not a.no_warm_up:
