@@ -57,14 +57,6 @@ def at_least(low: float, kind: type = int) -> Callable[[str], float]:
     return parse
 
 
-def fraction(text: str) -> float:
-    """An argparse type: a number in (0, 1]."""
-    value = at_least(0, float)(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-    return value
-
-
 def port(text: str) -> int:
     """An argparse type: a TCP port (0: any free one)."""
     value = at_least(0)(text)

@@ -153,7 +153,11 @@ def _profile_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--speculative", default=None, help="speculative decoding spec, as for generate")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before the measured one")
-    p.add_argument("--json", default="ds4serve-profile.json", help="where to write the records and summary (default: %(default)s)")
+    p.add_argument(
+        "--json",
+        default="ds4serve-profile.json",
+        help="where to write the records and summary (default: %(default)s)",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw a stacked bar chart")
     p.add_argument("--verbose", action="store_true", help="also log every record line")
 

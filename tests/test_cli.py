@@ -67,7 +67,7 @@ def test_generate_uses_the_cached_default_model(shipped, tmp_path, capsys, monke
         (["serve", "--prefix-cache-dir", "/dev/null"], "--prefix-cache-dir: cannot make a directory at"),
         (["generate", "--speculative", "ngram:99", "hi"], "--speculative: K in 'ngram:99' must be in"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: expected at least 0"),
-        (["generate", "--top-p", "2", "hi"], "--top-p: expected a number in (0, 1]"),
+        (["generate", "--top-p", "2", "hi"], "--top-p: expected a fraction in (0, 1]"),
     ],
 )
 def test_bad_options_are_refused_before_anything_loads(argv, says, capsys):

@@ -20,7 +20,6 @@ import signal
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-
 DRAIN_POLL_S = 0.05  # how often a draining server looks whether its requests have ended
 
 
