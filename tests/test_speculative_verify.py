@@ -134,3 +134,30 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
     latest = [1, 2, 9, 1, 2, 8, 1, 2]
     prop.begin(latest, 100)
     assert prop.propose(latest, 2, sampler, 0).tokens == [8, 1]
+
+
+def test_a_greedy_row_is_verified_by_its_chosen_token_as_the_general_rule_would(engine):
+    """``verify_row`` decides a greedy target's row from its chosen token: the same token and verdict as
+    ``verify_token`` over the one-hot distribution, for deterministic and sampled drafts alike."""
+    from ds4serve.engine.generation import Generation
+    from ds4serve.engine.request import GenerateResult
+    from ds4serve.engine.speculative import verify_row
+
+    V = engine.cfg.vocab_size
+    gen = Generation(
+        [1, 2],
+        SamplingParams(max_tokens=8),
+        GenerateResult(),
+        engine.cfg,
+        engine.tokenizer,
+        torch.device("cpu"),
+        0.0,
+    )
+    g = torch.Generator().manual_seed(5)
+    for i in range(20):
+        logits = torch.randn(V, generator=g)
+        best = int(logits.argmax())
+        q = torch.softmax(torch.randn(V, generator=g) * 3, dim=-1) if i % 2 else None
+        for draft in (best, (best + 1 + i) % V):
+            expected = verify_token(gen.distribution(logits), draft, q, gen.sampler, i)
+            assert verify_row(gen, logits, draft, q, i) == expected == (best, draft == best)

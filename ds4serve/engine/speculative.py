@@ -174,6 +174,19 @@ def verify_token(
     return sampler.draw(residual / total, index, Stream.RESIDUAL), False
 
 
+def verify_row(
+    gen: Generation, logits: torch.Tensor, draft: int, q: torch.Tensor | None, index: int
+) -> tuple[int, bool]:
+    """:func:`verify_token` of output token ``index`` under the exact distribution of verify row ``logits``.
+    A greedy or forced target's distribution is one-hot, where the rule reduces to "the draft passes when it
+    is the chosen token, else the chosen token is emitted", whatever ``q``: that is decided from the chosen
+    token alone, without forming the distribution."""
+    if gen.sampler.greedy or gen.forced() is not None:
+        token = gen.choose(logits)
+        return token, token == draft
+    return verify_token(gen.distribution(logits), draft, q, gen.sampler, index)
+
+
 class WidthPolicy:
     """How many drafts to request and to verify each step.
 
@@ -329,9 +342,7 @@ def speculative_decode(
                 ok = False
                 if i < n:
                     q = None if draft.probs is None else draft.probs[i]
-                    token, ok = verify_token(
-                        gen.distribution(row), block[i + 1], q, gen.sampler, len(res.tokens)
-                    )
+                    token, ok = verify_row(gen, row, block[i + 1], q, len(res.tokens))
                 else:
                     token = gen.choose(row)
                 accepted += ok
@@ -386,6 +397,7 @@ __all__ = [
     "WidthPolicy",
     "SpeculativeStats",
     "verify_token",
+    "verify_row",
     "pick",
     "confident_prefix",
     "speculative_decode",
