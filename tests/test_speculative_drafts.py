@@ -73,6 +73,7 @@ def test_mtp_window_follows_committed_rows_exactly(mtp_engine):
         prop.observe(_committed(stop, stop + size, hidden, {}))
         stop += size
     draft = prop.propose(SEQ[: stop + 1], 2, _sampler(0), 0)
+    draft.resolve()
 
     state = SequenceState(layers={0: _fresh_window(eng)}, max_context=64, window=cfg.sliding_window)
     rows = torch.tensor(SEQ[first + 1 : stop + 1])

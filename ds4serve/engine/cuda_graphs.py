@@ -215,14 +215,15 @@ class VerifyGraph:
             positions=self.positions,
         )
 
-    def run(self, block: list[int]) -> ForwardResult:
-        """The forward of ``block`` at ``state.pos``: buffers that the next run overwrites."""
+    def run(self, block: list[int] | torch.Tensor) -> ForwardResult:
+        """The forward of ``block`` (host ids, or a device tensor of them) at ``state.pos``: buffers that the
+        next run overwrites."""
         _check_block(self.state, self.width, block)
         return self.replay(block, self.state.pos)
 
-    def replay(self, block: list[int], pos: int) -> ForwardResult:
+    def replay(self, block: list[int] | torch.Tensor, pos: int) -> ForwardResult:
         """The forward of ``block`` at ``pos``, unchecked (the caller checked it)."""
-        self.tokens.copy_(torch.tensor(block, dtype=torch.long))
+        self.tokens.copy_(torch.as_tensor(block, dtype=torch.long))
         torch.add(self._offsets, pos, out=self.positions)
         self._last = self._block.replay()
         return self._last
@@ -273,7 +274,7 @@ class SplitVerifyGraph:
             ),
         )
 
-    def run(self, block: list[int]) -> ForwardResult:
+    def run(self, block: list[int] | torch.Tensor) -> ForwardResult:
         """:meth:`VerifyGraph.run` over every shard in turn."""
         _check_block(self.state, self.width, block)
         pos = self.state.pos
@@ -330,7 +331,7 @@ def _through_shards(parts: list, replay: Callable[[object], ForwardResult]) -> l
     return outs
 
 
-def _check_block(state: SequenceState, width: int, block: list[int]) -> None:
+def _check_block(state: SequenceState, width: int, block: list[int] | torch.Tensor) -> None:
     if len(block) != width:
         raise ValueError(f"a verify graph of width {width} got a block of {len(block)}")
     _check_room(state, width, "verify")

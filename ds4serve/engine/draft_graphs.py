@@ -136,8 +136,10 @@ class MTPGraphs(_DraftPasses):
         self.scratch.layers[0].window.copy_(self.state.layers[0].window)
         self.scratch.pos, self.scratch.tokens = self.state.pos, []
 
-    def step(self, hidden: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chained draft over the scratch state (committed there): streams ``[1, hc, D]`` and logits."""
+    def step(self, hidden: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft after ``token`` (``[1]`` on the device, not read back) over the scratch state
+        (committed there; the scratch counts positions, its token list stays empty): streams ``[1, hc, D]``
+        and logits."""
         if self._step is None:
             self._step = Captured(
                 self._step_and_commit,
@@ -148,11 +150,11 @@ class MTPGraphs(_DraftPasses):
             )
             self._scratch_writes.finish_capture()
         self._hidden.copy_(hidden)
-        self._embedded.copy_(self.target.embed_rows([token]))
-        self._token.fill_(token)
+        self._embedded.copy_(self.target.embed_rows(token))
+        self._token.copy_(token)
         self._pos.fill_(self.scratch.pos)
         G, logits = self._step.replay()
-        self.scratch.advance(token)
+        self.scratch.pos += 1
         return G, logits
 
     def _step_and_commit(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,7 @@ from .draft_graphs import DSparkGraphs, MTPGraphs, draft_state
 from .dspark_weights import dspark_shapes
 from .request import ErrorCode, GenerateError
 from .sampler import Sampler
-from .speculative import Committed, Draft, DraftProposer, pick
+from .speculative import Committed, Draft, DraftProposer, pick, pick_on_device
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -287,7 +287,7 @@ class MTPProposer(_HeldPasses, DraftProposer):
         if self._last is None or k < 1:
             return Draft()
         G, logits = self._last
-        token, q = pick(logits, sampler, index)
+        token, q = pick_on_device(logits, sampler, index)
         tokens, probs = [token], [q]
         if self.passes is not None and k > 1:
             self.passes.start_chain()
@@ -300,12 +300,12 @@ class MTPProposer(_HeldPasses, DraftProposer):
                     G, logits = self.passes.step(G, token)
                 self.forwards += 1
             else:
-                G = self._run(scratch, G, [token])
+                G = self._run(scratch, G, token.tolist())
                 logits = mtp_logits(self.w, G, self.target.head, self.cfg)[0]
-            token, q = pick(logits, sampler, index + len(tokens))
+            token, q = pick_on_device(logits, sampler, index + len(tokens))
             tokens.append(token)
             probs.append(q)
-        return Draft(tokens, None if sampler.greedy else probs)
+        return Draft(probs=None if sampler.greedy else probs, on_device=torch.cat(tokens))
 
 
 class DSparkProposer(_HeldPasses, DraftProposer):

@@ -618,8 +618,11 @@ class Engine:
             and model.head is not None
         )
 
-    def verify(self, state: SequenceState, block: list[int], capture: tuple[int, ...] = ()) -> "VerifyStep":
-        """One target forward over ``block`` at ``state.pos`` that writes nothing (a speculative verify
+    def verify(
+        self, state: SequenceState, block: list[int] | torch.Tensor, capture: tuple[int, ...] = ()
+    ) -> "VerifyStep":
+        """One target forward over ``block`` (host ids, or a tensor of them on the target's device, which the
+        pipeline across processes does not take) at ``state.pos`` that writes nothing (a speculative verify
         step): every row's logits, the final streams and the ``capture`` layers' streams, through the verify
         graph of its width over ``state`` where the engine uses graphs. Read what is needed of the result and
         commit an accepted prefix with the step's :meth:`VerifyStep.commit` before the next verify, of any

@@ -136,8 +136,12 @@ class Sampler:
 
         The generator is reseeded with the key for each draw; torch's CPU generator (mt19937) keeps the low
         32 bits of a seed, its CUDA one (Philox) all 64."""
+        return int(self.draw_on_device(probs, index, stream))
+
+    def draw_on_device(self, probs: torch.Tensor, index: int, stream: Stream) -> torch.Tensor:
+        """:meth:`draw`'s token as a ``[1]`` long tensor on the sampler's device, not read back to the host."""
         self._generator.manual_seed(counter_key(self.seed, index, stream))
-        return int(torch.multinomial(probs.to(self.device), 1, generator=self._generator))
+        return torch.multinomial(probs.to(self.device), 1, generator=self._generator)
 
     def uniform(self, index: int, stream: Stream) -> float:
         """A number in [0, 1) for output token ``index`` from ``stream``: the top 53 bits of its key, so

@@ -42,6 +42,25 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] | None = None  # [V] per token; None = deterministic (one-hot) drafts
     confidence: list[float] | None = None  # P(draft i accepted | drafts before it accepted)
+    on_device: torch.Tensor | None = None  # [k] long on the target's device, until resolve() reads it
+
+    @property
+    def count(self) -> int:
+        """How many tokens were drafted."""
+        return len(self.tokens) if self.on_device is None else self.on_device.numel()
+
+    def block(self, seed: int, n: int) -> list[int] | torch.Tensor:
+        """The verify block ``[seed, d1..dn]``: on the device when the drafts are, so that no host round trip
+        comes between drafting and launching the verify."""
+        if self.on_device is None:
+            return [seed] + self.tokens[:n]
+        return torch.cat([self.on_device.new_tensor([seed]), self.on_device[:n]])
+
+    def resolve(self) -> None:
+        """Read drafts kept on the device into ``tokens`` (waits for the device: call it once the verify
+        forward has been launched)."""
+        if self.on_device is not None and not self.tokens:
+            self.tokens = self.on_device.tolist()
 
 
 @dataclass
@@ -142,12 +161,21 @@ class PromptFeed:
 
 
 def pick(logits: torch.Tensor, sampler: Sampler, index: int) -> tuple[int, torch.Tensor | None]:
-    """A draft of output token ``index`` from draft logits ``[V]``: argmax when greedy, else sampled at the
-    temperature from stream ``DRAFT``."""
+    """:func:`pick_on_device`'s draft read back to the host."""
+    token, probs = pick_on_device(logits, sampler, index)
+    return int(token), probs
+
+
+def pick_on_device(
+    logits: torch.Tensor, sampler: Sampler, index: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft of output token ``index`` from draft logits ``[V]``, as a ``[1]`` long tensor on their device:
+    argmax when greedy, else sampled at the temperature from stream ``DRAFT``; and the distribution it was
+    drawn from (None: greedy)."""
     if sampler.greedy:
-        return int(logits.argmax()), None
+        return logits.argmax().view(1), None
     probs = torch.softmax(logits.float() / sampler.params.temperature, dim=-1)
-    return sampler.draw(probs, index, Stream.DRAFT), probs
+    return sampler.draw_on_device(probs, index, Stream.DRAFT).to(logits.device), probs
 
 
 def verify_token(
@@ -213,7 +241,7 @@ class WidthPolicy:
 
     def verify_count(self, draft: Draft, k: int) -> int:
         """Drafts of ``draft`` to verify (at most ``k``)."""
-        n = min(len(draft.tokens), k)
+        n = min(draft.count, k)
         if self.by_confidence and draft.confidence and n > 1:
             n = min(n, confident_prefix(draft.confidence, self.thresholds))
         return n
@@ -330,8 +358,9 @@ def speculative_decode(
                 else Draft()
             )
             n = policy.verify_count(draft, k)
+            step = engine.verify(state, draft.block(seed, n), capture)
+            draft.resolve()
             block = [seed] + draft.tokens[:n]
-            step = engine.verify(state, block, capture)
             out = step.out  # buffers that the next verify step overwrites
             tokens: list[int] = []
             accepted = 0
@@ -382,10 +411,8 @@ def _checked(draft: Draft, vocab_size: int) -> Draft:
         raise ValueError(
             f"draft proposer returned token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         )
-    if draft.probs is not None and len(draft.probs) < len(draft.tokens):
-        raise ValueError(
-            f"draft proposer returned {len(draft.probs)} distributions for {len(draft.tokens)} tokens"
-        )
+    if draft.probs is not None and len(draft.probs) < draft.count:
+        raise ValueError(f"draft proposer returned {len(draft.probs)} distributions for {draft.count} tokens")
     return draft
 
 
@@ -399,6 +426,7 @@ __all__ = [
     "verify_token",
     "verify_row",
     "pick",
+    "pick_on_device",
     "confident_prefix",
     "speculative_decode",
 ]
