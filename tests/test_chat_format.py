@@ -121,6 +121,24 @@ def test_tool_results_merge_with_user_text_in_call_order():
     )
 
 
+def test_a_failed_tool_result_opens_with_the_error_marker_and_others_are_unchanged():
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call, {**call, "id": "b"}]},
+        {"role": "tool", "tool_call_id": "a", "content": "no such file", "is_error": True},
+        {"role": "tool", "tool_call_id": "b", "content": "done", "is_error": False},
+    ]
+    assert encode_messages(msgs, thinking=False).text.endswith(
+        "<｜User｜><tool_result>Error: no such file</tool_result>\n\n<tool_result>done</tool_result>"
+        "<｜Assistant｜></think>"
+    )
+    plain = [{k: v for k, v in m.items() if k != "is_error"} for m in msgs]
+    assert encode_messages(msgs, thinking=False).text.replace("Error: ", "") == (
+        encode_messages(plain, thinking=False).text
+    )
+
+
 def test_unparseable_history_arguments_become_one_parameter():
     msgs = [
         {"role": "user", "content": "x"},

@@ -11,7 +11,7 @@ import pytest
 from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
 
-from .server_harness import running
+from .server_harness import ScriptedEngine, running
 
 CHAT, COMP, MSGS = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 OK_CHAT = {
@@ -253,6 +253,42 @@ CASES = [
         "tools.0.function.parameters.properties.a",
     ),
     (MSGS, msgs(thinking={"type": "enabled", "budget_tokens": -1}), 400, None),
+    # Anthropic's bounds on a thinking budget: at least 1024 tokens, and fewer than max_tokens
+    (
+        MSGS,
+        msgs(max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 1023}),
+        400,
+        "thinking.budget_tokens",
+    ),
+    (
+        "/v1/messages/count_tokens",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 512},
+        },
+        400,
+        "thinking.budget_tokens",
+    ),
+    (
+        MSGS,
+        msgs(max_tokens=1024, thinking={"type": "enabled", "budget_tokens": 1024}),
+        400,
+        "`max_tokens` must be greater than `thinking.budget_tokens`",
+    ),
+    # content is required but of an assistant message (its tool calls stand alone)
+    (CHAT, chat(messages=[{"role": "user"}]), 400, "messages.0.content"),
+    (
+        CHAT,
+        chat(messages=[{"role": "system", "content": None}, {"role": "user", "content": "hi"}]),
+        400,
+        "messages.0.content",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "developer"}, {"role": "user", "content": "hi"}]),
+        400,
+        "messages.0.content",
+    ),
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": []}, 400, None),
@@ -417,6 +453,82 @@ def test_an_assistant_refusal_part_is_its_text(base):
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "I cannot."}, {"role": "user", "content": "why?"},
     ])).json()  # fmt: skip
     assert r.json()["usage"]["prompt_tokens"] == tokens["count"]
+
+
+def test_anthropic_thinking_budgets_are_held_to_anthropic_s_bounds(base, tiny_dir):
+    """At least 1024 tokens and fewer than max_tokens, each refused in Anthropic's words; a budget within them is
+    served (on a server whose context holds max_tokens 1025), and a disabled thinking's budget is not looked at."""
+    ask = {"messages": [{"role": "user", "content": "hi"}]}
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled", "budget_tokens": 0}):
+        r = post(base, "/v1/messages/count_tokens", {**ask, "thinking": thinking})
+        assert r.status_code == 200, r.text
+    roomy = ScriptedEngine(Engine.from_pretrained(tiny_dir, max_context=2048))
+    roomy.script("Let me see.</think>Hi.")
+    with running(create_app(roomy, ServerConfig(model_name="tiny"))) as url:
+        r = post(url, MSGS, msgs(max_tokens=1025, thinking={"type": "enabled", "budget_tokens": 1024}))
+    assert r.status_code == 200, r.text
+    assert [(b["type"], b.get("text")) for b in r.json()["content"]] == [("thinking", None), ("text", "Hi.")]
+    err = post(base, MSGS, msgs(max_tokens=1024, thinking={"type": "enabled", "budget_tokens": 4096})).json()
+    assert err == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "`max_tokens` must be greater than `thinking.budget_tokens` "
+            "(max_tokens: 1024, thinking.budget_tokens: 4096)",
+        },
+    }
+    err = post(base, MSGS, msgs(thinking={"type": "enabled", "budget_tokens": 100})).json()["error"]
+    assert err["message"] == "thinking.budget_tokens: Input should be greater than or equal to 1024"
+
+
+def test_a_message_without_content_is_refused_but_an_assistant_s_tool_calls_stand_alone(base):
+    """As OpenAI's API: a user, system, developer or tool message needs content (missing or null: a 400 naming the
+    message); an assistant message's tool calls (or deprecated function call) stand without it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    r = post(
+        base, CHAT, chat(messages=[*history, {"role": "tool", "tool_call_id": "call_1", "content": None}])
+    )
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "messages.2.content: expected a string or an array of content parts: a tool message requires "
+        "content",
+        "type": "invalid_request_error",
+        "param": "messages.2.content",
+        "code": "invalid_request",
+    }
+    answered = [*history, {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    assert post(base, CHAT, chat(messages=answered)).status_code == 200
+    legacy = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+        {"role": "function", "name": "f", "content": None},
+    ]
+    assert post(base, CHAT, chat(messages=legacy)).status_code == 200
+
+
+def test_a_route_with_a_trailing_slash_is_served_not_redirected(base):
+    """Many clients do not send a POST's body again after a redirect: the slashed path is the route itself (httpx
+    follows no redirect here), its errors in the route's shape."""
+    for path, body in (
+        (CHAT + "/", OK_CHAT),
+        (COMP + "/", {"prompt": "hi", "max_tokens": 2}),
+        (MSGS + "/", OK_MSGS),
+        (MSGS + "/count_tokens/", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses/", {"input": "hi", "max_output_tokens": 2}),
+        ("/tokenize/", {"prompt": "hi"}),
+    ):
+        r = post(base, path, body)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+    models = httpx.get(base + "/v1/models/")
+    assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["tiny"]
+    assert httpx.get(base + "/v1/models/tiny/").json()["id"] == "tiny"
+    assert httpx.get(base + "/health/").json()["status"] == "ok"
+    err = post(base, MSGS + "/", msgs(max_tokens=0))
+    assert err.status_code == 400 and err.json()["type"] == "error"
+    assert httpx.get(base + "/v1/nope/").status_code == 404
 
 
 def test_wrong_method_is_405(base):

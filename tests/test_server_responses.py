@@ -212,12 +212,34 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
         (dict(input=[]), "input"),
         (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),
         (dict(input="word " * 1200), "input"),
+        (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "18"}]), "input"),
     ],
 )
 def test_errors_name_the_responses_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", **kwargs)
     assert err.value.body["param"] == param and err.value.body["message"]
+
+
+def test_a_function_call_output_must_answer_an_earlier_call(client, scripted):
+    """As OpenAI's API: an output whose ``call_id`` no earlier ``function_call`` item has (none at all, or only one
+    after it) is a 400 in its words; one answering a call in the ``previous_response_id`` chain is served
+    (test_previous_response_id_continues_the_stored_conversation)."""
+    question = {"role": "user", "content": "Weather in Paris?"}
+    output = {"type": "function_call_output", "call_id": "call_9", "output": '{"temp": 18}'}
+    call = {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": "{}"}
+    for items in (
+        [question, output],
+        [question, output, call],
+        [question, {**call, "call_id": "call_8"}, output],
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model="tiny", input=items, tools=[TOOL])
+        assert err.value.body["message"] == "No tool call found for function call output with call_id call_9."
+        assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] == "input"
+    scripted.script("It is 18°C.")
+    r = client.responses.create(model="tiny", input=[question, call, output], tools=[TOOL])
+    assert r.output_text == "It is 18°C."
 
 
 def test_a_stored_response_is_read_listed_and_deleted(client, scripted):

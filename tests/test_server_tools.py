@@ -243,6 +243,28 @@ def test_anthropic_tool_use_round_trip_and_stream(claude, scripted):
     assert CALL + '<｜end▁of▁sentence｜><｜User｜><tool_result>{"temp": 18}</tool_result>' in prompt
 
 
+def test_an_anthropic_tool_result_with_is_error_reaches_the_prompt_as_a_failure(claude, scripted):
+    """The model is told the call failed: the result's text opens with the error marker, and the prompt differs
+    from the one of the same result without ``is_error`` by that marker alone."""
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Atlantis"}}
+    prompts = {}
+    for is_error in (True, False):
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "unknown city"}
+        messages = [
+            {"role": "user", "content": "Weather in Atlantis?"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{**result, "is_error": is_error}]},
+        ]
+        scripted.script("Sorry, I could not find it.")
+        r = claude.messages.create(model="tiny", max_tokens=100, tools=tools, messages=messages)
+        assert r.content[0].text == "Sorry, I could not find it."
+        prompts[is_error] = scripted.inner.tokenizer.decode(scripted.prompts[-1])
+    assert "<｜User｜><tool_result>Error: unknown city</tool_result>" in prompts[True]
+    assert "<｜User｜><tool_result>unknown city</tool_result>" in prompts[False]
+    assert prompts[True].replace("Error: ", "", 1) == prompts[False]
+
+
 def test_engine_failure_is_500_before_output_and_an_error_event_after(base, scripted):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "fail"}], "max_tokens": 50}
     scripted.script("", fail=True)

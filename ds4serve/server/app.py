@@ -1,5 +1,8 @@
 """The FastAPI application: limits and auth, error handling, health, models, metrics, admin routes.
 
+Every route is also served, by the same handler, at its path with a trailing slash (``/v1/chat/completions/``):
+no redirect, which many clients would follow without the POST's body.
+
 The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_anthropic`, the browser page
 and its engine figures in :mod:`.routes_web`.
 """
@@ -112,6 +115,21 @@ class Server:
 
 def error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body_for(path, err), status_code=err.status, headers=err.headers)
+
+
+class _NoTrailingSlash:
+    """Pure ASGI middleware: a request whose path ends in ``/`` (but ``/`` itself) is routed as the path without
+    it, the same handler answering, where the framework would answer with a redirect."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            raw = scope.get("raw_path") or path.encode()
+            scope = {**scope, "path": path.rstrip("/") or "/", "raw_path": raw.rstrip(b"/") or b"/"}
+        await self.app(scope, receive, send)
 
 
 def _request_id(scope) -> bytes:
@@ -293,7 +311,14 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             await asyncio.to_thread(server.scheduler.stop)
             server.prep.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="ds4serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="ds4serve",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,  # _NoTrailingSlash serves both forms instead
+    )
     app.state.server = server
     app.add_middleware(_Gate, server=server)
     if config.allowed_origins:  # outermost: a preflight is answered before the key is asked for
@@ -304,6 +329,8 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             allow_headers=["*"],
             expose_headers=["Retry-After"],
         )
+    # outermost: auth, limits, metrics and routes see the path without the trailing slash
+    app.add_middleware(_NoTrailingSlash)
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(tokens_router)

@@ -6,7 +6,8 @@ Encoding follows the rules of DeepSeek's ``encoding_dsv4.py`` (V4 has no templat
   format block), a user message is ``<｜User｜>`` + text, an assistant message is
   ``{reasoning</think>}{content}{DSML tool calls}<｜end▁of▁sentence｜>``;
 * there is no ``tool`` role: tool results become ``<tool_result>…</tool_result>`` blocks of a user
-  message, merged with neighbouring tool results and user text, ordered like the calls they answer;
+  message, merged with neighbouring tool results and user text, ordered like the calls they answer; the
+  text of a failed call's result (``is_error``, Anthropic's) opens with :data:`TOOL_ERROR`;
 * after the last user message (or one followed by an assistant turn) comes ``<｜Assistant｜>`` and
   ``<think>`` (thinking mode) or ``</think>`` (chat mode);
 * in thinking mode without tools, the reasoning of assistant turns before the last user message is
@@ -31,6 +32,7 @@ THINK_END = "</think>"
 DSML = "｜DSML｜"
 TOOL_CALLS_START = f"<{DSML}tool_calls>"
 TOOL_CALLS_END = f"</{DSML}tool_calls>"
+TOOL_ERROR = "Error: "  # opens the text of a tool result that reports a failed call (Anthropic's is_error)
 
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -111,6 +113,7 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
                 "type": "tool_result",
                 "tool_use_id": msg.get("tool_call_id") or "",
                 "content": msg.get("content") or "",
+                "is_error": bool(msg.get("is_error")),
             }
             if merged and merged[-1].get("role") == "user" and "content_blocks" in merged[-1]:
                 merged[-1]["content_blocks"].append(block)
@@ -164,6 +167,12 @@ def _last_user_index(messages: list[dict]) -> int:
     return -1
 
 
+def _tool_result(block: dict) -> str:
+    """A ``<tool_result>`` block; a failed call's text (``is_error``) opens with :data:`TOOL_ERROR`."""
+    marker = TOOL_ERROR if block.get("is_error") else ""
+    return f"<tool_result>{marker}{_tool_result_text(block.get('content'))}</tool_result>"
+
+
 def _tool_result_text(content: Any) -> str:
     if isinstance(content, list):
         return "\n\n".join(
@@ -191,10 +200,7 @@ def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, e
         blocks = msg.get("content_blocks")
         if blocks:
             out += USER + "\n\n".join(
-                b.get("text", "")
-                if b["type"] == "text"
-                else f"<tool_result>{_tool_result_text(b.get('content'))}</tool_result>"
-                for b in blocks
+                b.get("text", "") if b["type"] == "text" else _tool_result(b) for b in blocks
             )
         else:
             out += USER + (msg.get("content") or "")
@@ -234,7 +240,8 @@ def encode_messages(
     drop_thinking: bool = True,
     add_bos: bool = True,
 ) -> EncodedPrompt:
-    """Encode OpenAI-style messages (roles system/developer/user/assistant/tool) as a V4 prompt.
+    """Encode OpenAI-style messages (roles system/developer/user/assistant/tool) as a V4 prompt; a ``tool``
+    message with ``is_error: True`` is the result of a call that failed.
 
     ``tools`` (OpenAI form) and ``response_format`` are attached to the leading system message (one
     is inserted when there is none), as DeepSeek's reference outputs do. An assistant message with

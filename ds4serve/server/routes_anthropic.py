@@ -35,7 +35,8 @@ def _text(content: str | list[TextBlock]) -> str:
 
 
 def _messages(body: CountTokensRequest) -> list[dict]:
-    """Anthropic turns as OpenAI-style messages: tool results become ``tool`` messages."""
+    """Anthropic turns as OpenAI-style messages: tool results become ``tool`` messages (``is_error`` kept, for the
+    prompt to say the call failed)."""
     system = [_text(body.system)] if body.system else []
     out: list[dict] = []
     for i, m in enumerate(body.messages):
@@ -49,7 +50,14 @@ def _messages(body: CountTokensRequest) -> list[dict]:
             texts = []
             for b in m.content:
                 if b.type == "tool_result":
-                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+                    out.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": b.tool_use_id,
+                            "content": _text(b.content),
+                            "is_error": b.is_error,
+                        }
+                    )
                 elif b.type == "text":
                     texts.append(b.text)
                 else:
@@ -174,7 +182,22 @@ def _answer_rule(server, body: MessagesRequest, tools: list[dict] | None) -> tup
     return (strict, None) if strict is not None else (None, schema)
 
 
+def _check_thinking_budget(body: MessagesRequest) -> None:
+    """Anthropic's rule: thinking's ``budget_tokens`` is below ``max_tokens``, which counts the reasoning too (a 400
+    in Anthropic's words otherwise; its least value is the schema's check)."""
+    thinking = body.thinking
+    if thinking is None or not thinking.on or thinking.budget_tokens is None:
+        return
+    if thinking.budget_tokens >= body.max_tokens:
+        raise invalid(
+            "`max_tokens` must be greater than `thinking.budget_tokens` "
+            f"(max_tokens: {body.max_tokens}, thinking.budget_tokens: {thinking.budget_tokens})",
+            "thinking.budget_tokens",
+        )
+
+
 def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
+    _check_thinking_budget(body)
     encoded, prompt, tools = _encode(server, body)
     grammar, json_schema = _answer_rule(server, body, tools)
     check_prompt(server, prompt, "messages")

@@ -2,9 +2,9 @@
 
 A request's ``input`` items become chat messages (``instructions`` the system text; ``function_call`` items
 the tool calls of an assistant turn, a ``reasoning`` item the next assistant turn's reasoning,
-``function_call_output`` items tool results) and everything else its chat equivalent, so the prompt,
-tool grammars (function tools are ``strict`` unless they say otherwise, as in OpenAI's API) and
-structured output are the chat route's. Errors name the Responses field (``input``, ``tools.0.parameters``,
+``function_call_output`` items tool results, each answering a call before it) and everything else its chat
+equivalent, so the prompt, tool grammars (function tools are ``strict`` unless they say otherwise, as in
+OpenAI's API) and structured output are the chat route's. Errors name the Responses field (``input``, ``tools.0.parameters``,
 ``max_output_tokens``, ``text.format``). The answer is a list of output items: a ``reasoning`` item
 (thinking mode), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
 sends the same items as typed events (``response.output_item.added``, ``...output_text.delta``,
@@ -43,6 +43,7 @@ from .schemas import (
     LOGPROBS_INCLUDED,
     ChatRequest,
     ResponseFunctionCall,
+    ResponseFunctionCallOutput,
     ResponseInputItem,
     ResponseMessage,
     ResponseReasoning,
@@ -139,12 +140,27 @@ def _continued(server, body: ResponsesRequest) -> ResponsesRequest:
     return body.model_copy(update={"input": history + _input_items(body)})
 
 
+def _check_call_outputs(items: list[ResponseInputItem]) -> None:
+    """OpenAI's rule: each ``function_call_output`` answers a ``function_call`` item before it (a 400 in OpenAI's
+    words, naming ``input``, otherwise)."""
+    calls: set[str] = set()
+    for item in items:
+        if isinstance(item, ResponseFunctionCall):
+            calls.add(item.call_id)
+        elif isinstance(item, ResponseFunctionCallOutput) and item.call_id not in calls:
+            raise invalid(
+                f"No tool call found for function call output with call_id {item.call_id}.", "input"
+            )
+
+
 def _fitted_spec(server, body: ResponsesRequest) -> CompletionSpec:
-    """The completion of ``body`` after the conversation its ``previous_response_id`` names. With ``truncation:
-    "auto"`` a conversation too long for the context loses its oldest items, whole turns at a time (a kept
-    conversation starts at a user message), as few as make it fit; ``instructions`` stay. Otherwise, or when not
-    even its last turn fits, the 400 ``context_length_exceeded``."""
+    """The completion of ``body`` after the conversation its ``previous_response_id`` names, each of whose
+    ``function_call_output`` items answers a call before it. With ``truncation: "auto"`` a conversation too long
+    for the context loses its oldest items, whole turns at a time (a kept conversation starts at a user message),
+    as few as make it fit; ``instructions`` stay. Otherwise, or when not even its last turn fits, the 400
+    ``context_length_exceeded``."""
     body = _continued(server, body)
+    _check_call_outputs(_input_items(body))
     try:
         return responses_spec(server, body)
     except APIError as err:

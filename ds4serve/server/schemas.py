@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
 MAX_CHOICES = 16
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -104,13 +105,27 @@ class ToolCallIn(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated tool
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     function_call: FunctionCall | None = None  # deprecated: an assistant's one tool call
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name for reasoning_content
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(
+        cls, v: str | list[ContentPart] | None, info: ValidationInfo
+    ) -> str | list[ContentPart] | None:
+        """Content is required (missing and null alike), as in OpenAI's API, except of an assistant message (its tool
+        calls may stand alone) and of a deprecated ``function`` message (whose content may be null)."""
+        role = info.data.get("role")  # absent when the role itself is invalid: that error is reported
+        if v is None and role not in (None, "assistant", "function"):
+            raise ValueError(
+                f"expected a string or an array of content parts: a {role} message requires content"
+            )
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -468,13 +483,27 @@ class AnthropicOutputConfig(_Body):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
+class AnthropicThinking(ThinkingOption):
+    """Anthropic's ``thinking``: a ``budget_tokens`` given while thinking is on is at least
+    :data:`MIN_THINKING_BUDGET`, as Anthropic's API requires (chat's ``thinking`` takes any). That it is below
+    ``max_tokens`` is the Messages route's check (routes_anthropic.py)."""
+
+    @field_validator("budget_tokens")
+    @classmethod
+    def _least_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
+        thinks = info.data.get("type") not in (None, "disabled")  # None: the type is invalid, and reported
+        if v is not None and v < MIN_THINKING_BUDGET and thinks:
+            raise ValueError(f"Input should be greater than or equal to {MIN_THINKING_BUDGET}")
+        return v
+
+
 class CountTokensRequest(_Body):
     model: str | None = None  # any name is served by the one model; responses name it
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: ThinkingOption | None = None
+    thinking: AnthropicThinking | None = None
     output_config: AnthropicOutputConfig | None = None
 
 
