@@ -124,8 +124,8 @@ class MTPGraphs(_DraftPasses):
             self._rows[S] = (run, rows_hidden, embedded, ids, positions)
         run, rows_hidden, embedded, ids, positions = self._rows[S]
         rows_hidden.copy_(hidden)
-        embedded.copy_(self.target.embed_rows(next_ids))
         ids.copy_(torch.tensor(next_ids, dtype=torch.long))
+        embedded.copy_(self.target.embed_rows(ids))
         torch.arange(self.state.pos, self.state.pos + S, out=positions)
         G, delta, logits = run.replay()
         self.state.commit_static(ChunkDelta(start=self.state.pos, tokens=[], layers={0: delta}), next_ids)
