@@ -289,6 +289,70 @@ CASES = [
         400,
         "messages.0.content",
     ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]),
+        400,
+        "messages.1.content",
+    ),  # an assistant message without tool calls needs content too
+    (CHAT, chat(messages=[{"role": "user", "content": []}]), 400, "messages.0.content"),
+    (
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [], "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+            ]
+        ),
+        400,
+        "messages.1.content",
+    ),  # an empty array of parts, even beside tool calls
+    # a tool message answers a call of an assistant message before it
+    (
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+            ]
+        ),
+        400,
+        "messages.1.tool_call_id",
+    ),
+    (
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "function": {"name": "f"}}]},
+                {"role": "tool", "tool_call_id": "call_2", "content": "x"},
+            ]
+        ),
+        400,
+        "messages.2.tool_call_id",
+    ),
+    (
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "function": {"name": "f"}}]},
+                {"role": "tool", "content": "x"},
+            ]
+        ),
+        400,
+        "messages.2.tool_call_id",
+    ),
+    (MSGS, msgs(thinking={"type": "enabled"}), 400, "thinking.budget_tokens: Field required"),
+    (
+        "/v1/messages/count_tokens",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": None},
+        },
+        400,
+        "thinking.budget_tokens: Field required",
+    ),
     (MSGS, msgs(temperature=1.5), 400, None),
     (MSGS, msgs(max_tokens=0), 400, None),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": []}, 400, None),
@@ -456,8 +520,9 @@ def test_an_assistant_refusal_part_is_its_text(base):
 
 
 def test_anthropic_thinking_budgets_are_held_to_anthropic_s_bounds(base, tiny_dir):
-    """At least 1024 tokens and fewer than max_tokens, each refused in Anthropic's words; a budget within them is
-    served (on a server whose context holds max_tokens 1025), and a disabled thinking's budget is not looked at."""
+    """At least 1024 tokens and fewer than max_tokens, and given for type "enabled", each refused in Anthropic's
+    words; a budget within them is served (on a server whose context holds max_tokens 1025), and a disabled
+    thinking's budget is not looked at."""
     ask = {"messages": [{"role": "user", "content": "hi"}]}
     for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled", "budget_tokens": 0}):
         r = post(base, "/v1/messages/count_tokens", {**ask, "thinking": thinking})
@@ -479,6 +544,11 @@ def test_anthropic_thinking_budgets_are_held_to_anthropic_s_bounds(base, tiny_di
     }
     err = post(base, MSGS, msgs(thinking={"type": "enabled", "budget_tokens": 100})).json()["error"]
     assert err["message"] == "thinking.budget_tokens: Input should be greater than or equal to 1024"
+    err = post(base, MSGS, msgs(thinking={"type": "enabled"})).json()["error"]
+    assert err == {"type": "invalid_request_error", "message": "thinking.budget_tokens: Field required"}
+    for thinking in ({"type": "adaptive"}, {"type": "disabled"}):  # only "enabled" needs a budget
+        r = post(base, "/v1/messages/count_tokens", {**ask, "thinking": thinking})
+        assert r.status_code == 200, r.text
 
 
 def test_a_message_without_content_is_refused_but_an_assistant_s_tool_calls_stand_alone(base):
@@ -507,6 +577,46 @@ def test_a_message_without_content_is_refused_but_an_assistant_s_tool_calls_stan
         {"role": "function", "name": "f", "content": None},
     ]
     assert post(base, CHAT, chat(messages=legacy)).status_code == 200
+
+
+def test_an_assistant_message_needs_content_or_calls_and_no_content_is_an_empty_array(base):
+    """As OpenAI's API: an assistant message with neither content nor calls is a 400 naming its content (an empty
+    string is content, as OpenAI takes it), and so is an empty array of parts, of any message."""
+    silent = [{"role": "user", "content": "go"}, {"role": "assistant"}, {"role": "user", "content": "well?"}]
+    err = post(base, CHAT, chat(messages=silent)).json()["error"]
+    assert err["param"] == "messages.1.content" and err["message"] == (
+        "messages.1.content: expected a string or an array of content parts: an assistant message requires content "
+        "unless it has tool_calls (or the deprecated function_call)"
+    )
+    silent[1]["content"] = ""
+    assert post(base, CHAT, chat(messages=silent)).status_code == 200
+    err = post(base, CHAT, chat(messages=[{"role": "system", "content": []}, *silent])).json()["error"]
+    assert err["param"] == "messages.0.content" and err["message"] == (
+        "messages.0.content: empty array: expected a string or an array of at least one content part"
+    )
+
+
+def test_a_tool_message_answers_a_call_made_before_it(base):
+    """As OpenAI's API: a tool message whose ``tool_call_id`` no earlier assistant message's ``tool_calls`` has, or
+    that has none, is a 400 in OpenAI's words naming that field (a result before its call answers nothing)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call]}]
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "done"}
+    assert post(base, CHAT, chat(messages=[*history, result])).status_code == 200
+    for stray, message in [
+        ({"tool_call_id": "call_2"}, "Invalid parameter: messages with role 'tool' must be a response to a "
+         "preceeding message with 'tool_calls' (no tool call before it has the id 'call_2')."),
+        ({}, "Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'."),
+    ]:  # fmt: skip
+        r = post(base, CHAT, chat(messages=[*history, {"role": "tool", **stray, "content": "?"}]))
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"messages.2.tool_call_id: {message}",
+            "type": "invalid_request_error",
+            "param": "messages.2.tool_call_id",
+            "code": "invalid_request",
+        }
+    r = post(base, CHAT, chat(messages=[history[0], result, history[1], {"role": "user", "content": "?"}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_call_id"
 
 
 def test_a_route_with_a_trailing_slash_is_served_not_redirected(base):

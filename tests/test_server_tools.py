@@ -65,6 +65,29 @@ def test_openai_tool_call_round_trip(oai, scripted):
     assert expected.endswith('<｜User｜><tool_result>{"temp": 18}</tool_result><｜Assistant｜></think>')
 
 
+def test_results_of_parallel_calls_answer_them_in_any_order(oai, scripted):
+    """Each tool message answers a call of the assistant message before it (the server refuses one that does not,
+    test_server_errors.py), whatever the order of the results."""
+    calls = [
+        {"id": f"call_{c}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        for c in "ab"
+    ]
+    history = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_b", "content": "rain"},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sun"},
+    ]
+    scripted.script("Sun and rain.")
+    r = oai.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=100)
+    assert r.choices[0].message.content == "Sun and rain."
+    expected = encode_messages(history, thinking=False, tools=[WEATHER]).text
+    assert expected.endswith(
+        "<tool_result>sun</tool_result>\n\n<tool_result>rain</tool_result><｜Assistant｜></think>"
+    )
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(expected)
+
+
 def test_openai_streamed_tool_call(oai, scripted):
     scripted.script("Let me check." + CALL)
     chunks = list(

@@ -210,7 +210,32 @@ def _chat_prompt(
     return encoded, server.engine.tokenizer.encode(encoded.text), tools, response_format
 
 
+def _check_tool_results(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule: a ``tool`` message answers, by its ``tool_call_id``, a call in the ``tool_calls`` of an assistant
+    message before it (a 400 in OpenAI's words, naming its ``tool_call_id``, otherwise). A deprecated ``function``
+    message names no call and is not checked."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        param = f"messages.{i}.tool_call_id"
+        if m.role == "assistant":
+            calls.update(c.id for c in m.tool_calls or () if c.id is not None)
+        elif m.role == "tool" and m.tool_call_id is None:
+            raise invalid(
+                f"{param}: Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
+                param,
+            )
+        elif m.role == "tool" and m.tool_call_id not in calls:
+            raise invalid(  # OpenAI's words, its spelling of "preceeding" too (clients match them)
+                f"{param}: Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
+                f"with 'tool_calls' (no tool call before it has the id {m.tool_call_id!r}).",
+                param,
+            )
+
+
 def chat_spec(server, body: ChatRequest) -> CompletionSpec:
+    """The completion a chat request asks for: its prompt, sampling parameters, answer rule and stops; a 400 for a
+    request the API refuses."""
+    _check_tool_results(body.messages)
     body = as_tools(body)
     encoded, prompt, tools, response_format = _chat_prompt(server, body)
     thinking = encoded.thinking

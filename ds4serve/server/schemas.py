@@ -103,12 +103,15 @@ class ToolCallIn(_Body):
     function: FunctionCall
 
 
+_CALLS = ("tool_calls", "function_call")  # an assistant message's calls, which stand without content
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated tool
+    tool_calls: list[ToolCallIn] | None = None  # before content, whose check reads them
+    function_call: FunctionCall | None = None  # deprecated: an assistant's one tool call
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    function_call: FunctionCall | None = None  # deprecated: an assistant's one tool call
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name for reasoning_content
@@ -118,14 +121,22 @@ class ChatMessage(_Body):
     def _content_required(
         cls, v: str | list[ContentPart] | None, info: ValidationInfo
     ) -> str | list[ContentPart] | None:
-        """Content is required (missing and null alike), as in OpenAI's API, except of an assistant message (its tool
-        calls may stand alone) and of a deprecated ``function`` message (whose content may be null)."""
-        role = info.data.get("role")  # absent when the role itself is invalid: that error is reported
-        if v is None and role not in (None, "assistant", "function"):
-            raise ValueError(
-                f"expected a string or an array of content parts: a {role} message requires content"
-            )
-        return v
+        """Content is required (missing and null alike), as in OpenAI's API, except of an assistant message with
+        ``tool_calls`` or a deprecated ``function_call`` (they stand alone) and of a deprecated ``function`` message
+        (whose content may be null); an array of content parts is never empty. An empty string is content."""
+        if v == []:
+            raise ValueError("empty array: expected a string or an array of at least one content part")
+        role = info.data.get("role")
+        if v is not None or role is None or any(f not in info.data for f in _CALLS):
+            return v  # content given, or an invalid role or call, which is reported as such
+        if role == "function" or (role == "assistant" and any(info.data[f] for f in _CALLS)):
+            return v
+        need = (
+            "an assistant message requires content unless it has tool_calls (or the deprecated function_call)"
+            if role == "assistant"
+            else f"a {role} message requires content"
+        )
+        raise ValueError(f"expected a string or an array of content parts: {need}")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -484,15 +495,19 @@ class AnthropicOutputConfig(_Body):
 
 
 class AnthropicThinking(ThinkingOption):
-    """Anthropic's ``thinking``: a ``budget_tokens`` given while thinking is on is at least
-    :data:`MIN_THINKING_BUDGET`, as Anthropic's API requires (chat's ``thinking`` takes any). That it is below
-    ``max_tokens`` is the Messages route's check (routes_anthropic.py)."""
+    """Anthropic's ``thinking``: type ``enabled`` requires a ``budget_tokens``, and one given while thinking is on is
+    at least :data:`MIN_THINKING_BUDGET`, as Anthropic's API requires (chat's ``thinking`` takes any, or none). That
+    it is below ``max_tokens`` is the Messages route's check (routes_anthropic.py)."""
+
+    budget_tokens: int | None = Field(default=None, ge=0, validate_default=True)
 
     @field_validator("budget_tokens")
     @classmethod
     def _least_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
-        thinks = info.data.get("type") not in (None, "disabled")  # None: the type is invalid, and reported
-        if v is not None and v < MIN_THINKING_BUDGET and thinks:
+        kind = info.data.get("type")  # None: the type is invalid, and reported
+        if v is None and kind == "enabled":
+            raise ValueError("Field required")
+        if v is not None and v < MIN_THINKING_BUDGET and kind not in (None, "disabled"):
             raise ValueError(f"Input should be greater than or equal to {MIN_THINKING_BUDGET}")
         return v
 
