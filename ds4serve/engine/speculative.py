@@ -50,9 +50,9 @@ class Draft:
         return len(self.tokens) if self.on_device is None else self.on_device.numel()
 
     def block(self, seed: int, n: int) -> list[int] | torch.Tensor:
-        """The verify block ``[seed, d1..dn]``: on the device when the drafts are, so that no host round trip
-        comes between drafting and launching the verify."""
-        if self.on_device is None:
+        """The verify block ``[seed, d1..dn]``: on the device while the drafts are only there (before
+        :meth:`resolve`), so that no host round trip comes between drafting and launching the verify."""
+        if self.on_device is None or self.tokens:
             return [seed] + self.tokens[:n]
         return torch.cat([self.on_device.new_tensor([seed]), self.on_device[:n]])
 
@@ -360,7 +360,7 @@ def speculative_decode(
             n = policy.verify_count(draft, k)
             step = engine.verify(state, draft.block(seed, n), capture)
             draft.resolve()
-            block = [seed] + draft.tokens[:n]
+            block = draft.block(seed, n)
             out = step.out  # buffers that the next verify step overwrites
             tokens: list[int] = []
             accepted = 0
