@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..devices import on_device
+from ..devices import ids_on, on_device
 from ..model import DeepSeekV4
 from ..model.batch import BatchForward, micro_batches
 from ..parallel.split_model import SplitModel
@@ -160,7 +160,7 @@ class _MicroBatch:
     def fill(self, ids: list[int], positions: list[int]) -> None:
         """The bucket's tokens and positions (every row's): this micro-batch's go to each shard's inputs."""
         a, b = self.start, self.start + self.rows
-        inputs = torch.tensor(ids[a:b] + positions[a:b], dtype=torch.long)
+        inputs = ids_on(ids[a:b] + positions[a:b], self.shards[0].inputs.device)
         for step in self.shards:
             step.inputs.copy_(inputs)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
-from ..devices import on_device
+from ..devices import ids_on, on_device
 from ..model import DeepSeekV4, ForwardResult
 from ..state import ChunkDelta, SequenceState
 from .device_commit import DeviceCommit
@@ -223,7 +223,7 @@ class VerifyGraph:
 
     def replay(self, block: list[int] | torch.Tensor, pos: int) -> ForwardResult:
         """The forward of ``block`` at ``pos``, unchecked (the caller checked it)."""
-        self.tokens.copy_(torch.as_tensor(block, dtype=torch.long))
+        self.tokens.copy_(block if isinstance(block, torch.Tensor) else ids_on(block, self.tokens.device))
         torch.add(self._offsets, pos, out=self.positions)
         self._last = self._block.replay()
         return self._last

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SLIDING, ModelConfig
+from ..devices import ids_on
 from ..kernels import regions
 from ..model.dspark import (
     DSparkWeights,
@@ -124,7 +125,7 @@ class MTPGraphs(_DraftPasses):
             self._rows[S] = (run, rows_hidden, embedded, ids, positions)
         run, rows_hidden, embedded, ids, positions = self._rows[S]
         rows_hidden.copy_(hidden)
-        ids.copy_(torch.tensor(next_ids, dtype=torch.long))
+        ids.copy_(ids_on(next_ids, ids.device))
         embedded.copy_(self.target.embed_rows(ids))
         torch.arange(self.state.pos, self.state.pos + S, out=positions)
         G, delta, logits = run.replay()

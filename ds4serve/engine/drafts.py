@@ -24,7 +24,7 @@ import torch
 
 from .. import profiler
 from ..config import SLIDING, ModelConfig
-from ..devices import on_device
+from ..devices import ids_on, on_device
 from ..model import DeepSeekV4
 from ..model.dspark import (
     DSparkWeights,
@@ -165,7 +165,8 @@ class TargetParts:
 
     def embed_rows(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """The embedding rows of ``ids`` on the drafts' device (the table is on the first shard's)."""
-        return self.embed[torch.as_tensor(ids, dtype=torch.long).to(self.embed.device)].to(self.device)
+        rows = ids.to(self.embed.device) if isinstance(ids, torch.Tensor) else ids_on(ids, self.embed.device)
+        return self.embed[rows].to(self.device)
 
 
 def target_parts(model: object) -> TargetParts:

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..tokenizer import Tokenizer
 from .constraint import Constraint
 from .request import ErrorCode, GenerateResult, SamplingParams
-from .sampler import Sampler
+from .sampler import Sampler, argmax
 
 
 class Generation:
@@ -64,6 +64,25 @@ class Generation:
         if forced is not None:
             return forced
         return self.sampler.sample(self._constrained(logits), self.prompt, self.output)
+
+    def device_choices(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The tokens :meth:`choose` picks for ``R`` consecutive rows ``logits [R, V]`` (the next ``R`` output
+        tokens), as a device tensor ``[R]`` not read back, when each is its row's argmax whatever the tokens
+        accepted before it: greedy without bias or penalties, no constraint, ``min_tokens`` reached and no
+        forced ``</think>`` within reach. None otherwise: then rows are decided one by one."""
+        rows, p = logits.shape[0], self.params
+        budget = p.reasoning_budget
+        reaches_budget = (
+            self.reasoning and budget is not None and self.result.stats.reasoning_tokens + rows > budget
+        )
+        if (
+            not (self.sampler.greedy and self.sampler.plain)
+            or self.constraint is not None
+            or len(self.output) < p.min_tokens
+            or reaches_budget
+        ):
+            return None
+        return argmax(logits)
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The exact distribution of the next token (one-hot when forced or greedy)."""

@@ -35,6 +35,7 @@ from enum import IntEnum
 
 import torch
 
+from .. import kernels
 from .request import SamplingParams, TokenLogprob
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): the logits over them leave float32
@@ -92,6 +93,16 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_BELOW
 
+    @property
+    def plain(self) -> bool:
+        """True when steps 1-3 leave the logits as they are (no bias, no penalties)."""
+        p = self.params
+        return (
+            self._bias is None
+            and p.repetition_penalty == 1.0
+            and not (p.frequency_penalty or p.presence_penalty)
+        )
+
     def adjusted(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         """Steps 1-3: bias and penalties applied to float32 ``logits [V]``."""
         p = self.params
@@ -120,14 +131,14 @@ class Sampler:
         """The exact probabilities the sampler draws from (one-hot when greedy)."""
         x = self.adjusted(logits, prompt, output)
         if self.greedy:
-            return torch.nn.functional.one_hot(x.argmax(), x.shape[0]).float()
+            return torch.nn.functional.one_hot(argmax(x), x.shape[0]).float()
         return _filtered_probs((x / self.params.temperature).clamp_(max=_FLOAT32_MAX), self.params)
 
     def sample(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> int:
         """The next token after ``output``: argmax when greedy, else drawn for index ``len(output)`` from
         stream :attr:`Stream.SAMPLE`."""
         if self.greedy:
-            return int(self.adjusted(logits, prompt, output).argmax())
+            return int(argmax(logits if self.plain else self.adjusted(logits, prompt, output)))
         return self.draw(self.distribution(logits, prompt, output), len(output), Stream.SAMPLE)
 
     def draw(self, probs: torch.Tensor, index: int, stream: Stream) -> int:
@@ -156,6 +167,17 @@ class Sampler:
             vals, ids = lp.topk(n)
             entry.top = [(int(i), float(v)) for i, v in zip(ids, vals)]
         return entry
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[V]`` or ``[R, V]`` (the first of equal maxima, NaN above all): two short
+    kernels on the kernels' devices (:mod:`ds4serve.kernels.argmax`; torch's takes ~27 us over a 129,280-wide
+    row), torch elsewhere."""
+    if not kernels.enabled(logits) or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    from ..kernels.argmax import argmax_rows
+
+    return argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
 
 
 def _unique(ids: list[int], device: torch.device) -> torch.Tensor:

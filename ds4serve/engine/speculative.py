@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from ..devices import ids_on
 from ..model import ForwardResult
 from ..state import SequenceState
 from .generation import Generation
-from .sampler import Sampler, Stream
+from .sampler import Sampler, Stream, argmax
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -54,18 +55,24 @@ class Draft:
         :meth:`resolve`), so that no host round trip comes between drafting and launching the verify."""
         if self.on_device is None or self.tokens:
             return [seed] + self.tokens[:n]
-        return torch.cat([self.on_device.new_tensor([seed]), self.on_device[:n]])
+        return torch.cat([ids_on([seed], self.on_device.device), self.on_device[:n]])
 
-    def resolve(self) -> None:
-        """Read drafts kept on the device into ``tokens`` (waits for the device: call it once the verify
-        forward has been launched)."""
-        if self.on_device is not None and not self.tokens:
-            self.tokens = self.on_device.tolist()
+    def resolve(self, chosen: torch.Tensor | None = None) -> list[int] | None:
+        """Read drafts kept on the device into ``tokens``, and the token ids ``chosen`` (a device tensor on the
+        drafts' device, or None) with them, in one wait for the device: call it once the verify forward has been
+        launched. Returns ``chosen``'s ids (None without)."""
+        pending = self.on_device is not None and not self.tokens
+        if not pending:
+            return None if chosen is None else chosen.tolist()
+        ids = (self.on_device if chosen is None else torch.cat([self.on_device, chosen])).tolist()
+        self.tokens, rest = ids[: self.on_device.numel()], ids[self.on_device.numel() :]
+        return None if chosen is None else rest
 
 
 @dataclass
 class Committed:
-    """What one verify step committed to the target state, as a draft model needs it."""
+    """What one verify step committed to the target state, as a draft model needs it. The streams are views of
+    the verify forward's buffers, valid during :meth:`DraftProposer.observe` only: copy what is kept."""
 
     start: int  # position of the first committed token
     tokens: list[int]  # the committed tokens (the seed and the accepted drafts)
@@ -173,7 +180,7 @@ def pick_on_device(
     argmax when greedy, else sampled at the temperature from stream ``DRAFT``; and the distribution it was
     drawn from (None: greedy)."""
     if sampler.greedy:
-        return logits.argmax().view(1), None
+        return argmax(logits).view(1), None
     probs = torch.softmax(logits.float() / sampler.params.temperature, dim=-1)
     return sampler.draw_on_device(probs, index, Stream.DRAFT).to(logits.device), probs
 
@@ -359,9 +366,9 @@ def speculative_decode(
             )
             n = policy.verify_count(draft, k)
             step = engine.verify(state, draft.block(seed, n), capture)
-            draft.resolve()
-            block = draft.block(seed, n)
             out = step.out  # buffers that the next verify step overwrites
+            chosen = draft.resolve(gen.device_choices(out.logits))  # each row's token, when it is the argmax
+            block = draft.block(seed, n)
             tokens: list[int] = []
             accepted = 0
             for i in range(len(block)):
@@ -369,7 +376,10 @@ def speculative_decode(
                     break
                 row = out.logits[i]
                 ok = False
-                if i < n:
+                if chosen is not None:
+                    token = chosen[i]
+                    ok = i < n and token == block[i + 1]
+                elif i < n:
                     q = None if draft.probs is None else draft.probs[i]
                     token, ok = verify_row(gen, row, block[i + 1], q, len(res.tokens))
                 else:
@@ -382,23 +392,23 @@ def speculative_decode(
                     break
             emitted = len(tokens)
             history += tokens
-            committed = None  # what the proposer observes once the tokens are out, if the generation goes on
-            if not done:
-                committed = Committed(
-                    start=state.pos,
-                    tokens=block[:emitted],
-                    next_token=tokens[-1],
-                    hidden=out.hidden[:emitted].clone(),
-                    captured={layer: x[:emitted].clone() for layer, x in out.captured.items()},
-                )
+            start = state.pos
             step.commit(block[:emitted])
             state.last_logits = out.logits[emitted - 1].clone()
             seed = tokens[-1]
             stats.record(n, accepted, emitted)
             policy.update(accepted)
+            if not done:
+                proposer.observe(
+                    Committed(
+                        start=start,
+                        tokens=block[:emitted],
+                        next_token=seed,
+                        hidden=out.hidden[:emitted],
+                        captured={layer: x[:emitted] for layer, x in out.captured.items()},
+                    )
+                )
             yield
-            if committed is not None and not handle.cancelled:
-                proposer.observe(committed)
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()
