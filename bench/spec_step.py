@@ -3,10 +3,11 @@
 Decodes the first 128 tokens of a held-out standard-library file with plain decoding and with MTP at fixed
 widths 1..3 (each run three times, the fastest kept), then, unless ``--no-profile``, profiles one plain and
 one width-1 request with cProfile (host functions) and, on a GPU, torch.profiler (host calls such as
-``cudaMemcpyAsync`` and ``cudaGraphLaunch`` against device kernels). Run it in two checkouts in one device
-call to compare two commits.
+``cudaMemcpyAsync`` and ``cudaGraphLaunch`` against device kernels); ``--trace FILE`` writes torch.profiler's
+Chrome trace of a width-1 request of ``--trace-tokens`` tokens (host calls and kernels on one timeline, to see
+where the device waits for the host). Run it in two checkouts in one device call to compare two commits.
 
-    PYTHONPATH=. python3 bench/spec_step.py [--tokens 128] [--no-profile]
+    PYTHONPATH=. python3 bench/spec_step.py [--tokens 128] [--no-profile] [--trace FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--trace", type=Path, default=None, help="Chrome trace of one width-1 request (GPU only)")
+    p.add_argument("--trace-tokens", type=int, default=32)
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = default_model_dir()
@@ -43,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt = next(d for d in heldout_documents(Tokenizer(model)) if len(d) > 400)[:128]
     engine.warm_up()
 
-    def generate(width: int | None) -> GenerateResult:
+    def generate(width: int | None, tokens: int = a.tokens) -> GenerateResult:
         draft = None
         if width:
             draft = resolve_proposer(engine, f"mtp:{width}")
             draft.adaptive = False
         result = engine.generate(
-            prompt, SamplingParams(max_tokens=a.tokens, ignore_eos=True), speculative=draft
+            prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), speculative=draft
         )
         if not result.ok:
             raise RuntimeError(result.error_message)
@@ -67,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             f" steps {spec.get('steps')} emitted {spec.get('emitted')}",
             flush=True,
         )
+    if a.trace is not None and device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+            generate(1, a.trace_tokens)
+        tp.export_chrome_trace(str(a.trace))
     if a.no_profile:
         return 0
     for width in (None, 1):

@@ -164,8 +164,8 @@ def test_a_greedy_row_is_verified_by_its_chosen_token_as_the_general_rule_would(
 
 
 def test_rows_are_decided_on_the_device_only_where_each_is_its_argmax(engine):
-    """``Generation.device_choices`` gives every row's ``choose`` token for a plain greedy request, and None
-    wherever a row's choice could depend on the tokens accepted before it."""
+    """``Generation.argmax_decides`` holds for a plain greedy request, whose ``choose`` is each row's argmax, and
+    nowhere a row's choice could depend on the tokens accepted before it."""
     from ds4serve.engine.generation import Generation
     from ds4serve.engine.request import GenerateResult
 
@@ -183,10 +183,11 @@ def test_rows_are_decided_on_the_device_only_where_each_is_its_argmax(engine):
     logits = torch.randn(3, engine.cfg.vocab_size, generator=torch.Generator().manual_seed(7))
     logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins
     plain = gen()
-    assert plain.device_choices(logits).tolist() == [plain.choose(row) for row in logits]
-    assert plain.device_choices(logits)[1] == 5
+    assert plain.argmax_decides(3)
+    assert logits.argmax(-1).tolist() == [plain.choose(row) for row in logits]
+    assert plain.choose(logits[1]) == 5
     think = engine.tokenizer.think_start_id
-    assert gen([1, think], reasoning_budget=2).device_choices(logits[:2]) is not None
+    assert gen([1, think], reasoning_budget=2).argmax_decides(2)
     for refused in (
         gen(temperature=0.7),
         gen(logit_bias={3: 1.0}),
@@ -196,4 +197,4 @@ def test_rows_are_decided_on_the_device_only_where_each_is_its_argmax(engine):
         gen(min_tokens=2),
         gen([1, think], reasoning_budget=2),  # a third reasoning row would be forced to </think>
     ):
-        assert refused.device_choices(logits) is None, refused.params
+        assert not refused.argmax_decides(3), refused.params

@@ -26,6 +26,7 @@ from ..devices import ids_on, on_device
 from ..model import DeepSeekV4, ForwardResult
 from ..state import ChunkDelta, SequenceState
 from .device_commit import DeviceCommit
+from .sampler import graph_argmax
 
 if TYPE_CHECKING:
     from ..parallel import SplitModel
@@ -177,7 +178,7 @@ class SplitDecodeGraph:
 
 class VerifyGraph:
     """A captured static forward of a ``width``-token block of ``model`` over ``state``: logits of
-    every row, the final streams and the ``capture`` layers' streams (for the draft proposer); and the
+    every row and their argmax (``choices``), the final streams and the ``capture`` layers' streams (for the draft proposer); and the
     device writes that commit an accepted prefix of it.
     ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split. ``pool``: a memory pool
     shared with other verify graphs (:class:`Captured`): then a replay's outputs are valid until the next
@@ -206,7 +207,7 @@ class VerifyGraph:
 
     def _forward(self) -> ForwardResult:
         rows = slice(None) if self.model.head is not None else None
-        return self.model.forward(
+        out = self.model.forward(
             self.tokens,
             self.state,
             hidden=self.hidden,
@@ -214,6 +215,9 @@ class VerifyGraph:
             capture=self.capture,
             positions=self.positions,
         )
+        if out.logits is not None:
+            out.choices = graph_argmax(out.logits)
+        return out
 
     def run(self, block: list[int] | torch.Tensor) -> ForwardResult:
         """The forward of ``block`` (host ids, or a device tensor of them) at ``state.pos``: buffers that the
@@ -288,6 +292,7 @@ class SplitVerifyGraph:
             delta=ChunkDelta(start=pos, tokens=[], layers=layers),
             logits=outs[-1].logits,
             captured=captured,
+            choices=outs[-1].choices,
         )
 
     def commit(self, tokens: list[int]) -> None:

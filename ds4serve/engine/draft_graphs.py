@@ -44,6 +44,7 @@ from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
 from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from .cuda_graphs import Captured
 from .device_commit import DeviceCommit
+from .sampler import graph_argmax
 
 
 def draft_state(
@@ -101,17 +102,22 @@ class MTPGraphs(_DraftPasses):
         embedded: torch.Tensor,
         ids: torch.Tensor,
         positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
-        """Output streams, the layer delta and the last row's logits of a static pass at ``positions``."""
+    ) -> tuple[torch.Tensor, LayerDelta, torch.Tensor, torch.Tensor]:
+        """Output streams, the layer delta, the last row's logits and their argmax ``[1]`` of a static pass at
+        ``positions``."""
         t = self.target
         with regions.static_step():
             chunk = t.last.chunk_info(0, ids.shape[0], positions)
             G, delta = mtp_forward(self.w, hidden, ids, embedded, chunk, state.layers[0], t.cfg, t.last.ropes)
-            return G, delta, mtp_logits(self.w, G[-1:], t.head, t.cfg)[0]
+            logits = mtp_logits(self.w, G[-1:], t.head, t.cfg)
+            return G, delta, logits[0], graph_argmax(logits)
 
-    def observe(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def observe(
+        self, hidden: torch.Tensor, next_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the committed rows (``hidden [S, hc, D]`` with ``next_ids``) at the draft state's position
-        and commit them; return the last row's streams ``[1, hc, D]`` and logits (buffers)."""
+        and commit them; return the last row's streams ``[1, hc, D]``, logits and their argmax ``[1]``
+        (buffers)."""
         S = len(next_ids)
         if S not in self._rows:
             dev = self._hidden.device
@@ -128,19 +134,21 @@ class MTPGraphs(_DraftPasses):
         ids.copy_(ids_on(next_ids, ids.device))
         embedded.copy_(self.target.embed_rows(ids))
         torch.arange(self.state.pos, self.state.pos + S, out=positions)
-        G, delta, logits = run.replay()
+        G, delta, logits, argmax = run.replay()
         self.state.commit_static(ChunkDelta(start=self.state.pos, tokens=[], layers={0: delta}), next_ids)
-        return G[-1:], logits
+        return G[-1:], logits, argmax
 
     def start_chain(self) -> None:
         """Load the scratch window from the draft state before chaining drafts over it."""
         self.scratch.layers[0].window.copy_(self.state.layers[0].window)
         self.scratch.pos, self.scratch.tokens = self.state.pos, []
 
-    def step(self, hidden: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, hidden: torch.Tensor, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One chained draft after ``token`` (``[1]`` on the device, not read back) over the scratch state
-        (committed there; the scratch counts positions, its token list stays empty): streams ``[1, hc, D]``
-        and logits."""
+        (committed there; the scratch counts positions, its token list stays empty): streams ``[1, hc, D]``,
+        logits and their argmax ``[1]``."""
         if self._step is None:
             self._step = Captured(
                 self._step_and_commit,
@@ -154,14 +162,16 @@ class MTPGraphs(_DraftPasses):
         self._embedded.copy_(self.target.embed_rows(token))
         self._token.copy_(token)
         self._pos.fill_(self.scratch.pos)
-        G, logits = self._step.replay()
+        out = self._step.replay()
         self.scratch.pos += 1
-        return G, logits
+        return out
 
-    def _step_and_commit(self) -> tuple[torch.Tensor, torch.Tensor]:
-        G, delta, logits = self._pass(self.scratch, self._hidden, self._embedded, self._token, self._pos)
+    def _step_and_commit(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        G, delta, logits, argmax = self._pass(
+            self.scratch, self._hidden, self._embedded, self._token, self._pos
+        )
         self._scratch_writes.write_token(ChunkDelta(start=0, tokens=[], layers={0: delta}), self._pos)
-        return G, logits
+        return G, logits, argmax
 
 
 class DSparkGraphs(_DraftPasses):

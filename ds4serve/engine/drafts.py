@@ -238,7 +238,8 @@ class MTPProposer(_HeldPasses, DraftProposer):
         self.target = target
         self.cfg = target.cfg
         self.state: SequenceState | None = None
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (streams [1, hc, D], logits [V])
+        # streams [1, hc, D], logits [V] and their argmax [1] (None: not taken) of the last committed row
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.passes = passes  # the static passes and their state (None: eager passes over a state of its own)
 
     def begin(self, history: list[int], max_context: int) -> None:
@@ -276,19 +277,19 @@ class MTPProposer(_HeldPasses, DraftProposer):
             with profiler.step(
                 "draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True
             ):
-                G, logits = self.passes.observe(committed.hidden, next_ids)
+                G, logits, argmax = self.passes.observe(committed.hidden, next_ids)
             self.forwards += 1
-            self._last = (G.clone(), logits.clone())
+            self._last = (G.clone(), logits.clone(), argmax.clone())
             return
         G = self._run(self.state, committed.hidden, next_ids)[-1:]
-        self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0])
+        self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0], None)
 
     @_at_target
     def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         if self._last is None or k < 1:
             return Draft()
-        G, logits = self._last
-        token, q = pick_on_device(logits, sampler, index)
+        G, logits, argmax = self._last
+        token, q = pick_on_device(logits, sampler, index, argmax)
         tokens, probs = [token], [q]
         if self.passes is not None and k > 1:
             self.passes.start_chain()
@@ -298,12 +299,12 @@ class MTPProposer(_HeldPasses, DraftProposer):
                 with profiler.step(
                     "draft", 1, self.passes.scratch.pos, _draft_layers(self.cfg, 1), graph=True
                 ):
-                    G, logits = self.passes.step(G, token)
+                    G, logits, argmax = self.passes.step(G, token)
                 self.forwards += 1
             else:
                 G = self._run(scratch, G, token.tolist())
-                logits = mtp_logits(self.w, G, self.target.head, self.cfg)[0]
-            token, q = pick_on_device(logits, sampler, index + len(tokens))
+                logits, argmax = mtp_logits(self.w, G, self.target.head, self.cfg)[0], None
+            token, q = pick_on_device(logits, sampler, index + len(tokens), argmax)
             tokens.append(token)
             probs.append(q)
         return Draft(probs=None if sampler.greedy else probs, on_device=torch.cat(tokens))

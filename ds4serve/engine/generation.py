@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..tokenizer import Tokenizer
 from .constraint import Constraint
 from .request import ErrorCode, GenerateResult, SamplingParams
-from .sampler import Sampler, argmax
+from .sampler import Sampler
 
 
 class Generation:
@@ -65,24 +65,23 @@ class Generation:
             return forced
         return self.sampler.sample(self._constrained(logits), self.prompt, self.output)
 
-    def device_choices(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The tokens :meth:`choose` picks for ``R`` consecutive rows ``logits [R, V]`` (the next ``R`` output
-        tokens), as a device tensor ``[R]`` not read back, when each is its row's argmax whatever the tokens
-        accepted before it: greedy without bias or penalties, no constraint, ``min_tokens`` reached and no
-        forced ``</think>`` within reach. None otherwise: then rows are decided one by one."""
-        rows, p = logits.shape[0], self.params
+    def argmax_decides(self, rows: int) -> bool:
+        """True when :meth:`choose` picks each of the next ``rows`` output tokens as the argmax of its logits,
+        whatever the tokens accepted before it: greedy without bias or penalties, no constraint, ``min_tokens``
+        reached and no forced ``</think>`` within reach. A verify block's rows are then decided together on the
+        device; otherwise one by one."""
+        p = self.params
         budget = p.reasoning_budget
         reaches_budget = (
             self.reasoning and budget is not None and self.result.stats.reasoning_tokens + rows > budget
         )
-        if (
-            not (self.sampler.greedy and self.sampler.plain)
-            or self.constraint is not None
-            or len(self.output) < p.min_tokens
-            or reaches_budget
-        ):
-            return None
-        return argmax(logits)
+        return (
+            self.sampler.greedy
+            and self.sampler.plain
+            and self.constraint is None
+            and len(self.output) >= p.min_tokens
+            and not reaches_budget
+        )
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The exact distribution of the next token (one-hot when forced or greedy)."""

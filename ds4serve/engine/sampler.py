@@ -131,14 +131,14 @@ class Sampler:
         """The exact probabilities the sampler draws from (one-hot when greedy)."""
         x = self.adjusted(logits, prompt, output)
         if self.greedy:
-            return torch.nn.functional.one_hot(argmax(x), x.shape[0]).float()
+            return torch.nn.functional.one_hot(x.argmax(), x.shape[0]).float()
         return _filtered_probs((x / self.params.temperature).clamp_(max=_FLOAT32_MAX), self.params)
 
     def sample(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> int:
         """The next token after ``output``: argmax when greedy, else drawn for index ``len(output)`` from
         stream :attr:`Stream.SAMPLE`."""
         if self.greedy:
-            return int(argmax(logits if self.plain else self.adjusted(logits, prompt, output)))
+            return int((logits if self.plain else self.adjusted(logits, prompt, output)).argmax())
         return self.draw(self.distribution(logits, prompt, output), len(output), Stream.SAMPLE)
 
     def draw(self, probs: torch.Tensor, index: int, stream: Stream) -> int:
@@ -169,10 +169,11 @@ class Sampler:
         return entry
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of ``[V]`` or ``[R, V]`` (the first of equal maxima, NaN above all): two short
-    kernels on the kernels' devices (:mod:`ds4serve.kernels.argmax`; torch's takes ~27 us over a 129,280-wide
-    row), torch elsewhere."""
+def graph_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[V]`` or ``[R, V]`` (the first of equal maxima, NaN above all), for code captured
+    in a CUDA graph: two short kernels on the kernels' devices (:mod:`ds4serve.kernels.argmax`; torch's takes
+    ~27 us over a 129,280-wide row), torch elsewhere. Eager code calls torch's: a Triton launch from Python costs
+    tens of microseconds of host time, which a graph's replay does not pay."""
     if not kernels.enabled(logits) or logits.stride(-1) != 1:
         return logits.argmax(-1)
     from ..kernels.argmax import argmax_rows

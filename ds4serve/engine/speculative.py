@@ -26,7 +26,7 @@ from ..devices import ids_on
 from ..model import ForwardResult
 from ..state import SequenceState
 from .generation import Generation
-from .sampler import Sampler, Stream, argmax
+from .sampler import Sampler, Stream
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -174,13 +174,13 @@ def pick(logits: torch.Tensor, sampler: Sampler, index: int) -> tuple[int, torch
 
 
 def pick_on_device(
-    logits: torch.Tensor, sampler: Sampler, index: int
+    logits: torch.Tensor, sampler: Sampler, index: int, argmax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A draft of output token ``index`` from draft logits ``[V]``, as a ``[1]`` long tensor on their device:
-    argmax when greedy, else sampled at the temperature from stream ``DRAFT``; and the distribution it was
-    drawn from (None: greedy)."""
+    argmax when greedy (``argmax``, when a captured pass took it), else sampled at the temperature from stream
+    ``DRAFT``; and the distribution it was drawn from (None: greedy)."""
     if sampler.greedy:
-        return argmax(logits).view(1), None
+        return (logits.argmax() if argmax is None else argmax).view(1), None
     probs = torch.softmax(logits.float() / sampler.params.temperature, dim=-1)
     return sampler.draw_on_device(probs, index, Stream.DRAFT).to(logits.device), probs
 
@@ -367,7 +367,7 @@ def speculative_decode(
             n = policy.verify_count(draft, k)
             step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
-            chosen = draft.resolve(gen.device_choices(out.logits))  # each row's token, when it is the argmax
+            chosen = draft.resolve(_argmax_choices(gen, out, n + 1))  # each row's token, where argmax decides
             block = draft.block(seed, n)
             tokens: list[int] = []
             accepted = 0
@@ -413,6 +413,13 @@ def speculative_decode(
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()
         res.timings.decode_s = time.perf_counter() - decode_start
+
+
+def _argmax_choices(gen: Generation, out: ForwardResult, rows: int) -> torch.Tensor | None:
+    """The verify rows' argmax on the device (the captured verify took it) where it decides each row's token."""
+    if not gen.argmax_decides(rows):
+        return None
+    return out.logits.argmax(-1) if out.choices is None else out.choices
 
 
 def _checked(draft: Draft, vocab_size: int) -> Draft:

@@ -60,6 +60,9 @@ class ForwardResult:
     delta: ChunkDelta
     logits: torch.Tensor | None = None  # [rows, V] float32, when asked for and this range has the head
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> streams after it
+    choices: torch.Tensor | None = (
+        None  # [rows] long: each logits row's argmax, where a captured step took it
+    )
 
 
 class DeepSeekV4:
