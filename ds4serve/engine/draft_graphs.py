@@ -4,8 +4,9 @@
 rows the step committed (target streams and next tokens, committed to the draft's window), then
 once per further draft, chained over a scratch copy of that window. Eagerly each pass is a few
 hundred launches; here both are static forwards (device positions, as the decode and verify graphs)
-captured once: one graph per committed-row count over the draft state (its accepted rows then
-committed with :meth:`~ds4serve.state.SequenceState.commit_static`), and one chained step over a
+captured once: one graph per committed-row count over the draft state, which also looks the rows' tokens
+up in the embedding and writes the rows into the draft window at device positions
+(:meth:`~ds4serve.engine.device_commit.DeviceCommit.write_block`), and one chained step over a
 persistent scratch state that commits its own row inside the graph
 (:meth:`~ds4serve.engine.device_commit.DeviceCommit.write_token`), the scratch window being reloaded
 from the draft state before each chain.
@@ -20,9 +21,9 @@ tokens), attending to each stage's context ring: statically, the whole ring with
 committed positions (:func:`~ds4serve.model.dspark.ring_context`), one graph. Its context rows of the
 committed positions are one graph per row count; the ring writes stay on the host's side.
 
-The passes run on the device of the target's head (the last shard of a layer split); the embedding rows
-of their tokens are looked up before each replay and copied into the graph's input buffer, since the
-table lives with the first shard, possibly on another device, outside the capture.
+The passes run on the device of the target's head (the last shard of a layer split). Where the embedding
+table lives with the first shard on another device, the rows of a pass's tokens are looked up before each
+replay and copied into the graph's input buffer; the chained step and DSpark's block always do so.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class MTPGraphs(_DraftPasses):
         self.w, self.target, self.graph = weights, target, graph
         state = self.state = draft_state(target.cfg, 1, max_context, target.last.dtype, target.device)
         self.scratch = state.fork()
+        self._state_writes = DeviceCommit(state)
         self._scratch_writes = DeviceCommit(self.scratch)
         cfg, dev, dtype = target.cfg, target.device, target.last.dtype
-        self._rows: dict[int, tuple[Captured, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[int, tuple[Captured, torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self._hidden = torch.zeros(1, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
         self._embedded = torch.zeros(1, cfg.hidden_size, dtype=target.embed.dtype, device=dev)
         self._token = torch.zeros(1, dtype=torch.long, device=dev)
@@ -113,30 +115,56 @@ class MTPGraphs(_DraftPasses):
             return G, delta, logits[0], graph_argmax(logits)
 
     def observe(
-        self, hidden: torch.Tensor, next_ids: list[int]
+        self, hidden: torch.Tensor, next_ids: list[int], ids_here: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run the committed rows (``hidden [S, hc, D]`` with ``next_ids``) at the draft state's position
-        and commit them; return the last row's streams ``[1, hc, D]``, logits and their argmax ``[1]``
-        (buffers)."""
+        """Run the committed rows (``hidden [S, hc, D]`` with ``next_ids``; ``ids_here``: the same ids already
+        on the drafts' device) at the draft state's position and commit them; return the last row's streams
+        ``[1, hc, D]``, logits and their argmax ``[1]`` (buffers that this pass of ``S`` rows overwrites).
+
+        One graph per ``S``: the embedding lookup (when the table is on the drafts' device), the positions and
+        the window writes at them are inside it, so a replay is four launches."""
         S = len(next_ids)
         if S not in self._rows:
-            dev = self._hidden.device
-            rows_hidden = torch.zeros(S, *self._hidden.shape[1:], dtype=self._hidden.dtype, device=dev)
-            embedded = torch.zeros(S, self._embedded.shape[1], dtype=self._embedded.dtype, device=dev)
-            ids = torch.zeros(S, dtype=torch.long, device=dev)
-            positions = torch.zeros(S, dtype=torch.long, device=dev)
-            run = Captured(
-                lambda: self._pass(self.state, rows_hidden, embedded, ids, positions), dev, graph=self.graph
-            )
-            self._rows[S] = (run, rows_hidden, embedded, ids, positions)
-        run, rows_hidden, embedded, ids, positions = self._rows[S]
+            self._rows[S] = self._observe_pass(S)
+        run, rows_hidden, embedded, ids = self._rows[S]
         rows_hidden.copy_(hidden)
-        ids.copy_(ids_on(next_ids, ids.device))
-        embedded.copy_(self.target.embed_rows(ids))
-        torch.arange(self.state.pos, self.state.pos + S, out=positions)
-        G, delta, logits, argmax = run.replay()
-        self.state.commit_static(ChunkDelta(start=self.state.pos, tokens=[], layers={0: delta}), next_ids)
-        return G[-1:], logits, argmax
+        ids.copy_(ids_on(next_ids, ids.device) if ids_here is None else ids_here)
+        if embedded is not None:
+            embedded.copy_(self.target.embed_rows(ids))
+        self._pos.fill_(self.state.pos)
+        out = run.replay()
+        self.state.advance_block(next_ids)
+        return out
+
+    def _observe_pass(self, S: int) -> tuple[Captured, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The captured pass over ``S`` committed rows at ``self._pos`` and its input buffers (streams, the
+        embedded rows when the table is on another device, else None, and the ids)."""
+        t, dev = self.target, self._hidden.device
+        rows_hidden = torch.zeros(S, *self._hidden.shape[1:], dtype=self._hidden.dtype, device=dev)
+        ids = torch.zeros(S, dtype=torch.long, device=dev)
+        outside = t.embed.device != dev
+        embedded = (
+            torch.zeros(S, self._embedded.shape[1], dtype=t.embed.dtype, device=dev) if outside else None
+        )
+        offsets = torch.arange(S, device=dev)
+
+        def run(commit: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            positions = self._pos + offsets
+            rows = embedded if outside else t.embed[ids]
+            G, delta, logits, argmax = self._pass(self.state, rows_hidden, rows, ids, positions)
+            if commit:
+                self._state_writes.write_block(
+                    ChunkDelta(start=0, tokens=[], layers={0: delta}), positions, S
+                )
+            return G[-1:], logits, argmax
+
+        # warming up runs the pass only: it must not write the draft state
+        return (
+            Captured(lambda: run(True), dev, graph=self.graph, warm=lambda: run(False)),
+            rows_hidden,
+            embedded,
+            ids,
+        )
 
     def start_chain(self) -> None:
         """Load the scratch window from the draft state before chaining drafts over it."""

@@ -277,9 +277,8 @@ class MTPProposer(_HeldPasses, DraftProposer):
             with profiler.step(
                 "draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True
             ):
-                G, logits, argmax = self.passes.observe(committed.hidden, next_ids)
+                self._last = self.passes.observe(committed.hidden, next_ids, committed.next_on_device)
             self.forwards += 1
-            self._last = (G.clone(), logits.clone(), argmax.clone())
             return
         G = self._run(self.state, committed.hidden, next_ids)[-1:]
         self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0], None)
@@ -290,11 +289,15 @@ class MTPProposer(_HeldPasses, DraftProposer):
             return Draft()
         G, logits, argmax = self._last
         token, q = pick_on_device(logits, sampler, index, argmax)
-        tokens, probs = [token], [q]
+        # each draft is copied out at once: a greedy one is a view of its pass's buffer, which the next
+        # chained pass overwrites
+        drafts = torch.empty(k, dtype=torch.long, device=token.device)
+        drafts[:1].copy_(token)
+        probs = [q]
         if self.passes is not None and k > 1:
             self.passes.start_chain()
         scratch = self.state.fork() if k > 1 and self.passes is None else None
-        while len(tokens) < k:
+        for j in range(1, k):
             if self.passes is not None:
                 with profiler.step(
                     "draft", 1, self.passes.scratch.pos, _draft_layers(self.cfg, 1), graph=True
@@ -304,10 +307,10 @@ class MTPProposer(_HeldPasses, DraftProposer):
             else:
                 G = self._run(scratch, G, token.tolist())
                 logits, argmax = mtp_logits(self.w, G, self.target.head, self.cfg)[0], None
-            token, q = pick_on_device(logits, sampler, index + len(tokens), argmax)
-            tokens.append(token)
+            token, q = pick_on_device(logits, sampler, index + j, argmax)
+            drafts[j : j + 1].copy_(token)
             probs.append(q)
-        return Draft(probs=None if sampler.greedy else probs, on_device=torch.cat(tokens))
+        return Draft(probs=None if sampler.greedy else probs, on_device=drafts)
 
 
 class DSparkProposer(_HeldPasses, DraftProposer):

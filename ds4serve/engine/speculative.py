@@ -79,6 +79,8 @@ class Committed:
     next_token: int  # the token emitted after them: the next step's seed
     hidden: torch.Tensor  # [n, hc, D] target streams after the last layer (before hc_head)
     captured: dict[int, torch.Tensor]  # layer -> [n, hc, D] streams after that layer
+    next_on_device: torch.Tensor | None = None  # [n] the token after each committed one, where the step chose
+    # them on the target's device: ``tokens[1:] + [next_token]`` without a copy from the host
 
 
 class DraftProposer:
@@ -367,7 +369,10 @@ def speculative_decode(
             n = policy.verify_count(draft, k)
             step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
-            chosen = draft.resolve(_argmax_choices(gen, out, n + 1))  # each row's token, where argmax decides
+            rows_argmax = _argmax_choices(
+                gen, out, n + 1
+            )  # each row's token on the device, where argmax decides
+            chosen = draft.resolve(rows_argmax)
             block = draft.block(seed, n)
             tokens: list[int] = []
             accepted = 0
@@ -406,6 +411,7 @@ def speculative_decode(
                         next_token=seed,
                         hidden=out.hidden[:emitted],
                         captured={layer: x[:emitted] for layer, x in out.captured.items()},
+                        next_on_device=None if rows_argmax is None else rows_argmax[:emitted],
                     )
                 )
             yield
