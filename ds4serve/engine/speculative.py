@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from ..devices import ids_on
 from ..model import ForwardResult
 from ..state import SequenceState
 from .generation import Generation
@@ -55,7 +54,10 @@ class Draft:
         :meth:`resolve`), so that no host round trip comes between drafting and launching the verify."""
         if self.on_device is None or self.tokens:
             return [seed] + self.tokens[:n]
-        return torch.cat([ids_on([seed], self.on_device.device), self.on_device[:n]])
+        block = torch.empty(n + 1, dtype=torch.long, device=self.on_device.device)
+        block[:1].fill_(seed)  # the id goes as a kernel argument: no copy from the host
+        block[1:].copy_(self.on_device[:n])
+        return block
 
     def resolve(self, chosen: torch.Tensor | None = None) -> list[int] | None:
         """Read drafts kept on the device into ``tokens``, and the token ids ``chosen`` (a device tensor on the
