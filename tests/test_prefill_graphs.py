@@ -182,3 +182,40 @@ def test_captured_split_first_chunks_match_the_eager_forward(tiny_factory):
         ckpt, [range(0, half), range(half, model.cfg.num_layers)], devices, dtype=torch.bfloat16
     )
     _assert_first_chunks_match_eager(FirstChunkGraphs(split), model, ((70, 1), (80, 2)))
+
+
+def test_a_prompt_feed_takes_the_first_chunk_through_its_graph(model, monkeypatch):
+    """A speculative request's prompt (``on_chunk``: a proposer's feed) runs its first chunk through the graph
+    too, and the proposer sees that chunk's streams, the eager forward's up to the padded forward's rounding;
+    a proposer that asks for layers the graph does not capture gets the eager forward."""
+    from ds4serve.engine.speculative import DraftProposer, PromptFeed
+
+    calls = []
+
+    class Spy(FirstChunkGraphs):
+        def forward(self, ids, state):
+            calls.append(len(ids))
+            return super().forward(ids, state)
+
+    class Recorder(DraftProposer):
+        def __init__(self, layers: tuple[int, ...] = ()):
+            super().__init__()
+            self.capture_layers, self.seen = layers, []
+
+        def observe(self, committed):
+            self.seen.append((committed.start, len(committed.tokens), committed.hidden.clone()))
+
+    graphs = Spy(model, limit=64, graph=False)
+    engine = Engine(model, tokenizer=None, chunk_size=40)
+    monkeypatch.setattr(Engine, "_prefill_graphs", lambda self: graphs)
+    ids = random_prompt(60, seed=8)
+    plain = Recorder()
+    feed = PromptFeed(plain)
+    engine.prefill(model.new_state(128), ids, on_chunk=feed)
+    feed.flush(5)
+    assert calls == [40] and [(s, n) for s, n, _ in plain.seen] == [(0, 40), (40, 20)]
+    eager = model.forward(ids[:40], model.new_state(128)).hidden
+    torch.testing.assert_close(plain.seen[0][2], eager, rtol=1e-5, atol=1e-5)
+    layered = Recorder(layers=(1,))
+    engine.prefill(model.new_state(128), ids, on_chunk=PromptFeed(layered))
+    assert calls == [40]

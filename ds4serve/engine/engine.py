@@ -229,14 +229,15 @@ class Engine:
 
         Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
         ``all_logits``). Intermediate chunks skip the output head. ``on_chunk`` receives each
-        committed chunk's forward result (with the layers it asks to capture). ``cancel`` set
+        committed chunk's forward result (with the layers it asks to capture; a first chunk runs through its
+        captured graph unless it asks for layers, its streams then copied out of the graph's buffer). ``cancel`` set
         before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
         ``at_pause(state)`` is called where the state holds the first ``p`` tokens, for each ``p`` of
         ``pauses`` inside a chunk (the chunk is committed in parts there; it is forwarded once).
         """
         capture = () if on_chunk is None else on_chunk.capture_layers
         sizes = chunk_sizes or even_chunks(len(ids), self.chunk_size)
-        graphs = None if all_logits or on_chunk is not None else self._prefill_graphs()
+        graphs = None if all_logits or capture else self._prefill_graphs()
         outs: list[torch.Tensor] = []
         offset = 0
         for n, size in enumerate(sizes):
@@ -253,6 +254,8 @@ class Engine:
                 with profiler.step("prefill", size, state.pos, graphs.model.layers, graph=True):
                     result = graphs.forward(chunk, state)
                 result.logits = result.logits.clone() if last else None  # the graph's buffer is reused
+                if on_chunk is not None and result.hidden is not None:  # kept until the first token is chosen
+                    result.hidden = result.hidden.clone()
             else:
                 with profiler.step("prefill", size, state.pos, self.require_model().layers):
                     result = self._forward(chunk, state, rows, capture)
