@@ -330,9 +330,9 @@ def speculative_decode(
     """The speculative decode loop: the tokens plain decoding would produce, handed to ``emit`` one by one.
 
     The first ``next()`` chooses the first token from ``logits``; each later one runs one verify step, which
-    emits one to ``k + 1`` tokens (a cancellation seen between two of them ends the step there) and commits
-    them to ``state`` before it returns: nothing is read from the verify's buffers after that, so other
-    sequences' verify steps may run between two steps. ``feed`` carries the proposer, already begun and fed
+    emits one to ``k + 1`` tokens (a cancellation seen between two of them ends the step there), commits
+    them to ``state`` and hands them to the proposer before it returns: nothing is read from the verify's
+    buffers after that, so other sequences' verify steps may run between two steps. ``feed`` carries the proposer, already begun and fed
     the prefilled prompt by the engine; ``gen`` decides and records the request's tokens. With a constraint
     (structured output, in ``gen``) every row's distribution is the masked one, the mask following the
     tokens accepted before that row, so a draft the rule forbids is rejected like any other the target would
@@ -371,9 +371,8 @@ def speculative_decode(
             n = policy.verify_count(draft, k)
             step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
-            rows_argmax = _argmax_choices(
-                gen, out, n + 1
-            )  # each row's token on the device, where argmax decides
+            # each row's token on the device where its argmax decides it, read back with the drafts in one wait
+            rows_argmax = _argmax_choices(gen, out, n + 1)
             chosen = draft.resolve(rows_argmax)
             block = draft.block(seed, n)
             tokens: list[int] = []
