@@ -178,8 +178,8 @@ class SplitDecodeGraph:
 
 class VerifyGraph:
     """A captured static forward of a ``width``-token block of ``model`` over ``state``: logits of
-    every row and their argmax (``choices``), the final streams and the ``capture`` layers' streams (for the draft proposer); and the
-    device writes that commit an accepted prefix of it.
+    every row and their argmax (``choices``), the final streams and the ``capture`` layers' streams
+    (for the draft proposer); and the device writes that commit an accepted prefix of it.
     ``hidden``: as for :class:`DecodeGraph`, when ``model`` is one shard of a split. ``pool``: a memory pool
     shared with other verify graphs (:class:`Captured`): then a replay's outputs are valid until the next
     replay of any of them. ``graph=False`` runs the same static forward without capturing it (CPU tests)."""

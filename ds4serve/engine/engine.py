@@ -229,9 +229,9 @@ class Engine:
 
         Returns the last position's logits ``[V]`` (or every position's ``[N, V]`` with
         ``all_logits``). Intermediate chunks skip the output head. ``on_chunk`` receives each
-        committed chunk's forward result (with the layers it asks to capture; a first chunk runs through its
-        captured graph unless it asks for layers, its streams then copied out of the graph's buffer). ``cancel`` set
-        before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
+        committed chunk's forward result (with the layers it asks to capture; a first chunk runs through
+        its captured graph unless it asks for layers, its streams then copied out of the graph's buffer).
+        ``cancel`` set before a chunk raises a CANCELLED :class:`GenerateError` (the state keeps the chunks done).
         ``at_pause(state)`` is called where the state holds the first ``p`` tokens, for each ``p`` of
         ``pauses`` inside a chunk (the chunk is committed in parts there; it is forwarded once).
         """
