@@ -333,10 +333,11 @@ def speculative_decode(
     emits one to ``k + 1`` tokens (a cancellation seen between two of them ends the step there), commits
     them to ``state`` and hands them to the proposer before it returns: nothing is read from the verify's
     buffers after that, so other sequences' verify steps may run between two steps. ``feed`` carries the
-    proposer, already begun and fed the prefilled prompt by the engine; ``gen`` decides and records the request's tokens. With a constraint
-    (structured output, in ``gen``) every row's distribution is the masked one, the mask following the
-    tokens accepted before that row, so a draft the rule forbids is rejected like any other the target would
-    not emit, and the tokens are those of plain constrained decoding.
+    proposer, already begun and fed the prefilled prompt by the engine; ``gen`` decides and records the
+    request's tokens. With a constraint (structured output, in ``gen``) every row's distribution is the
+    masked one, the mask following the tokens accepted before that row, so a draft the rule forbids is
+    rejected like any other the target would not emit, and the tokens are those of plain constrained
+    decoding.
     """
     proposer = feed.proposer
     res, params = handle.result, handle.params
