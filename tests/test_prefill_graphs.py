@@ -15,6 +15,18 @@ from ds4serve.weights import Checkpoint
 from tests.helpers import random_prompt
 
 
+class _Spy(FirstChunkGraphs):
+    """First-chunk graphs that record the length of each chunk they run."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[int] = []
+
+    def forward(self, ids, state):
+        self.calls.append(len(ids))
+        return super().forward(ids, state)
+
+
 def test_buckets():
     assert [bucket_of(n) for n in (1, 64, 65, 96, 97, 128, 129, 1500, 1537, 2048)] == [
         64,
@@ -103,14 +115,7 @@ def test_first_chunk_graphs_take_fresh_states_only(model):
 def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
     """Engine.prefill through the (uncaptured) first-chunk graphs: the first chunk of a fresh state goes
     through them, the later chunks and a state that has tokens do not, and the logits are the eager ones."""
-    calls = []
-
-    class Spy(FirstChunkGraphs):
-        def forward(self, ids, state):
-            calls.append(len(ids))
-            return super().forward(ids, state)
-
-    graphs = Spy(model, limit=64, graph=False)
+    graphs = _Spy(model, limit=64, graph=False)
     engine = Engine(model, tokenizer=None, chunk_size=40)
     eager = Engine(model, tokenizer=None, chunk_size=40)
     monkeypatch.setattr(Engine, "_prefill_graphs", lambda self: graphs if self is engine else None)
@@ -118,10 +123,10 @@ def test_engine_prefill_uses_them_for_the_first_chunk_only(model, monkeypatch):
     states = model.new_state(256), model.new_state(256)
     got = engine.prefill(states[0], ids)
     want = eager.prefill(states[1], ids)
-    assert calls == [40]  # chunks of 40, 40, 20: only the first at position 0
+    assert graphs.calls == [40]  # chunks of 40, 40, 20: only the first at position 0
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     engine.prefill(states[0], ids[:5])  # a state that has tokens: eager
-    assert calls == [40]
+    assert graphs.calls == [40]
 
 
 def test_engine_judges_a_model_once(model, tiny_factory, monkeypatch):
@@ -190,13 +195,6 @@ def test_a_prompt_feed_takes_the_first_chunk_through_its_graph(model, monkeypatc
     a proposer that asks for layers the graph does not capture gets the eager forward."""
     from ds4serve.engine.speculative import DraftProposer, PromptFeed
 
-    calls = []
-
-    class Spy(FirstChunkGraphs):
-        def forward(self, ids, state):
-            calls.append(len(ids))
-            return super().forward(ids, state)
-
     class Recorder(DraftProposer):
         def __init__(self, layers: tuple[int, ...] = ()):
             super().__init__()
@@ -205,7 +203,7 @@ def test_a_prompt_feed_takes_the_first_chunk_through_its_graph(model, monkeypatc
         def observe(self, committed):
             self.seen.append((committed.start, len(committed.tokens), committed.hidden.clone()))
 
-    graphs = Spy(model, limit=64, graph=False)
+    graphs = _Spy(model, limit=64, graph=False)
     engine = Engine(model, tokenizer=None, chunk_size=40)
     monkeypatch.setattr(Engine, "_prefill_graphs", lambda self: graphs)
     ids = random_prompt(60, seed=8)
@@ -213,9 +211,9 @@ def test_a_prompt_feed_takes_the_first_chunk_through_its_graph(model, monkeypatc
     feed = PromptFeed(plain)
     engine.prefill(model.new_state(128), ids, on_chunk=feed)
     feed.flush(5)
-    assert calls == [40] and [(s, n) for s, n, _ in plain.seen] == [(0, 40), (40, 20)]
+    assert graphs.calls == [40] and [(s, n) for s, n, _ in plain.seen] == [(0, 40), (40, 20)]
     eager = model.forward(ids[:40], model.new_state(128)).hidden
     torch.testing.assert_close(plain.seen[0][2], eager, rtol=1e-5, atol=1e-5)
     layered = Recorder(layers=(1,))
     engine.prefill(model.new_state(128), ids, on_chunk=PromptFeed(layered))
-    assert calls == [40]
+    assert graphs.calls == [40]

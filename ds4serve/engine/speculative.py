@@ -64,11 +64,11 @@ class Draft:
         drafts' device, or None) with them, in one wait for the device: call it once the verify forward has been
         launched. Returns ``chosen``'s ids (None without)."""
         pending = self.on_device is not None and not self.tokens
-        if not pending:
-            return None if chosen is None else chosen.tolist()
-        ids = (self.on_device if chosen is None else torch.cat([self.on_device, chosen])).tolist()
-        self.tokens, rest = ids[: self.on_device.numel()], ids[self.on_device.numel() :]
-        return None if chosen is None else rest
+        parts = ([self.on_device] if pending else []) + ([] if chosen is None else [chosen])
+        ids = torch.cat(parts).tolist() if parts else []
+        if pending:
+            self.tokens, ids = ids[: self.count], ids[self.count :]
+        return None if chosen is None else ids
 
 
 @dataclass
