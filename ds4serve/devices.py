@@ -10,8 +10,11 @@ import torch
 
 
 def on_device(device: torch.device) -> AbstractContextManager:
-    """Make ``device`` current inside the scope (a no-op off CUDA)."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    """Make ``device`` current inside the scope (a no-op off CUDA, and where it is current already: torch's
+    device scope costs host time that a step of a small model feels)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return nullcontext()
+    return torch.cuda.device(device)
 
 
 def ids_on(ids: list[int], device: torch.device) -> torch.Tensor:

@@ -227,3 +227,53 @@ def test_draft_passes_are_held_by_one_request_and_kept_until_a_park(request):
     assert drafts._passes == {}
     engine.unpark("target")
     assert drafts.passes("mtp", target_parts(engine.model), 64) is not passes
+
+
+@pytest.fixture(scope="module")
+def trained_engine(tmp_path_factory):
+    """The built-in trained model (its MTP head accepts drafts, so steps commit several rows)."""
+    from ds4serve import Engine, cli
+
+    if not cli.SHIPPED_MODEL.is_file():
+        pytest.skip("no shipped model archive")
+    return Engine.from_pretrained(cli.unpacked(cli.SHIPPED_MODEL, tmp_path_factory.mktemp("shipped")))
+
+
+@pytest.mark.parametrize(
+    "which,width", [("mtp", 3), ("trained", 1), ("trained", 2), ("trained", 3), ("trained", 4)]
+)
+def test_greedy_mtp_drafts_follow_into_the_next_verify_block(request, monkeypatch, which, width):
+    """Greedy MTP through static verify blocks: after each step the draft passes observe the committed rows
+    and chain the next drafts as one pass that writes them with the seed into the next verify's own block
+    buffer (no host round trip between two verify forwards). The tokens are plain decoding's and the drafts
+    those of the eager passes, step for step."""
+    from ds4serve.engine.draft_graphs import MTPGraphs
+    from ds4serve.engine.drafts import MAX_STATIC_ROWS, MTPProposer, _engine_drafts, target_parts
+
+    engine = request.getfixturevalue(f"{which}_engine")
+    prompt = MTP_PROMPT if which == "mtp" else engine.tokenizer.encode("def parse_args(argv):\n    parser = ")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    weights, target = _engine_drafts(engine).get("mtp"), target_parts(engine.model)
+    eager = engine.generate(prompt, params, speculative=MTPProposer(weights, target, width, adaptive=False))
+    plain = engine.generate(prompt, params).tokens
+    made = _static_blocks(engine, monkeypatch)
+    in_place = []
+    replay = VerifyGraph.replay
+    monkeypatch.setattr(
+        VerifyGraph,
+        "replay",
+        lambda g, block, pos: in_place.append(block is g.tokens) or replay(g, block, pos),
+    )
+    graphs = MTPGraphs(weights, target, engine.max_context + MAX_STATIC_ROWS, graph=False)
+    proposer = MTPProposer(weights, target, width, adaptive=False, passes=graphs)
+    res = engine.generate(prompt, params, speculative=proposer)
+    assert res.ok, res.error_message
+    assert res.tokens == eager.tokens == plain
+    spec = res.stats.speculative
+    assert spec == eager.stats.speculative
+    assert made and in_place[0] is False and in_place[-1] is False  # the first block, and a last one of 1
+    assert all(in_place[1:-1]) and len(in_place) == spec["steps"]  # the rest were read in place
+    rows = {key[0] for key in graphs._follows}
+    assert max(key[1] for key in graphs._follows) == width  # (fewer drafts near max_tokens)
+    if which == "trained":  # steps accepted drafts: passes of several committed rows followed them
+        assert spec["accepted"] > 0 and max(rows) > 1

@@ -226,8 +226,10 @@ class VerifyGraph:
         return self.replay(block, self.state.pos)
 
     def replay(self, block: list[int] | torch.Tensor, pos: int) -> ForwardResult:
-        """The forward of ``block`` at ``pos``, unchecked (the caller checked it)."""
-        self.tokens.copy_(block if isinstance(block, torch.Tensor) else ids_on(block, self.tokens.device))
+        """The forward of ``block`` at ``pos``, unchecked (the caller checked it). ``block`` may be :attr:`tokens`
+        itself, written by a draft proposer (:meth:`~ds4serve.engine.engine.Engine.verify_block`)."""
+        if block is not self.tokens:
+            self.tokens.copy_(block if isinstance(block, torch.Tensor) else ids_on(block, self.tokens.device))
         torch.add(self._offsets, pos, out=self.positions)
         self._last = self._block.replay()
         return self._last

@@ -9,7 +9,9 @@ up in the embedding and writes the rows into the draft window at device position
 (:meth:`~ds4serve.engine.device_commit.DeviceCommit.write_block`), and one chained step over a
 persistent scratch state that commits its own row inside the graph
 (:meth:`~ds4serve.engine.device_commit.DeviceCommit.write_token`), the scratch window being reloaded
-from the draft state before each chain.
+from the draft state before each chain. For a greedy request whose committed tokens the verify graph
+chose, :meth:`MTPGraphs.follow` is both passes and the chain as one graph that reads the verify's buffers in
+place and writes the next verify block into that verify graph's own input buffer.
 
 The passes own their draft state and live as long as the draft weights (``DraftModels.passes``): each
 speculative request holds a set of its draft kind while it runs (the draft state reset by
@@ -46,6 +48,8 @@ from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from .cuda_graphs import Captured
 from .device_commit import DeviceCommit
 from .sampler import graph_argmax
+
+MAX_FOLLOW_GRAPHS = 64  # follow passes kept by one set of passes, before they are dropped and made anew
 
 
 def draft_state(
@@ -96,6 +100,10 @@ class MTPGraphs(_DraftPasses):
         self._token = torch.zeros(1, dtype=torch.long, device=dev)
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._step: Captured | None = None
+        self._follows: dict[
+            tuple[int, ...], Captured
+        ] = {}  # (rows, drafts, input and block addresses) -> pass
+        self._follow_pool = torch.cuda.graph_pool_handle() if graph and dev.type == "cuda" else None
 
     def _pass(
         self,
@@ -164,6 +172,62 @@ class MTPGraphs(_DraftPasses):
             rows_hidden,
             embedded,
             ids,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """The device the passes run on, with its index (a model's own may have none)."""
+        return self._pos.device
+
+    def follow(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, next_host: list[int], block: torch.Tensor
+    ) -> None:
+        """:meth:`observe` of the committed rows chained with ``len(block) - 1`` greedy drafts, as one graph:
+        ``hidden [S, hc, D]`` and ``next_ids [S]`` are read in place (a verify's buffers on the drafts' device;
+        ``next_host``: the same ids on the host) and ``block`` receives ``[next_ids[-1], d1 .. dk]``, the next
+        verify block, so that nothing waits for the host between the rows and that verify.
+
+        One graph per row count, draft count and buffer addresses (the same buffers at every step of a
+        request); the committed rows are written to the draft state, the drafts' rows to the scratch window."""
+        S, k = len(next_host), block.numel() - 1
+        key = (S, k, hidden.data_ptr(), next_ids.data_ptr(), block.data_ptr())
+        run = self._follows.get(key)
+        if run is None:
+            if (
+                len(self._follows) >= MAX_FOLLOW_GRAPHS
+            ):  # verify graphs were made anew: old addresses are stale
+                self._follows.clear()
+            run = self._follows[key] = self._follow_pass(hidden, next_ids, block)
+        self._pos.fill_(self.state.pos)
+        run.replay()
+        self.state.advance_block(next_host)
+
+    def _follow_pass(self, hidden: torch.Tensor, ids: torch.Tensor, block: torch.Tensor) -> Captured:
+        """The captured :meth:`follow` over these buffers, at ``self._pos``."""
+        t, S, k = self.target, ids.shape[0], block.numel() - 1
+        offsets = torch.arange(S + k - 1, device=ids.device)  # the rows', then the chained drafts' positions
+
+        def run(commit: bool) -> None:
+            positions = self._pos + offsets[:S]
+            G, delta, _, token = self._pass(self.state, hidden, t.embed[ids], ids, positions)
+            if commit:
+                self._state_writes.write_block(
+                    ChunkDelta(start=0, tokens=[], layers={0: delta}), positions, S
+                )
+            block[:1].copy_(ids[S - 1 :])
+            block[1:2].copy_(token)
+            if k > 1:
+                self.scratch.layers[0].window.copy_(self.state.layers[0].window)
+            G = G[-1:]
+            for j in range(1, k):
+                pos = positions[:1] + offsets[S + j - 1 : S + j]
+                G, delta, _, token = self._pass(self.scratch, G, t.embed[token], token, pos)
+                self._scratch_writes.write_block(ChunkDelta(start=0, tokens=[], layers={0: delta}), pos, 1)
+                block[1 + j : 2 + j].copy_(token)
+
+        # warming up must not write the draft state (the scratch window is reloaded by every replay)
+        return Captured(
+            lambda: run(True), ids.device, graph=self.graph, warm=lambda: run(False), pool=self._follow_pool
         )
 
     def start_chain(self) -> None:

@@ -284,6 +284,22 @@ class MTPProposer(_HeldPasses, DraftProposer):
         self._last = (G, mtp_logits(self.w, G, self.target.head, self.cfg)[0], None)
 
     @_at_target
+    def follow(self, committed: Committed, k: int, block: torch.Tensor) -> Draft | None:
+        next_ids = committed.tokens[1:] + [committed.next_token]
+        if (
+            self.passes is None
+            or committed.next_on_device is None
+            or len(next_ids) > MAX_STATIC_ROWS
+            or not block.device == self.target.embed.device == self.passes.device
+        ):
+            return None
+        with profiler.step("draft", len(next_ids), self.state.pos, _draft_layers(self.cfg, 1), graph=True):
+            self.passes.follow(committed.hidden, committed.next_on_device, next_ids, block)
+        self.forwards += k  # the rows' pass and k - 1 chained ones
+        self._last = None  # the drafts went into the block
+        return Draft(on_device=block[1:], seeded=block)
+
+    @_at_target
     def propose(self, history: list[int], k: int, sampler: Sampler, index: int) -> Draft:
         if self._last is None or k < 1:
             return Draft()

@@ -36,6 +36,7 @@ from ..parallel.split_model import SplitModel
 from ..state import SequenceState, Snapshot, state_nbytes
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
+from . import cuda_graphs
 from .batch_graphs import BatchGraphs, DecodeSlots
 from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
@@ -639,6 +640,17 @@ class Engine:
                 out = graph.run(block)
         self.forward_calls += 1
         return VerifyStep(out, state, graph)
+
+    def verify_block(
+        self, state: SequenceState, width: int, capture: tuple[int, ...] = ()
+    ) -> torch.Tensor | None:
+        """The device buffer that the verify graph of ``width`` over ``state`` reads its block from, for a draft
+        proposer to write the next block into and :meth:`verify` to be given as is (nothing is copied); None
+        where verify steps run eagerly or over a split's or a pipeline's graphs."""
+        graph = self._verify_graph(self.require_model(), state, width, capture)
+        return (
+            graph.tokens if isinstance(graph, cuda_graphs.VerifyGraph) else None
+        )  # the module's: tests swap the name
 
     def _verify_graph(
         self, model: object, state: SequenceState, width: int, capture: tuple[int, ...]

@@ -43,6 +43,7 @@ class Draft:
     probs: list[torch.Tensor] | None = None  # [V] per token; None = deterministic (one-hot) drafts
     confidence: list[float] | None = None  # P(draft i accepted | drafts before it accepted)
     on_device: torch.Tensor | None = None  # [k] long on the target's device, until resolve() reads it
+    seeded: torch.Tensor | None = None  # [1 + k] the verify block with its seed, where the proposer wrote it
 
     @property
     def count(self) -> int:
@@ -54,6 +55,8 @@ class Draft:
         :meth:`resolve`), so that no host round trip comes between drafting and launching the verify."""
         if self.on_device is None or self.tokens:
             return [seed] + self.tokens[:n]
+        if self.seeded is not None and n == self.count:
+            return self.seeded
         block = torch.empty(n + 1, dtype=torch.long, device=self.on_device.device)
         block[:1].fill_(seed)  # the id goes as a kernel argument: no copy from the host
         block[1:].copy_(self.on_device[:n])
@@ -130,6 +133,13 @@ class DraftProposer:
 
     def observe(self, committed: Committed) -> None:
         """The target committed ``committed.tokens``; the next seed is ``committed.next_token``."""
+
+    def follow(self, committed: Committed, k: int, block: torch.Tensor) -> Draft | None:
+        """:meth:`observe` then :meth:`propose` of ``k`` greedy drafts without waiting for the device, for a
+        greedy request whose committed tokens were chosen there (``committed.next_on_device``): the seed and
+        the drafts are written into ``block`` (``[k + 1]``, the next verify's own buffer) and the draft says
+        so (``seeded``). None where this proposer cannot: the caller then observes and proposes."""
+        return None
 
     def end(self) -> None:
         """The request ended (or never started decoding): give back what it held. A proposer serves one
@@ -347,6 +357,15 @@ def speculative_decode(
     capture = feed.capture_layers
     draft_passes = proposer.forwards
     decode_start = time.perf_counter()
+    followed: Draft | None = (
+        None  # the next step's drafts, already in its verify block (DraftProposer.follow)
+    )
+
+    def budget() -> (
+        int
+    ):  # drafts to ask for: room for them and the token after, in the request and the context
+        return policy.budget(min(params.max_tokens - len(res.tokens), state.max_context - state.pos) - 1)
+
     try:
         if handle.cancelled:
             gen.cancel()
@@ -362,14 +381,18 @@ def speculative_decode(
             if handle.cancelled:
                 gen.cancel()
                 break
-            limit = min(params.max_tokens - len(res.tokens), state.max_context - state.pos) - 1
-            k = policy.budget(limit)
-            draft = (
-                _checked(proposer.propose(history, k, gen.sampler, len(res.tokens)), engine.cfg.vocab_size)
-                if k
-                else Draft()
-            )
-            n = policy.verify_count(draft, k)
+            if followed is None:
+                k = budget()
+                draft = (
+                    _checked(
+                        proposer.propose(history, k, gen.sampler, len(res.tokens)), engine.cfg.vocab_size
+                    )
+                    if k
+                    else Draft()
+                )
+                n = policy.verify_count(draft, k)
+            else:
+                draft, n, followed = followed, followed.count, None
             step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
             # each row's token on the device where its argmax decides it, read back with the drafts in one wait
@@ -406,21 +429,37 @@ def speculative_decode(
             stats.record(n, accepted, emitted)
             policy.update(accepted)
             if not done:
-                proposer.observe(
-                    Committed(
-                        start=start,
-                        tokens=block[:emitted],
-                        next_token=seed,
-                        hidden=out.hidden[:emitted],
-                        captured={layer: x[:emitted] for layer, x in out.captured.items()},
-                        next_on_device=None if rows_argmax is None else rows_argmax[:emitted],
-                    )
+                committed = Committed(
+                    start=start,
+                    tokens=block[:emitted],
+                    next_token=seed,
+                    hidden=out.hidden[:emitted],
+                    captured={layer: x[:emitted] for layer, x in out.captured.items()},
+                    next_on_device=None if rows_argmax is None else rows_argmax[:emitted],
                 )
+                if rows_argmax is not None and not handle.cancelled:
+                    followed = _follow(engine, state, proposer, committed, budget(), capture)
+                if followed is None:
+                    proposer.observe(committed)
             yield
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()
         res.timings.decode_s = time.perf_counter() - decode_start
+
+
+def _follow(
+    engine: "Engine",
+    state: SequenceState,
+    proposer: DraftProposer,
+    committed: Committed,
+    k: int,
+    capture: tuple[int, ...],
+) -> Draft | None:
+    """The next step's ``k`` drafts written by the proposer straight into the block buffer of that step's
+    verify graph (:meth:`DraftProposer.follow`); None where there is no such buffer or the proposer cannot."""
+    block = engine.verify_block(state, k + 1, capture) if k else None
+    return None if block is None else proposer.follow(committed, k, block)
 
 
 def _argmax_choices(gen: Generation, out: ForwardResult, rows: int) -> torch.Tensor | None:
