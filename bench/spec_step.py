@@ -1,13 +1,14 @@
 """One speculative request on the built-in model, timed and profiled: where a verify step's time goes.
 
 Decodes the first 128 tokens of a held-out standard-library file with plain decoding and with MTP at fixed
-widths 1..3 (each run three times, the fastest kept), then, unless ``--no-profile``, profiles one plain and
+widths 1..3 (``--reps`` rounds over the widths in turn, so that a slow spell of the host hits every width alike;
+the fastest and the median run are reported), then, unless ``--no-profile``, profiles one plain and
 one width-1 request with cProfile (host functions) and, on a GPU, torch.profiler (host calls such as
 ``cudaMemcpyAsync`` and ``cudaGraphLaunch`` against device kernels); ``--trace FILE`` writes torch.profiler's
 Chrome trace of a width-1 request of ``--trace-tokens`` tokens (host calls and kernels on one timeline, to see
 where the device waits for the host). Run it in two checkouts in one device call to compare two commits.
 
-    PYTHONPATH=. python3 bench/spec_step.py [--tokens 128] [--no-profile] [--trace FILE]
+    PYTHONPATH=. python3 bench/spec_step.py [--tokens 128] [--reps 5] [--no-profile] [--trace FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ds4serve.tokenizer import Tokenizer  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5, help="timed rounds over the widths")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--trace", type=Path, default=None, help="Chrome trace of one width-1 request (GPU only)")
     p.add_argument("--trace-tokens", type=int, default=32)
@@ -61,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     widths = (None, 1, 2, 3)
     for width in widths:  # untimed: compiles and captures
         generate(width)
-    for width in widths:
-        runs = [generate(width) for _ in range(3)]
-        best = min(r.timings.decode_s for r in runs)
-        spec = runs[-1].stats.speculative or {}
+    runs: dict[int | None, list[GenerateResult]] = {width: [] for width in widths}
+    for _ in range(a.reps):
+        for width in widths:
+            runs[width].append(generate(width))
+    for width, done in runs.items():
+        times = sorted(r.timings.decode_s for r in done)
+        best, median = times[0], times[len(times) // 2]
+        spec = done[-1].stats.speculative or {}
         print(
-            f"width {width}: decode {best * 1e3:.1f} ms for {a.tokens} tokens = {a.tokens / best:.0f} tok/s;"
+            f"width {width}: decode {best * 1e3:.1f} ms for {a.tokens} tokens = {a.tokens / best:.0f} tok/s"
+            f" (median {median * 1e3:.1f} ms = {a.tokens / median:.0f} tok/s);"
             f" steps {spec.get('steps')} emitted {spec.get('emitted')}",
             flush=True,
         )
