@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode, params in modes.items():
         for method in a.methods.split(","):
             for k in map(int, a.widths.split(",")):
-                # untimed: the first run of a width compiles and captures the draft passes of each row count
-                run(engine, prompts[0], params(0), fixed_width(engine, method, k))
+                # untimed: the first runs of a width compile and capture the draft passes of each row and draft
+                # count it meets (a server captures each once); every prompt, so the timed runs meet none anew
+                for i, q in enumerate(prompts):
+                    run(engine, q, params(i), fixed_width(engine, method, k))
                 plain, results = [], []
                 for i, q in enumerate(prompts):  # interleaved, so that both see the same machine
                     plain.append(run(engine, q, params(i)))
