@@ -446,3 +446,55 @@ def test_free_states_make_room_for_a_larger_one(tiny_dir, monkeypatch):
     res = engine.generate(long, params)
     assert res.error is None and res.tokens == want
     assert [s.max_context for s in engine._states._free] == [2048]
+
+
+def test_speculative_rows_are_preempted_exactly(tiny_dir):
+    """Speculative rows are preempted like plain ones, mid-prefill and mid-decode (their draft state stays with
+    them and their verify resumes over the state they are restored into): every request's tokens and logprobs
+    equal its run alone, greedy ones plain decoding's."""
+    from ds4serve.engine.drafts import OracleProposer
+
+    made = [Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=2, chunk_size=16) for _ in range(2)]
+    greedy = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, seed=5, logprobs=1, ignore_eos=True)
+    prompts = [random_prompt(30, seed=11), random_prompt(200, seed=12), random_prompt(20, seed=13)]
+    plain = made[1].generate(prompts[0], greedy).tokens
+    requests = [  # (prompt, params, speculative, arrival step, priority)
+        (prompts[0], greedy, lambda: OracleProposer(prompts[0] + plain, 0.6, 3, seed=1), 0, 1),
+        (prompts[1], seeded, lambda: "mtp", 0, 1),
+        (prompts[2], dataclasses.replace(greedy, max_tokens=5), lambda: None, 3, 0),
+        (random_prompt(40, seed=14), dataclasses.replace(seeded, max_tokens=4), lambda: "mtp", 6, 0),
+    ]
+    seen = []  # per preemption: whether the row was speculative, its position, whether it was decoding
+    loop = made[0]._loop
+    preempt = loop._preempt
+
+    def recorded(row):
+        seen.append((row.speculative, row.state.pos, row.gen is not None))
+        preempt(row)
+
+    loop._preempt = recorded
+
+    def submit(engine, i):
+        prompt, params, speculative, _, priority = requests[i]
+        return engine.stream(prompt, params, speculative=speculative(), priority=priority)
+
+    handles, step = {}, 0
+    while len(handles) < len(requests) or not all(h.done for h in handles.values()):
+        for i, request in enumerate(requests):
+            if request[3] == step and i not in handles:
+                handles[i] = submit(made[0], i)
+        made[0].step()
+        step += 1
+    together = [_outcome(handles[i]) for i in range(len(requests))]
+    alone = []
+    for i in range(len(requests)):
+        handle = submit(made[1], i)
+        for _ in handle:
+            pass
+        alone.append(_outcome(handle))
+    assert together == alone
+    assert together[0].tokens == plain
+    assert [h.result.stats.preemptions for h in handles.values()] == [1, 1, 0, 0]
+    assert (True, True) in {(spec, decoding) for spec, _, decoding in seen}  # a speculative row mid-decode
+    assert any(spec and 0 < pos < 200 and not decoding for spec, pos, decoding in seen)  # and mid-prefill

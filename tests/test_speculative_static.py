@@ -277,3 +277,39 @@ def test_greedy_mtp_drafts_follow_into_the_next_verify_block(request, monkeypatc
     assert max(key[1] for key in graphs._follows) == width  # (fewer drafts near max_tokens)
     if which == "trained":  # steps accepted drafts: passes of several committed rows followed them
         assert spec["accepted"] > 0 and max(rows) > 1
+
+
+def test_a_preempted_request_drops_the_block_it_followed_into(trained_engine, monkeypatch):
+    """A greedy MTP request preempted after a step that followed its drafts into its verify graph's block
+    drops that block when it resumes (the urgent request took the same pooled state and its graphs meanwhile,
+    and followed its own drafts into that block): it drafts anew, and both requests get plain decoding's
+    tokens."""
+    from ds4serve.engine.draft_graphs import MTPGraphs
+    from ds4serve.engine.drafts import MAX_STATIC_ROWS, MTPProposer, _engine_drafts, target_parts
+
+    engine = trained_engine
+    tok = engine.tokenizer
+    prompts = [
+        tok.encode("def parse_args(argv):\n    parser = "),
+        tok.encode("class Queue:\n    def put(self"),
+    ]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = [engine.generate(p, params).tokens for p in prompts]
+    weights, target = _engine_drafts(engine).get("mtp"), target_parts(engine.model)
+    _static_blocks(engine, monkeypatch)
+    monkeypatch.setattr(engine._loop, "max_batch", 1)
+    follows = []
+
+    def proposer() -> MTPProposer:
+        graphs = MTPGraphs(weights, target, engine.max_context + MAX_STATIC_ROWS, graph=False)
+        follows.append(graphs._follows)
+        return MTPProposer(weights, target, 2, adaptive=False, passes=graphs)
+
+    low = engine.stream(prompts[0], params, speculative=proposer(), priority=1)
+    while len(low.result.tokens) < 5:
+        engine.step()
+    urgent = engine.stream(prompts[1], params, speculative=proposer())
+    while not (low.done and urgent.done):
+        engine.step()
+    assert [low.result.tokens, urgent.result.tokens] == plain
+    assert low.result.stats.preemptions == 1 and all(follows)

@@ -331,7 +331,7 @@ class SpeculativeStats:
 def speculative_decode(
     engine: "Engine",
     handle: "RequestHandle",
-    state: SequenceState,
+    state_of: Callable[[], SequenceState],
     logits: torch.Tensor,
     feed: PromptFeed,
     gen: Generation,
@@ -341,7 +341,8 @@ def speculative_decode(
 
     The first ``next()`` chooses the first token from ``logits``; each later one runs one verify step, which
     emits one to ``k + 1`` tokens (a cancellation seen between two of them ends the step there), commits
-    them to ``state`` and hands them to the proposer before it returns: nothing is read from the verify's
+    them to the request's state (``state_of()``, read at every step: a preempted request resumes in another
+    one) and hands them to the proposer before it returns: nothing is read from the verify's
     buffers after that, so other sequences' verify steps may run between two steps. ``feed`` carries the
     proposer, already begun and fed the prefilled prompt by the engine; ``gen`` decides and records the
     request's tokens. With a constraint (structured output, in ``gen``) every row's distribution is the
@@ -353,17 +354,17 @@ def speculative_decode(
     res, params = handle.result, handle.params
     stats = SpeculativeStats(proposer.name)
     policy = WidthPolicy(proposer)
+    state = state_of()
     history = list(state.tokens)
     capture = feed.capture_layers
     draft_passes = proposer.forwards
     decode_start = time.perf_counter()
-    followed: Draft | None = (
-        None  # the next step's drafts, already in its verify block (DraftProposer.follow)
-    )
+    # the next step's drafts, already in its verify graph's block (DraftProposer.follow), and the request's
+    # preemptions then
+    followed: tuple[Draft, int] | None = None
 
-    def budget() -> (
-        int
-    ):  # drafts to ask for: room for them and the token after, in the request and the context
+    def budget() -> int:
+        """Drafts to ask for: room for them and the token after, in the request and in the context."""
         return policy.budget(min(params.max_tokens - len(res.tokens), state.max_context - state.pos) - 1)
 
     try:
@@ -381,6 +382,9 @@ def speculative_decode(
             if handle.cancelled:
                 gen.cancel()
                 break
+            state = state_of()  # another one after a preemption
+            if followed is not None and followed[1] != res.stats.preemptions:
+                followed = None  # its block is in a verify graph that another request may have used since
             if followed is None:
                 k = budget()
                 draft = (
@@ -392,7 +396,8 @@ def speculative_decode(
                 )
                 n = policy.verify_count(draft, k)
             else:
-                draft, n, followed = followed, followed.count, None
+                draft, followed = followed[0], None
+                n = draft.count
             step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
             # each row's token on the device where its argmax decides it, read back with the drafts in one wait
@@ -437,10 +442,13 @@ def speculative_decode(
                     captured={layer: x[:emitted] for layer, x in out.captured.items()},
                     next_on_device=None if rows_argmax is None else rows_argmax[:emitted],
                 )
+                ready = None
                 if rows_argmax is not None and not handle.cancelled:
-                    followed = _follow(engine, state, proposer, committed, budget(), capture)
-                if followed is None:
+                    ready = _follow(engine, state, proposer, committed, budget(), capture)
+                if ready is None:
                     proposer.observe(committed)
+                else:
+                    followed = (ready, res.stats.preemptions)
             yield
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes

@@ -7,9 +7,10 @@ One :meth:`StepLoop.step`:
    given snapshot, else the longest prefix the prefix cache holds. A request whose state does not fit in
    memory beside the running rows goes back to the head of the queue, and nothing is admitted until a row
    retires (alone, it fails with ``out_of_memory``). When every row is taken, a request whose priority value
-   is lower than a running row's **preempts** it (the highest value, the latest admitted among equals; not
-   a speculative row): the row's state is snapshotted to the host and goes back to the pool, and the row
-   resumes, restored exactly, when a row is free again and nothing of a lower value waits;
+   is lower than a running row's **preempts** it (the highest value, the latest admitted among equals): the
+   row's state is snapshotted to the host and goes back to the pool, and the row resumes, restored exactly,
+   when a row is free again and nothing of a lower value waits (a speculative row keeps its draft state and
+   passes meanwhile);
 2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
    forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone (the
    engine's chunk size from the restored prefix on). At the positions the request asked to have cached,
@@ -311,12 +312,8 @@ class StepLoop:
 
     def _victim(self, priority: int) -> _Row | None:
         """The running row a request of ``priority`` may preempt: of a higher priority value, the highest,
-        the latest admitted among equals; not a speculative row (its draft state stays with it). None: none."""
-        rows = [
-            r
-            for r in self.rows
-            if r.handle.priority > priority and r.state is not None and r.feed is None and not r.ended
-        ]
+        the latest admitted among equals. None: none."""
+        rows = [r for r in self.rows if r.handle.priority > priority and r.state is not None and not r.ended]
         return max(rows, key=lambda r: (r.handle.priority, r.handle.admitted), default=None)
 
     def _preempt(self, row: _Row) -> None:
@@ -483,7 +480,9 @@ class StepLoop:
         if row.feed is None:
             self._choose(row, logits)
         else:
-            row.spec = speculative_decode(engine, handle, row.state, logits, row.feed, row.gen, handle._emit)
+            row.spec = speculative_decode(
+                engine, handle, lambda: row.state, logits, row.feed, row.gen, handle._emit
+            )
             self._next_speculative(row)
 
     def _choose(self, row: _Row, logits: torch.Tensor) -> None:
