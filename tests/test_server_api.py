@@ -56,6 +56,23 @@ def test_health_is_open_and_models_need_the_key(base, oai):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
+def test_models_read_by_both_sdks(oai, claude, base):
+    """One model list serves OpenAI's shape and Anthropic's page (ModelInfo with display_name and an RFC 3339
+    created_at; has_more and the id cursors), and each SDK's retrieve."""
+    card = oai.models.retrieve("tiny")
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "ds4serve") and card.created > 0
+    page = claude.models.list()
+    assert [(m.id, m.type, m.display_name) for m in page.data] == [("tiny", "model", "tiny")]
+    assert page.has_more is False and page.first_id == page.last_id == "tiny"
+    assert page.data[0].created_at.timestamp() == card.created
+    assert claude.models.retrieve("tiny").display_name == "tiny"
+    assert claude.models.list(after_id="tiny").data == []
+    r = httpx.get(f"{base}/v1/models", params={"limit": 0}, headers=AUTH)
+    assert r.status_code == 400 and "limit" in r.text
+    r = httpx.get(f"{base}/v1/models/other", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_response_format_json_schema_is_enforced(oai):
     """The tiny random model's free output is gibberish: a parsed document of the schema is the mask's doing."""
     schema = {

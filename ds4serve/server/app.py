@@ -18,8 +18,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -373,17 +374,36 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
         return JSONResponse(body, status_code=503 if server.draining else 200)
 
     def model_card() -> dict:
+        """The served model as both OpenAI's model object and Anthropic's ModelInfo describe one (each SDK
+        reads its own fields)."""
+        started = datetime.fromtimestamp(server.started, timezone.utc)
         return {
             "id": config.model_name,
             "object": "model",
             "created": server.started,
             "owned_by": "ds4serve",
             "context_length": engine.max_context,
+            "type": "model",
+            "display_name": config.model_name,
+            "created_at": started.isoformat().replace("+00:00", "Z"),
+            "max_input_tokens": engine.max_context,
+            "max_tokens": min(config.max_tokens_limit, engine.max_context),
         }
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+    async def models(
+        after_id: str | None = None, before_id: str | None = None, limit: int = Query(20, ge=1, le=1000)
+    ):
+        """OpenAI's list and Anthropic's page of models at once; Anthropic's cursors page past the one model."""
+        cards = [] if config.model_name in (after_id, before_id) else [model_card()]
+        ids = [card["id"] for card in cards]
+        return {
+            "object": "list",
+            "data": cards,
+            "has_more": False,
+            "first_id": ids[0] if ids else None,
+            "last_id": ids[-1] if ids else None,
+        }
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
