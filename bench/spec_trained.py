@@ -3,7 +3,8 @@
 Prompts are the openings of held-out standard-library files (bench/stdlib_corpus.py), which the model
 never trained on. For each prompt, plain decoding is timed, then each draft at a fixed width of 1..4 drafts
 per step (``adaptive=False``, so every position is drafted every step): acceptance by draft position,
-tokens per verify step, decode tokens/s and the speedup over plain decoding's, for greedy requests (whose
+tokens per verify step, decode tokens/s and the speedup over plain decoding's (of the decode phase, and of
+whole requests), for greedy requests (whose
 tokens equal plain decoding's in float32; ``first_difference`` says where a bf16 run's first differ) and
 sampled ones (temperature ``--temperature``, seeded).
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,16 +40,27 @@ def fixed_width(engine: Engine, method: str, k: int) -> object:
     return proposer
 
 
-def run(engine: Engine, prompt: list[int], params: SamplingParams, speculative=None) -> GenerateResult:
+@dataclass
+class Timed:
+    """A request's result and its whole time, prompt to last token, as a client waits for it."""
+
+    result: GenerateResult
+    request_s: float
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams, speculative=None) -> Timed:
+    start = time.perf_counter()
     result = engine.generate(prompt, params, speculative=speculative)
     if not result.ok:
         raise RuntimeError(result.error_message)
-    return result
+    return Timed(result, time.perf_counter() - start)
 
 
-def summarize(results: list[GenerateResult], plain: list[GenerateResult]) -> dict:
+def summarize(timed: list[Timed], plain_timed: list[Timed]) -> dict:
     """Totals over the prompts: acceptance by draft position, tokens per verify step, decode tokens/s and
-    speedup (decode seconds of plain decoding over this draft's, same tokens generated)."""
+    speedup (decode seconds of plain decoding over this draft's, same tokens generated), and the speedup of
+    whole requests (prefill and first token included)."""
+    results, plain = [t.result for t in timed], [t.result for t in plain_timed]
     drafted_at = [0] * 16
     accepted_at = [0] * 16
     steps = emitted = 0
@@ -69,6 +83,7 @@ def summarize(results: list[GenerateResult], plain: list[GenerateResult]) -> dic
         "decode_tps": tokens / decode_s,
         "plain_decode_tps": sum(len(p.tokens) for p in plain) / plain_s,
         "speedup": plain_s / decode_s,
+        "request_speedup": sum(t.request_s for t in plain_timed) / sum(t.request_s for t in timed),
         "same_tokens_as_plain": all(r.tokens == p.tokens for r, p in zip(results, plain)),
         "first_difference": [_first_difference(r.tokens, p.tokens) for r, p in zip(results, plain)],
     }
