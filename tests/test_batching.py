@@ -498,3 +498,28 @@ def test_speculative_rows_are_preempted_exactly(tiny_dir):
     assert [h.result.stats.preemptions for h in handles.values()] == [1, 1, 0, 0]
     assert (True, True) in {(spec, decoding) for spec, _, decoding in seen}  # a speculative row mid-decode
     assert any(spec and 0 < pos < 200 and not decoding for spec, pos, decoding in seen)  # and mid-prefill
+
+
+def test_greedy_rows_of_a_batched_step_are_read_back_together(engines, monkeypatch):
+    """The greedy rows of a batched decode step take their tokens from one argmax over their logits, read
+    back at once (Generation.choose runs for their first token, after prefill, and for sampled rows only),
+    and every request still gets what it gets alone."""
+    from ds4serve.engine.generation import Generation
+
+    engine = engines[0]
+    engine.prefix_cache = None
+    prompts = [random_prompt(12 + 5 * i, seed=300 + i) for i in range(4)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    params = [greedy, greedy, greedy, seeded]
+    alone = [engines[1].generate(p, q).tokens for p, q in zip(prompts, params)]
+    chosen = []
+    choose = Generation.choose
+    monkeypatch.setattr(
+        Generation, "choose", lambda g, logits: chosen.append(g.sampler.greedy) or choose(g, logits)
+    )
+    handles = [engine.stream(p, q) for p, q in zip(prompts, params)]
+    while not all(h.done for h in handles):
+        engine.step()
+    assert [h.result.tokens for h in handles] == alone
+    assert chosen.count(False) == 6 and chosen.count(True) <= 3  # greedy rows chose their first tokens only
