@@ -100,9 +100,8 @@ class MTPGraphs(_DraftPasses):
         self._token = torch.zeros(1, dtype=torch.long, device=dev)
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)
         self._step: Captured | None = None
-        self._follows: dict[
-            tuple[int, ...], Captured
-        ] = {}  # (rows, drafts, input and block addresses) -> pass
+        # (rows, drafts, the input and block buffers' addresses) -> the follow pass over them
+        self._follows: dict[tuple[int, ...], Captured] = {}
         self._follow_pool = torch.cuda.graph_pool_handle() if graph and dev.type == "cuda" else None
 
     def _pass(
@@ -193,9 +192,7 @@ class MTPGraphs(_DraftPasses):
         key = (S, k, hidden.data_ptr(), next_ids.data_ptr(), block.data_ptr())
         run = self._follows.get(key)
         if run is None:
-            if (
-                len(self._follows) >= MAX_FOLLOW_GRAPHS
-            ):  # verify graphs were made anew: old addresses are stale
+            if len(self._follows) >= MAX_FOLLOW_GRAPHS:  # verify graphs were made anew: stale addresses
                 self._follows.clear()
             run = self._follows[key] = self._follow_pass(hidden, next_ids, block)
         self._pos.fill_(self.state.pos)
