@@ -220,7 +220,7 @@ def test_bf16_rows_on_the_gpu_are_bitwise_what_they_are_alone(tiny_dir):
 
 
 def test_a_failing_request_ends_alone_and_the_others_go_on(engines, monkeypatch):
-    """One row's failure (here its sampler raising at its fourth token) ends that request with an internal
+    """One row's failure (here recording its fourth token raises) ends that request with an internal
     error; the requests beside it finish with what they give alone, and the engine serves on."""
     from ds4serve.engine.generation import Generation
 
@@ -229,24 +229,26 @@ def test_a_failing_request_ends_alone_and_the_others_go_on(engines, monkeypatch)
     prompts = [random_prompt(30 + i, seed=60 + i) for i in range(4)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     alone = [engine.generate(p, params).tokens for p in prompts]
-    choose = Generation.choose
+    accept = Generation.accept
 
-    def failing(self, logits):
+    def failing(self, token, logits):
         if self.prompt[0] == prompts[1][0] and len(self.output) == 3:
-            raise RuntimeError("the sampler broke")
-        return choose(self, logits)
+            raise RuntimeError("recording the token broke")
+        return accept(self, token, logits)
 
-    monkeypatch.setattr(Generation, "choose", failing)
+    monkeypatch.setattr(Generation, "accept", failing)
     handles = [engine.stream(p, params) for p in prompts]
     while not all(h.done for h in handles):
         engine.step()
     bad = handles[1].result
     assert (
-        bad.error is not None and bad.error.value == "internal" and "the sampler broke" in bad.error_message
+        bad.error is not None
+        and bad.error.value == "internal"
+        and "recording the token broke" in bad.error_message
     )
     assert bad.tokens == alone[1][:3]
     assert [handles[i].result.tokens for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
-    monkeypatch.setattr(Generation, "choose", choose)
+    monkeypatch.setattr(Generation, "accept", accept)
     assert engine.generate(prompts[1], params).tokens == alone[1]
 
 
