@@ -36,13 +36,30 @@ def _text(content: str | list[TextBlock]) -> str:
 
 def _messages(body: CountTokensRequest) -> list[dict]:
     """Anthropic turns as OpenAI-style messages: tool results become ``tool`` messages (``is_error`` kept, for the
-    prompt to say the call failed)."""
+    prompt to say the call failed).
+
+    As in Anthropic's API, every message but a final assistant one has content (not ``""`` or ``[]``), and each
+    ``tool_result`` answers a ``tool_use`` of the assistant message before it; a 400 naming the message or block
+    otherwise.
+    """
     system = [_text(body.system)] if body.system else []
     out: list[dict] = []
+    last = len(body.messages) - 1
+    uses: set[str] = set()  # the tool_use ids of the last assistant message
     for i, m in enumerate(body.messages):
         if m.role == "system":
             system.append(_system_text(m, i))
             continue
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise invalid(
+                f"messages.{i}: all messages must have non-empty content except for the optional final "
+                "assistant message",
+                f"messages.{i}",
+            )
+        if m.role == "user":
+            _check_tool_results(m, i, uses)
+        else:
+            uses = {b.id for b in m.content if b.type == "tool_use"} if isinstance(m.content, list) else set()
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -89,6 +106,21 @@ def _messages(body: CountTokensRequest) -> list[dict]:
     if out[-1]["role"] == "assistant":
         out[-1]["prefix"] = True  # prefill: the model continues this message
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
+
+
+def _check_tool_results(m, i: int, uses: set[str]) -> None:
+    """Each ``tool_result`` block of user message ``i`` names a ``tool_use`` of the assistant message before it
+    (``uses``)."""
+    if isinstance(m.content, str):
+        return
+    for j, b in enumerate(m.content):
+        if b.type == "tool_result" and b.tool_use_id not in uses:
+            raise invalid(
+                f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                f"{b.tool_use_id}. Each `tool_result` block must have a corresponding `tool_use` block in the "
+                "previous message.",
+                f"messages.{i}.content.{j}",
+            )
 
 
 def _system_text(m, i: int) -> str:

@@ -705,14 +705,14 @@ class _Usage:
             return self.echoed
         return _summed([g.usage() for g in self.groups if g.completions])
 
+    def close(self) -> None:
+        for g in self.groups:
+            g.close()
+
 
 async def _aiter(items: Iterable[str]) -> AsyncIterator[str]:
     for item in items:
         yield item
-
-    def close(self) -> None:
-        for g in self.groups:
-            g.close()
 
 
 def _sampling_fields(body: ChatRequest | CompletionRequest) -> dict:

@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
@@ -443,16 +451,25 @@ class ToolUseBlock(_Body):
     input: dict[str, Any]
 
 
+def _no_media(value: Any) -> Any:
+    """An image or document block is refused by name: the model reads text only."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("image", "document"):
+        raise ValueError(f"content blocks of type {kind!r} are not supported: this model reads text only")
+    return value
+
+
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: str | list[Annotated[TextBlock, BeforeValidator(_no_media)]] = ""
     is_error: bool = False
 
 
 Block = Annotated[
     Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock],
     Field(discriminator="type"),
+    BeforeValidator(_no_media),
 ]
 
 
