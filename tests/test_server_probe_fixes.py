@@ -79,3 +79,16 @@ def test_an_anthropic_image_or_document_block_is_refused_by_name(base, kind):
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [block]}
     r = _count(base, [{"role": "assistant", "content": [USE]}, {"role": "user", "content": [result]}])
     assert r.status_code == 400 and r.json()["error"]["message"].endswith(expected)
+
+
+def test_an_empty_anthropic_text_block_is_refused_as_anthropic_does(base):
+    """Anthropic's API refuses a text block with no text anywhere in the messages (Claude Code users meet this
+    400 when a hook or a tool leaves one); a text block with text is taken."""
+    for content in (
+        [{"type": "text", "text": ""}],
+        [{"type": "text", "text": "a"}, {"type": "text", "text": ""}],
+    ):
+        r = _count(base, [{"role": "user", "content": content}])
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "messages: text content blocks must be non-empty"
+    assert _count(base, [{"role": "user", "content": [{"type": "text", "text": " "}]}]).status_code == 200

@@ -23,7 +23,7 @@ from .completion import (
 from .errors import APIError, anthropic_body, anthropic_context_overflow, invalid
 from .output_parser import merged
 from .prepare import json_body, offload
-from .schemas import CountTokensRequest, MessagesRequest, TextBlock
+from .schemas import AnthropicMessage, CountTokensRequest, MessagesRequest, TextBlock
 from .sse import ANTHROPIC_PING, event_stream
 from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
 
@@ -38,9 +38,9 @@ def _messages(body: CountTokensRequest) -> list[dict]:
     """Anthropic turns as OpenAI-style messages: tool results become ``tool`` messages (``is_error`` kept, for the
     prompt to say the call failed).
 
-    As in Anthropic's API, every message but a final assistant one has content (not ``""`` or ``[]``), and each
-    ``tool_result`` answers a ``tool_use`` of the assistant message before it; a 400 naming the message or block
-    otherwise.
+    As in Anthropic's API, every message but a final assistant one has content (not ``""`` or ``[]``), no text
+    block is empty, and each ``tool_result`` answers a ``tool_use`` of the assistant message before it; a 400 in
+    Anthropic's words otherwise.
     """
     system = [_text(body.system)] if body.system else []
     out: list[dict] = []
@@ -50,12 +50,7 @@ def _messages(body: CountTokensRequest) -> list[dict]:
         if m.role == "system":
             system.append(_system_text(m, i))
             continue
-        if not m.content and not (i == last and m.role == "assistant"):
-            raise invalid(
-                f"messages.{i}: all messages must have non-empty content except for the optional final "
-                "assistant message",
-                f"messages.{i}",
-            )
+        _check_content(m, i, final=i == last)
         if m.role == "user":
             _check_tool_results(m, i, uses)
         else:
@@ -108,7 +103,20 @@ def _messages(body: CountTokensRequest) -> list[dict]:
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
 
 
-def _check_tool_results(m, i: int, uses: set[str]) -> None:
+def _check_content(m: AnthropicMessage, i: int, final: bool) -> None:
+    """Message ``i`` has content unless it is the final one and the assistant's (a prefill, continued), and none of
+    its text blocks is empty."""
+    if not m.content and not (final and m.role == "assistant"):
+        raise invalid(
+            f"messages.{i}: all messages must have non-empty content except for the optional final "
+            "assistant message",
+            f"messages.{i}",
+        )
+    if isinstance(m.content, list) and any(b.type == "text" and not b.text for b in m.content):
+        raise invalid("messages: text content blocks must be non-empty", "messages")
+
+
+def _check_tool_results(m: AnthropicMessage, i: int, uses: set[str]) -> None:
     """Each ``tool_result`` block of user message ``i`` names a ``tool_use`` of the assistant message before it
     (``uses``)."""
     if isinstance(m.content, str):
