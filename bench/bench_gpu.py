@@ -120,7 +120,7 @@ def eager_step(model):
 
 def graph_step(graph: DecodeGraph):
     def step(token: int, state):
-        return graph.step(token)[0]  # the replay commits the token too
+        return graph.step(token).logits[0]  # the replay commits the token too
 
     return step
 

@@ -278,7 +278,7 @@ def graph_decode(model, state, snap, token: int, steps: int, section: dict) -> d
         graph = SplitDecodeGraph(model, state, graph=on_gpu)
     else:
         graph = model.decode_graph(state, graph=on_gpu)
-    ms, tokens = decode_ms(lambda t, _: graph.step(t)[0], state, steps, token)
+    ms, tokens = decode_ms(lambda t, _: graph.step(t).logits[0], state, steps, token)
     GBps = section["bytes_per_token_GB"] / ms * 1e3
     log(
         f"{section['placement']}: graph decode {ms:.2f} ms/token ({1e3 / ms:.1f} tok/s, "

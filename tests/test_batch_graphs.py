@@ -78,7 +78,10 @@ def test_a_row_is_bitwise_the_same_in_every_bucket(engine):
             logits = []
             for _ in range(3):
                 out = batch.step(rows, tokens)
-                logits.append(out[0])
+                assert out.argmax(list(range(n))) == dict(
+                    enumerate(torch.stack(out.logits).argmax(-1).tolist())
+                )
+                logits.append(out.logits[0])
             runs[n] = (logits, rows[0])
         first_logits, first_slot = runs[1]
         for n, (logits, slot) in runs.items():
@@ -116,8 +119,12 @@ def test_captured_buckets_match_the_uncaptured_step_on_the_gpu(tiny_dir):
                 slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), BUCKETS[-1])
                 batch = BatchGraphs(model, slots, graph=graph)
                 rows = [slots.enter(s) for s in _prefilled(engine, n, seed=3)]
-                outs = [batch.step(rows, [9 + i for i in range(n)]) for _ in range(3)]
-                got[graph, n] = [torch.stack(o) for o in outs]
+                got[graph, n] = []
+                for _ in range(3):
+                    out = batch.step(rows, [9 + i for i in range(n)])
+                    got[graph, n].append(torch.stack(out.logits))
+                    # the step's argmax (the kernels' when captured) is torch's over the logits
+                    assert list(out.argmax(list(range(n))).values()) == got[graph, n][-1].argmax(-1).tolist()
         for n in sizes:
             assert all(torch.equal(a, b) for a, b in zip(got[True, n], got[False, n])), n
             smaller = max(m for m in sizes if m <= n // 2 or m == 1)
@@ -132,7 +139,7 @@ def _split_and_whole(engine: Engine, split: SplitModel, n: int, graph: bool) -> 
         slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 16)
         batch = BatchGraphs(model, slots, graph=graph)
         rows = [slots.enter(s) for s in _prefilled(engine, n, seed=60)]
-        runs.append([list(zip(batch.step(rows, [11 + i for i in range(n)]), [r.snapshot() for r in rows]))
+        runs.append([list(zip(batch.step(rows, [11 + i for i in range(n)]).logits, [r.snapshot() for r in rows]))
                      for _ in range(3)])  # fmt: skip
     return runs
 

@@ -172,7 +172,7 @@ def _graph_steps(engine, state, graph) -> torch.Tensor:
     logits = engine.prefill(state, PROMPT[:30])
     steps = []
     for _ in range(8):
-        logits = graph.step(int(logits.argmax()))[0].clone()
+        logits = graph.step(int(logits.argmax())).logits[0].clone()
         steps.append(logits)
     assert state.pos == 38
     return torch.stack(steps)

@@ -21,6 +21,7 @@ shard runs the first micro-batch, the first shard runs the second.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,8 +33,30 @@ from ..parallel.split_model import SplitModel
 from ..state import SequenceState
 from .cuda_graphs import Captured
 from .device_commit import DeviceCommit
+from .sampler import graph_argmax
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # rows of the captured steps (and the slot count)
+
+
+@dataclass
+class DecodedRows:
+    """A decode step's rows (:meth:`~ds4serve.engine.engine.Engine.decode_rows`): each row's logits ``[V]``, kept
+    past the next step, and where the captured step took it their argmax on the device, ``choices``, a buffer the
+    next step overwrites: row ``i``'s at ``choices[order[i]]`` (``order`` None: at ``i``)."""
+
+    logits: list[torch.Tensor]
+    choices: torch.Tensor | None = None
+    order: list[int] | None = None
+
+    def argmax(self, rows: list[int]) -> dict[int, int]:
+        """The argmax of each of ``rows`` (indices into :attr:`logits`), by row, read back in one wait: the
+        step's ``choices``, or one argmax over those rows' logits where the step took none."""
+        if not rows:
+            return {}
+        if self.choices is None:
+            return dict(zip(rows, torch.stack([self.logits[i] for i in rows]).argmax(-1).tolist()))
+        every = self.choices.tolist()
+        return {i: every[i if self.order is None else self.order[i]] for i in rows}
 
 
 def bucket_for(rows: int, slots: int) -> int:
@@ -98,9 +121,9 @@ class BatchGraphs:
         ):
             self._step(rows)
 
-    def step(self, slots: list[SequenceState], tokens: list[int]) -> list[torch.Tensor]:
+    def step(self, slots: list[SequenceState], tokens: list[int]) -> DecodedRows:
         """Forward ``tokens[i]`` on ``slots[i]`` (every slot in use, in any order), commit each; returns each
-        row's logits ``[V]`` (float32, kept past the next step)."""
+        row's logits ``[V]`` (float32) and their argmax."""
         used = self.slots.used
         if len(slots) != used:
             raise ValueError(f"a batched step decodes every slot in use: got {len(slots)} of {used}")
@@ -114,13 +137,15 @@ class BatchGraphs:
         batches = self._step(rows)
         for batch in batches:  # every input first: a host-to-device copy waits for its device
             batch.fill(ids, positions)
-        logits = torch.cat([batch.replay()[: max(0, used - batch.start)] for batch in batches])
-        out = []
+        outs = [batch.replay() for batch in batches]
+        logits = torch.cat([out.logits[: max(0, used - batch.start)] for out, batch in zip(outs, batches)])
+        choices = outs[0].choices if len(outs) == 1 else torch.cat([out.choices for out in outs])
+        rows = []
         for i, slot, token in zip(order, slots, tokens):
             slot.advance(token)
             slot.last_logits = logits[i]
-            out.append(logits[i])
-        return out
+            rows.append(logits[i])
+        return DecodedRows(rows, choices, order)
 
     def _step(self, rows: int) -> list["_MicroBatch"]:
         step = self._steps.get(rows)
@@ -164,16 +189,16 @@ class _MicroBatch:
         for step in self.shards:
             step.inputs.copy_(inputs)
 
-    def replay(self) -> torch.Tensor:
-        """Run the filled rows through every shard, committing each; the logits ``[rows, V]``, a buffer that
-        the next replay overwrites."""
+    def replay(self) -> BatchForward:
+        """Run the filled rows through every shard, committing each; the last shard's result (the logits
+        ``[rows, V]`` and their argmax), buffers that the next replay overwrites."""
         out = None
         for step in self.shards:
             with on_device(step.model.device):
                 if out is not None:
                     step.hidden.copy_(out.hidden)
                 out = step.replay()
-        return out.logits
+        return out
 
 
 class _ShardStep:
@@ -218,6 +243,8 @@ class _ShardStep:
 
     def _forward_and_commit(self) -> BatchForward:
         out = self._forward()
+        if out.logits is not None:
+            out.choices = graph_argmax(out.logits)
         for writes, delta, pos in zip(self._writes, out.deltas, self.positions):
             writes.write_token(delta, pos)
         return out

@@ -9,6 +9,8 @@ tensors and replays. Plain decoding always commits the one token it ran, so the 
 that commit (:class:`~ds4serve.engine.device_commit.DeviceCommit`, device writes at the device
 position): a step is one replay plus the host counters.
 
+Each captured step also takes its logits' argmax (``choices``), read back where that decides the token.
+
 A speculative verify step commits only the accepted prefix of its block, which the host knows after
 the replay. :class:`VerifyGraph` captures the static forward of a block of one width (no commit), and
 its :meth:`VerifyGraph.commit` the device writes of each accepted count as a graph of its own.
@@ -126,9 +128,12 @@ class DecodeGraph:
 
     def _forward(self) -> ForwardResult:
         rows = slice(0, 1) if self.model.head is not None else None
-        return self.model.forward(
+        out = self.model.forward(
             self.token, self.state, hidden=self.hidden, logit_rows=rows, positions=self.pos
         )
+        if out.logits is not None:
+            out.choices = graph_argmax(out.logits)
+        return out
 
     def _forward_and_commit(self) -> ForwardResult:
         out = self._forward()
@@ -142,13 +147,13 @@ class DecodeGraph:
         self.pos.fill_(pos)
         return self._step.replay()
 
-    def step(self, token: int) -> torch.Tensor:
-        """Run ``token`` at ``state.pos`` and commit it; returns its logits ``[1, V]``, a buffer that
-        the next step overwrites."""
+    def step(self, token: int) -> ForwardResult:
+        """Run ``token`` at ``state.pos`` and commit it; returns its logits ``[1, V]`` and their argmax
+        (``choices``), buffers that the next step overwrites."""
         _check_room(self.state, 1, "decode")
         out = self.replay(token, self.state.pos)
         self.state.advance(token)
-        return out.logits
+        return out
 
 
 class SplitDecodeGraph:
@@ -167,13 +172,13 @@ class SplitDecodeGraph:
             lambda shard, part, hidden: DecodeGraph(shard, part, warmup, hidden=hidden, graph=graph),
         )
 
-    def step(self, token: int) -> torch.Tensor:
-        """:meth:`DecodeGraph.step` over every shard in turn."""
+    def step(self, token: int) -> ForwardResult:
+        """:meth:`DecodeGraph.step` over every shard in turn: the last shard's result."""
         _check_room(self.state, 1, "decode")
         pos = self.state.pos
         out = _through_shards(self.parts, lambda part: part.replay(token, pos))[-1]
         self.state.advance(token)
-        return out.logits
+        return out
 
 
 class VerifyGraph:

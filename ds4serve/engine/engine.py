@@ -37,7 +37,7 @@ from ..state import SequenceState, Snapshot, state_nbytes
 from ..tokenizer import Tokenizer
 from ..weights import Checkpoint
 from . import cuda_graphs
-from .batch_graphs import BatchGraphs, DecodeSlots
+from .batch_graphs import BatchGraphs, DecodedRows, DecodeSlots
 from .constraint import prepare as prepare_constraints
 from .cuda_graphs import DecodeGraph, SplitDecodeGraph, SplitVerifyGraph, VerifyGraph
 from .prefill_graphs import MAX_GRAPH_TOKENS, FirstChunkGraphs
@@ -464,12 +464,13 @@ class Engine:
 
         return resolve_proposer(self, speculative)
 
-    def decode_rows(self, states: list[SequenceState], tokens: list[int]) -> list[torch.Tensor]:
-        """Forward ``tokens[i]`` on ``states[i]`` in one step, commit each, return each row's logits: through
-        the one-sequence step where the engine runs one sequence at a time, else the batched forward."""
+    def decode_rows(self, states: list[SequenceState], tokens: list[int]) -> DecodedRows:
+        """Forward ``tokens[i]`` on ``states[i]`` in one step, commit each, return each row's logits (and their
+        argmax where a captured step took it): through the one-sequence step where the engine runs one sequence
+        at a time, else the batched forward."""
         if self.max_batch == 1:
             (state,), (token,) = states, tokens
-            return [self.decode_step(state, token)]
+            return self._decode_one(state, token)
         model = self.require_model()
         self.forward_calls += 1
         batch = self._batch_graphs()
@@ -484,7 +485,7 @@ class Engine:
             state.commit(out.deltas[i], 1)
             state.last_logits = out.logits[i]
             rows.append(state.last_logits)
-        return rows
+        return DecodedRows(rows)
 
     def enter_slot(self, state: SequenceState) -> SequenceState:
         """Where ``state``'s sequence decodes: a decode slot now holding a copy of it, where the engine decodes
@@ -529,6 +530,10 @@ class Engine:
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:
         """Forward one token, commit it, return the logits after it."""
+        return self._decode_one(state, token).logits[0]
+
+    def _decode_one(self, state: SequenceState, token: int) -> DecodedRows:
+        """:meth:`decode_step`'s logits, with their argmax where the decode graph took it."""
         model = self.require_model()
         graph = self._decode_graph(model, state)
         if graph is None:
@@ -536,11 +541,12 @@ class Engine:
                 result = self._forward([token], state, slice(0, 1))
             state.commit(result.delta, 1)
             state.last_logits = result.logits[0]
-        else:
-            self.forward_calls += 1
-            with profiler.step("decode", 1, state.pos, model.layers, graph=True):
-                state.last_logits = graph.step(token)[0].clone()
-        return state.last_logits
+            return DecodedRows([state.last_logits])
+        self.forward_calls += 1
+        with profiler.step("decode", 1, state.pos, model.layers, graph=True):
+            out = graph.step(token)
+            state.last_logits = out.logits[0].clone()
+        return DecodedRows([state.last_logits], out.choices)
 
     def _decode_graph(
         self, model: object, state: SequenceState

@@ -523,13 +523,13 @@ class StepLoop:
                 if row.slot is None:
                     row.slot = self.engine.enter_slot(row.state)
             with _timed(*batch):
-                logits = self.engine.decode_rows([r.slot for r in batch], [r.pending for r in batch])
+                decoded = self.engine.decode_rows([r.slot for r in batch], [r.pending for r in batch])
         except Exception as exc:  # noqa: BLE001 - the rows of a failed step fail; the loop goes on
             for row in batch:
                 self._fail(row, exc)
             return len(batch)
-        argmax = _argmax_tokens(batch, logits)
-        for i, (row, row_logits) in enumerate(zip(batch, logits)):
+        argmax = decoded.argmax([i for i, row in enumerate(batch) if row.gen.argmax_decides(1)])
+        for i, (row, row_logits) in enumerate(zip(batch, decoded.logits)):
             row.forwards += 1
             row.pending = None
             self._guarded(row, lambda: self._choose(row, row_logits, argmax.get(i)))
@@ -603,15 +603,6 @@ def _timed(*rows: _Row) -> Iterator[None]:
             if row.timer is not None:
                 stack.enter_context(row.timer.active())
         yield
-
-
-def _argmax_tokens(batch: list[_Row], logits: list[torch.Tensor]) -> dict[int, int]:
-    """The tokens of the batch's rows that take their logits' argmax (:meth:`Generation.argmax_decides`), by row
-    index, read back together: one wait for the device instead of one per row."""
-    rows = [i for i, row in enumerate(batch) if row.gen.argmax_decides(1)]
-    if len(rows) < 2:
-        return {}
-    return dict(zip(rows, torch.stack([logits[i] for i in rows]).argmax(-1).tolist()))
 
 
 def _handle(item: RequestHandle | _Row) -> RequestHandle:

@@ -59,6 +59,7 @@ class BatchForward:
     # row r's one-token delta at states[r].pos; commit it with states[r].commit(delta, 1)
     deltas: list[ChunkDelta]
     hidden: torch.Tensor  # [N, hc, D] streams after the range's last layer (before the head's merge)
+    choices: torch.Tensor | None = None  # [N] long: each logits row's argmax, where a captured step took it
 
 
 Row = tuple[SequenceState, ChunkInfo] | None  # a sequence's state and its token's position; None: padding

@@ -429,18 +429,22 @@ class PipelineDecodeGraph:
         model._op("graph", state.sid, graph)
         self.local = DecodeGraph(model.shard, state, graph=graph)
 
-    def step(self, token: int) -> torch.Tensor:
-        """Run ``token`` at ``state.pos`` on every rank and commit it; returns its logits ``[1, V]``."""
+    def step(self, token: int) -> ForwardResult:
+        """Run ``token`` at ``state.pos`` on every rank and commit it; returns the final streams and the logits
+        ``[1, V]`` (no ``choices``: the last rank sends the logits only)."""
         state, model = self.state, self.model
-        if state.pos + 1 > state.max_context:
-            raise ValueError(f"decode at position {state.pos} exceeds the state's {state.max_context}")
-        model._op("step", state.sid, token, state.pos)
-        logits = model._guarded(self._step, token, state.pos)
+        pos = state.pos
+        if pos + 1 > state.max_context:
+            raise ValueError(f"decode at position {pos} exceeds the state's {state.max_context}")
+        model._op("step", state.sid, token, pos)
+        hidden, logits = model._guarded(self._step, token, pos)
         state.advance(token)
-        return logits
+        return ForwardResult(
+            hidden=hidden, delta=ChunkDelta(start=pos, tokens=[token], layers={}), logits=logits
+        )
 
-    def _step(self, token: int, pos: int) -> torch.Tensor:
-        return self.model._hand_off(self.local.replay(token, pos).hidden, 1, 1)[1]
+    def _step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model._hand_off(self.local.replay(token, pos).hidden, 1, 1)
 
 
 class PipelineFirstChunks:
