@@ -450,13 +450,27 @@ def test_free_states_make_room_for_a_larger_one(tiny_dir, monkeypatch):
     assert [s.max_context for s in engine._states._free] == [2048]
 
 
-def test_speculative_rows_are_preempted_exactly(tiny_dir):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_speculative_rows_are_preempted_exactly(tiny_dir, device):
     """Speculative rows are preempted like plain ones, mid-prefill and mid-decode (their draft state stays with
     them and their verify resumes over the state they are restored into): every request's tokens and logprobs
-    equal its run alone, greedy ones plain decoding's."""
+    equal its run alone, greedy ones plain decoding's (in float32; on the GPU in bf16, through the captured
+    verify and batched steps, a verify block's rows may round apart from one-token steps)."""
     from ds4serve.engine.drafts import OracleProposer
 
-    made = [Engine.from_pretrained(tiny_dir, max_context=1024, max_batch=2, chunk_size=16) for _ in range(2)]
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    made = [
+        Engine.from_pretrained(
+            tiny_dir, device=device, dtype=dtype, max_context=1024, max_batch=2, chunk_size=16
+        )
+        for _ in range(2)
+    ]
     greedy = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True)
     seeded = SamplingParams(max_tokens=10, temperature=0.9, seed=5, logprobs=1, ignore_eos=True)
     prompts = [random_prompt(30, seed=11), random_prompt(200, seed=12), random_prompt(20, seed=13)]
@@ -496,7 +510,8 @@ def test_speculative_rows_are_preempted_exactly(tiny_dir):
             pass
         alone.append(_outcome(handle))
     assert together == alone
-    assert together[0].tokens == plain
+    if device == "cpu":
+        assert together[0].tokens == plain
     assert [h.result.stats.preemptions for h in handles.values()] == [1, 1, 0, 0]
     assert (True, True) in {(spec, decoding) for spec, _, decoding in seen}  # a speculative row mid-decode
     assert any(spec and 0 < pos < 200 and not decoding for spec, pos, decoding in seen)  # and mid-prefill
