@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +40,7 @@ from .routes_tokens import router as tokens_router
 from .routes_web import PAGE_PATHS
 from .routes_web import router as web_router
 from .scheduler import Scheduler
-from .schemas import ParkRequest
+from .schemas import UNION_TAGS, ParkRequest
 
 log = logging.getLogger("ds4serve.server")
 
@@ -269,9 +270,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return invalid(f"invalid JSON body: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}")
     ours = [e for e in errors if e["type"] == "value_error"]  # a validator's own diagnosis comes first
     first = max(
-        ours or errors, key=lambda e: len(_field_path(e["loc"])), default={"loc": (), "msg": "", "type": ""}
+        ours or errors,
+        key=lambda e: len(_field_path(e["loc"], exc.body)),
+        default={"loc": (), "msg": "", "type": ""},
     )
-    loc = _field_path(first["loc"])
+    loc = _field_path(first["loc"], exc.body)
     if not loc:
         return invalid(
             "the request body must be a JSON object"
@@ -288,15 +291,37 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def _field_path(loc: tuple) -> list[str]:
-    """A pydantic location as the request's field path: without ``body`` and the union members' tags
-    (``str``, ``list[...]``, ``function-...``, a model's class name)."""
+def _field_path(loc: tuple, body: Any) -> list[str]:
+    """A pydantic location as the request's JSON path, read along ``body``: without ``body`` and the tags pydantic
+    puts in for a union: a member's type (``str``, ``list[...]``, ``function-...``, a model's class name) unless
+    ``body`` has a key of that name there, and a tagged union's tag (:data:`UNION_TAGS`), which follows the object
+    it tags, equals its ``type`` and is followed by the member's field (``content.0.tool_result.tool_use_id`` is
+    ``content.0.tool_use_id``)."""
     parts = loc[1:] if loc[:1] == ("body",) else loc
-    return [str(p) for p in parts if not (isinstance(p, str) and _is_type_tag(p))]
+    path: list[str] = []
+    value, tagged = body, False  # tagged: the tag of the object at ``value`` was read
+    for i, part in enumerate(parts):
+        tag = not tagged and i + 1 < len(parts) and part in UNION_TAGS
+        if tag and isinstance(value, dict) and value.get("type") == part:
+            tagged = True
+        elif (isinstance(value, dict) and part in value) or not _is_type_tag(part):
+            path.append(str(part))
+            value, tagged = _child(value, part), False
+    return path
 
 
-def _is_type_tag(part: str) -> bool:
-    return part in _TYPE_TAGS or "[" in part or part.startswith("function-") or part[:1].isupper()
+def _child(value: Any, part: Any) -> Any:
+    """``value[part]`` of a JSON object or array; None where there is none (a missing field)."""
+    try:
+        return value[part]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (
+        part in _TYPE_TAGS or "[" in part or part.startswith("function-") or part[:1].isupper()
+    )
 
 
 def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None = None) -> FastAPI:

@@ -61,7 +61,7 @@ def parse_body(raw: bytes, model: type[BaseModel] | type[dict]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise RequestValidationError(err.errors()) from None
+        raise RequestValidationError(err.errors(), body=data) from None
 
 
 def json_depth(value: Any) -> int:

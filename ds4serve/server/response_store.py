@@ -74,6 +74,14 @@ class ResponseStore:
         self.used -= entry[1]
         return True
 
+    def item(self, item_id: str) -> dict | None:
+        """The input or output item of a stored response with id ``item_id`` (what an ``item_reference`` names)."""
+        for stored, _ in list(self._items.values()):  # a copy: another thread may reorder them meanwhile
+            for item in stored.input_items + stored.response["output"]:
+                if item.get("id") == item_id:
+                    return item
+        return None
+
     def conversation(self, response_id: str) -> list[dict]:
         """The input and output items of ``response_id``'s chain, oldest first (400 when any is not stored)."""
         chain: list[StoredResponse] = []

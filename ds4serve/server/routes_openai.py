@@ -29,7 +29,15 @@ from .completion import (
 from .errors import APIError, context_overflow, invalid, openai_body
 from .output_parser import merged
 from .prepare import json_body, offload
-from .schemas import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice, Tool, ToolCallIn
+from .schemas import (
+    AllowedToolsChoice,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    Tool,
+    ToolCallIn,
+)
 from .sse import OPENAI_PING, event_stream
 from .structured import requested_rule, structured_rule
 from .textstream import Detokenizer
@@ -64,6 +72,28 @@ def _thinking(body: ChatRequest) -> tuple[bool, str | None]:
 
 
 def as_tools(body: ChatRequest) -> ChatRequest:
+    """``body`` with OpenAI's deprecated function calling in today's terms (:func:`_from_functions`) and a
+    ``tool_choice`` of type ``allowed_tools`` as its ``mode`` over only the tools it lists."""
+    return _only_allowed(_from_functions(body))
+
+
+def _only_allowed(body: ChatRequest) -> ChatRequest:
+    """``tool_choice`` ``allowed_tools`` as its ``mode`` ("auto" or "required") with ``tools`` cut to those it
+    lists; a 400 naming the listed tool that ``tools`` lacks."""
+    choice = body.tool_choice
+    if not isinstance(choice, AllowedToolsChoice):
+        return body
+    offered = {t.function.name for t in body.tools or ()}
+    listed = [t.function.name for t in choice.allowed_tools.tools]
+    for i, name in enumerate(listed):
+        if name not in offered:
+            param = f"tool_choice.allowed_tools.tools.{i}.function.name"
+            raise invalid(f"{param}: no tool named {name!r} in tools", param)
+    tools = [t for t in body.tools or () if t.function.name in listed]
+    return body.model_copy(update={"tools": tools, "tool_choice": choice.allowed_tools.mode})
+
+
+def _from_functions(body: ChatRequest) -> ChatRequest:
     """``body`` with OpenAI's deprecated function calling in today's terms: ``functions`` as ``tools`` (one call
     at most, as then), ``function_call`` as ``tool_choice``, an assistant message's ``function_call`` as a tool
     call and a ``function`` message as a tool result. A 400 for a request that gives both forms."""

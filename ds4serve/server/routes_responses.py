@@ -2,8 +2,8 @@
 
 A request's ``input`` items become chat messages (``instructions`` the system text; ``function_call`` items
 the tool calls of an assistant turn, a ``reasoning`` item the next assistant turn's reasoning,
-``function_call_output`` items tool results, each answering a call before it) and everything else its chat
-equivalent, so the prompt, tool grammars (function tools are ``strict`` unless they say otherwise, as in
+``function_call_output`` items tool results, each answering a call before it; an ``item_reference`` the stored
+item it names) and everything else its chat equivalent, so the prompt, tool grammars (function tools are ``strict`` unless they say otherwise, as in
 OpenAI's API) and structured output are the chat route's. Errors name the Responses field (``input``, ``tools.0.parameters``,
 ``max_output_tokens``, ``text.format``). The answer is a list of output items: a ``reasoning`` item
 (thinking mode), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
@@ -45,6 +45,7 @@ from .schemas import (
     ResponseFunctionCall,
     ResponseFunctionCallOutput,
     ResponseInputItem,
+    ResponseItemReference,
     ResponseMessage,
     ResponseReasoning,
     ResponsesRequest,
@@ -130,6 +131,22 @@ def _own_items(body: ResponsesRequest) -> list[dict]:
         if item.get("id") is None:
             item["id"] = mint_id("msg_" if item["type"] == "message" else "item_")
     return items
+
+
+def _referenced(server, body: ResponsesRequest) -> ResponsesRequest:
+    """``body`` with each ``item_reference`` of its input replaced by the item of a stored response (input or
+    output) that has its id; a 400 naming the reference's ``id`` when none has."""
+    if isinstance(body.input, str):
+        return body
+    items = []
+    for i, item in enumerate(body.input):
+        if isinstance(item, ResponseItemReference):
+            found = server.responses.item(item.id)
+            if found is None:
+                raise invalid(f"input.{i}.id: Item with id '{item.id}' not found.", f"input.{i}.id")
+            item = _ITEMS.validate_python([found])[0]
+        items.append(item)
+    return body.model_copy(update={"input": items})
 
 
 def _continued(server, body: ResponsesRequest) -> ResponsesRequest:
@@ -534,7 +551,8 @@ class _Response:
             "text": {
                 "format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                 if body.text and body.text.format
-                else {"type": "text"}
+                else {"type": "text"},
+                "verbosity": body.text.verbosity if body.text and body.text.verbosity else "medium",
             },
             "usage": _usage(completion) if done else None,
         }
@@ -564,6 +582,7 @@ async def responses(request: Request, body: ResponsesRequest = Depends(json_body
             "takes no store: false, and a server that stores responses",
             "background",
         )
+    body = await offload(request, _referenced, server, body)
     spec = await offload(request, _fitted_spec, server, body)
     completion = Completion(server, None if body.background else request, spec)
     completion.start()

@@ -28,7 +28,7 @@ def _validated(model: type[BaseModel], body: dict) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        raise RequestValidationError(err.errors()) from None
+        raise RequestValidationError(err.errors(), body=body) from None
 
 
 @router.post("/tokenize")

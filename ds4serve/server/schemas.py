@@ -1,15 +1,18 @@
 """Request bodies of the OpenAI and Anthropic APIs, validated by pydantic.
 
 Unknown fields are accepted and ignored (clients send many); known fields are checked for type and
-range so a bad value is a 400 naming it. An explicit JSON ``null`` is the field left out (typed clients send
-``null`` for every optional field they do not set), so a default applies and a required field is missing. Fields the server cannot honour are refused explicitly
-(``n`` above 16, images, ``echo``) rather than ignored.
+range so a bad value is a 400 naming it (a NaN or infinity, which Python's JSON parser reads from the bare
+tokens ``NaN`` and ``Infinity``, with the range of finite numbers it takes). An explicit JSON ``null`` is the
+field left out (typed clients send ``null`` for every optional field they do not set), so a default applies
+and a required field is missing. Fields the server cannot honour are refused explicitly (``n`` above 16,
+images, ``echo``, custom tools) rather than ignored.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import (
     BaseModel,
@@ -20,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
@@ -58,6 +62,28 @@ class _Body(BaseModel):
         if bad is not None:
             raise ValueError(f"expected Unicode text, got a lone surrogate U+{ord(bad):04X}")
         return value
+
+
+class _Request(_Body):
+    """A request body, whose real-number fields (sampling parameters) are its own."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _finite(cls, value: Any, info: ValidationInfo) -> Any:
+        """A real-number field's NaN or infinity is refused naming its range (pydantic's comparisons would call a
+        NaN above the upper bound)."""
+        field = cls.model_fields[info.field_name]
+        if isinstance(value, float) and not math.isfinite(value) and float in get_args(field.annotation):
+            raise ValueError(f"expected a finite number in {_interval(field)}, got {value}")
+        return value
+
+
+def _interval(field: FieldInfo) -> str:
+    """``field``'s numeric bounds as an interval: ``[0, 2]``, ``(0, 1]``, ``(0, inf)``."""
+    bound = {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+    low = f"[{bound['ge']}" if "ge" in bound else f"({bound.get('gt', '-inf')}"
+    high = f"{bound['le']}]" if "le" in bound else f"{bound.get('lt', 'inf')})"
+    return f"{low}, {high}"
 
 
 def _only_tool_type(value: Any, kind: str, what: str) -> Any:
@@ -168,6 +194,14 @@ class Tool(_Body):
     type: Literal["function"]
     function: FunctionDef
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _function(cls, value: Any) -> Any:
+        """A tool of another type (``custom``, a hosted tool) is refused by name."""
+        if value != "function":
+            raise ValueError(f"tool type {value!r} is not supported here: only function tools")
+        return value
+
 
 class NamedToolChoice(_Body):
     class _Name(_Body):
@@ -175,6 +209,18 @@ class NamedToolChoice(_Body):
 
     type: Literal["function"]
     function: _Name
+
+
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Body):
+    """``tool_choice`` of type ``allowed_tools``: ``mode`` over only the listed ones of ``tools``."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
 
 
 class FunctionChoice(_Body):
@@ -220,7 +266,7 @@ class StructuredOutputs(_Body):
     grammar: str | None = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0: off
@@ -257,9 +303,9 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1, strict=True)
     max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     logprobs: bool = Field(default=False, strict=True)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDef] | None = None  # deprecated function calling: tools, one call at most
     function_call: Literal["none", "auto"] | FunctionChoice | None = None  # deprecated: tool_choice
@@ -270,12 +316,24 @@ class ChatRequest(SamplingFields):
     prediction: Prediction | None = None
     user: str | None = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_type(cls, value: Any) -> Any:
+        """A choice of another type than these (``custom``: there are no custom tools here) is refused by name."""
+        kind = value.get("type", "function") if isinstance(value, dict) else "function"
+        if kind not in ("function", "allowed_tools"):
+            raise ValueError(
+                f"type {kind!r} is not supported: expected 'none', 'auto', 'required', "
+                "a function or allowed_tools"
+            )
+        return value
+
 
 class CompletionRequest(SamplingFields):
     model: str | None = None  # any name is served by the one model; responses name it
     prompt: str | list[int] | list[str] | list[list[int]]  # a list of texts or of id lists: one prompt each
     max_tokens: int = Field(default=16, ge=0, strict=True)  # 0 only with echo: the prompt's own logprobs
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
     user: str | None = None
@@ -355,6 +413,13 @@ ResponseInputItem = Union[
 ]
 
 
+class ResponseItemReference(_Body):
+    """An input item given by the id of an item of a stored response (its input or output)."""
+
+    type: Literal["item_reference"]
+    id: str
+
+
 class ResponseTool(FunctionDef):
     type: Literal["function"]
     strict: bool = True  # the Responses API holds function calls to their schemas unless told not to
@@ -384,6 +449,7 @@ class ResponseTextFormat(_Body):
 
 class ResponseTextOption(_Body):
     format: ResponseTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint, echoed
 
 
 # OpenAI's include values; only the output text's logprobs mean something here (no hosted tools, no images, and
@@ -401,9 +467,9 @@ ResponseIncludable = Literal[
 LOGPROBS_INCLUDED = "message.output_text.logprobs"
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(_Request):
     model: str | None = None  # any name is served by the one model; responses name it
-    input: str | Annotated[list[ResponseInputItem], Field(min_length=1)]
+    input: str | list[ResponseInputItem | ResponseItemReference]
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
@@ -420,9 +486,16 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[ResponseIncludable] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _some_input(cls, value: Any) -> Any:
+        if value == []:
+            raise ValueError("empty array: expected a string or an array of at least one input item")
+        return value
 
 
 # ---- Anthropic ------------------------------------------------------------------------------------
@@ -466,11 +539,10 @@ class ToolResultBlock(_Body):
     is_error: bool = False
 
 
-Block = Annotated[
-    Union[TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock],
-    Field(discriminator="type"),
-    BeforeValidator(_no_media),
-]
+_BLOCKS = (TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock)
+Block = Annotated[Union[_BLOCKS], Field(discriminator="type"), BeforeValidator(_no_media)]
+# the tags of the one tagged union, each its member's ``type``, which pydantic puts in an error's location
+UNION_TAGS = frozenset(get_args(block.model_fields["type"].annotation)[0] for block in _BLOCKS)
 
 
 class AnthropicMessage(_Body):
@@ -529,7 +601,7 @@ class AnthropicThinking(ThinkingOption):
         return v
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(_Request):
     model: str | None = None  # any name is served by the one model; responses name it
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
