@@ -279,6 +279,40 @@ def test_greedy_mtp_drafts_follow_into_the_next_verify_block(request, monkeypatc
         assert spec["accepted"] > 0 and max(rows) > 1
 
 
+def test_a_verify_launched_ahead_runs_again_after_another_verify(trained_engine, monkeypatch):
+    """A lone greedy MTP request launches each followed block's verify before its step returns, so a step runs
+    one verify forward; where another verify ran before the next step reads it (their buffers share memory), that
+    step runs it again. The tokens stay plain decoding's."""
+    from ds4serve.engine.draft_graphs import MTPGraphs
+    from ds4serve.engine.drafts import MAX_STATIC_ROWS, MTPProposer, _engine_drafts, target_parts
+
+    engine = trained_engine
+    prompt = engine.tokenizer.encode("def parse_args(argv):\n    parser = ")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = engine.generate(prompt, params).tokens
+    weights, target = _engine_drafts(engine).get("mtp"), target_parts(engine.model)
+    made = _static_blocks(engine, monkeypatch)
+    graphs = MTPGraphs(weights, target, engine.max_context + MAX_STATIC_ROWS, graph=False)
+    handle = engine.stream(
+        prompt, params, speculative=MTPProposer(weights, target, 2, adaptive=False, passes=graphs)
+    )
+
+    def verifies_in_a_step() -> int:
+        before = sum(g.runs for g in made.values())
+        engine.step()
+        return sum(g.runs for g in made.values()) - before
+
+    while len(handle.result.tokens) < 4:
+        engine.step()
+    ahead = verifies_in_a_step()
+    engine.verifies += 1  # as another sequence's verify would
+    again = verifies_in_a_step()
+    while not handle.done:
+        engine.step()
+    assert (ahead, again) == (1, 2)
+    assert handle.result.tokens == plain
+
+
 def test_a_preempted_request_drops_the_block_it_followed_into(trained_engine, monkeypatch):
     """A greedy MTP request preempted after a step that followed its drafts into its verify graph's block
     drops that block when it resumes (the urgent request took the same pooled state and its graphs meanwhile,

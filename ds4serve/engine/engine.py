@@ -119,6 +119,7 @@ class Engine:
         self._pending_restore: Snapshot | None = None
         self._lock = threading.RLock()
         self.forward_calls = 0
+        self.verifies = 0  # verify forwards run (a verify launched ahead is current while this stays)
         # True: no CUDA graphs (decode, verify, first prefill chunks, draft passes); on CUDA they are used
         # otherwise, and on other devices every step is eager anyway (the --eager flag)
         self.eager = eager
@@ -645,6 +646,7 @@ class Engine:
             else:
                 out = graph.run(block)
         self.forward_calls += 1
+        self.verifies += 1
         return VerifyStep(out, state, graph)
 
     def verify_block(

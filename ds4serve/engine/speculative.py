@@ -28,7 +28,7 @@ from .generation import Generation
 from .sampler import Sampler, Stream
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .engine import Engine, VerifyStep
     from .step_loop import RequestHandle
 
 DEFAULT_THRESHOLDS = (0.40, 0.30)  # survival products that widen the verify to 3, then 4 tokens
@@ -336,14 +336,18 @@ def speculative_decode(
     feed: PromptFeed,
     gen: Generation,
     emit: Callable[[int], None],
+    solo: Callable[[], bool],
 ) -> Iterator[None]:
     """The speculative decode loop: the tokens plain decoding would produce, handed to ``emit`` one by one.
 
     The first ``next()`` chooses the first token from ``logits``; each later one runs one verify step, which
     emits one to ``k + 1`` tokens (a cancellation seen between two of them ends the step there), commits
     them to the request's state (``state_of()``, read at every step: a preempted request resumes in another
-    one) and hands them to the proposer before it returns: nothing is read from the verify's
-    buffers after that, so other sequences' verify steps may run between two steps. ``feed`` carries the
+    one) and hands them to the proposer before it returns, so other sequences' verify steps may run between two
+    steps. Where the proposer followed its drafts into the next block on the device and ``solo()`` says no
+    other sequence verifies, the step also launches the next verify before it returns, so that the device runs
+    it while the host emits; should another verify run before the next step reads it (its buffers share their
+    memory), that step runs it again. ``feed`` carries the
     proposer, already begun and fed the prefilled prompt by the engine; ``gen`` decides and records the
     request's tokens. With a constraint (structured output, in ``gen``) every row's distribution is the
     masked one, the mask following the tokens accepted before that row, so a draft the rule forbids is
@@ -359,9 +363,7 @@ def speculative_decode(
     capture = feed.capture_layers
     draft_passes = proposer.forwards
     decode_start = time.perf_counter()
-    # the next step's drafts, already in its verify graph's block (DraftProposer.follow), and the request's
-    # preemptions then
-    followed: tuple[Draft, int] | None = None
+    followed: _Followed | None = None
 
     def budget() -> int:
         """Drafts to ask for: room for them and the token after, in the request and in the context."""
@@ -383,7 +385,7 @@ def speculative_decode(
                 gen.cancel()
                 break
             state = state_of()  # another one after a preemption
-            if followed is not None and followed[1] != res.stats.preemptions:
+            if followed is not None and followed.preemptions != res.stats.preemptions:
                 followed = None  # its block is in a verify graph that another request may have used since
             if followed is None:
                 k = budget()
@@ -395,10 +397,15 @@ def speculative_decode(
                     else Draft()
                 )
                 n = policy.verify_count(draft, k)
+                step = engine.verify(state, draft.block(seed, n), capture)
             else:
-                draft, followed = followed[0], None
-                n = draft.count
-            step = engine.verify(state, draft.block(seed, n), capture)
+                draft, n = followed.draft, followed.draft.count
+                step = (
+                    followed.step
+                    if followed.current(engine)
+                    else engine.verify(state, draft.block(seed, n), capture)
+                )
+                followed = None
             out = step.out  # buffers that the next verify step overwrites
             # each row's token on the device where its argmax decides it, read back with the drafts in one wait
             rows_argmax = _argmax_choices(gen, out, n + 1)
@@ -448,12 +455,33 @@ def speculative_decode(
                 if ready is None:
                     proposer.observe(committed)
                 else:
-                    followed = (ready, res.stats.preemptions)
+                    followed = _Followed(ready, res.stats.preemptions)
+                    if solo():
+                        followed.launch(engine, state, seed, capture)
             yield
     finally:
         stats.draft_forwards = proposer.forwards - draft_passes
         res.stats.speculative = stats.as_dict()
         res.timings.decode_s = time.perf_counter() - decode_start
+
+
+@dataclass
+class _Followed:
+    """The next step's drafts, already in its verify graph's block (:meth:`DraftProposer.follow`), the request's
+    preemptions then, and that step's verify where it was launched before the step returned."""
+
+    draft: Draft
+    preemptions: int
+    step: "VerifyStep | None" = None
+    verifies: int = 0  # the engine's verify count just after ``step`` was launched
+
+    def launch(self, engine: "Engine", state: SequenceState, seed: int, capture: tuple[int, ...]) -> None:
+        self.step = engine.verify(state, self.draft.block(seed, self.draft.count), capture)
+        self.verifies = engine.verifies
+
+    def current(self, engine: "Engine") -> bool:
+        """True when the step was launched and no verify ran after it: its buffers hold its result."""
+        return self.step is not None and engine.verifies == self.verifies
 
 
 def _follow(

@@ -481,7 +481,14 @@ class StepLoop:
             self._choose(row, logits)
         else:
             row.spec = speculative_decode(
-                engine, handle, lambda: row.state, logits, row.feed, row.gen, handle._emit
+                engine,
+                handle,
+                lambda: row.state,
+                logits,
+                row.feed,
+                row.gen,
+                handle._emit,
+                self._speculates_alone,
             )
             self._next_speculative(row)
 
@@ -504,6 +511,10 @@ class StepLoop:
                 for _ in row.spec:
                     pass
             row.forwards += self.engine.forward_calls - calls
+
+    def _speculates_alone(self) -> bool:
+        """True while one running row at most decodes speculatively (its verify steps are the only ones)."""
+        return sum(r.spec is not None and not r.ended for r in self.rows) <= 1
 
     def _decode(self) -> int:
         for row in [r for r in self.rows if r.spec is not None and not r.ended]:
