@@ -4,11 +4,13 @@ Decodes the first 128 tokens of a held-out standard-library file with plain deco
 widths 1..3 (``--reps`` rounds over the widths in turn, so that a slow spell of the host hits every width alike;
 the fastest and the median run are reported), then, unless ``--no-profile``, profiles one plain and
 one width-1 request with cProfile (host functions) and, on a GPU, torch.profiler (host calls such as
-``cudaMemcpyAsync`` and ``cudaGraphLaunch`` against device kernels); ``--trace FILE`` writes torch.profiler's
-Chrome trace of a width-1 request of ``--trace-tokens`` tokens (host calls and kernels on one timeline, to see
-where the device waits for the host). Run it in two checkouts in one device call to compare two commits.
+``cudaMemcpyAsync`` and ``cudaGraphLaunch`` against device kernels); ``--trace DIR`` writes torch.profiler's
+Chrome traces of a plain, a width-1 and a width-3 request of ``--trace-tokens`` tokens (host calls and kernels
+on one timeline) and prints each one's device busy time (:func:`device_busy`): how much of a request is the
+device's own work, which no host change removes. Run it in two checkouts in one device call to compare two
+commits.
 
-    PYTHONPATH=. python3 bench/spec_step.py [--tokens 128] [--reps 5] [--no-profile] [--trace FILE]
+    PYTHONPATH=. python3 bench/spec_step.py [--tokens 128] [--reps 5] [--no-profile] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 from pathlib import Path
@@ -38,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=5, help="timed rounds over the widths")
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--trace", type=Path, default=None, help="Chrome trace of one width-1 request (GPU only)")
-    p.add_argument("--trace-tokens", type=int, default=32)
+    p.add_argument(
+        "--trace", type=Path, default=None, help="folder for Chrome traces of one request (GPU only)"
+    )
+    p.add_argument("--trace-tokens", type=int, default=48)
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = default_model_dir()
@@ -80,9 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.trace is not None and device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-            generate(1, a.trace_tokens)
-        tp.export_chrome_trace(str(a.trace))
+        a.trace.mkdir(parents=True, exist_ok=True)
+        for width in (None, 1, 3):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                result = generate(width, a.trace_tokens)
+            path = a.trace / f"trace-{'plain' if width is None else f'w{width}'}.json"
+            tp.export_chrome_trace(str(path))
+            busy, span, gaps = device_busy(json.loads(path.read_text()))
+            steps = (result.stats.speculative or {}).get("steps", a.trace_tokens)
+            print(
+                f"trace width {width}: device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms"
+                f" ({busy / span:.0%}), {steps} steps, idle gaps over 50 us: {sum(g > 50 for g in gaps)}"
+                f" ({sum(g for g in gaps if g > 50) / 1e3:.2f} ms)",
+                flush=True,
+            )
     if a.no_profile:
         return 0
     for width in (None, 1):
@@ -104,6 +120,29 @@ def main(argv: list[str] | None = None) -> int:
             print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     return 0
+
+
+def device_busy(trace: dict | list) -> tuple[float, float, list[float]]:
+    """A Chrome trace's device work: the time its kernels and copies cover (overlaps merged), the span from the
+    first to the last, and the idle gaps between them, in microseconds. Under PDL a kernel's span includes its
+    wait for the one before, so the busy time is the device chain's, not the kernels' own."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not spans:
+        return 0.0, 0.0, []
+    merged = [list(spans[0])]
+    for start, end in spans[1:]:
+        if start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    busy = sum(end - start for start, end in merged)
+    gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
+    return busy, merged[-1][1] - merged[0][0], gaps
 
 
 if __name__ == "__main__":
