@@ -152,6 +152,47 @@ def test_reasoning_is_an_item_and_goes_back_as_the_turn_s_reasoning(client, scri
     assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(encode_messages(chat, thinking=True).text)
 
 
+def test_a_reasoning_summary_asked_for_carries_the_reasoning(client, scripted):
+    """``reasoning.summary`` puts the reasoning in the item's summary, streamed with the summary events a client
+    that asked for one (Codex) shows; it goes back as the turn's reasoning like the content form."""
+    scripted.script("Need the tool.</think>Sunny.")
+    reasoning = {"effort": "high", "summary": "auto"}
+    r = client.responses.create(model="tiny", input="Weather?", reasoning=reasoning)
+    item = r.output[0]
+    assert item.type == "reasoning" and item.content is None
+    assert [(p.type, p.text) for p in item.summary] == [("summary_text", "Need the tool.")]
+
+    scripted.script("Need the tool.</think>Sunny.")
+    with client.responses.stream(model="tiny", input="Weather?", reasoning=reasoning) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events if getattr(e, "output_index", None) == 0]  # the reasoning item's
+    assert kinds[0] == "response.output_item.added" and events[2].item.summary == []
+    assert kinds[1] == "response.reasoning_summary_part.added"
+    assert kinds[-3:] == [
+        "response.reasoning_summary_text.done",
+        "response.reasoning_summary_part.done",
+        "response.output_item.done",
+    ]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(deltas) == "Need the tool." and not any(
+        e.type.startswith("response.reasoning_text") for e in events
+    )
+    assert final.output[0].summary[0].text == "Need the tool." and final.output_text == "Sunny."
+
+    scripted.script("Ok.")
+    history = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output]]
+    client.responses.create(
+        model="tiny", input=[*history, {"role": "user", "content": "Thanks"}], reasoning=reasoning
+    )
+    chat = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Need the tool."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    assert scripted.prompts[-1] == scripted.inner.tokenizer.encode(encode_messages(chat, thinking=True).text)
+
+
 def test_function_tools_are_strict_unless_they_say_not(live):
     r = live.responses.create(
         model="tiny",
@@ -208,6 +249,7 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
             "text.format.schema",
         ),
         (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
+        (dict(input="x", reasoning={"summary": "brief"}), "reasoning.summary"),
         (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
         (dict(input=[]), "input"),
         (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),

@@ -6,7 +6,7 @@ the tool calls of an assistant turn, a ``reasoning`` item the next assistant tur
 item it names) and everything else its chat equivalent, so the prompt, tool grammars (function tools are ``strict`` unless they say otherwise, as in
 OpenAI's API) and structured output are the chat route's. Errors name the Responses field (``input``, ``tools.0.parameters``,
 ``max_output_tokens``, ``text.format``). The answer is a list of output items: a ``reasoning`` item
-(thinking mode), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
+(thinking mode; its text the item's summary where the request asks for one), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
 sends the same items as typed events (``response.output_item.added``, ``...output_text.delta``,
 ``...function_call_arguments.delta``, ..., ``response.completed`` or ``response.incomplete``).
 
@@ -266,8 +266,10 @@ class _Items:
     """The output items of one response as it streams: each piece opens, extends and closes items, and
     every change is an event (a dict with its ``type``; the stream numbers them)."""
 
-    def __init__(self, tokenizer=None) -> None:
-        """``tokenizer``: the output text carries the logprobs of its tokens (None: it carries none)."""
+    def __init__(self, tokenizer=None, summary: bool = False) -> None:
+        """``tokenizer``: the output text carries the logprobs of its tokens (None: it carries none). ``summary``:
+        the reasoning goes in the reasoning item's ``summary`` (the client asked for one), else its ``content``."""
+        self.summary = summary
         self.items: list[dict] = []
         self.open: dict | None = None
         self.tokenizer = tokenizer
@@ -279,10 +281,19 @@ class _Items:
         events = self._close()
         self.items.append(item)
         self.open = item
-        # as OpenAI: a message or reasoning item is added empty, its part then comes with content_part.added
-        added = _copy(item) if item["type"] == "function_call" else {**_copy(item), "content": []}
+        # as OpenAI: a message or reasoning item is added empty, its part then comes with content_part.added (a
+        # summary's with reasoning_summary_part.added)
+        field = _text_field(item)
+        added = _copy(item) if field is None else {**_copy(item), field: []}
         events.append(self._event("output_item.added", item=added))
-        if item["type"] != "function_call":
+        if field == "summary":
+            part = item["summary"][0]
+            events.append(
+                self._event(
+                    "reasoning_summary_part.added", item_id=item["id"], summary_index=0, part=_copy(part)
+                )
+            )
+        elif field is not None:
             part = item["content"][0]
             events.append(
                 self._event("content_part.added", item_id=item["id"], content_index=0, part=_copy(part))
@@ -290,12 +301,21 @@ class _Items:
         return events
 
     def _text(self, kind: str, text: str, logprobs: list[dict]) -> list[dict]:
-        events = [] if self.open is not None and self.open["type"] == kind else self._start(_new_item(kind))
-        part = self.open["content"][0]
+        if self.open is None or self.open["type"] != kind:
+            events = self._start(_new_item(kind, self.summary))
+        else:
+            events = []
+        item = self.open
+        field = _text_field(item)
+        part = item[field][0]
         part["text"] += text
+        if field == "summary":
+            return events + [
+                self._event("reasoning_summary_text.delta", item_id=item["id"], summary_index=0, delta=text)
+            ]
         if kind == "reasoning":
             return events + [
-                self._event("reasoning_text.delta", item_id=self.open["id"], content_index=0, delta=text)
+                self._event("reasoning_text.delta", item_id=item["id"], content_index=0, delta=text)
             ]
         part["logprobs"] += logprobs
         return events + [
@@ -354,6 +374,16 @@ class _Items:
                     arguments=item["arguments"],
                 )
             ]
+        elif _text_field(item) == "summary":
+            part = item["summary"][0]
+            events = [
+                self._event(
+                    "reasoning_summary_text.done", item_id=item["id"], summary_index=0, text=part["text"]
+                ),
+                self._event(
+                    "reasoning_summary_part.done", item_id=item["id"], summary_index=0, part=_copy(part)
+                ),
+            ]
         else:
             part = item["content"][0]
             done = (
@@ -382,7 +412,9 @@ class _Items:
         return events + self._close("incomplete" if incomplete else "completed")
 
 
-def _new_item(kind: str) -> dict:
+def _new_item(kind: str, summary: bool = False) -> dict:
+    """An empty item of ``kind`` ("message" or "reasoning"; ``summary``: a reasoning item whose text is its
+    summary, as a client asking for one reads it)."""
     if kind == "message":
         return {
             "type": "message",
@@ -391,6 +423,13 @@ def _new_item(kind: str) -> dict:
             "status": "in_progress",
             "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
         }
+    if summary:
+        return {
+            "type": "reasoning",
+            "id": mint_id("rs_"),
+            "summary": [{"type": "summary_text", "text": ""}],
+            "status": "in_progress",
+        }
     return {
         "type": "reasoning",
         "id": mint_id("rs_"),
@@ -398,6 +437,14 @@ def _new_item(kind: str) -> dict:
         "status": "in_progress",
         "content": [{"type": "reasoning_text", "text": ""}],
     }
+
+
+def _text_field(item: dict) -> str | None:
+    """Where an item's text grows: a message's or reasoning's ``content``, a summarised reasoning's ``summary``,
+    none for a function call."""
+    if item["type"] == "function_call":
+        return None
+    return "content" if "content" in item else "summary"
 
 
 def _copy(item: dict) -> dict:
@@ -415,7 +462,7 @@ class _Response:
         self.store = server.responses if _stored_here(server, body) else None
         self.input_items = _own_items(body)
         self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None
-        self.items = _Items(self.tokenizer)
+        self.items = _Items(self.tokenizer, summary=bool(body.reasoning and body.reasoning.summary))
         # a streamed background response's numbered events, which any number of streams follow (``grew`` is set,
         # and replaced, at each new one; ``ended`` once the last is in)
         self.log: list[dict] | None = [] if body.background and body.stream else None

@@ -437,7 +437,7 @@ class ResponseNamedTool(_Body):
 
 class ResponseReasoningOption(_Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponseTextFormat(_Body):
