@@ -180,6 +180,12 @@ def test_a_reasoning_summary_asked_for_carries_the_reasoning(client, scripted):
     )
     assert final.output[0].summary[0].text == "Need the tool." and final.output_text == "Sunny."
 
+    scripted.script("Need the tool.</think>Sunny.")
+    older = client.responses.create(
+        model="tiny", input="Weather?", reasoning={"effort": "high", "generate_summary": "concise"}
+    )
+    assert older.output[0].summary[0].text == "Need the tool."  # the older name of the same option
+
     scripted.script("Ok.")
     history = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output]]
     client.responses.create(
@@ -250,6 +256,7 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
         ),
         (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
         (dict(input="x", reasoning={"summary": "brief"}), "reasoning.summary"),
+        (dict(input="x", reasoning={"generate_summary": True}), "reasoning.generate_summary"),
         (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
         (dict(input=[]), "input"),
         (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),

@@ -462,7 +462,7 @@ class _Response:
         self.store = server.responses if _stored_here(server, body) else None
         self.input_items = _own_items(body)
         self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None
-        self.items = _Items(self.tokenizer, summary=bool(body.reasoning and body.reasoning.summary))
+        self.items = _Items(self.tokenizer, summary=body.reasoning is not None and body.reasoning.summarised)
         # a streamed background response's numbered events, which any number of streams follow (``grew`` is set,
         # and replaced, at each new one; ``ended`` once the last is in)
         self.log: list[dict] | None = [] if body.background and body.stream else None

@@ -438,6 +438,14 @@ class ResponseNamedTool(_Body):
 class ResponseReasoningOption(_Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = (
+        None  # OpenAI's older name of ``summary``
+    )
+
+    @property
+    def summarised(self) -> bool:
+        """The client asked for a reasoning summary (under either name)."""
+        return (self.summary or self.generate_summary) is not None
 
 
 class ResponseTextFormat(_Body):
