@@ -31,9 +31,8 @@ from ..model import DeepSeekV4
 from ..model.batch import BatchForward, micro_batches
 from ..parallel.split_model import SplitModel
 from ..state import SequenceState
-from .cuda_graphs import Captured
+from .cuda_graphs import Captured, with_choices
 from .device_commit import DeviceCommit
-from .sampler import graph_argmax
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # rows of the captured steps (and the slot count)
 
@@ -242,9 +241,7 @@ class _ShardStep:
         )
 
     def _forward_and_commit(self) -> BatchForward:
-        out = self._forward()
-        if out.logits is not None:
-            out.choices = graph_argmax(out.logits)
+        out = with_choices(self._forward())
         for writes, delta, pos in zip(self._writes, out.deltas, self.positions):
             writes.write_token(delta, pos)
         return out

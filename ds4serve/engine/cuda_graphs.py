@@ -26,6 +26,7 @@ import torch
 
 from ..devices import ids_on, on_device
 from ..model import DeepSeekV4, ForwardResult
+from ..model.batch import BatchForward
 from ..state import ChunkDelta, SequenceState
 from .device_commit import DeviceCommit
 from .sampler import graph_argmax
@@ -92,6 +93,17 @@ class Captured:
         return self._out
 
 
+Forward = TypeVar("Forward", ForwardResult, BatchForward)
+
+
+def with_choices(out: Forward) -> Forward:
+    """``out`` with its logits' argmax as ``choices`` (:func:`~ds4serve.engine.sampler.graph_argmax`, for code a
+    graph captures), where it has logits (a shard without the head has none)."""
+    if out.logits is not None:
+        out.choices = graph_argmax(out.logits)
+    return out
+
+
 class DecodeGraph:
     """A captured one-token forward of ``model`` over ``state`` and its commit (logits included).
 
@@ -131,9 +143,7 @@ class DecodeGraph:
         out = self.model.forward(
             self.token, self.state, hidden=self.hidden, logit_rows=rows, positions=self.pos
         )
-        if out.logits is not None:
-            out.choices = graph_argmax(out.logits)
-        return out
+        return with_choices(out)
 
     def _forward_and_commit(self) -> ForwardResult:
         out = self._forward()
@@ -220,9 +230,7 @@ class VerifyGraph:
             capture=self.capture,
             positions=self.positions,
         )
-        if out.logits is not None:
-            out.choices = graph_argmax(out.logits)
-        return out
+        return with_choices(out)
 
     def run(self, block: list[int] | torch.Tensor) -> ForwardResult:
         """The forward of ``block`` (host ids, or a device tensor of them) at ``state.pos``: buffers that the

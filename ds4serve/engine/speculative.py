@@ -397,15 +397,13 @@ def speculative_decode(
                     else Draft()
                 )
                 n = policy.verify_count(draft, k)
-                step = engine.verify(state, draft.block(seed, n), capture)
+                step = None
             else:
                 draft, n = followed.draft, followed.draft.count
-                step = (
-                    followed.step
-                    if followed.current(engine)
-                    else engine.verify(state, draft.block(seed, n), capture)
-                )
+                step = followed.step if followed.current(engine) else None
                 followed = None
+            if step is None:
+                step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
             # each row's token on the device where its argmax decides it, read back with the drafts in one wait
             rows_argmax = _argmax_choices(gen, out, n + 1)

@@ -65,7 +65,7 @@ class _Body(BaseModel):
 
 
 class _Request(_Body):
-    """A request body, whose real-number fields (sampling parameters) are its own."""
+    """A request body: a NaN or infinity in any of its real-number fields is refused naming that field's range."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -438,9 +438,8 @@ class ResponseNamedTool(_Body):
 class ResponseReasoningOption(_Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
-    generate_summary: Literal["auto", "concise", "detailed"] | None = (
-        None  # OpenAI's older name of ``summary``
-    )
+    # OpenAI's older name of ``summary``
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
     @property
     def summarised(self) -> bool:
