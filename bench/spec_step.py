@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({sum(g for g in gaps if g > 50) / 1e3:.2f} ms)",
                 flush=True,
             )
+            for line in launch_table(json.loads(path.read_text())):
+                print(f"  {line}", flush=True)
     if a.no_profile:
         return 0
     for width in (None, 1):
@@ -143,6 +145,54 @@ def device_busy(trace: dict | list) -> tuple[float, float, list[float]]:
     busy = sum(end - start for start, end in merged)
     gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
     return busy, merged[-1][1] - merged[0][0], gaps
+
+
+def launches(trace: dict | list) -> dict[tuple[str, int], list[tuple[str, float]]]:
+    """A Chrome trace's device kernels grouped by the host call that launched them (a graph replay launches
+    many under one correlation id): ``{(host call name, correlation): [(kernel name, us), ...]}``."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    calls = {
+        e["args"]["correlation"]: e["name"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    out: dict[tuple[str, int], list[tuple[str, float]]] = {}
+    for e in sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"]):
+        corr = e.get("args", {}).get("correlation", -1)
+        out.setdefault((calls.get(corr, "?"), corr), []).append((e["name"], e.get("dur", 0.0)))
+    return out
+
+
+def launch_table(trace: dict | list, top: int = 12) -> list[str]:
+    """Lines describing a trace's graph replays by kind (kernels per replay): how many replays, their kernels'
+    time per replay, and one replay's kernels summed by name (largest first); then the kernels launched one at
+    a time (outside graphs), by name."""
+    kinds: dict[int, list[list[tuple[str, float]]]] = {}
+    single: dict[str, list[float]] = {}
+    for (call, _), kernels in launches(trace).items():
+        if call == "cudaGraphLaunch":
+            kinds.setdefault(len(kernels), []).append(kernels)
+        else:
+            for name, dur in kernels:
+                single.setdefault(name, []).append(dur)
+    lines = []
+    for count, replays in sorted(kinds.items(), key=lambda kv: -len(kv[1]) * kv[0]):
+        per = sorted(sum(d for _, d in r) for r in replays)[len(replays) // 2]
+        lines.append(f"graph of {count} kernels x {len(replays)} replays: median {per:.1f} us of kernels")
+        for name, durs in _by_name(replays[len(replays) // 2])[:top]:
+            lines.append(f"    {sum(durs):8.1f} us x {len(durs):3d}  {name[:90]}")
+    total = sum(len(d) for d in single.values())
+    lines.append(f"outside graphs: {total} kernels, {sum(map(sum, single.values())):.1f} us")
+    for name, durs in sorted(single.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"    {sum(durs):8.1f} us x {len(durs):3d}  {name[:90]}")
+    return lines
+
+
+def _by_name(kernels: list[tuple[str, float]]) -> list[tuple[str, list[float]]]:
+    named: dict[str, list[float]] = {}
+    for name, dur in kernels:
+        named.setdefault(name, []).append(dur)
+    return sorted(named.items(), key=lambda kv: -sum(kv[1]))
 
 
 if __name__ == "__main__":
