@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", type=Path, default=None, help="folder for Chrome traces of one request (GPU only)"
     )
     p.add_argument("--trace-tokens", type=int, default=48)
+    p.add_argument(
+        "--trace-top", type=int, default=12, help="kernel names listed for each kind of graph replay"
+    )
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = default_model_dir()
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({sum(g for g in gaps if g > 50) / 1e3:.2f} ms)",
                 flush=True,
             )
-            for line in launch_table(json.loads(path.read_text())):
+            for line in launch_table(json.loads(path.read_text()), a.trace_top):
                 print(f"  {line}", flush=True)
     if a.no_profile:
         return 0

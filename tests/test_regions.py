@@ -112,3 +112,47 @@ def test_wide_chunks_stay_torch_code_inside_a_compiled_region(monkeypatch):
     monkeypatch.setattr(regions, "_active", lambda args, kwargs, chunks: "eager")
     got = hyper._collapse(pre, X)  # compiled: torch code
     assert calls == [9] and torch.allclose(got, (pre.unsqueeze(-1) * X).sum(dim=-2))
+
+
+def test_mtp_pass_traces_whole_and_matches_plain(engine):
+    """A captured draft pass's region (RoPE tables, input mix, block, head: :func:`ds4serve.model.mtp.static_pass`)
+    traces as one graph calling the kernels as custom ops, and gives the plain pass's streams, rows and logits
+    over three committed rows and one chained row."""
+    pytest.importorskip("triton", reason="the region calls the Triton kernels")
+    if torch.cuda.is_available():
+        pytest.skip(
+            "runs the kernels in Triton's interpreter on CPU; tests/test_gpu_speculative.py covers the GPU"
+        )
+    from ds4serve.config import SLIDING
+    from ds4serve.engine.drafts import resolve_proposer, target_parts
+    from ds4serve.model.mtp import static_pass
+    from ds4serve.state import allocate_layer
+    from tests.helpers import random_prompt
+
+    t, w = target_parts(engine.model), resolve_proposer(engine, "mtp").w
+    ids = torch.tensor(random_prompt(8, seed=3))
+    hidden = engine.model.forward(ids.tolist(), engine.model.new_state(8)).hidden
+    window = allocate_layer(engine.cfg, SLIDING, 16, engine.dtype, engine.device)
+    window.window.normal_(generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), regions.static_step():
+        for rows, at in ((slice(2, 5), 2), (slice(5, 6), 9)):
+            args = (
+                w,
+                t.last,
+                t.head,
+                hidden[rows],
+                ids[rows],
+                t.embed[ids[rows]],
+                torch.arange(at, at + 3)[: ids[rows].numel()],
+                window,
+            )
+            ref = static_pass.eager(*args)
+            with regions.forced("aot_eager"), kernels.on_any_device():
+                out = static_pass(*args)
+            for name, a, b in (
+                ("streams", out[0], ref[0]),
+                ("rows", out[1].window_rows, ref[1].window_rows),
+                ("logits", out[2], ref[2]),
+            ):
+                err = (a - b).abs().max() / b.abs().max()
+                assert err <= 1e-5, f"{name}: relative error {err:.3g}"

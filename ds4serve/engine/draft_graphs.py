@@ -43,7 +43,7 @@ from ..model.dspark import (
     ring_context,
     target_features,
 )
-from ..model.mtp import MTPWeights, mtp_forward, mtp_logits
+from ..model.mtp import MTPWeights, static_pass
 from ..state import ChunkDelta, LayerDelta, SequenceState, allocate_layer
 from .cuda_graphs import Captured
 from .device_commit import DeviceCommit
@@ -116,9 +116,9 @@ class MTPGraphs(_DraftPasses):
         ``positions``."""
         t = self.target
         with regions.static_step():
-            chunk = t.last.chunk_info(0, ids.shape[0], positions)
-            G, delta = mtp_forward(self.w, hidden, ids, embedded, chunk, state.layers[0], t.cfg, t.last.ropes)
-            logits = mtp_logits(self.w, G[-1:], t.head, t.cfg)
+            G, delta, logits = static_pass(
+                self.w, t.last, t.head, hidden, ids, embedded, positions, state.layers[0]
+            )
             return G, delta, logits[0], graph_argmax(logits)
 
     def observe(

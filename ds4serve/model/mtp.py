@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SLIDING, ModelConfig
+from ..kernels.regions import region
 from ..quant import Weight
 from ..state import LayerDelta, LayerState
 from ..weights import Checkpoint
 from .attention import ChunkInfo
-from .deepseek4 import BlockWeights, HeadWeights, block_forward, head_logits, load_block
+from .deepseek4 import BlockWeights, DeepSeekV4, HeadWeights, block_forward, head_logits, load_block
 from .linear import linear
 from .norms import rms_norm
 from .rope import Rope
@@ -97,3 +98,23 @@ def mtp_forward(
 def mtp_logits(w: MTPWeights, streams: torch.Tensor, head: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """float32 logits ``[N, V]`` of output streams ``[N, hc, D]`` through the shared ``head``."""
     return head_logits(HeadWeights(w.hc_fn, w.hc_base, w.hc_scale, w.norm, head), streams, cfg)
+
+
+@region
+def static_pass(
+    w: MTPWeights,
+    target: DeepSeekV4,
+    head: torch.Tensor,
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    embedded: torch.Tensor,
+    positions: torch.Tensor,
+    ls: LayerState,
+) -> tuple[torch.Tensor, LayerDelta, torch.Tensor]:
+    """A static pass at device ``positions`` (a captured draft pass): :func:`mtp_forward`'s streams and delta and
+    the last row's :func:`mtp_logits` ``[1, V]``, the RoPE tables at ``positions`` included, as one compiled
+    region, so that the pass's small ops (tables, input norms, the head's merge) fuse around the block's.
+    ``target``: the model part whose RoPE tables and configuration the pass uses (it holds the head)."""
+    chunk = target.chunk_info(0, next_ids.shape[0], positions)
+    G, delta = mtp_forward(w, hidden, next_ids, embedded, chunk, ls, target.cfg, target.ropes)
+    return G, delta, mtp_logits(w, G[-1:], head, target.cfg)
