@@ -78,7 +78,7 @@ def test_a_row_is_bitwise_the_same_in_every_bucket(engine):
             logits = []
             for _ in range(3):
                 out = batch.step(rows, tokens)
-                assert out.argmax(list(range(n))) == dict(
+                assert out.chosen(list(range(n)), {}) == dict(
                     enumerate(torch.stack(out.logits).argmax(-1).tolist())
                 )
                 logits.append(out.logits[0])
@@ -124,7 +124,9 @@ def test_captured_buckets_match_the_uncaptured_step_on_the_gpu(tiny_dir):
                     out = batch.step(rows, [9 + i for i in range(n)])
                     got[graph, n].append(torch.stack(out.logits))
                     # the step's argmax (the kernels' when captured) is torch's over the logits
-                    assert list(out.argmax(list(range(n))).values()) == got[graph, n][-1].argmax(-1).tolist()
+                    assert (
+                        list(out.chosen(list(range(n)), {}).values()) == got[graph, n][-1].argmax(-1).tolist()
+                    )
         for n in sizes:
             assert all(torch.equal(a, b) for a, b in zip(got[True, n], got[False, n])), n
             smaller = max(m for m in sizes if m <= n // 2 or m == 1)

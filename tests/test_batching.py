@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ds4serve import Engine, SamplingParams
-from ds4serve.engine.batch_graphs import bucket_for
+from ds4serve.engine.batch_graphs import DecodedRows, bucket_for
 from ds4serve.engine.engine import DEFAULT_MAX_BATCH, default_max_batch
 from ds4serve.engine.prefix_cache import PrefixCache
 from tests.helpers import random_prompt
@@ -517,10 +517,11 @@ def test_speculative_rows_are_preempted_exactly(tiny_dir, device):
     assert any(spec and 0 < pos < 200 and not decoding for spec, pos, decoding in seen)  # and mid-prefill
 
 
-def test_greedy_rows_of_a_batched_step_are_read_back_together(engines, monkeypatch):
-    """The greedy rows of a batched decode step take their tokens from one argmax over their logits, read
-    back at once (Generation.choose runs for their first token, after prefill, and for sampled rows only),
-    and every request still gets what it gets alone."""
+def test_rows_of_a_batched_step_are_read_back_together(engines, monkeypatch):
+    """The greedy and sampled rows of a batched decode step take their tokens from one argmax over the greedy
+    rows' logits and the sampled rows' draws on the device, read back at once (Generation.choose runs for their
+    first token only, after prefill, and for every token of a row with a penalty), and every request still gets
+    what it gets alone."""
     from ds4serve.engine.generation import Generation
 
     engine = engines[0]
@@ -528,15 +529,27 @@ def test_greedy_rows_of_a_batched_step_are_read_back_together(engines, monkeypat
     prompts = [random_prompt(12 + 5 * i, seed=300 + i) for i in range(4)]
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
-    params = [greedy, greedy, greedy, seeded]
+    penalised = SamplingParams(max_tokens=6, temperature=0.8, seed=4, presence_penalty=0.5, ignore_eos=True)
+    params = [greedy, greedy, seeded, penalised]
     alone = [engines[1].generate(p, q).tokens for p, q in zip(prompts, params)]
     chosen = []
     choose = Generation.choose
     monkeypatch.setattr(
-        Generation, "choose", lambda g, logits: chosen.append(g.sampler.greedy) or choose(g, logits)
+        Generation, "choose", lambda g, logits: chosen.append(g.params.seed) or choose(g, logits)
+    )
+    reads = []
+    read = DecodedRows.chosen
+    monkeypatch.setattr(
+        DecodedRows,
+        "chosen",
+        lambda d, argmax, drawn: reads.append((len(argmax), len(drawn))) or read(d, argmax, drawn),
     )
     handles = [engine.stream(p, q) for p, q in zip(prompts, params)]
     while not all(h.done for h in handles):
         engine.step()
     assert [h.result.tokens for h in handles] == alone
-    assert chosen.count(False) == 6 and chosen.count(True) <= 3  # greedy rows chose their first tokens only
+    assert (
+        chosen.count(None) <= 2 and chosen.count(3) == 1
+    )  # greedy and seeded rows chose their first tokens only
+    assert chosen.count(4) == 6  # the penalised row chose each of its tokens
+    assert (2, 1) in reads  # a step read two argmax and a draw in one wait

@@ -198,3 +198,48 @@ def test_rows_are_decided_on_the_device_only_where_each_is_its_argmax(engine):
         gen([1, think], reasoning_budget=2),  # a third reasoning row would be forced to </think>
     ):
         assert not refused.argmax_decides(3), refused.params
+
+
+def test_sampled_rows_decided_together_are_the_rows_verified_one_by_one(engine):
+    """A sampled request's verify rows decided together on the device (``_row_choices``) are what verifying them one
+    by one gives: row ``i`` its verdict on draft ``i`` with that draft's distribution and output index, the last row
+    the request's own sample; one draft of each kind (likely, unlikely, deterministic). A request whose rows depend
+    on the tokens before them (a penalty) is left to go one by one; its draws equal ``choose``'s."""
+    from ds4serve.engine.generation import Generation
+    from ds4serve.engine.request import GenerateResult
+    from ds4serve.engine.speculative import _row_choices, verify_row
+    from ds4serve.model.deepseek4 import ForwardResult
+
+    def gen(**params) -> Generation:
+        return Generation(
+            [1, 2],
+            SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, **params),
+            GenerateResult(),
+            engine.cfg,
+            engine.tokenizer,
+            torch.device("cpu"),
+            0.0,
+        )
+
+    vocab = engine.cfg.vocab_size
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, vocab, generator=g) * 4
+    q = [torch.softmax(torch.randn(vocab, generator=g) * 4, -1) for _ in range(3)]
+    drafts = [int(logits[0].argmax()), int(logits[1].argmin()), int(logits[2].argmax())]
+    out = ForwardResult(hidden=torch.zeros(4, 1, 1), delta=None, logits=logits)
+    plain = gen()
+    for probs in (q, None):
+        for index in (0, 6):
+            draft = Draft(tokens=drafts, probs=probs)
+            rows = _row_choices(plain, out, draft, 7, 3, index).tolist()
+            for i in range(3):
+                qi = None if probs is None else probs[i]
+                assert verify_row(plain, logits[i], drafts[i], qi, index + i) == (
+                    rows[i],
+                    rows[i] == drafts[i],
+                )
+            assert rows[3] == plain.sampler.draw(plain.distribution(logits[3]), index + 3, Stream.SAMPLE)
+    assert rows[0] == drafts[0] and rows[1] != drafts[1]  # the likely draft passes, the unlikely one not
+    penalised = gen(presence_penalty=0.5)
+    assert _row_choices(penalised, out, Draft(tokens=drafts, probs=q), 7, 3, 0) is None
+    assert int(plain.draw_on_device(logits[1])) == plain.choose(logits[1])

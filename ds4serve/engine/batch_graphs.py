@@ -47,15 +47,28 @@ class DecodedRows:
     choices: torch.Tensor | None = None
     order: list[int] | None = None
 
-    def argmax(self, rows: list[int]) -> dict[int, int]:
-        """The argmax of each of ``rows`` (indices into :attr:`logits`), by row, read back in one wait: the
-        step's ``choices``, or one argmax over those rows' logits where the step took none."""
-        if not rows:
+    def chosen(self, argmax: list[int], drawn: dict[int, torch.Tensor]) -> dict[int, int]:
+        """The tokens of the rows decided on the device, by row (indices into :attr:`logits`), read back in one
+        wait: the argmax of each of ``argmax`` (the step's ``choices``, or one argmax over those rows' logits where
+        the step took none) and the ``[1]`` tokens ``drawn`` (sampled rows' draws, by row)."""
+        parts = [t.view(1) for t in drawn.values()]
+        if argmax:
+            best = self.choices
+            if best is None:
+                best = torch.stack([self.logits[i] for i in argmax]).argmax(-1)
+            parts.insert(0, best)
+        if not parts:
             return {}
-        if self.choices is None:
-            return dict(zip(rows, torch.stack([self.logits[i] for i in rows]).argmax(-1).tolist()))
-        every = self.choices.tolist()
-        return {i: every[i if self.order is None else self.order[i]] for i in rows}
+        ids = torch.cat([t.to(parts[0].device) for t in parts]).tolist()
+        out = {}
+        if argmax:
+            best, ids = ids[: parts[0].numel()], ids[parts[0].numel() :]
+            if self.choices is None:
+                out = dict(zip(argmax, best))
+            else:
+                out = {i: best[i if self.order is None else self.order[i]] for i in argmax}
+        out.update(zip(drawn, ids))
+        return out
 
 
 def bucket_for(rows: int, slots: int) -> int:

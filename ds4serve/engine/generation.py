@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..tokenizer import Tokenizer
 from .constraint import Constraint
 from .request import ErrorCode, GenerateResult, SamplingParams
-from .sampler import Sampler
+from .sampler import Sampler, Stream
 
 
 class Generation:
@@ -65,23 +65,32 @@ class Generation:
             return forced
         return self.sampler.sample(self._constrained(logits), self.prompt, self.output)
 
-    def argmax_decides(self, rows: int) -> bool:
-        """True when :meth:`choose` picks each of the next ``rows`` output tokens as the argmax of its logits,
-        whatever the tokens accepted before it: greedy without bias or penalties, no constraint, ``min_tokens``
-        reached and no forced ``</think>`` within reach. A verify block's rows are then decided together on the
-        device; otherwise one by one."""
+    def decides_ahead(self, rows: int) -> bool:
+        """True when each of the next ``rows`` output tokens is chosen from its own logits alone, whatever the tokens
+        accepted before it: no bias or penalties, no constraint, ``min_tokens`` reached and no forced ``</think>``
+        within reach. A verify block's rows are then decided together on the device, and a decode step's rows read
+        back in one wait; otherwise one by one."""
         p = self.params
         budget = p.reasoning_budget
         reaches_budget = (
             self.reasoning and budget is not None and self.result.stats.reasoning_tokens + rows > budget
         )
         return (
-            self.sampler.greedy
-            and self.sampler.plain
+            self.sampler.plain
             and self.constraint is None
             and len(self.output) >= p.min_tokens
             and not reaches_budget
         )
+
+    def argmax_decides(self, rows: int) -> bool:
+        """True when :meth:`choose` picks each of the next ``rows`` output tokens as the argmax of its logits:
+        greedy, and :meth:`decides_ahead`."""
+        return self.sampler.greedy and self.decides_ahead(rows)
+
+    def draw_on_device(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`choose`'s token as a ``[1]`` long tensor on the sampler's device, not read back, for a sampled
+        request where :meth:`decides_ahead` holds (the same draw from the same distribution)."""
+        return self.sampler.draw_on_device(self.distribution(logits), len(self.output), Stream.SAMPLE)
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The exact distribution of the next token (one-hot when forced or greedy)."""

@@ -202,25 +202,31 @@ def pick_on_device(
 def verify_token(
     p: torch.Tensor, draft: int, q: torch.Tensor | None, sampler: Sampler, index: int
 ) -> tuple[int, bool]:
-    """Accept ``draft`` of output token ``index`` under target distribution ``p`` given draft distribution
-    ``q`` (None: one-hot).
+    """:func:`verdict_on_device` of ``draft`` read back: ``(token, accepted)``."""
+    token = int(verdict_on_device(p, torch.tensor([draft], device=p.device), q, sampler, index))
+    return token, token == draft
 
-    Returns ``(token, accepted)``: the draft with probability ``min(1, p[d]/q[d])`` (stream ``ACCEPT``),
-    otherwise a token drawn from ``normalize(max(p - q, 0))`` (stream ``RESIDUAL``). The token is then
-    distributed exactly as ``p``.
-    """
-    pd = float(p[draft])
-    qd = 1.0 if q is None else float(q[draft])
-    if pd >= qd or (pd > 0 and sampler.uniform(index, Stream.ACCEPT) * qd < pd):
-        return draft, True
-    residual = p.clone() if q is None else (p - q.to(p.device)).clamp_min(0)
-    residual[draft] = 0.0
-    total = float(residual.sum())
-    if total <= 0:  # p == q up to rounding: rejection had probability ~0; fall back to p without the draft
-        residual = p.clone()
-        residual[draft] = 0.0
-        total = float(residual.sum())
-    return sampler.draw(residual / total, index, Stream.RESIDUAL), False
+
+def verdict_on_device(
+    p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sampler: Sampler, index: int
+) -> torch.Tensor:
+    """Output token ``index`` under target distribution ``p [V]`` given ``draft`` (``[1]`` long on ``p``'s device)
+    drawn from ``q [V]`` (None: one-hot), as ``[1]`` long on the device, nothing read back: the draft with
+    probability ``min(1, p[d]/q[d])`` (stream ``ACCEPT``), else a token drawn from ``normalize(max(p - q, 0))``
+    without the draft (stream ``RESIDUAL``; where rounding leaves that empty, from ``p`` without the draft). The
+    token is then distributed exactly as ``p``; it is the draft exactly when the draft is accepted."""
+    q = None if q is None else q.to(p.device)
+    pd = p.gather(0, draft)
+    qd = torch.ones_like(pd) if q is None else q.gather(0, draft)
+    u = sampler.uniform(index, Stream.ACCEPT)
+    accepted = (pd >= qd) | ((pd > 0) & (qd.double() * u < pd.double()))
+    without = p.scatter(0, draft, 0.0)
+    residual = without if q is None else (p - q).clamp_min(0).scatter(0, draft, 0.0)
+    # drawn whether or not it is used, so from a distribution with mass: p itself only where the draft holds all
+    # of p's, and is then accepted
+    residual = torch.where(residual.sum() > 0, residual, torch.where(without.sum() > 0, without, p))
+    drawn = sampler.draw_on_device(residual / residual.sum(), index, Stream.RESIDUAL)
+    return torch.where(accepted, draft, drawn.to(p.device))
 
 
 def verify_row(
@@ -405,9 +411,9 @@ def speculative_decode(
             if step is None:
                 step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
-            # each row's token on the device where its argmax decides it, read back with the drafts in one wait
-            rows_argmax = _argmax_choices(gen, out, n + 1)
-            chosen = draft.resolve(rows_argmax)
+            # each row's token decided on the device where the rows decide ahead, read back with the drafts in one wait
+            rows_chosen = _row_choices(gen, out, draft, seed, n, len(res.tokens))
+            chosen = draft.resolve(rows_chosen)
             block = draft.block(seed, n)
             tokens: list[int] = []
             accepted = 0
@@ -445,10 +451,10 @@ def speculative_decode(
                     next_token=seed,
                     hidden=out.hidden[:emitted],
                     captured={layer: x[:emitted] for layer, x in out.captured.items()},
-                    next_on_device=None if rows_argmax is None else rows_argmax[:emitted],
+                    next_on_device=None if rows_chosen is None else rows_chosen[:emitted],
                 )
                 ready = None
-                if rows_argmax is not None and not handle.cancelled:
+                if rows_chosen is not None and gen.sampler.greedy and not handle.cancelled:
                     ready = _follow(engine, state, proposer, committed, budget(), capture)
                 if ready is None:
                     proposer.observe(committed)
@@ -496,11 +502,27 @@ def _follow(
     return None if block is None else proposer.follow(committed, k, block)
 
 
-def _argmax_choices(gen: Generation, out: ForwardResult, rows: int) -> torch.Tensor | None:
-    """The verify rows' argmax on the device (the captured verify took it) where it decides each row's token."""
-    if not gen.argmax_decides(rows):
+def _row_choices(
+    gen: Generation, out: ForwardResult, draft: Draft, seed: int, n: int, index: int
+) -> torch.Tensor | None:
+    """Each row's token of the verify of block ``[seed, d1..dn]`` on the device where the rows decide ahead
+    (:meth:`Generation.decides_ahead`), row ``i`` given the drafts before it accepted: greedy, its argmax (the
+    captured verify took it); sampled, the draft where :func:`verdict_on_device` accepts it, else its residual
+    draw, and the last row a sample. ``index``: the output index of row 0. None where rows go one by one."""
+    if not gen.decides_ahead(n + 1):
         return None
-    return out.logits.argmax(-1) if out.choices is None else out.choices
+    if gen.sampler.greedy:
+        return out.logits[: n + 1].argmax(-1) if out.choices is None else out.choices
+    p = [gen.distribution(out.logits[i]) for i in range(n + 1)]
+    drafts = torch.as_tensor(draft.block(seed, n)[1:], device=p[0].device)
+    tokens = [
+        verdict_on_device(
+            p[i], drafts[i : i + 1], None if draft.probs is None else draft.probs[i], gen.sampler, index + i
+        )
+        for i in range(n)
+    ]
+    tokens.append(gen.sampler.draw_on_device(p[n], index + n, Stream.SAMPLE))
+    return torch.cat(tokens)
 
 
 def _checked(draft: Draft, vocab_size: int) -> Draft:
@@ -522,6 +544,7 @@ __all__ = [
     "WidthPolicy",
     "SpeculativeStats",
     "verify_token",
+    "verdict_on_device",
     "verify_row",
     "pick",
     "pick_on_device",

@@ -42,6 +42,7 @@ import torch
 
 from .. import profiler
 from ..state import SequenceState, Snapshot
+from .batch_graphs import DecodedRows
 from .constraint import Constraint
 from .constraint import for_request as constraint_for
 from .generation import Generation
@@ -539,12 +540,27 @@ class StepLoop:
             for row in batch:
                 self._fail(row, exc)
             return len(batch)
-        argmax = decoded.argmax([i for i, row in enumerate(batch) if row.gen.argmax_decides(1)])
+        chosen = self._decided(batch, decoded)
         for i, (row, row_logits) in enumerate(zip(batch, decoded.logits)):
             row.forwards += 1
             row.pending = None
-            self._guarded(row, lambda: self._choose(row, row_logits, argmax.get(i)))
+            self._guarded(row, lambda: self._choose(row, row_logits, chosen.get(i)))
         return len(batch)
+
+    def _decided(self, batch: list[_Row], decoded: DecodedRows) -> dict[int, int]:
+        """The tokens of the step's rows that decide ahead (:meth:`Generation.decides_ahead`), by row, read back
+        in one wait: greedy rows' argmax, sampled rows' draws. The others, and a row whose draw raises (it then
+        chooses alone, where the failure is its own), choose one by one."""
+        argmax, drawn = [], {}
+        for i, (row, logits) in enumerate(zip(batch, decoded.logits)):
+            if row.handle.cancelled or not row.gen.decides_ahead(1):
+                continue
+            if row.gen.sampler.greedy:
+                argmax.append(i)
+                continue
+            with contextlib.suppress(Exception):
+                drawn[i] = row.gen.draw_on_device(logits)
+        return decoded.chosen(argmax, drawn)
 
     def _guarded(self, row: _Row, work: Callable[[], None]) -> None:
         """Run a row's own work; a failure ends that row only."""
