@@ -202,12 +202,13 @@ def test_rows_are_decided_on_the_device_only_where_each_is_its_argmax(engine):
 
 def test_sampled_rows_decided_together_are_the_rows_verified_one_by_one(engine):
     """A sampled request's verify rows decided together on the device (``_row_choices``) are what verifying them one
-    by one gives: row ``i`` its verdict on draft ``i`` with that draft's distribution and output index, the last row
-    the request's own sample; one draft of each kind (likely, unlikely, deterministic). A request whose rows depend
-    on the tokens before them (a penalty) is left to go one by one; its draws equal ``choose``'s."""
+    by one gives: row ``i`` its draft where the verdict on it (that draft's distribution and output index) accepts
+    it, else REJECTED (its residual is drawn one by one), the last row the request's own sample; likely, unlikely
+    and deterministic drafts. A request whose rows depend on the tokens before them (a penalty) is left to go one by
+    one; its draws equal ``choose``'s."""
     from ds4serve.engine.generation import Generation
     from ds4serve.engine.request import GenerateResult
-    from ds4serve.engine.speculative import _row_choices, verify_row
+    from ds4serve.engine.speculative import REJECTED, _row_choices, verify_row
     from ds4serve.model.deepseek4 import ForwardResult
 
     def gen(**params) -> Generation:
@@ -234,12 +235,10 @@ def test_sampled_rows_decided_together_are_the_rows_verified_one_by_one(engine):
             rows = _row_choices(plain, out, draft, 7, 3, index).tolist()
             for i in range(3):
                 qi = None if probs is None else probs[i]
-                assert verify_row(plain, logits[i], drafts[i], qi, index + i) == (
-                    rows[i],
-                    rows[i] == drafts[i],
-                )
+                token, ok = verify_row(plain, logits[i], drafts[i], qi, index + i)
+                assert rows[i] == (drafts[i] if ok else REJECTED)
             assert rows[3] == plain.sampler.draw(plain.distribution(logits[3]), index + 3, Stream.SAMPLE)
-    assert rows[0] == drafts[0] and rows[1] != drafts[1]  # the likely draft passes, the unlikely one not
+    assert rows[0] == drafts[0] and rows[1] == REJECTED  # the likely draft passes, the unlikely one not
     penalised = gen(presence_penalty=0.5)
     assert _row_choices(penalised, out, Draft(tokens=drafts, probs=q), 7, 3, 0) is None
     assert int(plain.draw_on_device(logits[1])) == plain.choose(logits[1])

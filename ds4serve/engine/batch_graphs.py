@@ -59,7 +59,7 @@ class DecodedRows:
             parts.insert(0, best)
         if not parts:
             return {}
-        ids = torch.cat([t.to(parts[0].device) for t in parts]).tolist()
+        ids = (parts[0] if len(parts) == 1 else torch.cat([t.to(parts[0].device) for t in parts])).tolist()
         out = {}
         if argmax:
             best, ids = ids[: parts[0].numel()], ids[parts[0].numel() :]

@@ -216,10 +216,7 @@ def verdict_on_device(
     without the draft (stream ``RESIDUAL``; where rounding leaves that empty, from ``p`` without the draft). The
     token is then distributed exactly as ``p``; it is the draft exactly when the draft is accepted."""
     q = None if q is None else q.to(p.device)
-    pd = p.gather(0, draft)
-    qd = torch.ones_like(pd) if q is None else q.gather(0, draft)
-    u = sampler.uniform(index, Stream.ACCEPT)
-    accepted = (pd >= qd) | ((pd > 0) & (qd.double() * u < pd.double()))
+    accepted = accepts(p, draft, q, sampler, index)
     without = p.scatter(0, draft, 0.0)
     residual = without if q is None else (p - q).clamp_min(0).scatter(0, draft, 0.0)
     # drawn whether or not it is used, so from a distribution with mass: p itself only where the draft holds all
@@ -227,6 +224,17 @@ def verdict_on_device(
     residual = torch.where(residual.sum() > 0, residual, torch.where(without.sum() > 0, without, p))
     drawn = sampler.draw_on_device(residual / residual.sum(), index, Stream.RESIDUAL)
     return torch.where(accepted, draft, drawn.to(p.device))
+
+
+def accepts(
+    p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sampler: Sampler, index: int
+) -> torch.Tensor:
+    """:func:`verdict_on_device`'s acceptance test alone, ``[1]`` bool on the device: ``p[d] >= q[d]``, else
+    ``u * q[d] < p[d]`` with ``u`` the number of stream ``ACCEPT`` for output token ``index``."""
+    pd = p.gather(0, draft)
+    qd = torch.ones_like(pd) if q is None else q.to(p.device).gather(0, draft)
+    u = sampler.uniform(index, Stream.ACCEPT)
+    return (pd >= qd) | ((pd > 0) & (qd.double() * u < pd.double()))
 
 
 def verify_row(
@@ -414,6 +422,7 @@ def speculative_decode(
             # each row's token decided on the device where the rows decide ahead, read back with the drafts in one wait
             rows_chosen = _row_choices(gen, out, draft, seed, n, len(res.tokens))
             chosen = draft.resolve(rows_chosen)
+            argmax = rows_chosen if gen.sampler.greedy else None  # the next tokens on the device
             block = draft.block(seed, n)
             tokens: list[int] = []
             accepted = 0
@@ -422,11 +431,11 @@ def speculative_decode(
                     break
                 row = out.logits[i]
                 ok = False
-                if chosen is not None:
+                q = None if draft.probs is None or i >= n else draft.probs[i]
+                if chosen is not None and chosen[i] != REJECTED:
                     token = chosen[i]
                     ok = i < n and token == block[i + 1]
                 elif i < n:
-                    q = None if draft.probs is None else draft.probs[i]
                     token, ok = verify_row(gen, row, block[i + 1], q, len(res.tokens))
                 else:
                     token = gen.choose(row)
@@ -451,10 +460,10 @@ def speculative_decode(
                     next_token=seed,
                     hidden=out.hidden[:emitted],
                     captured={layer: x[:emitted] for layer, x in out.captured.items()},
-                    next_on_device=None if rows_chosen is None else rows_chosen[:emitted],
+                    next_on_device=None if argmax is None else argmax[:emitted],
                 )
                 ready = None
-                if rows_chosen is not None and gen.sampler.greedy and not handle.cancelled:
+                if argmax is not None and not handle.cancelled:
                     ready = _follow(engine, state, proposer, committed, budget(), capture)
                 if ready is None:
                     proposer.observe(committed)
@@ -502,13 +511,17 @@ def _follow(
     return None if block is None else proposer.follow(committed, k, block)
 
 
+REJECTED = -1  # a sampled row's token in _row_choices where its draft fails: its residual draw comes after
+
+
 def _row_choices(
     gen: Generation, out: ForwardResult, draft: Draft, seed: int, n: int, index: int
 ) -> torch.Tensor | None:
     """Each row's token of the verify of block ``[seed, d1..dn]`` on the device where the rows decide ahead
     (:meth:`Generation.decides_ahead`), row ``i`` given the drafts before it accepted: greedy, its argmax (the
-    captured verify took it); sampled, the draft where :func:`verdict_on_device` accepts it, else its residual
-    draw, and the last row a sample. ``index``: the output index of row 0. None where rows go one by one."""
+    captured verify took it); sampled, the draft where :func:`accepts` passes it, else :data:`REJECTED` (the step
+    then draws that row's residual, :func:`verify_row`: only the first rejected row's is used), and the last row a
+    sample. ``index``: the output index of row 0. None where rows go one by one."""
     if not gen.decides_ahead(n + 1):
         return None
     if gen.sampler.greedy:
@@ -516,8 +529,16 @@ def _row_choices(
     p = [gen.distribution(out.logits[i]) for i in range(n + 1)]
     drafts = torch.as_tensor(draft.block(seed, n)[1:], device=p[0].device)
     tokens = [
-        verdict_on_device(
-            p[i], drafts[i : i + 1], None if draft.probs is None else draft.probs[i], gen.sampler, index + i
+        torch.where(
+            accepts(
+                p[i],
+                drafts[i : i + 1],
+                None if draft.probs is None else draft.probs[i],
+                gen.sampler,
+                index + i,
+            ),
+            drafts[i : i + 1],
+            REJECTED,
         )
         for i in range(n)
     ]
@@ -545,6 +566,7 @@ __all__ = [
     "SpeculativeStats",
     "verify_token",
     "verdict_on_device",
+    "accepts",
     "verify_row",
     "pick",
     "pick_on_device",
