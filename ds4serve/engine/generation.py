@@ -68,8 +68,8 @@ class Generation:
     def decides_ahead(self, rows: int) -> bool:
         """True when each of the next ``rows`` output tokens is chosen from its own logits alone, whatever the tokens
         accepted before it: no bias or penalties, no constraint, ``min_tokens`` reached and no forced ``</think>``
-        within reach. A verify block's rows are then decided together on the device, and a decode step's rows read
-        back in one wait; otherwise one by one."""
+        within reach. A decode step's rows that decide ahead are decided on the device and read back in one wait
+        (greedy ones also a verify block's, :meth:`argmax_decides`); the others one by one."""
         p = self.params
         budget = p.reasoning_budget
         reaches_budget = (
@@ -83,8 +83,8 @@ class Generation:
         )
 
     def argmax_decides(self, rows: int) -> bool:
-        """True when :meth:`choose` picks each of the next ``rows`` output tokens as the argmax of its logits:
-        greedy, and :meth:`decides_ahead`."""
+        """True when :meth:`choose` picks each of the next ``rows`` output tokens as the argmax of its logits
+        (greedy, and :meth:`decides_ahead`): a verify block's rows are then decided together on the device."""
         return self.sampler.greedy and self.decides_ahead(rows)
 
     def draw_on_device(self, logits: torch.Tensor) -> torch.Tensor:

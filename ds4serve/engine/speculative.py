@@ -202,39 +202,25 @@ def pick_on_device(
 def verify_token(
     p: torch.Tensor, draft: int, q: torch.Tensor | None, sampler: Sampler, index: int
 ) -> tuple[int, bool]:
-    """:func:`verdict_on_device` of ``draft`` read back: ``(token, accepted)``."""
-    token = int(verdict_on_device(p, torch.tensor([draft], device=p.device), q, sampler, index))
-    return token, token == draft
+    """Accept ``draft`` of output token ``index`` under target distribution ``p`` given draft distribution
+    ``q`` (None: one-hot).
 
-
-def verdict_on_device(
-    p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sampler: Sampler, index: int
-) -> torch.Tensor:
-    """Output token ``index`` under target distribution ``p [V]`` given ``draft`` (``[1]`` long on ``p``'s device)
-    drawn from ``q [V]`` (None: one-hot), as ``[1]`` long on the device, nothing read back: the draft with
-    probability ``min(1, p[d]/q[d])`` (stream ``ACCEPT``), else a token drawn from ``normalize(max(p - q, 0))``
-    without the draft (stream ``RESIDUAL``; where rounding leaves that empty, from ``p`` without the draft). The
-    token is then distributed exactly as ``p``; it is the draft exactly when the draft is accepted."""
-    q = None if q is None else q.to(p.device)
-    accepted = accepts(p, draft, q, sampler, index)
-    without = p.scatter(0, draft, 0.0)
-    residual = without if q is None else (p - q).clamp_min(0).scatter(0, draft, 0.0)
-    # drawn whether or not it is used, so from a distribution with mass: p itself only where the draft holds all
-    # of p's, and is then accepted
-    residual = torch.where(residual.sum() > 0, residual, torch.where(without.sum() > 0, without, p))
-    drawn = sampler.draw_on_device(residual / residual.sum(), index, Stream.RESIDUAL)
-    return torch.where(accepted, draft, drawn.to(p.device))
-
-
-def accepts(
-    p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, sampler: Sampler, index: int
-) -> torch.Tensor:
-    """:func:`verdict_on_device`'s acceptance test alone, ``[1]`` bool on the device: ``p[d] >= q[d]``, else
-    ``u * q[d] < p[d]`` with ``u`` the number of stream ``ACCEPT`` for output token ``index``."""
-    pd = p.gather(0, draft)
-    qd = torch.ones_like(pd) if q is None else q.to(p.device).gather(0, draft)
-    u = sampler.uniform(index, Stream.ACCEPT)
-    return (pd >= qd) | ((pd > 0) & (qd.double() * u < pd.double()))
+    Returns ``(token, accepted)``: the draft with probability ``min(1, p[d]/q[d])`` (stream ``ACCEPT``),
+    otherwise a token drawn from ``normalize(max(p - q, 0))`` (stream ``RESIDUAL``). The token is then
+    distributed exactly as ``p``.
+    """
+    pd = float(p[draft])
+    qd = 1.0 if q is None else float(q[draft])
+    if pd >= qd or (pd > 0 and sampler.uniform(index, Stream.ACCEPT) * qd < pd):
+        return draft, True
+    residual = p.clone() if q is None else (p - q.to(p.device)).clamp_min(0)
+    residual[draft] = 0.0
+    total = float(residual.sum())
+    if total <= 0:  # p == q up to rounding: rejection had probability ~0; fall back to p without the draft
+        residual = p.clone()
+        residual[draft] = 0.0
+        total = float(residual.sum())
+    return sampler.draw(residual / total, index, Stream.RESIDUAL), False
 
 
 def verify_row(
@@ -419,10 +405,9 @@ def speculative_decode(
             if step is None:
                 step = engine.verify(state, draft.block(seed, n), capture)
             out = step.out  # buffers that the next verify step overwrites
-            # each row's token decided on the device where the rows decide ahead, read back with the drafts in one wait
-            rows_chosen = _row_choices(gen, out, draft, seed, n, len(res.tokens))
-            chosen = draft.resolve(rows_chosen)
-            argmax = rows_chosen if gen.sampler.greedy else None  # the next tokens on the device
+            # each row's token on the device where its argmax decides it, read back with the drafts in one wait
+            rows_argmax = _argmax_choices(gen, out, n + 1)
+            chosen = draft.resolve(rows_argmax)
             block = draft.block(seed, n)
             tokens: list[int] = []
             accepted = 0
@@ -431,11 +416,11 @@ def speculative_decode(
                     break
                 row = out.logits[i]
                 ok = False
-                q = None if draft.probs is None or i >= n else draft.probs[i]
-                if chosen is not None and chosen[i] != REJECTED:
+                if chosen is not None:
                     token = chosen[i]
                     ok = i < n and token == block[i + 1]
                 elif i < n:
+                    q = None if draft.probs is None else draft.probs[i]
                     token, ok = verify_row(gen, row, block[i + 1], q, len(res.tokens))
                 else:
                     token = gen.choose(row)
@@ -460,10 +445,10 @@ def speculative_decode(
                     next_token=seed,
                     hidden=out.hidden[:emitted],
                     captured={layer: x[:emitted] for layer, x in out.captured.items()},
-                    next_on_device=None if argmax is None else argmax[:emitted],
+                    next_on_device=None if rows_argmax is None else rows_argmax[:emitted],
                 )
                 ready = None
-                if argmax is not None and not handle.cancelled:
+                if rows_argmax is not None and not handle.cancelled:
                     ready = _follow(engine, state, proposer, committed, budget(), capture)
                 if ready is None:
                     proposer.observe(committed)
@@ -511,39 +496,11 @@ def _follow(
     return None if block is None else proposer.follow(committed, k, block)
 
 
-REJECTED = -1  # a sampled row's token in _row_choices where its draft fails: its residual draw comes after
-
-
-def _row_choices(
-    gen: Generation, out: ForwardResult, draft: Draft, seed: int, n: int, index: int
-) -> torch.Tensor | None:
-    """Each row's token of the verify of block ``[seed, d1..dn]`` on the device where the rows decide ahead
-    (:meth:`Generation.decides_ahead`), row ``i`` given the drafts before it accepted: greedy, its argmax (the
-    captured verify took it); sampled, the draft where :func:`accepts` passes it, else :data:`REJECTED` (the step
-    then draws that row's residual, :func:`verify_row`: only the first rejected row's is used), and the last row a
-    sample. ``index``: the output index of row 0. None where rows go one by one."""
-    if not gen.decides_ahead(n + 1):
+def _argmax_choices(gen: Generation, out: ForwardResult, rows: int) -> torch.Tensor | None:
+    """The verify rows' argmax on the device (the captured verify took it) where it decides each row's token."""
+    if not gen.argmax_decides(rows):
         return None
-    if gen.sampler.greedy:
-        return out.logits[: n + 1].argmax(-1) if out.choices is None else out.choices
-    p = [gen.distribution(out.logits[i]) for i in range(n + 1)]
-    drafts = torch.as_tensor(draft.block(seed, n)[1:], device=p[0].device)
-    tokens = [
-        torch.where(
-            accepts(
-                p[i],
-                drafts[i : i + 1],
-                None if draft.probs is None else draft.probs[i],
-                gen.sampler,
-                index + i,
-            ),
-            drafts[i : i + 1],
-            REJECTED,
-        )
-        for i in range(n)
-    ]
-    tokens.append(gen.sampler.draw_on_device(p[n], index + n, Stream.SAMPLE))
-    return torch.cat(tokens)
+    return out.logits.argmax(-1) if out.choices is None else out.choices
 
 
 def _checked(draft: Draft, vocab_size: int) -> Draft:
@@ -565,8 +522,6 @@ __all__ = [
     "WidthPolicy",
     "SpeculativeStats",
     "verify_token",
-    "verdict_on_device",
-    "accepts",
     "verify_row",
     "pick",
     "pick_on_device",
