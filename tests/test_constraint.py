@@ -111,3 +111,30 @@ def test_ignoring_eos_after_a_complete_document_repeats_eos(engine):
     first = res.tokens.index(eos)
     assert res.ok and res.finish_reason == "length" and set(res.tokens[first:]) == {eos}
     _check(json.loads(engine.tokenizer.decode(res.tokens[:first])))
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 7)])
+def test_min_tokens_does_not_outlast_a_complete_document(engine, temperature, seed):
+    """``min_tokens`` masks the stop tokens only while the schema allows another token: a boolean is complete after
+    one word, so the answer ends there (without the rule every token would be masked, and a sampled request's
+    distribution would be NaN), while a long string's answer still runs to ``min_tokens`` before it may stop."""
+    boolean = engine.generate(
+        random_prompt(12, seed=40),
+        SamplingParams(
+            max_tokens=40, temperature=temperature, seed=seed, min_tokens=30, json_schema={"type": "boolean"}
+        ),
+    )
+    assert boolean.ok and boolean.finish_reason == "stop", boolean.error_message
+    assert len(boolean.tokens) < 30 and json.loads(_answer(engine, boolean)) in (True, False)
+    string = engine.generate(
+        random_prompt(12, seed=40),
+        SamplingParams(
+            max_tokens=60,
+            temperature=temperature,
+            seed=seed,
+            min_tokens=12,
+            json_schema={"type": "string", "minLength": 40, "maxLength": 80},
+        ),
+    )
+    assert string.ok, string.error_message
+    assert len(string.tokens) >= 12 and engine.tokenizer.eos_id not in string.tokens[:11]

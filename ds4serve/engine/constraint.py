@@ -95,9 +95,11 @@ class Constraint:
         self.vocab_size, self.eos_id = vocab_size, tokenizer.eos_id
         self._pending: list[int] = []
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor). After a complete
-        document that the end-of-sequence token did not end (the request ignores it) only that token is left.
+    def mask(self, logits: torch.Tensor, forbid: frozenset[int] = frozenset()) -> torch.Tensor:
+        """``logits [V]`` with every token that cannot come next at ``-inf`` (a new tensor), and the tokens of
+        ``forbid`` (stop tokens before ``min_tokens``) too unless the rule allows nothing else: a complete document
+        ends rather than leaving no token to choose. After a complete document that the end-of-sequence token did
+        not end (the request ignores it) only that token is left.
         llguidance's bitmask (one bit a token, 16 KB for DeepSeek-V4's vocabulary) is unpacked where the logits
         are, so a GPU step copies 16 KB, not a byte a token, and the host queues the copy and the masking behind
         the step instead of waiting for it."""
@@ -114,13 +116,26 @@ class Constraint:
                 torch.arange(self.vocab_size, device=logits.device) != self.eos_id, float("-inf")
             )
         self._fill(self.matcher, self._bits, 0)
+        # decided on the host, where the bitmask is filled
+        forbid = sorted(forbid) if forbid and self._allows_other(forbid) else []
         if self._shifts.device != logits.device:
             self._shifts = self._shifts.to(logits.device)
         # queued behind the step that made the logits, not waited for: the next fill of the pinned bitmask comes
         # after the token sampled from these logits reached the host, so after this copy ran
         words = self._bits[0].to(logits.device, non_blocking=True)
         bits = (words.unsqueeze(1) >> self._shifts) & 1
-        return logits.masked_fill(bits.flatten()[: self.vocab_size] == 0, float("-inf"))
+        masked = logits.masked_fill(bits.flatten()[: self.vocab_size] == 0, float("-inf"))
+        if forbid:
+            masked = masked.index_fill(-1, torch.tensor(forbid, device=logits.device), float("-inf"))
+        return masked
+
+    def _allows_other(self, tokens: frozenset[int]) -> bool:
+        """Whether the filled bitmask allows a token outside ``tokens``."""
+        allowed = ((self._bits[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[
+            : self.vocab_size
+        ]
+        allowed[sorted(tokens)] = 0
+        return bool(allowed.any())
 
     def consume(self, token: int) -> None:
         """Record the answer's next token. The matcher takes it at the next :meth:`mask`, which the engine calls

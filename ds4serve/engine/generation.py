@@ -105,11 +105,15 @@ class Generation:
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with what cannot continue the answer's schema or grammar masked (answer tokens of a request
-        with one), and the stop tokens while fewer than ``min_tokens`` were generated."""
-        if len(self.output) < self.params.min_tokens and self.stops:
-            stops = torch.tensor(sorted(self.stops), dtype=torch.long, device=logits.device)
-            logits = logits.index_fill(-1, stops, float("-inf"))
-        return logits if self.constraint is None or self.reasoning else self.constraint.mask(logits)
+        with one), and the stop tokens while fewer than ``min_tokens`` were generated, unless the schema or grammar
+        allows nothing else (a complete answer ends: ``min_tokens`` cannot leave no token to choose)."""
+        stops = frozenset(self.stops) if len(self.output) < self.params.min_tokens else frozenset()
+        if self.constraint is not None and not self.reasoning:
+            return self.constraint.mask(logits, stops)
+        if not stops:
+            return logits
+        ids = torch.tensor(sorted(stops), dtype=torch.long, device=logits.device)
+        return logits.index_fill(-1, ids, float("-inf"))
 
     def accept(self, token: int, logits: torch.Tensor) -> bool:
         """Record ``token`` (sampled from ``logits``); True when generation must stop after it."""
