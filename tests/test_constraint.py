@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("llguidance", reason="structured output needs llguidance (the server extra installs it)")
 
@@ -117,7 +118,7 @@ def test_ignoring_eos_after_a_complete_document_repeats_eos(engine):
 def test_min_tokens_does_not_outlast_a_complete_document(engine, temperature, seed):
     """``min_tokens`` masks the stop tokens only while the schema allows another token: a boolean is complete after
     one word, so the answer ends there (without the rule every token would be masked, and a sampled request's
-    distribution would be NaN), while a long string's answer still runs to ``min_tokens`` before it may stop."""
+    distribution would be NaN)."""
     boolean = engine.generate(
         random_prompt(12, seed=40),
         SamplingParams(
@@ -126,15 +127,19 @@ def test_min_tokens_does_not_outlast_a_complete_document(engine, temperature, se
     )
     assert boolean.ok and boolean.finish_reason == "stop", boolean.error_message
     assert len(boolean.tokens) < 30 and json.loads(_answer(engine, boolean)) in (True, False)
-    string = engine.generate(
-        random_prompt(12, seed=40),
-        SamplingParams(
-            max_tokens=60,
-            temperature=temperature,
-            seed=seed,
-            min_tokens=12,
-            json_schema={"type": "string", "minLength": 40, "maxLength": 80},
-        ),
-    )
-    assert string.ok, string.error_message
-    assert len(string.tokens) >= 12 and engine.tokenizer.eos_id not in string.tokens[:11]
+
+
+def test_forbidden_stop_tokens_are_masked_while_the_rule_allows_another_token(engine):
+    """After ``7`` an integer may go on or end: the end-of-sequence token the rule allows is masked when forbidden
+    (``min_tokens`` not reached) and the digits stay; after ``true`` it is all the rule allows, and stays."""
+    tok, vocab = engine.tokenizer, engine.cfg.vocab_size
+    logits = torch.zeros(vocab)
+    integer = constraint.Constraint(tok, vocab, json_schema={"type": "integer"})
+    integer.consume(tok.encode("7")[0])
+    free, held = integer.mask(logits), integer.mask(logits, frozenset({tok.eos_id}))
+    digit = tok.encode("7")[0]
+    assert free[tok.eos_id] == 0 and held[tok.eos_id] == float("-inf") and held[digit] == 0
+    boolean = constraint.Constraint(tok, vocab, json_schema={"type": "boolean"})
+    boolean.consume(tok.encode("true")[0])
+    held = boolean.mask(logits, frozenset({tok.eos_id}))
+    assert held[tok.eos_id] == 0 and torch.isinf(held).sum() == vocab - 1

@@ -52,23 +52,21 @@ class DecodedRows:
         wait: the argmax of each of ``argmax`` (the step's ``choices``, or one argmax over those rows' logits where
         the step took none) and the ``[1]`` tokens ``drawn`` (sampled rows' draws, by row)."""
         parts = [t.view(1) for t in drawn.values()]
-        if argmax:
-            best = self.choices
-            if best is None:
-                best = torch.stack([self.logits[i] for i in argmax]).argmax(-1)
-            parts.insert(0, best)
+        if argmax:  # the step's choices are every row's, in its order; an argmax taken here, the rows'
+            parts.insert(0, self.choices if self.choices is not None else self._argmax(argmax))
         if not parts:
             return {}
         ids = (parts[0] if len(parts) == 1 else torch.cat([t.to(parts[0].device) for t in parts])).tolist()
-        out = {}
-        if argmax:
-            best, ids = ids[: parts[0].numel()], ids[parts[0].numel() :]
-            if self.choices is None:
-                out = dict(zip(argmax, best))
-            else:
-                out = {i: best[i if self.order is None else self.order[i]] for i in argmax}
-        out.update(zip(drawn, ids))
+        head = len(ids) - len(drawn)
+        out = dict(zip(drawn, ids[head:]))
+        if argmax and self.choices is not None:
+            out.update((i, ids[i if self.order is None else self.order[i]]) for i in argmax)
+        elif argmax:
+            out.update(zip(argmax, ids[:head]))
         return out
+
+    def _argmax(self, rows: list[int]) -> torch.Tensor:
+        return torch.stack([self.logits[i] for i in rows]).argmax(-1)
 
 
 def bucket_for(rows: int, slots: int) -> int:

@@ -91,7 +91,7 @@ class Constraint:
             raise GenerateError(ErrorCode.INVALID_REQUEST, f"{self.field}: {self.matcher.get_error()}")
         self._fill = llg.torch.fill_next_token_bitmask
         self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._shifts = {torch.device("cpu"): torch.arange(32, dtype=torch.int32)}  # by device
         self.vocab_size, self.eos_id = vocab_size, tokenizer.eos_id
         self._pending: list[int] = []
 
@@ -116,26 +116,24 @@ class Constraint:
                 torch.arange(self.vocab_size, device=logits.device) != self.eos_id, float("-inf")
             )
         self._fill(self.matcher, self._bits, 0)
-        # decided on the host, where the bitmask is filled
-        forbid = sorted(forbid) if forbid and self._allows_other(forbid) else []
-        if self._shifts.device != logits.device:
-            self._shifts = self._shifts.to(logits.device)
+        if forbid:  # decided on the host, where the bitmask is filled
+            allowed = self._allowed(self._bits[0])
+            allowed[sorted(forbid)] = False
+            forbid = forbid if allowed.any() else frozenset()
         # queued behind the step that made the logits, not waited for: the next fill of the pinned bitmask comes
         # after the token sampled from these logits reached the host, so after this copy ran
-        words = self._bits[0].to(logits.device, non_blocking=True)
-        bits = (words.unsqueeze(1) >> self._shifts) & 1
-        masked = logits.masked_fill(bits.flatten()[: self.vocab_size] == 0, float("-inf"))
+        allowed = self._allowed(self._bits[0].to(logits.device, non_blocking=True))
+        masked = logits.masked_fill(~allowed, float("-inf"))
         if forbid:
-            masked = masked.index_fill(-1, torch.tensor(forbid, device=logits.device), float("-inf"))
+            masked = masked.index_fill(-1, torch.tensor(sorted(forbid), device=logits.device), float("-inf"))
         return masked
 
-    def _allows_other(self, tokens: frozenset[int]) -> bool:
-        """Whether the filled bitmask allows a token outside ``tokens``."""
-        allowed = ((self._bits[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[
-            : self.vocab_size
-        ]
-        allowed[sorted(tokens)] = 0
-        return bool(allowed.any())
+    def _allowed(self, words: torch.Tensor) -> torch.Tensor:
+        """The bitmask ``words`` (32 tokens a word) unpacked on their device: ``[V]`` bool, True where allowed."""
+        shifts = self._shifts.get(words.device)
+        if shifts is None:
+            shifts = self._shifts[words.device] = self._shifts[torch.device("cpu")].to(words.device)
+        return ((words.unsqueeze(1) >> shifts) & 1).flatten()[: self.vocab_size] == 1
 
     def consume(self, token: int) -> None:
         """Record the answer's next token. The matcher takes it at the next :meth:`mask`, which the engine calls
