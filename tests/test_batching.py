@@ -553,3 +553,31 @@ def test_rows_of_a_batched_step_are_read_back_together(engines, monkeypatch):
     )  # greedy and seeded rows chose their first tokens only
     assert chosen.count(4) == 6  # the penalised row chose each of its tokens
     assert (2, 1) in reads  # a step read two argmax and a draw in one wait
+
+
+def test_a_sampled_row_without_a_distribution_fails_alone(engines, monkeypatch):
+    """A sampled row whose distribution turns NaN (non-finite logits) is drawn on the device like any other; it
+    ends with an internal error naming the distribution, no device-side assert, and the greedy row beside it
+    gets what it gets alone."""
+    from ds4serve.engine.generation import Generation
+
+    engine = engines[0]
+    engine.prefix_cache = None
+    prompts = [random_prompt(14, seed=310), random_prompt(9, seed=311)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    alone = engines[1].generate(prompts[0], greedy).tokens
+    distribution = Generation.distribution
+
+    def broken(g, logits):
+        probs = distribution(g, logits)
+        return probs.fill_(float("nan")) if g.params.seed == 5 and g.output else probs
+
+    monkeypatch.setattr(Generation, "distribution", broken)
+    handles = [engine.stream(prompts[0], greedy), engine.stream(prompts[1], seeded)]
+    while not all(h.done for h in handles):
+        engine.step()
+    ok, bad = (h.result for h in handles)
+    assert ok.error is None and ok.tokens == alone
+    assert bad.error is not None and bad.error.value == "internal" and "NaN" in bad.error_message
+    assert len(bad.tokens) == 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds4serve.engine.request import SamplingParams
-from ds4serve.engine.sampler import Sampler, Stream, counter_key
+from ds4serve.engine.sampler import NO_TOKEN, Sampler, Stream, counter_key
 from tests.helpers import random_prompt
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
@@ -230,3 +230,24 @@ def test_ruled_out_tokens_stay_out_under_any_repetition_penalty(penalty):
     out = s.adjusted(logits, prompt=[0, 1, 4], output=[2])
     assert not out.isnan().any() and out[0] == out[4] == float("-inf")
     assert s.sample(logits, [0, 1, 4], [2]) in {1, 2, 3}
+
+
+def test_a_device_draw_is_torch_multinomials_without_its_asserts():
+    """The draw takes torch.multinomial's token from the same numbers (seeded outputs are unchanged), and a
+    distribution with NaN, infinity or no mass gives NO_TOKEN on the device, where multinomial asserts
+    (on a GPU, fatal to the process); reading it back raises ValueError."""
+    s = Sampler(SamplingParams(temperature=0.9, seed=7), vocab_size=64)
+    probs = torch.softmax(torch.randn(64, generator=torch.Generator().manual_seed(3)), -1)
+    for index in range(40):
+        for stream in Stream:
+            s._generator.manual_seed(counter_key(s.seed, index, stream))
+            want = torch.multinomial(probs, 1, generator=s._generator)
+            assert torch.equal(s.draw_on_device(probs, index, stream), want)
+    for bad in (
+        probs.clone().index_fill_(0, torch.tensor([5]), float("nan")),
+        probs.clone().index_fill_(0, torch.tensor([9]), float("inf")),
+        torch.zeros(64),
+    ):
+        assert s.draw_on_device(bad, 0, Stream.SAMPLE).tolist() == [NO_TOKEN]
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            s.draw(bad, 0, Stream.SAMPLE)

@@ -30,6 +30,7 @@ prefix-cache snapshot's host copy, say) are moved there first, so a draw never m
 
 from __future__ import annotations
 
+import math
 import secrets
 from enum import IntEnum
 
@@ -38,6 +39,7 @@ import torch
 from .. import kernels
 from .request import SamplingParams, TokenLogprob
 
+NO_TOKEN = -1  # a device draw from no distribution (NaN, infinity or no mass): its reader raises
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): the logits over them leave float32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
@@ -144,15 +146,26 @@ class Sampler:
     def draw(self, probs: torch.Tensor, index: int, stream: Stream) -> int:
         """A token drawn from ``probs [V]`` (non-negative, not necessarily normalized) with the numbers of
         ``stream`` for output token ``index``: the same arguments always give the same token.
+        ValueError where ``probs`` holds NaN or infinity or has no mass (:func:`drawn_token`).
 
         The generator is reseeded with the key for each draw; torch's CPU generator (mt19937) keeps the low
         32 bits of a seed, its CUDA one (Philox) all 64."""
-        return int(self.draw_on_device(probs, index, stream))
+        return drawn_token(int(self.draw_on_device(probs, index, stream)))
 
     def draw_on_device(self, probs: torch.Tensor, index: int, stream: Stream) -> torch.Tensor:
-        """:meth:`draw`'s token as a ``[1]`` long tensor on the sampler's device, not read back to the host."""
+        """:meth:`draw`'s token as a ``[1]`` long tensor on the sampler's device, not read back to the host, or
+        :data:`NO_TOKEN` where ``probs`` is no distribution (the reader raises, :func:`drawn_token`).
+
+        The draw is ``torch.multinomial``'s for one sample, the same token from the same numbers (the index of
+        the largest ``probs / Exp(1)``), without its device-side asserts: on a GPU a failed assert ends the
+        process, where here the row that read the bad distribution fails alone."""
         self._generator.manual_seed(counter_key(self.seed, index, stream))
-        return torch.multinomial(probs.to(self.device), 1, generator=self._generator)
+        probs = probs.to(self.device)
+        race = torch.empty_like(probs).exponential_(generator=self._generator)
+        torch.div(probs, race, out=race)
+        token = race.argmax(-1, keepdim=True)
+        won = race.gather(-1, token)
+        return torch.where((won > 0) & (won < math.inf), token, NO_TOKEN)
 
     def uniform(self, index: int, stream: Stream) -> float:
         """A number in [0, 1) for output token ``index`` from ``stream``: the top 53 bits of its key, so
@@ -167,6 +180,16 @@ class Sampler:
             vals, ids = lp.topk(n)
             entry.top = [(int(i), float(v)) for i, v in zip(ids, vals)]
         return entry
+
+
+def drawn_token(token: int) -> int:
+    """A device draw read back: ``token``, or ValueError for :data:`NO_TOKEN`."""
+    if token == NO_TOKEN:
+        raise ValueError(
+            "sampling: the next token's distribution holds NaN or infinite values or no mass "
+            "(the model's logits are not finite)"
+        )
+    return token
 
 
 def graph_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,8 @@ def pick_on_device(
     if sampler.greedy:
         return (logits.argmax() if argmax is None else argmax).view(1), None
     probs = torch.softmax(logits.float() / sampler.params.temperature, dim=-1)
-    return sampler.draw_on_device(probs, index, Stream.DRAFT).to(logits.device), probs
+    # a draft from no distribution (NaN logits) is still a token of the vocabulary; its verification fails the row
+    return sampler.draw_on_device(probs, index, Stream.DRAFT).clamp_min(0).to(logits.device), probs
 
 
 def verify_token(

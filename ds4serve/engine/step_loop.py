@@ -47,6 +47,7 @@ from .constraint import Constraint
 from .constraint import for_request as constraint_for
 from .generation import Generation
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
+from .sampler import drawn_token
 from .speculative import PromptFeed, speculative_decode
 
 if TYPE_CHECKING:
@@ -498,8 +499,7 @@ class StepLoop:
         if row.handle.cancelled:
             row.gen.cancel()
             return
-        if token is None:
-            token = row.gen.choose(logits)
+        token = row.gen.choose(logits) if token is None else drawn_token(token)
         done = row.gen.accept(token, logits)
         row.handle._emit(token)
         row.pending = None if done else token
