@@ -1,17 +1,21 @@
-"""Registers, stack (spilled registers) and shared memory of the expert tiles' kernel
-(:mod:`ds4serve.kernels.expert_tiles`) compiled for sm_90, without a GPU: Triton compiles the kernel to a cubin
-on any machine, and its bundled ``cuobjdump`` reads the resources. A program that needs 255 registers and a stack
-runs few warps on each SM, which a streaming kernel needs many of; this shows it before any device time. The
-local Triton's compiler may allocate differently from the GPU machine's (check a change there too).
+"""Registers, stack (spilled registers), shared memory and the hot loop's instructions of the expert tiles'
+kernel (:mod:`ds4serve.kernels.expert_tiles`) compiled for sm_90, without a GPU: Triton compiles the kernel to a
+cubin on any machine, and its bundled ``cuobjdump`` reads the resources and the SASS. A program that needs 255
+registers and a stack runs few warps on each SM, which a streaming kernel needs many of, and a loop that spends
+many instructions on each weight it decodes is bound by issuing them; this shows both before any device time.
+The local Triton's compiler may allocate differently from the GPU machine's (check a change there too).
 
     PYTHONPATH=. python3 bench/expert_tile_resources.py [--format fp4] [--tiles 128x128x4x3,128x64x4x3]
 
-Prints one line per (tile, launch): gate-up (two products and the SwiGLU) or down.
+Prints one line per (tile, launch): gate-up (two products and the SwiGLU) or down, with the instructions a
+thread issues in the loop over the inputs (the longest backward branch) per weight it decodes, and the
+commonest opcodes there.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -35,8 +39,8 @@ SM_REGISTERS = 65536  # 32-bit registers of one Hopper SM
 SCALARS = ("R", "k", "N", "K", "T", "ROUTED", "S_ROWS", "S_COLS")
 
 
-def resources(fmt: str, tile: et.ExpertTile, gate_up: bool) -> dict[str, int]:
-    """``REG``, ``STACK`` and ``SHARED`` bytes of one launch's kernel for ``fmt`` and ``tile`` on sm_90."""
+def compile_kernel(fmt: str, tile: et.ExpertTile, gate_up: bool) -> bytes:
+    """The cubin of one launch's kernel for ``fmt`` and ``tile`` on sm_90."""
     data, scale, quant, (b0, b1) = FORMATS[fmt]
     sig = {"a_ptr": "*bf16", "idx_ptr": "*i64", "wt_ptr": "*bf16", "out_ptr": "*bf16" if gate_up else "*fp32"}
     for prefix in ("", "s"):
@@ -66,14 +70,38 @@ def resources(fmt: str, tile: et.ExpertTile, gate_up: bool) -> dict[str, int]:
     kernel = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps, "num_stages": tile.stages}
     )
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return kernel.asm["cubin"]
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run(
-            [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
-        ).stdout
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """``REG``, ``STACK`` and ``SHARED`` bytes of a kernel."""
+    usage = _cuobjdump(cubin, "-res-usage")
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED):(\d+)", usage)}
+
+
+def loop_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcodes of the innermost loop over the inputs in the SASS: the shortest span from a backward branch's
+    target to the branch that holds a tensor-core product (HGMMA)."""
+    lines = re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", _cuobjdump(cubin, "-sass")
+    )
+    code = [(int(addr, 16), op, rest) for addr, _, op, rest in lines]
+    spans = []
+    for end, op, rest in code:
+        target = re.match(r"\s*(0x[0-9a-f]+)", rest)
+        if op == "BRA" and target and int(target.group(1), 16) < end:
+            ops = collections.Counter(o for addr, o, _ in code if int(target.group(1), 16) <= addr <= end)
+            if ops["HGMMA"]:
+                spans.append(ops)
+    return min(spans, key=lambda ops: sum(ops.values()), default=collections.Counter())
 
 
 def main() -> None:
@@ -89,12 +117,17 @@ def main() -> None:
         tiles = [et.ExpertTile(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
     for tile in tiles:
         for gate_up in (True, False):
-            r = resources(args.format, tile, gate_up)
+            cubin = compile_kernel(args.format, tile, gate_up)
+            r, ops = resources(cubin), loop_opcodes(cubin)
+            # weights decoded a thread per loop step: cols x inputs per product, over the program's threads
+            weights = tile.cols * tile.inputs * (2 if gate_up else 1) / (tile.warps * 32)
             launch = "gate-up" if gate_up else "down"
+            common = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
             print(
                 f"{args.format} {tile.cols}x{tile.inputs}x{tile.warps}x{tile.stages} {launch:7}: "
                 f"{r['REG']} registers a thread, {r['STACK']} bytes of stack; an SM's registers hold "
-                f"{SM_REGISTERS // (r['REG'] * tile.warps * 32)} programs ({tile.warps} warps each)",
+                f"{SM_REGISTERS // (r['REG'] * tile.warps * 32)} programs ({tile.warps} warps each); "
+                f"{sum(ops.values()) / weights:.2f} loop instructions a weight ({common})",
                 flush=True,
             )
 
