@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 
 FP4_BLOCK = 32
-# the largest e8m0 group exponent taken (scale 2): the GPU kernels apply a scale as one bf16 multiply
-FP4_MAX_EXPONENT = 128
 # e2m1 code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_MAX = 448.0
@@ -175,13 +173,6 @@ def fp8_from_checkpoint(
 
 
 def fp4_from_checkpoint(data: torch.Tensor, scale: torch.Tensor, device: torch.device | str) -> FP4Weight:
-    """An :class:`FP4Weight` from stored packed codes and ue8m0 scales (kept as uint8 exponents). ValueError
-    for a group scale above ``2^(FP4_MAX_EXPONENT - 127)``, which the GPU's expert kernels cannot apply."""
+    """An :class:`FP4Weight` from stored packed codes and ue8m0 scales (kept as uint8 exponents)."""
     exps = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
-    top = int(exps.max()) if exps.numel() else 0
-    if top > FP4_MAX_EXPONENT:
-        raise ValueError(
-            f"MXFP4 group scale 2^{top - 127} (exponent byte {top}): at most 2^{FP4_MAX_EXPONENT - 127} "
-            "(weights up to 12) is supported"
-        )
     return FP4Weight(data.view(torch.int8).to(device), exps.to(device))

@@ -327,33 +327,3 @@ def test_captured_first_chunks_of_a_quantized_model(tiny_factory):
         want = model.forward(ids, states[1], logit_rows=slice(n - 1, n))
         got = graphs.forward(ids, states[0])
         assert (got.logits - want.logits).abs().max() <= 0.05 * want.logits.abs().max()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
-def test_packed_mxfp4_decode_is_exact_for_every_code_and_exponent():
-    """The GPU's packed MXFP4 decode (``tl_common.e2m1_bf16``, PTX) against ``dequant_fp4``, bitwise: every
-    byte (both codes, signs, zeros and the subnormal-placed 0.5) under every group exponent 0..128."""
-    import triton
-    import triton.language as tl
-
-    from ds4serve.kernels.tl_common import e2m1_bf16
-    from ds4serve.quant import dequant_fp4
-
-    @triton.jit
-    def decode(codes_ptr, exp_ptr, out_ptr):
-        row = tl.program_id(0)
-        j = tl.arange(0, 256)
-        codes = tl.load(codes_ptr + j).to(tl.uint8)
-        exponents = tl.load(exp_ptr + row + j * 0).to(tl.uint8)
-        lo, hi = e2m1_bf16(codes, exponents)
-        tl.store(out_ptr + row * 512 + 2 * j, lo)
-        tl.store(out_ptr + row * 512 + 2 * j + 1, hi)
-
-    codes = torch.arange(256, device="cuda", dtype=torch.int32)
-    exponents = torch.arange(129, device="cuda", dtype=torch.int32)
-    out = torch.empty(129, 512, device="cuda", dtype=torch.bfloat16)
-    decode[(129,)](codes, exponents, out)
-    packed = codes.to(torch.uint8).view(torch.int8).repeat(129, 1)
-    scale = exponents.to(torch.uint8)[:, None].repeat(1, 16)
-    want = dequant_fp4(packed, scale, torch.bfloat16)
-    assert torch.equal(out.view(torch.int16), want.view(torch.int16))

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
-from .grouped_experts import dequant_tile, gated_rounded, tile_inputs, tile_product
+from .grouped_experts import dequant_tile, gated_rounded, tile_product
 from .moe import sum_slots_kernel
 from .tl_common import DENSE, FP4, FP8, round_bf16
 
@@ -124,47 +124,19 @@ def _expert_tiles_kernel(
         token = tl.where(shared, want, pair // k)
         dest = (token * (k + 1) + tl.where(shared, k, pair % k)).to(tl.int64)
         a_row = token.to(tl.int64) if GATE_UP else dest
-        a_tile = a_ptr + a_row[None, :] * K + tile_inputs(QUANT, BLOCK_K)[:, None]
+        a_tile = a_ptr + a_row[None, :] * K + tl.arange(0, BLOCK_K)[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if GATE_UP:
             acc_v = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = tl.load(a_tile + k0, mask=ok[None, :], other=0.0)
             w = dequant_tile(
-                w_base,
-                ws_base,
-                rows,
-                n_ok,
-                k0,
-                K,
-                s_rows,
-                S_COLS,
-                B0,
-                B1,
-                QUANT,
-                BLOCK_N,
-                BLOCK_K,
-                DTYPE,
-                not WIDEN,
+                w_base, ws_base, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, QUANT, BLOCK_N, BLOCK_K, DTYPE
             )
             acc = tile_product(a, w, acc, True, WIDEN)
             if GATE_UP:
                 v = dequant_tile(
-                    v_base,
-                    vs_base,
-                    rows,
-                    n_ok,
-                    k0,
-                    K,
-                    s_rows,
-                    S_COLS,
-                    B0,
-                    B1,
-                    QUANT,
-                    BLOCK_N,
-                    BLOCK_K,
-                    DTYPE,
-                    not WIDEN,
+                    v_base, vs_base, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, QUANT, BLOCK_N, BLOCK_K, DTYPE
                 )
                 acc_v = tile_product(a, v, acc_v, True, WIDEN)
         out = out_ptr + dest[None, :] * N + n[:, None]

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
 from .reference import swiglu_gate
-from .tl_common import FP4, FP8, X_SCALE, e2m1, e2m1_bf16, group_scale, round_bf16
+from .tl_common import FP4, FP8, X_SCALE, e2m1, group_scale, round_bf16
 
 
 @dataclass(frozen=True)
@@ -100,17 +100,6 @@ def _tile(ends_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def tile_inputs(QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The input of each column of a :func:`dequant_tile` tile: in order, except MXFP4, whose tile holds a
-    group's 16 bytes as 4 x 4 transposed (column ``2 (16 g + 4 a + t) + h`` is input ``32 g + 8 t + 2 a + h``)
-    so that a thread's bytes for the tensor cores are 4 adjacent ones."""
-    c = tl.arange(0, BLOCK_K)
-    if QUANT == 2:
-        c = (c & ~31) | ((c & 6) << 2) | ((c >> 2) & 6) | (c & 1)
-    return c
-
-
-@triton.jit
 def dequant_tile(
     w_ptr,
     s_ptr,
@@ -126,39 +115,26 @@ def dequant_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DTYPE: tl.constexpr,
-    PACKED: tl.constexpr,
 ):
     """``[BLOCK_N, BLOCK_K]``: inputs ``k0 ..`` of the flat weight rows ``rows`` (int64, ``expert * N + n``) in
     format ``QUANT`` (:mod:`.tl_common`'s DENSE, FP8 or FP4), dequantised to ``DTYPE``. Dense: read and cast.
     FP8: ``s_rows`` are the rows' scale rows; a step lies in one scale column
     (``BLOCK_K`` divides ``B1``), so one scale a row. MXFP4: the bytes are read as ``[BLOCK_N, groups, 16]``
-    so that each group of 32 inputs meets its exponent by broadcasting, each group's 16 bytes 4 x 4 transposed
-    (the tile's columns are the inputs :func:`tile_inputs` names: the caller loads its activations in that
-    order), and the low / high nibbles joined; ``PACKED`` (bf16 on a GPU) decodes two codes a 32-bit register in
-    PTX (:func:`ds4serve.kernels.tl_common.e2m1_bf16`), else a code is decoded in fp32 by an integer multiply
-    (:func:`ds4serve.kernels.tl_common.e2m1`) and scaled by two exact powers of two: the same values."""
+    so that each group of 32 inputs meets its exponent by broadcasting, and the low / high nibbles are
+    interleaved back into input order by a join; a code is decoded by an integer multiply
+    (:func:`ds4serve.kernels.tl_common.e2m1`, exact for group exponents up to 192) and scaled by two exact
+    powers of two."""
     if QUANT == 2:  # FP4
         g = tl.arange(0, BLOCK_K // 32)
-        j = tl.arange(0, 4)
-        offsets = (
-            rows[:, None, None, None] * (K // 2)
-            + k0 // 2
-            + g[None, :, None, None] * 16
-            + j[None, None, :, None] * 4
-            + j[None, None, None, :]
-        )
-        codes = tl.load(w_ptr + offsets, mask=n_ok[:, None, None, None], other=0)
-        codes = tl.reshape(tl.permute(codes, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K // 32, 16))
+        j = tl.arange(0, 16)
+        offsets = rows[:, None, None] * (K // 2) + k0 // 2 + g[None, :, None] * 16 + j[None, None, :]
+        codes = tl.load(w_ptr + offsets, mask=n_ok[:, None, None], other=0).to(tl.int32)
         exponents = tl.load(
             s_ptr + rows[:, None] * (K // 32) + k0 // 32 + g[None, :], mask=n_ok[:, None], other=127
-        )
-        if PACKED:
-            lo, hi = e2m1_bf16(codes, tl.broadcast_to(exponents[:, :, None], codes.shape))
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-        else:
-            lo, hi = e2m1(codes)  # the value times 2^-126; group_scale: 2^(e - 127 + 62)
-            factor = group_scale(exponents)[:, :, None]
-            w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
+        ).to(tl.int32)
+        lo, hi = e2m1(codes)  # the value times 2^-126; group_scale: 2^(e - 127 + 62)
+        factor = group_scale(exponents)[:, :, None]
+        w = tl.reshape(tl.join(lo * X_SCALE * factor, hi * X_SCALE * factor), (BLOCK_N, BLOCK_K))
     elif QUANT == 1:  # FP8
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
@@ -249,10 +225,10 @@ def _grouped_kernel(
     if SWAP:
         # weights as the MMA's first operand (their tile [BLOCK_N, BLOCK_K] stays in registers), the rows'
         # activations transposed as the second: the products come out transposed, [BLOCK_N, BLOCK_M]
-        a_tile = a_ptr + r.to(tl.int64)[None, :] * K + tile_inputs(QUANT, BLOCK_K)[:, None]
+        a_tile = a_ptr + r.to(tl.int64)[None, :] * K + tl.arange(0, BLOCK_K)[:, None]
         a_ok = r_ok[None, :]
     else:
-        a_tile = a_ptr + r.to(tl.int64)[:, None] * K + tile_inputs(QUANT, BLOCK_K)[None, :]
+        a_tile = a_ptr + r.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
         a_ok = r_ok[:, None]
     ACC_SHAPE: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc = tl.zeros(ACC_SHAPE, dtype=tl.float32)
@@ -261,40 +237,12 @@ def _grouped_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_tile + k0, mask=a_ok, other=0.0)
         w = dequant_tile(
-            w_ptr,
-            ws_ptr,
-            rows,
-            n_ok,
-            k0,
-            K,
-            s_rows,
-            S_COLS,
-            B0,
-            B1,
-            QUANT,
-            BLOCK_N,
-            BLOCK_K,
-            DTYPE,
-            not WIDEN,
+            w_ptr, ws_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, QUANT, BLOCK_N, BLOCK_K, DTYPE
         )
         acc = tile_product(a, w, acc, SWAP, WIDEN)
         if GATE_UP:
             v = dequant_tile(
-                v_ptr,
-                vs_ptr,
-                rows,
-                n_ok,
-                k0,
-                K,
-                s_rows,
-                S_COLS,
-                B0,
-                B1,
-                QUANT,
-                BLOCK_N,
-                BLOCK_K,
-                DTYPE,
-                not WIDEN,
+                v_ptr, vs_ptr, rows, n_ok, k0, K, s_rows, S_COLS, B0, B1, QUANT, BLOCK_N, BLOCK_K, DTYPE
             )
             acc_v = tile_product(a, v, acc_v, SWAP, WIDEN)
     if GATE_UP:

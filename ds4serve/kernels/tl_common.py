@@ -37,51 +37,6 @@ def e2m1(b):
     return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
-# e2m1_bf16's PTX for four code bytes and their group's exponent: each output register holds two bf16.
-_E2M1_BF16_PTX = tl.constexpr("""
-{
-.reg .b32 m, l, h, y;
-and.b32 m, $5, 0xFF;
-mad.lo.u32 m, m, 0x00800080, 0x3F003F00;
-and.b32 l, $4, 0x0F0F0F0F;
-shr.b32 h, $4, 4;
-and.b32 h, h, 0x0F0F0F0F;
-prmt.b32 y, l, 0, 0x4140;
-mul.lo.u32 y, y, 0x1040;
-and.b32 y, y, 0x81C081C0;
-mul.rn.bf16x2 $0, y, m;
-prmt.b32 y, l, 0, 0x4342;
-mul.lo.u32 y, y, 0x1040;
-and.b32 y, y, 0x81C081C0;
-mul.rn.bf16x2 $1, y, m;
-prmt.b32 y, h, 0, 0x4140;
-mul.lo.u32 y, y, 0x1040;
-and.b32 y, y, 0x81C081C0;
-mul.rn.bf16x2 $2, y, m;
-prmt.b32 y, h, 0, 0x4342;
-mul.lo.u32 y, y, 0x1040;
-and.b32 y, y, 0x81C081C0;
-mul.rn.bf16x2 $3, y, m;
-}
-""")
-
-
-@triton.jit
-def e2m1_bf16(codes, exponents):
-    """uint8 bytes of two e2m1 codes (low nibble first) and each byte's group exponent (e8m0, at most 128) ->
-    the bf16 values ``(lo, hi)``, exactly, in PTX (a GPU only): a code's sign and exponent-mantissa bits are
-    placed as a bf16 of the value times 2^-126 (0.5 as a subnormal), two codes a 32-bit register, and one
-    bf16x2 multiply by 2^(e - 1) applies the scale to both."""
-    return tl.inline_asm_elementwise(
-        _E2M1_BF16_PTX,
-        "=r,=r,=r,=r,r,r,r,r,r",
-        [codes, exponents.to(tl.int32)],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
-
-
 @triton.jit
 def group_scale(e):
     """uint8 e8m0 exponents -> fp32 ``2^(e - 127) * 2^62`` from its bits (exponents up to 192).
