@@ -202,6 +202,10 @@ def test_no_budget_outside_thinking_mode(engine):
     [
         ([], SamplingParams(), ErrorCode.INVALID_REQUEST, "prompt"),
         ([5, 200000], SamplingParams(), ErrorCode.INVALID_REQUEST, "outside the vocabulary"),
+        ("hello", SamplingParams(), ErrorCode.INVALID_REQUEST, "got text; encode it first"),
+        ([5, 6.0], SamplingParams(), ErrorCode.INVALID_REQUEST, "int token ids, got ['float']"),
+        ([5, True], SamplingParams(), ErrorCode.INVALID_REQUEST, "int token ids, got ['bool']"),
+        (torch.tensor([[5, 6]]), SamplingParams(), ErrorCode.INVALID_REQUEST, "got ['list']"),
         ([5], SamplingParams(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
         ([5], SamplingParams(temperature=-1.0), ErrorCode.INVALID_REQUEST, "temperature"),
         ([5], SamplingParams(top_p=0.0), ErrorCode.INVALID_REQUEST, "top_p"),
@@ -215,6 +219,13 @@ def test_invalid_requests_return_structured_errors(engine, prompt, params, code,
     assert result.error == code and result.finish_reason == "error"
     assert fragment in result.error_message
     assert engine.forward_calls == calls  # rejected before any compute
+
+
+def test_a_tensor_of_prompt_ids_is_a_prompt(engine):
+    """A 1-D tensor (or array) of ids generates what the same list does."""
+    prompt = random_prompt(9, seed=41)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert engine.generate(torch.tensor(prompt), params).tokens == engine.generate(prompt, params).tokens
 
 
 def test_out_of_memory_and_internal_errors_are_structured(own_engine, monkeypatch):

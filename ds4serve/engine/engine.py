@@ -405,10 +405,20 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise GenerateError(ErrorCode.INVALID_REQUEST, "params: expected a SamplingParams")
         params.validate(self.cfg.vocab_size)
+        if isinstance(prompt, (str, bytes)):
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST,
+                "prompt: expected token ids, got text; encode it first (engine.tokenizer.encode)",
+            )
         ids = list(prompt)
         if not ids:
             raise GenerateError(ErrorCode.INVALID_REQUEST, "prompt: expected at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        kinds = sorted({type(t).__name__ for t in ids if not isinstance(t, int) or isinstance(t, bool)})
+        if kinds:
+            raise GenerateError(
+                ErrorCode.INVALID_REQUEST, f"prompt: expected a flat sequence of int token ids, got {kinds}"
+            )
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise GenerateError(
                 ErrorCode.INVALID_REQUEST,
