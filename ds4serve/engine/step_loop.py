@@ -78,10 +78,10 @@ class RequestHandle:
         on_token: Callable[[int], bool | None] | None = None,
         on_done: Callable[[GenerateResult], None] | None = None,
     ):
-        # text is kept for validation to name it; a tensor or array of ids becomes a list of ints
-        self.prompt = (
-            prompt if isinstance(prompt, (str, bytes)) else list(getattr(prompt, "tolist", lambda: prompt)())
-        )
+        if hasattr(prompt, "tolist"):  # a tensor or array of ids
+            prompt = prompt.tolist()
+        # text stays text, for the validation to name it
+        self.prompt = prompt if isinstance(prompt, (str, bytes)) else list(prompt)
         self.params = params
         self.priority = priority  # lower runs first; a lower one may preempt a running higher one
         self.speculative = speculative
