@@ -8,8 +8,8 @@ The local Triton's compiler may allocate differently from the GPU machine's (che
     PYTHONPATH=. python3 bench/expert_tile_resources.py [--format fp4] [--tiles 128x128x4x3,128x64x4x3]
 
 Prints one line per (tile, launch): gate-up (two products and the SwiGLU) or down, with the instructions a
-thread issues in the loop over the inputs (the longest backward branch) per weight it decodes, and the
-commonest opcodes there.
+thread issues in the loop over the inputs (the shortest loop holding a tensor-core product) per weight it
+decodes, and the commonest opcodes there.
 """
 
 from __future__ import annotations
