@@ -1,7 +1,8 @@
 """Decode slots and the per-bucket batched step (engine/batch_graphs.py).
 
-On the CPU the bucket steps run uncaptured (the same static forward and device-position commits a CUDA graph
-captures); on a GPU one test runs every bucket captured.
+The tests build the bucket steps uncaptured on the CPU (the same static forward and device-position commits a
+CUDA graph captures; a CPU engine itself decodes batches dynamically); on a GPU one test runs every bucket
+captured.
 """
 
 from __future__ import annotations
@@ -65,12 +66,18 @@ def test_slots_stay_packed_and_a_moved_sequence_keeps_its_state(engine):
 
 def test_a_row_is_bitwise_the_same_in_every_bucket(engine):
     """The same sequences decoded in buckets of 1, 2, 4, 8 and 16 rows (the others beside them changing):
-    each sequence's logits and committed state are bitwise equal, and within 1e-5 of the one-shot forward."""
+    each sequence's logits and committed state are bitwise equal, and within 1e-5 of the one-shot forward.
+    In the buckets of 4 and 16 rows every slot is NaN-filled first: the static step reads whole buffers, and
+    the rows no query may see are selected out, never multiplied by a zero weight, so nothing left in a slot
+    (another sequence's values, or a non-finite one) reaches a row."""
     with engine.lock, torch.inference_mode():
         model = engine.require_model()
         runs = {}
         for n in (1, 2, 3, 5, 9):
             slots = DecodeSlots(lambda: model.new_state(MAX_CONTEXT), 16)
+            if n in (3, 9):
+                for slot in slots.states:
+                    _poison(slot)
             batch = BatchGraphs(model, slots, graph=False)
             order = [0] + list(range(2, n + 1))  # sequence 0 observed beside others that change with n
             rows = [slots.enter(s) for s in _prefilled(engine, order, seed=40)]
@@ -81,6 +88,7 @@ def test_a_row_is_bitwise_the_same_in_every_bucket(engine):
                 assert out.chosen(list(range(n)), {}) == dict(
                     enumerate(torch.stack(out.logits).argmax(-1).tolist())
                 )
+                assert all(bool(row.isfinite().all()) for row in out.logits), n
                 logits.append(out.logits[0])
             runs[n] = (logits, rows[0])
         first_logits, first_slot = runs[1]
@@ -271,10 +279,9 @@ ON_DEVICES = [
 @pytest.mark.parametrize("on", ON_DEVICES)
 def test_requests_on_nan_filled_slots_and_states_equal_alone(tiny_dir, monkeypatch, on):
     """Every freed decode slot and every released state is NaN-filled before reuse: the requests that then
-    run on them give exactly their tokens and logprobs alone, all finite. A static step reads whole ring and
-    entry buffers; the rows no query may see are selected out, never multiplied by a zero weight, so nothing
-    a sequence left behind (another's values, or a non-finite one) reaches the next. On the GPU the same runs
-    through the captured batched steps and the decode kernels, in bf16."""
+    run on them give exactly their tokens and logprobs alone, all finite. On the CPU the batched steps run on
+    the requests' own states (the uncaptured static step over NaN-filled slots: the test above); on the GPU
+    through the captured batched steps over the slots and the decode kernels, in bf16."""
     import math
 
     from ds4serve import SamplingParams

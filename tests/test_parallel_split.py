@@ -49,6 +49,22 @@ def test_decode_logits_equal_unsplit(engine, split_engine):
         assert torch.equal(last[0], last[1]), step
 
 
+def test_requests_stepped_together_equal_the_unsplit_models(engine, split_engine):
+    """Requests decoded together on a split (its batched steps: on the CPU each shard's dynamic
+    ``decode_batch``, the streams handed on) give the unsplit engine's tokens and logprobs bit for bit."""
+    prompts = [random_prompt(n, seed=60 + n) for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+    handles = [split_engine.stream(p, params) for p in prompts]
+    rows = []
+    while not all(h.done for h in handles):
+        rows.append(split_engine.step().decode_rows)
+    assert max(rows) == 3
+    for prompt, handle in zip(prompts, handles):
+        want = engine.generate(prompt, params)
+        assert handle.result.tokens == want.tokens
+        assert [x.logprob for x in handle.result.logprobs] == [x.logprob for x in want.logprobs]
+
+
 def test_verify_then_commit_prefix_equals_unsplit(engine, split_engine):
     prompt, block, tail = random_prompt(30, seed=3), random_prompt(5, seed=4), random_prompt(3, seed=5)
     results = []

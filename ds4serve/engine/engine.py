@@ -478,7 +478,7 @@ class Engine:
     def decode_rows(self, states: list[SequenceState], tokens: list[int]) -> DecodedRows:
         """Forward ``tokens[i]`` on ``states[i]`` in one step, commit each, return each row's logits (and their
         argmax where a captured step took it): through the one-sequence step where the engine runs one sequence
-        at a time, else the batched forward."""
+        at a time, else the batched forward (captured over decode slots, :meth:`_batch_graphs`, or dynamic)."""
         if self.max_batch == 1:
             (state,), (token,) = states, tokens
             return self._decode_one(state, token)
@@ -527,16 +527,17 @@ class Engine:
         return moved
 
     def _batch_graphs(self) -> BatchGraphs | None:
-        """The decode slots and batched steps of a whole model or a layer split decoding batches (None: the
-        one-sequence step, or a pipeline's eager batched forward): ``max_batch`` slots of ``max_context``
-        tokens, made on first use; captured as CUDA graphs where the engine uses graphs."""
+        """The decode slots and captured batched steps of a whole model or a layer split on CUDA devices, made on
+        first use: ``max_batch`` slots of ``max_context`` tokens. None where the engine runs one sequence at a
+        time, has no graphs (CPU, ``eager``) or is a pipeline: batched steps then run the dynamic forward on the
+        sequences' own states, which reads only their filled entries."""
         if self._batch is None:
             model = self.require_model()
-            if self.max_batch == 1 or not isinstance(model, (DeepSeekV4, SplitModel)):
+            if self.max_batch == 1 or isinstance(model, PipelineModel) or self._graph_kinds(model) is None:
                 return None
             _check_slots_fit(model, self.max_batch, self.max_context)
             slots = DecodeSlots(lambda: model.new_state(self.max_context), self.max_batch)
-            self._batch = BatchGraphs(model, slots, graph=self._graph_kinds(model) is not None)
+            self._batch = BatchGraphs(model, slots)
         return self._batch
 
     def decode_step(self, state: SequenceState, token: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """A model split into contiguous layer ranges, one :class:`DeepSeekV4` per device, in one process.
 
 Each shard runs the one forward path (:meth:`DeepSeekV4.forward`; for a batched decode step
-:meth:`DeepSeekV4.decode_batch`, through :mod:`ds4serve.engine.batch_graphs`) over its own layers; the hidden
+:meth:`DeepSeekV4.decode_batch`) over its own layers; the hidden
 streams ``[S, hc, D]`` leaving a shard are copied into a fresh tensor on the next shard's device, so no shard
 ever reads a buffer another shard writes. One
 :class:`SequenceState` holds every layer's state on its own shard's device, so commit, snapshot, restore and
@@ -19,6 +19,7 @@ import torch
 from ..config import ModelConfig
 from ..devices import on_device
 from ..model import DeepSeekV4
+from ..model.batch import BatchForward
 from ..model.deepseek4 import ForwardResult
 from ..state import ChunkDelta, SequenceState, allocate_layer
 from ..weights import Checkpoint
@@ -106,6 +107,21 @@ class SplitModel:
                 hidden = handoff(result.hidden, self.shards[k + 1].device)
         delta = ChunkDelta(start=result.delta.start, tokens=result.delta.tokens, layers=layers)
         return ForwardResult(hidden=result.hidden, delta=delta, logits=result.logits, captured=captured)
+
+    def decode_batch(self, token_ids: list[int], states: list[SequenceState]) -> BatchForward:
+        """One new token for each of N sequences through every shard in order (each shard's
+        :meth:`DeepSeekV4.decode_batch` over its layers); the result is the unsplit model's. Writes nothing."""
+        layers: list[dict] = [{} for _ in states]
+        hidden = out = None
+        for k, shard in enumerate(self.shards):
+            with on_device(shard.device):
+                out = shard.decode_batch(token_ids, states, hidden=hidden)
+            for merged, delta in zip(layers, out.deltas):
+                merged.update(delta.layers)
+            if k < len(self.shards) - 1:
+                hidden = handoff(out.hidden, self.shards[k + 1].device)
+        deltas = [ChunkDelta(start=d.start, tokens=d.tokens, layers=m) for d, m in zip(out.deltas, layers)]
+        return BatchForward(logits=out.logits, deltas=deltas, hidden=out.hidden)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for s in self.shards for t in s.tensors()]
