@@ -210,7 +210,7 @@ def sequence_losses(
     streams, _ = mtp_forward(
         mtp, result.hidden, nxt, model.embed[nxt], model.chunk_info(0, S), layer, cfg, model.ropes
     )
-    mtp_ce = vocab_ce(mtp_logits(mtp, streams, model.head.head, cfg), nxt2, slot, cfg.vocab_size)
+    mtp_ce = vocab_ce(mtp_logits(mtp, streams, model.head, cfg), nxt2, slot, cfg.vocab_size)
     return ce, mtp_ce
 
 

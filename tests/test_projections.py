@@ -81,3 +81,25 @@ def test_two_groups_go_through_one_pair_product(monkeypatch):
     assert calls == [torch.Size([256, 256])]
     for name, w in parts.items():
         torch.testing.assert_close(got[name], linear(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_the_head_skips_all_zero_rows_and_gives_their_tokens_0(engine):
+    """``vocab_rows`` keeps the rows of a head that are not all zero (a NaN row included) with their token ids,
+    and the logits through the kept rows are those through the whole head: 0 for the dropped tokens."""
+    import dataclasses
+
+    from ds4serve.model.deepseek4 import head_logits, vocab_rows
+
+    model, cfg = engine.require_model(), engine.cfg
+    assert model.head.ids is None  # a random checkpoint: every row has values
+    whole = model.head.head.clone()
+    whole[::3] = 0.0
+    rows, ids = vocab_rows(whole)
+    assert ids.tolist() == [i for i in range(cfg.vocab_size) if i % 3]
+    assert torch.equal(rows, whole[ids])
+    X = torch.randn(5, cfg.hc_mult, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    want = head_logits(dataclasses.replace(model.head, head=whole), X, cfg)
+    got = head_logits(dataclasses.replace(model.head, head=rows, ids=ids), X, cfg)
+    assert torch.equal(got, want) and bool((got[:, ::3] == 0).all())
+    whole[3, 0] = float("nan")
+    assert 3 in vocab_rows(whole)[1].tolist()

@@ -87,7 +87,7 @@ def test_mtp_window_follows_committed_rows_exactly(mtp_engine):
         cfg,
         model.ropes,
     )
-    one_shot = torch.softmax(mtp_logits(prop.w, G[-1:], model.head.head, cfg)[0], -1)
+    one_shot = torch.softmax(mtp_logits(prop.w, G[-1:], model.head, cfg)[0], -1)
     assert torch.allclose(draft.probs[0], one_shot, atol=1e-6)
     chained_ids = torch.cat([rows, torch.tensor([draft.tokens[0]])])
     chained, _ = mtp_forward(
@@ -100,7 +100,7 @@ def test_mtp_window_follows_committed_rows_exactly(mtp_engine):
         cfg,
         model.ropes,
     )
-    second = torch.softmax(mtp_logits(prop.w, chained[-1:], model.head.head, cfg)[0], -1)
+    second = torch.softmax(mtp_logits(prop.w, chained[-1:], model.head, cfg)[0], -1)
     assert torch.allclose(draft.probs[1], second, atol=1e-6)
 
 

@@ -119,7 +119,7 @@ def test_the_written_checkpoint_scores_as_the_trained_weights(trained, tmp_path,
         for w, m in ((mtp, model), (written, target)):
             layer = allocate_layer(m.cfg, SLIDING, SEQ, torch.float32, m.device)
             G, _ = mtp_forward(w, hidden, nxt, m.embed[nxt], m.chunk_info(0, SEQ), layer, m.cfg, m.ropes)
-            outs.append(mtp_logits(w, G, m.head.head, m.cfg))
+            outs.append(mtp_logits(w, G, m.head, m.cfg))
     torch.testing.assert_close(outs[1][:, kept], outs[0], rtol=1e-5, atol=1e-5)
 
 

@@ -26,6 +26,7 @@ from .. import profiler
 from ..config import SLIDING, ModelConfig
 from ..devices import ids_on, on_device
 from ..model import DeepSeekV4
+from ..model.deepseek4 import HeadWeights
 from ..model.dspark import (
     DSparkWeights,
     base_logits,
@@ -156,7 +157,7 @@ class TargetParts:
 
     cfg: ModelConfig
     embed: torch.Tensor
-    head: torch.Tensor
+    head: HeadWeights  # the target's (its rows and their token ids)
     last: DeepSeekV4
 
     @property
@@ -183,7 +184,7 @@ def target_parts(model: object) -> TargetParts:
             "speculative: model drafts need the target's embedding and "
             "head in this process (a multi-host pipeline does not have them); use 'ngram'",
         )
-    return TargetParts(first.cfg, first.embed, last.head.head, last)
+    return TargetParts(first.cfg, first.embed, last.head, last)
 
 
 def _at_target(method: Callable) -> Callable:

@@ -51,7 +51,8 @@ class HeadWeights:
     hc_base: torch.Tensor
     hc_scale: torch.Tensor
     norm: torch.Tensor
-    head: torch.Tensor
+    head: torch.Tensor  # [V', D]: the rows of head.weight that are not all zero (see vocab_rows)
+    ids: torch.Tensor | None = None  # [V'] long: their token ids, ascending; None: every row (V' = V)
 
 
 @dataclass
@@ -341,7 +342,28 @@ def block_end(
 def head_logits(h: HeadWeights, X: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     with profiler.phase("output_projection"):
         merged = hc_head(X, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
-        return linear(rms_norm(merged, h.norm, cfg.rms_norm_eps), h.head).float()
+        return vocab_logits(rms_norm(merged, h.norm, cfg.rms_norm_eps), h, cfg)
+
+
+def vocab_logits(x: torch.Tensor, h: HeadWeights, cfg: ModelConfig) -> torch.Tensor:
+    """float32 logits ``[N, V]`` of normed rows ``x [N, D]`` through the head's rows; a token without one
+    (``h.ids``) gets 0, what its all-zero row gives."""
+    logits = linear(x, h.head).float()
+    if h.ids is None:
+        return logits
+    return logits.new_zeros(x.shape[0], cfg.vocab_size).index_copy_(1, h.ids, logits)
+
+
+def vocab_rows(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``head [V, D]`` without its all-zero rows, and the token ids of the rows kept (None: no row is all
+    zero, ``head`` itself). A zero row's logit is 0 whatever the input, so the head need not compute it: a
+    checkpoint trained on part of the vocabulary (the built-in model keeps 16,515 of 129,280 rows) leaves
+    the others zero. A row holding NaN or infinity is kept."""
+    kept = torch.cat([(part != 0).any(dim=1) for part in head.split(8192)])  # no [V, D] temporary
+    if bool(kept.all()):
+        return head, None
+    ids = kept.nonzero().flatten()
+    return head[ids].contiguous(), ids
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -433,12 +455,14 @@ def load_block(
 
 def load_head(ckpt: Checkpoint, prefix: str, dtype: torch.dtype, device: torch.device) -> HeadWeights:
     """The final merge + norm (``prefix`` '' for the model, 'mtp.0.' for an MTP block) and the shared head."""
+    head, ids = vocab_rows(ckpt.dense("head.weight", dtype, device))
     return HeadWeights(
         hc_fn=ckpt.dense(f"{prefix}hc_head_fn", torch.float32, device),
         hc_base=ckpt.dense(f"{prefix}hc_head_base", torch.float32, device),
         hc_scale=ckpt.dense(f"{prefix}hc_head_scale", torch.float32, device),
         norm=ckpt.dense(f"{prefix}norm.weight", torch.float32, device),
-        head=ckpt.dense("head.weight", dtype, device),
+        head=head,
+        ids=ids,
     )
 
 

@@ -22,7 +22,7 @@ from ..config import SLIDING, DSparkSpec, ModelConfig
 from ..quant import Weight
 from ..weights import Checkpoint
 from .attention import AttentionWeights, _core
-from .deepseek4 import BlockWeights, load_block
+from .deepseek4 import BlockWeights, HeadWeights, load_block, vocab_logits
 from .hyper import hc_head, hc_merge, hc_merge_pre, hc_pre
 from .linear import grouped_linear, linear
 from .moe import moe
@@ -105,9 +105,9 @@ def block_merged(
     return hc_head(X, w.hc_fn, w.hc_base, w.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
 
 
-def base_logits(w: DSparkWeights, merged: torch.Tensor, head: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def base_logits(w: DSparkWeights, merged: torch.Tensor, head: HeadWeights, cfg: ModelConfig) -> torch.Tensor:
     """float32 ``[B, V]``: the target's head on ``norm(h)``."""
-    return linear(rms_norm(merged, w.norm, cfg.rms_norm_eps), head).float()
+    return vocab_logits(rms_norm(merged, w.norm, cfg.rms_norm_eps), head, cfg)
 
 
 def markov_bias(w: DSparkWeights, prev: int) -> torch.Tensor:

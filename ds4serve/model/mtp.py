@@ -95,16 +95,17 @@ def mtp_forward(
     return streams, delta
 
 
-def mtp_logits(w: MTPWeights, streams: torch.Tensor, head: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """float32 logits ``[N, V]`` of output streams ``[N, hc, D]`` through the shared ``head``."""
-    return head_logits(HeadWeights(w.hc_fn, w.hc_base, w.hc_scale, w.norm, head), streams, cfg)
+def mtp_logits(w: MTPWeights, streams: torch.Tensor, head: HeadWeights, cfg: ModelConfig) -> torch.Tensor:
+    """float32 logits ``[N, V]`` of output streams ``[N, hc, D]`` through the block's own merge and norm and
+    the target's shared head (``head``: the target's)."""
+    return head_logits(HeadWeights(w.hc_fn, w.hc_base, w.hc_scale, w.norm, head.head, head.ids), streams, cfg)
 
 
 @region
 def static_pass(
     w: MTPWeights,
     target: DeepSeekV4,
-    head: torch.Tensor,
+    head: HeadWeights,
     hidden: torch.Tensor,
     next_ids: torch.Tensor,
     embedded: torch.Tensor,
