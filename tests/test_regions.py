@@ -7,6 +7,8 @@ functionalised as Inductor would receive them) must reproduce the plain static s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,7 +119,7 @@ def test_wide_chunks_stay_torch_code_inside_a_compiled_region(monkeypatch):
 def test_mtp_pass_traces_whole_and_matches_plain(engine):
     """A captured draft pass's region (RoPE tables, input mix, block, head: :func:`ds4serve.model.mtp.static_pass`)
     traces as one graph calling the kernels as custom ops, and gives the plain pass's streams, rows and logits
-    over three committed rows and one chained row."""
+    over three committed rows and one chained row, and over a head without its all-zero rows."""
     pytest.importorskip("triton", reason="the region calls the Triton kernels")
     if torch.cuda.is_available():
         pytest.skip(
@@ -125,21 +127,25 @@ def test_mtp_pass_traces_whole_and_matches_plain(engine):
         )
     from ds4serve.config import SLIDING
     from ds4serve.engine.drafts import resolve_proposer, target_parts
+    from ds4serve.model.deepseek4 import vocab_rows
     from ds4serve.model.mtp import static_pass
     from ds4serve.state import allocate_layer
     from tests.helpers import random_prompt
 
     t, w = target_parts(engine.model), resolve_proposer(engine, "mtp").w
+    zeroed = t.head.head.clone()
+    zeroed[::3] = 0.0  # a head with all-zero rows: its logits scattered into zeros (vocab_rows)
+    pruned = dataclasses.replace(t.head, **dict(zip(("head", "ids"), vocab_rows(zeroed))))
     ids = torch.tensor(random_prompt(8, seed=3))
     hidden = engine.model.forward(ids.tolist(), engine.model.new_state(8)).hidden
     window = allocate_layer(engine.cfg, SLIDING, 16, engine.dtype, engine.device)
     window.window.normal_(generator=torch.Generator().manual_seed(1))
     with torch.inference_mode(), regions.static_step():
-        for rows, at in ((slice(2, 5), 2), (slice(5, 6), 9)):
+        for head, rows, at in ((t.head, slice(2, 5), 2), (t.head, slice(5, 6), 9), (pruned, slice(2, 5), 2)):
             args = (
                 w,
                 t.last,
-                t.head,
+                head,
                 hidden[rows],
                 ids[rows],
                 t.embed[ids[rows]],
