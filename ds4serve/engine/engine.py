@@ -394,7 +394,7 @@ class Engine:
             if graphs is not None:
                 graphs.capture_all()
             batch = self._batch_graphs()
-            if batch is not None and batch.graph:
+            if batch is not None:
                 batch.capture()
         prepare_constraints(self.tokenizer, vocab)
         return time.perf_counter() - start
