@@ -85,7 +85,8 @@ def test_two_groups_go_through_one_pair_product(monkeypatch):
 
 def test_the_head_skips_all_zero_rows_and_gives_their_tokens_0(engine):
     """``vocab_rows`` keeps the rows of a head that are not all zero (a NaN row included) with their token ids,
-    and the logits through the kept rows are those through the whole head: 0 for the dropped tokens."""
+    and the logits through the kept rows are those through the whole head: exactly 0 for the dropped tokens,
+    the others up to summation order (a CPU BLAS may sum a product of fewer rows in another order)."""
     import dataclasses
 
     from ds4serve.model.deepseek4 import head_logits, vocab_rows
@@ -100,6 +101,7 @@ def test_the_head_skips_all_zero_rows_and_gives_their_tokens_0(engine):
     X = torch.randn(5, cfg.hc_mult, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     want = head_logits(dataclasses.replace(model.head, head=whole), X, cfg)
     got = head_logits(dataclasses.replace(model.head, head=rows, ids=ids), X, cfg)
-    assert torch.equal(got, want) and bool((got[:, ::3] == 0).all())
+    assert bool((got[:, ::3] == 0).all()) and bool((want[:, ::3] == 0).all())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     whole[3, 0] = float("nan")
     assert 3 in vocab_rows(whole)[1].tolist()
