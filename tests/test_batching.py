@@ -434,6 +434,28 @@ def test_a_request_that_does_not_fit_in_memory_waits_for_a_running_one(tiny_dir,
     assert engine.generate(prompts[0], params[0]).tokens == alone[0]
 
 
+def test_a_short_prompt_is_not_held_behind_a_long_prompts_prefill(tiny_dir):
+    """One chunk a step: a short prompt admitted while a long one prefills takes turns with it and has its
+    first token two steps later, while most of the long prompt is still to prefill; both get what they get
+    alone."""
+    engine = Engine.from_pretrained(tiny_dir, max_context=1024, chunk_size=16, max_prefill_tokens=16)
+    engine.prefix_cache = None
+    prompts = [random_prompt(160, seed=31), random_prompt(5, seed=32)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    alone = [engine.generate(p, params).tokens for p in prompts]
+    long = engine.stream(prompts[0], params)
+    engine.step()  # the long prompt's first chunk
+    short = engine.stream(prompts[1], params)
+    engine.step()  # the long prompt's second chunk: it waited longest
+    assert not short.result.tokens
+    engine.step()  # the short prompt's only chunk, then the long prompt's third
+    assert short.result.tokens and not long.result.tokens
+    for handle in (long, short):
+        for _ in handle:
+            pass
+    assert [long.result.tokens, short.result.tokens] == alone
+
+
 def test_free_states_make_room_for_a_larger_one(tiny_dir, monkeypatch):
     """A request that needs a larger state than the free one, with room for only one state: the free state is
     dropped and the new one allocated, and the request runs as it does on a fresh engine."""

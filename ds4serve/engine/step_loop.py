@@ -11,8 +11,10 @@ One :meth:`StepLoop.step`:
    row's state is snapshotted to the host and goes back to the pool, and the row resumes, restored exactly,
    when a row is free again and nothing of a lower value waits (a speculative row keeps its draft state and
    passes meanwhile);
-2. **prefill** chunks of the admitted prompts, in admission order, until ``max_prefill_tokens`` were
-   forwarded (at least one chunk a step). A prompt's chunk boundaries depend on the prompt alone (the
+2. **prefill** chunks of the admitted prompts until ``max_prefill_tokens`` were forwarded (at least one chunk
+   a step), each chunk to the prompt of the lowest priority value that has waited longest for one (round robin
+   in admission order), so a short prompt is not held behind the whole of a long one. A prompt's chunk
+   boundaries depend on the prompt alone (the
    engine's chunk size from the restored prefix on). At the positions the request asked to have cached,
    the chunk's commit pauses and the state is snapshotted into the prefix cache (the chunk is forwarded
    once). A row whose prompt is done chooses its first token;
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -162,6 +165,7 @@ class _Row:
         self.spec: Iterator[int] | None = None
         self.pending: int | None = None  # the token the next decode forward takes
         self.forwards = 0
+        self.turn = 0  # the loop's turn count when the row was admitted or last had a prefill chunk
         self.failed = False
         self.saved: Snapshot | None = None  # the state on the host while the row is preempted
         self.decode_start: float | None = None
@@ -200,6 +204,7 @@ class StepLoop:
         self._admission_held = 0
         self._memory_full = False  # a request did not fit in memory: admit again once a row retires
         self._to_cache: list[Snapshot] = []  # cache-point snapshots of this step, on the states' device
+        self._turns = itertools.count()  # admissions and prefill chunks, in order (``_Row.turn``)
 
     # ---- queue (any thread) ------------------------------------------------------------------------
     def submit(self, handle: RequestHandle) -> None:
@@ -300,6 +305,7 @@ class StepLoop:
                 self._waiting.remove(handle)
                 handle.admitted = time.perf_counter()
             row = _Row(handle)
+            row.turn = next(self._turns)
             self.rows.append(row)
             self._guarded(row, lambda: self._start(row))
             if row.state is None and not row.failed:  # no room in memory: it waits at the head of the queue
@@ -427,16 +433,20 @@ class StepLoop:
             self._begin_decoding(row)
 
     def _prefill(self) -> None:
+        """Prompt chunks, one at a time, until ``max_prefill_tokens`` were forwarded (at least one chunk): each
+        to the row of the lowest priority value whose last chunk (or admission) is the oldest."""
         budget, forwarded = self.max_prefill_tokens, 0
-        for row in [r for r in self.rows if r.chunks]:
-            while row.chunks and (budget > 0 or not forwarded) and not row.failed:
-                end, points = row.chunks[0]
-                size = end - row.state.pos
-                self._guarded(row, lambda: self._prefill_chunk(row, end, points))
-                budget -= size
-                forwarded += size
-            if budget <= 0:
-                break
+        while budget > 0 or not forwarded:
+            rows = [r for r in self.rows if r.chunks and not r.failed]
+            if not rows:
+                return
+            row = min(rows, key=lambda r: (r.handle.priority, r.turn))
+            end, points = row.chunks[0]
+            size = end - row.state.pos
+            self._guarded(row, lambda: self._prefill_chunk(row, end, points))
+            row.turn = next(self._turns)
+            budget -= size
+            forwarded += size
 
     def _prefill_chunk(self, row: _Row, end: int, points: tuple[int, ...]) -> None:
         """One chunk of the row's prompt, forwarded once; the state is snapshotted into the prefix cache as
