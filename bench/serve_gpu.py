@@ -160,7 +160,7 @@ def ttft(variant: str, layers: int, reps: int) -> dict:
     with serving(engine) as client:
         served = [first_token_ms(client, q) for q in questions][2:]
     prompts = [
-        engine.tokenizer.encode(encode_messages([{"role": "user", "content": q}], thinking=False).text)
+        encode_messages([{"role": "user", "content": q}], thinking=False).token_ids(engine.tokenizer)
         for q in questions
     ]
     engine.prefix_cache = None  # the engine's own prefill of each prompt, not a restore of what it served

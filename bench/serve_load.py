@@ -77,7 +77,7 @@ def log(msg: str) -> None:
 def chat_tokens(tokenizer: Tokenizer, text: str) -> int:
     """Prompt tokens of one user message ``text`` as the server encodes a chat request (chat mode)."""
     encoded = encode_messages([{"role": "user", "content": text}], thinking=False)
-    return len(tokenizer.encode(encoded.text))
+    return len(encoded.token_ids(tokenizer))
 
 
 def tag(n: int) -> str:

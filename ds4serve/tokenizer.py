@@ -44,6 +44,9 @@ class Tokenizer:
             file = bundled_tokenizer_dir() / "tokenizer.json"
         self.source = file
         self._tok = _HFTokenizer.from_file(str(file))
+        self._plain = _HFTokenizer(self._tok.model)  # the same BPE without the added tokens: text only
+        self._plain.normalizer = self._tok.normalizer
+        self._plain.pre_tokenizer = self._tok.pre_tokenizer
 
     def token_id(self, text: str) -> int:
         tid = self._tok.token_to_id(text)
@@ -82,6 +85,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their special ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: the strings of special and added tokens in it (``<｜User｜>``,
+        ``</think>``…) are spelled with ordinary tokens, never their control ids. A text holding no such string
+        gets the ids :meth:`encode` gives it."""
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """:meth:`encode` of each text, the texts tokenized in parallel."""

@@ -377,6 +377,10 @@ def test_cors_preflight_and_headers_for_an_allowed_origin_only(guarded, base):
     assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
     r = httpx.get(f"{guarded}/v1/models", headers={**origin, "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    # a page's script reads only the headers exposed to it: Retry-After and the request ids (the SDKs' own)
+    exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
+    assert {"retry-after", "x-request-id", "request-id"} <= exposed
+    assert r.headers["x-request-id"] == r.headers["request-id"]
     refused = httpx.get(
         f"{guarded}/v1/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
     )

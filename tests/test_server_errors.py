@@ -10,6 +10,7 @@ import pytest
 
 from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
+from ds4serve.server.errors import anthropic_context_overflow
 
 from .server_harness import ScriptedEngine, running
 
@@ -207,6 +208,11 @@ CASES = [
     (COMP, {"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 3}, 400, "best_of"),
     (COMP, {"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 1}, 400, "best_of"),
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    # OpenAI's fields this server cannot honour are refused by name, never ignored
+    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (COMP, {"prompt": "hi", "max_tokens": 2, "stream_options": {}}, 400, "stream_options"),
+    (CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
+    (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
     (MSGS, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, 400, None),
     (MSGS, msgs(messages=[{"role": "system", "content": "hi"}]), 400, None),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None),
@@ -453,6 +459,19 @@ def test_context_overflow_uses_the_openai_wording_and_names_the_prompt_field(bas
     assert "in the prompt, 8 in the completion" in err["message"]
 
 
+def test_audio_output_and_stream_options_without_a_stream_are_refused_in_openai_words(base):
+    """OpenAI's 400s: audio output is refused (this model writes text), ``stream_options`` needs ``stream: true``;
+    text output and stream options on a stream are served."""
+    err = post(base, CHAT, chat(modalities=["text", "audio"], audio={"voice": "alloy"})).json()["error"]
+    assert err["message"] == "modalities: audio output is not supported: this model writes text only"
+    err = post(base, CHAT, chat(stream=False, stream_options={"include_usage": True})).json()["error"]
+    assert err["message"] == "stream_options: only allowed when 'stream' is enabled"
+    assert post(base, CHAT, chat(modalities=["text"])).status_code == 200
+    assert post(base, CHAT, chat(modalities=None, audio=None, stream_options=None)).status_code == 200
+    streamed = post(base, CHAT, chat(stream=True, stream_options={"include_usage": True}))
+    assert streamed.status_code == 200 and '"prompt_tokens"' in streamed.text  # the usage chunk
+
+
 def test_a_hosted_tool_is_refused_by_its_type(base):
     """Server-side tools (web search, a shell) are not run here: the 400 says so, naming the type."""
     err = post(base, MSGS, msgs(tools=[{"type": "web_search_20250305", "name": "web_search"}])).json()
@@ -462,11 +481,14 @@ def test_a_hosted_tool_is_refused_by_its_type(base):
 
 
 def test_context_overflow_on_messages_uses_the_anthropic_wording(base):
-    """Claude Code matches these: "prompt is too long" to compact, the sum over the limit to lower max_tokens."""
+    """Claude Code matches these: "prompt is too long" to compact, the sum over the limit to lower max_tokens. Both
+    state the limit that ``/v1/models`` gives as ``max_input_tokens`` (and OpenAI's wording names)."""
+    limit = httpx.get(f"{base}/v1/models").json()["data"][0]["max_input_tokens"]
+    assert limit == 256
     words = [{"role": "user", "content": "word " * 400}]
     err = post(base, MSGS, {"model": "m", "max_tokens": 8, "messages": words}).json()["error"]
     assert err["type"] == "invalid_request_error"
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 255 maximum", err["message"]), err["message"]
+    assert re.fullmatch(rf"prompt is too long: \d+ tokens > {limit} maximum", err["message"]), err["message"]
     few = [{"role": "user", "content": "word " * 20}]
     err = post(base, MSGS, {"model": "m", "max_tokens": 250, "messages": few}).json()["error"]
     assert re.fullmatch(
@@ -474,6 +496,11 @@ def test_context_overflow_on_messages_uses_the_anthropic_wording(base):
         r"`max_tokens` and try again",
         err["message"],
     ), err["message"]
+    # a prompt exactly as long as the context is not over it: only the sum is
+    assert anthropic_context_overflow(256, 256, 8).message.startswith(
+        "input length and `max_tokens` exceed context limit: 256 + 8 > 256"
+    )
+    assert anthropic_context_overflow(256, 257, 8).message == "prompt is too long: 257 tokens > 256 maximum"
 
 
 @pytest.mark.parametrize(

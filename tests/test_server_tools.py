@@ -205,6 +205,43 @@ def test_a_call_cut_off_by_the_end_of_generation_is_closed_in_both_apis(base, sc
     assert events[-2]["delta"]["stop_reason"] == "end_turn"
 
 
+def _anthropic_answer(base: str, scripted, text: str, body: dict) -> tuple[dict, list[dict]]:
+    """The message ``body`` gets when the model writes ``text``, not streamed, and its stream's events."""
+    scripted.script(text)
+    message = httpx.post(f"{base}/v1/messages", json=body, timeout=30).json()
+    scripted.script(text)
+    with httpx.stream("POST", f"{base}/v1/messages", json={**body, "stream": True}, timeout=30) as s:
+        events = [json.loads(line[len("data: ") :]) for line in s.iter_lines() if line.startswith("data: ")]
+    return message, events
+
+
+def _blocks(events: list[dict]) -> list[tuple[int, str]]:
+    return [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+
+
+def test_an_anthropic_answer_has_no_empty_text_block(base, scripted):
+    """As in Anthropic's API (whose validation, and this server's, refuses an empty text block sent back): an answer
+    stopped at its very start is ``content: []`` and its stream opens no block; thinking or a call with no text
+    after it is that block alone, streamed at index 0."""
+    ask = {"model": "tiny", "max_tokens": 100, "messages": [{"role": "user", "content": "?"}]}
+    message, events = _anthropic_answer(base, scripted, "Hello", {**ask, "stop_sequences": ["He"]})
+    assert message["content"] == [] and message["stop_reason"] == "stop_sequence"
+    assert [e["type"] for e in events] == ["message_start", "message_delta", "message_stop"]
+    assert events[1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "He"}
+
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    message, events = _anthropic_answer(base, scripted, CALL, {**ask, "tools": tools})
+    assert [b["type"] for b in message["content"]] == ["tool_use"] and message["stop_reason"] == "tool_use"
+    assert _blocks(events) == [(0, "tool_use")]
+
+    thinking = {"type": "adaptive"}  # no budget: Anthropic's least (1024) is over this engine's context
+    message, events = _anthropic_answer(base, scripted, "No more.</think>", {**ask, "thinking": thinking})
+    assert [b["type"] for b in message["content"]] == ["thinking"]
+    assert message["content"][0]["thinking"] == "No more."
+    assert _blocks(events) == [(0, "thinking")]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0]
+
+
 def test_malformed_tool_call_is_returned_as_content(oai, scripted):
     broken = (
         '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="nope">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'

@@ -41,3 +41,14 @@ def test_token_bytes_join_to_the_text_even_where_tokens_split_characters(tiny_di
         assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
     first, second = tok.encode("😀")  # the emoji's four bytes over two tokens, neither a character alone
     assert (tok.token_bytes(first), tok.token_bytes(second)) == (b"\xf0\x9f\x98", b"\x80")
+
+
+def test_plain_encoding_spells_every_special_token_string_with_ordinary_tokens(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    added = json.loads(tok.source.read_text())["added_tokens"]
+    control = {entry["id"] for entry in added}
+    for entry in added:
+        ids = tok.encode_plain(entry["content"])
+        assert not control & set(ids) and tok.decode(ids) == entry["content"]
+    text = "😀 x = '日本語 🎉 café'\n\tend  123456 <tool_result>"
+    assert tok.encode_plain(text) == tok.encode(text)

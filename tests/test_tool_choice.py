@@ -62,7 +62,12 @@ def _matches(tokenizer, grammar: str, text: str) -> bool:
 
 def _accepts(tokenizer, grammar: str, calls: list[dict]) -> bool:
     """Whether the rendered ``calls`` (chat_format's layout, what the model was trained on) match ``grammar``."""
-    return _matches(tokenizer, grammar, render_tool_calls(calls))
+    return _matches(tokenizer, grammar, _calls_text(calls))
+
+
+def _calls_text(calls: list[dict]) -> str:
+    """The text of chat_format's DSML block of ``calls`` (what the model writes)."""
+    return "".join(render_tool_calls(calls))
 
 
 def _call(name: str, **arguments) -> dict:
@@ -159,16 +164,13 @@ STRICT = [{"type": "function", "function": {**WEATHER["function"], "strict": Tru
     ],
 )
 def test_strict_functions_are_held_after_free_content(tok, text, calls, ok):
-    assert (
-        _matches(tok, strict_tool_calls(STRICT, tok), text + (render_tool_calls(calls) if calls else ""))
-        == ok
-    )
+    assert _matches(tok, strict_tool_calls(STRICT, tok), text + (_calls_text(calls) if calls else "")) == ok
 
 
 def test_content_cannot_hold_a_dsml_block_of_its_own(tok):
     """The block must follow content ending in a blank line, and nothing may follow it."""
     grammar = strict_tool_calls(STRICT, tok)
-    for text in ("Checking.<｜DSML｜tool_calls>", render_tool_calls([_call("note")]) + " more"):
+    for text in ("Checking.<｜DSML｜tool_calls>", _calls_text([_call("note")]) + " more"):
         assert not _matches(tok, grammar, text)
     assert strict_tool_calls([FREE], tok) is None  # no strict function: nothing to hold
 
@@ -181,7 +183,7 @@ def test_with_a_response_format_the_content_is_a_document_or_the_answer_calls(to
     )
     cases = (
         ('{"a": 1}', True),
-        (render_tool_calls([_call("note")]), True),
+        (_calls_text([_call("note")]), True),
         ("hi", False),
         ('{"b": 1}', False),
     )

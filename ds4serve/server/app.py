@@ -353,7 +353,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             allow_origins=list(config.allowed_origins),
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["Retry-After"],
+            expose_headers=["Retry-After", "x-request-id", "request-id"],  # _Gate's ids, for browser SDKs
         )
     # outermost: auth, limits, metrics and routes see the path without the trailing slash
     app.add_middleware(_NoTrailingSlash)

@@ -13,14 +13,22 @@ Encoding follows the rules of DeepSeek's ``encoding_dsv4.py`` (V4 has no templat
 * in thinking mode without tools, the reasoning of assistant turns before the last user message is
   dropped and their transition is ``</think>``; with tools every turn keeps its reasoning;
 * ``reasoning_effort="max"`` in thinking mode puts a fixed paragraph right after BOS.
+
+The prompt is a sequence of pieces: the template's markers (:class:`Marker`, each its control token) and plain text.
+Every text from the client (message content of every role, tool definitions, results, call names and arguments,
+reasoning) is plain text, tokenized with special-token parsing off, so a ``<｜Assistant｜>`` or ``</think>`` in it
+cannot forge a turn.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
+
+from ..tokenizer import Tokenizer
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -69,13 +77,43 @@ _TOOLS_FOOTER = (
 _RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 
+class Marker(str):
+    """A prompt piece that is one of the template's control tokens, spelled as the token's text; every other piece
+    (a plain ``str``) is text. Joining the pieces gives the prompt's text."""
+
+    __slots__ = ()
+
+
+_MARKERS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, THINK_END, DSML)
+_MARKER_SPLIT = re.compile("(" + "|".join(map(re.escape, _MARKERS)) + ")")
+
+
+def _template(text: str) -> list[str]:
+    """The template's own ``text`` as pieces: each marker string in it a :class:`Marker`, the rest plain text.
+    Never given client text (that is a plain piece as it is)."""
+    return [Marker(p) if p in _MARKERS else p for p in _MARKER_SPLIT.split(text) if p]
+
+
+def _joined(separator: str, groups: Iterable[list[str]]) -> list[str]:
+    """The pieces of ``groups`` one after another, plain text ``separator`` between two."""
+    out: list[str] = []
+    for i, group in enumerate(groups):
+        out += [separator, *group] if i else group
+    return out
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def render_tools(tools: list[dict]) -> str:
-    """The tools block of a system message; ``tools`` in OpenAI form (``{"type": "function", "function": …}``)."""
-    return _TOOLS_HEADER + "\n".join(_json(t["function"]) for t in tools) + _TOOLS_FOOTER
+def render_tools(tools: list[dict]) -> list[str]:
+    """The tools block of a system message, as pieces; ``tools`` in OpenAI form (``{"type": "function",
+    "function": …}``), their schemas plain text."""
+    return [
+        *_template(_TOOLS_HEADER),
+        "\n".join(_json(t["function"]) for t in tools),
+        *_template(_TOOLS_FOOTER),
+    ]
 
 
 def _arguments_dict(arguments: Any) -> dict:
@@ -89,17 +127,36 @@ def _arguments_dict(arguments: Any) -> dict:
     return parsed if isinstance(parsed, dict) else {"arguments": parsed}
 
 
-def render_tool_calls(tool_calls: list[dict]) -> str:
-    invokes = []
-    for call in tool_calls:
-        fn = call["function"]
-        params = [
-            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-            f"{value if isinstance(value, str) else _json(value)}</{DSML}parameter>"
-            for key, value in _arguments_dict(fn.get("arguments", {})).items()
+def _parameter(key: str, value: Any) -> list[str]:
+    """One DSML parameter of a history tool call: a str value as it is, any other as JSON (both plain text)."""
+    raw = isinstance(value, str)
+    return [
+        *_template(f'<{DSML}parameter name="'),
+        f'{key}" string="{"true" if raw else "false"}">{value if raw else _json(value)}',
+        *_template(f"</{DSML}parameter>"),
+    ]
+
+
+def render_tool_calls(tool_calls: list[dict]) -> list[str]:
+    """An assistant turn's DSML tool-calls block, as pieces: the markup the template's, names and arguments
+    plain text."""
+    invokes = [
+        [
+            *_template(f'<{DSML}invoke name="'),
+            f'{call["function"]["name"]}">\n',
+            *_joined(
+                "\n",
+                (_parameter(k, v) for k, v in _arguments_dict(call["function"].get("arguments", {})).items()),
+            ),
+            *_template(f"\n</{DSML}invoke>"),
         ]
-        invokes.append(f'<{DSML}invoke name="{fn["name"]}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return "\n\n" + TOOL_CALLS_START + "\n" + "\n".join(invokes) + "\n" + TOOL_CALLS_END
+        for call in tool_calls
+    ]
+    return [
+        *_template("\n\n" + TOOL_CALLS_START + "\n"),
+        *_joined("\n", invokes),
+        *_template("\n" + TOOL_CALLS_END),
+    ]
 
 
 def _merge_tool_messages(messages: list[dict]) -> list[dict]:
@@ -182,52 +239,86 @@ def _tool_result_text(content: Any) -> str:
     return content or ""
 
 
-def _render(i: int, messages: list[dict], thinking: bool, drop_thinking: bool, effort: str | None) -> str:
+def _render(
+    i: int, messages: list[dict], thinking: bool, drop_thinking: bool, effort: str | None
+) -> list[str]:
+    """Message ``i`` as prompt pieces (its content plain text), with the generation prompt that follows it."""
     msg = messages[i]
     role = msg.get("role")
-    out = REASONING_EFFORT_MAX if i == 0 and thinking and effort == "max" else ""
+    out = [REASONING_EFFORT_MAX] if i == 0 and thinking and effort == "max" else []
     last_user = _last_user_index(messages)
-    extras = ""
+    extras: list[str] = []
     if msg.get("tools"):
-        extras += "\n\n" + render_tools(msg["tools"])
+        extras += ["\n\n", *render_tools(msg["tools"])]
     if msg.get("response_format"):
-        extras += "\n\n" + _RESPONSE_FORMAT + _json(msg["response_format"])
+        extras += ["\n\n" + _RESPONSE_FORMAT + _json(msg["response_format"])]
     if role == "system":
-        out += (msg.get("content") or "") + extras
+        out += [msg.get("content") or "", *extras]
     elif role == "developer":
-        out += USER + (msg.get("content") or "") + extras
+        out += [Marker(USER), msg.get("content") or "", *extras]
     elif role == "user":
         blocks = msg.get("content_blocks")
         if blocks:
-            out += USER + "\n\n".join(
-                b.get("text", "") if b["type"] == "text" else _tool_result(b) for b in blocks
-            )
+            out += [
+                Marker(USER),
+                "\n\n".join(b.get("text", "") if b["type"] == "text" else _tool_result(b) for b in blocks),
+            ]
         else:
-            out += USER + (msg.get("content") or "")
+            out += [Marker(USER), msg.get("content") or ""]
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + (msg.get("content") or "")
+        out += [Marker(LATEST_REMINDER), msg.get("content") or ""]
     elif role == "assistant":
-        reasoning = ""
         if thinking and (not drop_thinking or i > last_user):
-            reasoning = (msg.get("reasoning_content") or "") + THINK_END
-        calls = render_tool_calls(msg["tool_calls"]) if msg.get("tool_calls") else ""
-        out += reasoning + (msg.get("content") or "") + calls + ("" if msg.get("prefix") else EOS)
+            out += [msg.get("reasoning_content") or "", Marker(THINK_END)]
+        out.append(msg.get("content") or "")
+        if msg.get("tool_calls"):
+            out += render_tool_calls(msg["tool_calls"])
+        if not msg.get("prefix"):
+            out.append(Marker(EOS))
     else:
         raise ValueError(f"role: unknown role {role!r}")
     nxt = messages[i + 1].get("role") if i + 1 < len(messages) else None
     if role in ("user", "developer") and nxt in (None, "assistant", "latest_reminder"):
         opens = thinking and (not drop_thinking or i >= last_user)
-        out += ASSISTANT + (THINK_START if opens else THINK_END)
+        out += [Marker(ASSISTANT), Marker(THINK_START if opens else THINK_END)]
     return out
+
+
+def _merged(pieces: Iterable[str]) -> tuple[str, ...]:
+    """``pieces`` with each run of adjacent plain texts joined into one (so tokenizing it gives the BPE merges the
+    whole text gets) and empty texts left out."""
+    out: list[str] = []
+    for piece in pieces:
+        if isinstance(piece, Marker) or not out or isinstance(out[-1], Marker):
+            out.append(piece)
+        else:
+            out[-1] += piece
+    return tuple(p for p in out if p)
 
 
 @dataclass(frozen=True)
 class EncodedPrompt:
-    text: str
+    """A rendered chat prompt: its pieces, :class:`Marker` control tokens and plain text (no two texts adjacent,
+    none empty)."""
+
+    pieces: tuple[str, ...]
     thinking: bool
     reasoning_dropped: (
         bool  # thinking mode without tools: the next turn re-renders this one without reasoning
     )
+
+    @property
+    def text(self) -> str:
+        """The prompt as text: what its token ids decode to."""
+        return "".join(self.pieces)
+
+    def token_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's token ids: each marker its control token, each text :meth:`Tokenizer.encode_plain`'s ids
+        (so for text holding no special-token string, :meth:`Tokenizer.encode` of :attr:`text`)."""
+        ids: list[int] = []
+        for piece in self.pieces:
+            ids += [tokenizer.token_id(piece)] if isinstance(piece, Marker) else tokenizer.encode_plain(piece)
+        return ids
 
 
 def encode_messages(
@@ -260,9 +351,10 @@ def encode_messages(
     drop = drop_thinking and not any(m.get("tools") for m in messages)
     if thinking and drop:
         messages = _drop_old_reasoning(messages)
-    text = BOS if add_bos else ""
-    text += "".join(_render(i, messages, thinking, drop, reasoning_effort) for i in range(len(messages)))
-    return EncodedPrompt(text=text, thinking=thinking, reasoning_dropped=thinking and drop)
+    pieces = [Marker(BOS)] if add_bos else []
+    for i in range(len(messages)):
+        pieces += _render(i, messages, thinking, drop, reasoning_effort)
+    return EncodedPrompt(pieces=_merged(pieces), thinking=thinking, reasoning_dropped=thinking and drop)
 
 
 def cache_points(prompt: list[int], user_id: int, shared: int) -> tuple[int, ...]:

@@ -85,9 +85,10 @@ def context_overflow(max_context: int, prompt: int, completion: int, field: str 
 
 def anthropic_context_overflow(max_context: int, prompt: int, completion: int) -> APIError:
     """Anthropic's wording, which Claude Code matches: "prompt is too long" (it compacts the conversation) when
-    the prompt alone leaves no room, else the sum over the limit (it retries with a smaller ``max_tokens``)."""
-    if prompt >= max_context:
-        message = f"prompt is too long: {prompt} tokens > {max_context - 1} maximum"
+    the prompt alone is over the context, else the sum over the limit (it retries with a smaller ``max_tokens``).
+    Both state ``max_context``, the limit ``/v1/models`` gives as ``max_input_tokens`` and OpenAI's wording names."""
+    if prompt > max_context:
+        message = f"prompt is too long: {prompt} tokens > {max_context} maximum"
     else:
         message = (
             f"input length and `max_tokens` exceed context limit: {prompt} + {completion} > {max_context}, "

@@ -190,7 +190,7 @@ def _encode(server, body: CountTokensRequest):
         response_format=_output_schema(body),
         reasoning_effort="max" if effort in ("xhigh", "max") else None,
     )
-    return encoded, server.engine.tokenizer.encode(encoded.text), tools
+    return encoded, encoded.token_ids(server.engine.tokenizer), tools
 
 
 def _forces_call(body: MessagesRequest, tools: list[dict] | None) -> bool:
@@ -315,7 +315,7 @@ async def messages(request: Request, body: MessagesRequest = Depends(json_body(M
         content.append(
             {"type": "thinking", "thinking": total.reasoning, "signature": signature(total.reasoning)}
         )
-    if total.content or not (total.tool_calls or total.reasoning):  # an empty text block only for no output
+    if total.content:  # as in Anthropic's API, no empty text block: an empty answer is `content: []`
         content.append({"type": "text", "text": total.content})
     for call in total.tool_calls:
         content.append(
@@ -348,7 +348,8 @@ def signature(thinking: str) -> str:
 
 class _Blocks:
     """Content-block bookkeeping of one Anthropic stream: which block is open, at which index (and a thinking
-    block's text so far, for its signature)."""
+    block's text so far, for its signature). A block opens only with something to hold (text, reasoning, a call's
+    name), so no text block is empty and an empty answer has none; indices run from 0 without gaps."""
 
     def __init__(self) -> None:
         self.index, self.kind = -1, None
@@ -429,9 +430,6 @@ async def _stream(completion: Completion, mid: str, model: str) -> StreamingResp
             )
             async for piece in pieces:
                 for e in blocks.piece(piece):
-                    yield e
-            if blocks.index < 0:
-                for e in blocks.open("text", {"type": "text", "text": ""}):
                     yield e
             for e in blocks.close():
                 yield e

@@ -237,7 +237,7 @@ def _chat_prompt(
         tools=tools,
         response_format=response_format,
     )
-    return encoded, server.engine.tokenizer.encode(encoded.text), tools, response_format
+    return encoded, encoded.token_ids(server.engine.tokenizer), tools, response_format
 
 
 def _check_tool_results(messages: list[ChatMessage]) -> None:
@@ -660,7 +660,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     tok = server.engine.tokenizer
     want_lp = body.logprobs is not None
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)  # only sent with stream
     if not groups:  # max_tokens 0: the prompts echoed
         total = sum(map(len, prompts))
         choices = [

@@ -296,6 +296,14 @@ class SamplingFields(_Request):
             raise ValueError(f"at most {MAX_STOPS} stop sequences")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        """As in OpenAI's API, ``stream_options`` without ``stream: true`` is a 400 naming it."""
+        if v is not None and info.data.get("stream") is False:  # absent: ``stream`` itself was invalid
+            raise ValueError("only allowed when 'stream' is enabled")
+        return v
+
 
 class ChatRequest(SamplingFields):
     model: str | None = None  # any name is served by the one model; responses name it
@@ -315,6 +323,16 @@ class ChatRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
     user: str | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+
+    @field_validator("modalities", "audio")
+    @classmethod
+    def _no_audio(cls, v: Any, info: ValidationInfo) -> Any:
+        """Audio output (``modalities`` with "audio", or ``audio``'s voice and format) is a 400 naming the field."""
+        if v is not None and (info.field_name == "audio" or "audio" in v):
+            raise ValueError("audio output is not supported: this model writes text only")
+        return v
 
     @field_validator("tool_choice", mode="before")
     @classmethod
