@@ -224,10 +224,9 @@ def test_echo_gives_the_prompts_own_logprobs_for_a_list_of_prompts(oai, engine):
         expected = _expected_prompt_logprobs(engine, ids)
         assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
         assert lps.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
-        assert all(
-            len(top) == 5 and max(top.values()) >= lp - 1e-6
-            for top, lp in zip(lps.top_logprobs[1:], lps.token_logprobs[1:])
-        )
+        for token, top, lp in zip(lps.tokens[1:], lps.top_logprobs[1:], lps.token_logprobs[1:]):
+            # the five likeliest, and the prompt's own token always (up to logprobs + 1, as in OpenAI's API)
+            assert len(top) in (5, 6) and top[token] == lp and max(top.values()) >= lp - 1e-6
     assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 0
 
 

@@ -559,10 +559,18 @@ def _legacy_logprobs(tok, pieces: list[Piece], offset: int) -> dict:
         for lp in p.logprobs:
             tokens.append(tok.decode([lp.token]))
             lps.append(lp.logprob)
-            tops.append({tok.decode([t]): v for t, v in lp.top})
+            tops.append(_top_with_chosen(tok, lp.top, lp.token, lp.logprob))
             ids.append(lp.token)
     offsets = _text_offsets(tok, ids, offset, skip_special=True)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_with_chosen(tok, top, chosen: int, logprob: float) -> dict[str, float]:
+    """A legacy ``top_logprobs`` entry: the ``top`` (id, logprob) alternatives by text, and the chosen token
+    always among them (so up to N + 1 entries for ``logprobs: N``), as OpenAI's and vLLM's are."""
+    entry = {tok.decode([t]): v for t, v in top}
+    entry.setdefault(tok.decode([chosen]), logprob)
+    return entry
 
 
 def _text_offsets(tok, ids: list[int], start: int, skip_special: bool) -> list[int]:
@@ -590,7 +598,7 @@ def _prompt_logprobs(engine, prompt: list[int], top: int, added: int) -> dict:
     for i, t in enumerate(prompt[1:]):
         token_lps.append(float(lp[i, t]))
         vals, ids = lp[i].topk(top) if top else (lp[i, :0], lp[i, :0])
-        tops.append({tok.decode([int(k)]): float(v) for k, v in zip(ids, vals)})
+        tops.append(_top_with_chosen(tok, zip(ids.tolist(), vals.tolist()), t, token_lps[-1]))
     offsets = [0] * added + _text_offsets(tok, prompt[added:], 0, skip_special=False)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
