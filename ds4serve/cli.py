@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import shutil
 import sys
 import time
@@ -165,7 +166,15 @@ def _make_tiny_args(p: argparse.ArgumentParser) -> Handler:
             hca_rate=a.hca_rate,
             index_topk=a.index_topk,
         )
-        out = make_tiny(a.out_dir, spec)
+        out = Path(a.out_dir)
+        if not out.parent.exists():
+            raise ValueError(f"make-tiny: the parent directory {out.parent} does not exist")
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"make-tiny: {out} exists and is not a directory")
+        try:
+            make_tiny(out, spec)
+        except OSError as err:
+            raise ValueError(f"make-tiny: cannot write {err.filename or out}: {err.strerror}") from None
         print(f"wrote {out}")
         return 0
 
@@ -356,7 +365,11 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=at_least(0), default=0, help="sample among the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="no chat template: BOS and the prompt, tokenized as /v1/completions tokenizes a text prompt",
+    )
     p.add_argument(
         "--speculative",
         type=speculative,
@@ -370,8 +383,10 @@ def _generate_args(p: argparse.ArgumentParser) -> Handler:
 
         engine, _, _ = load_engine(a)
         tok: Tokenizer = engine.tokenizer
-        text = a.prompt if a.raw else f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>"
-        prompt = tok.encode(text)
+        if a.raw:
+            prompt = tok.encode_completion(a.prompt)
+        else:
+            prompt = tok.encode(f"{tok.decode([tok.bos_id])}<｜User｜>{a.prompt}<｜Assistant｜></think>")
         params = SamplingParams(
             max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed
         )
@@ -431,16 +446,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BROKEN_PIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A ValueError (a bad option, model directory, checkpoint or environment variable: the
-    message names it) is one line on stderr and exit status 2; with the log level at DEBUG, its traceback."""
+    message names it) is one line on stderr and exit status 2; with the log level at DEBUG, its traceback.
+    Standard output closed by its reader (``ds4serve inspect ... | head``) ends the command quietly, with the
+    status a Unix tool killed by SIGPIPE has."""
     try:
         logging.basicConfig(
             level=envs.get(envs.LOG_LEVEL), format="%(asctime)s %(name)s %(levelname)s %(message)s"
         )
         _load_optional_commands()
         args = build_parser().parse_args(argv)
-        return args._handler(args)
+        status = args._handler(args)
+        sys.stdout.flush()  # a closed pipe is found here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_STATUS
     except ValueError as exc:
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             raise

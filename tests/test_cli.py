@@ -4,7 +4,12 @@ one line."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
+import httpx
 import pytest
 
 from ds4serve import cli
@@ -92,3 +97,84 @@ def test_bad_inputs_are_one_line_and_status_2(argv, says, tmp_path, capsys, monk
     assert main([a.replace("{missing}", str(tmp_path / "missing")) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ds4serve: error: ") and says in err and "Traceback" not in err
+
+
+def test_raw_prompt_is_tokenized_as_completions_tokenize_a_text(tiny_dir, scripted, monkeypatch, capsys):
+    """``generate --raw`` gives the engine the ids ``/v1/completions`` forwards for the same text: BOS first,
+    once, whether or not the text begins with it."""
+    from ds4serve import Engine
+    from ds4serve.server.app import ServerConfig, create_app
+    from ds4serve.tokenizer import BOS
+
+    from .server_harness import running
+
+    generated: list[list[int]] = []
+    real_generate = Engine.generate
+
+    def spy(self, prompt_ids, *args, **kwargs):
+        generated.append(list(prompt_ids))
+        return real_generate(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    texts = ["def f(x):", BOS + "x = 1"]
+    for text in texts:
+        assert main(["generate", "--raw", "--model", str(tiny_dir), "--max-tokens", "1", text]) == 0
+    capsys.readouterr()
+    with running(create_app(scripted, ServerConfig(model_name="tiny"))) as base:
+        for text in texts:
+            scripted.script("Hi.")
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": text, "max_tokens": 8}, timeout=60)
+            assert r.status_code == 200, r.text
+    bos = scripted.tokenizer.bos_id
+    assert generated == scripted.prompts[-2:]
+    assert [p.count(bos) for p in generated] == [1, 1] and all(p[0] == bos for p in generated)
+
+
+def test_make_tiny_refuses_a_path_it_cannot_make_in_one_line(tmp_path, capsys):
+    """An existing file, a missing parent directory (not made) or a folder that cannot be made: one line
+    naming the path, status 2."""
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    cases = [
+        (afile, f"make-tiny: {afile} exists and is not a directory"),
+        (tmp_path / "no" / "x", f"make-tiny: the parent directory {tmp_path / 'no'} does not exist"),
+        (afile / "x", f"make-tiny: cannot write {afile / 'x'}: "),
+    ]
+    for path, says in cases:
+        assert main(["make-tiny", str(path), "--layers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ds4serve: error: {says}") and err.count("\n") == 1, err
+    assert not (tmp_path / "no").exists() and afile.read_text() == "kept"
+
+
+def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys, caplog):
+    """The address is bound before the model loads: a port in use is one line naming host:port (the model
+    directory, missing here, is never looked at) and nothing claims to be serving."""
+    import ds4serve.server.cli  # noqa: F401 - registers the serve command with the parser
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path / "missing"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ds4serve: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1
+    assert "serving" not in caplog.text
+
+
+def test_output_closed_by_its_reader_ends_quietly(tiny_dir):
+    """``ds4serve inspect ... | head``: the reader gone, the command stops with SIGPIPE's status and says
+    nothing (no traceback)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds4serve", "inspect", str(tiny_dir)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.BROKEN_PIPE_STATUS and proc.stderr == ""

@@ -28,15 +28,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..tokenizer import Tokenizer
+from ..tokenizer import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, Tokenizer
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
 DSML = "｜DSML｜"
 TOOL_CALLS_START = f"<{DSML}tool_calls>"
 TOOL_CALLS_END = f"</{DSML}tool_calls>"

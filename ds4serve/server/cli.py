@@ -121,8 +121,9 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
         "--shutdown-timeout",
         type=at_least(0, float),
         default=30.0,
-        help="on SIGTERM, new and queued requests get 503 and running ones this many seconds to finish "
-        "(then they are stopped, their streams ending with an error event); the process then exits 0",
+        help="on SIGTERM or a first Ctrl-C, new and queued requests get 503 and running ones this many seconds "
+        "to finish (then they are stopped, their streams ending with an error event); the process then exits 0 "
+        "(a second Ctrl-C exits at once)",
     )
     p.add_argument(
         "--idle-timeout-s",
@@ -142,8 +143,9 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
 
         from ..engine.prefix_cache import PrefixCache, model_identity
         from .app import ServerConfig, create_app
-        from .http_server import GracefulServer, IdleClosingH11
+        from .http_server import GracefulServer, IdleClosingH11, bind_sockets
 
+        sockets = bind_sockets(a.host, a.port)  # an address in use is an error now, not after loading
         engine, model, dtype = load_engine(a)
         cache = None
         if a.prefix_cache_mb > 0 or a.prefix_cache_dir:
@@ -179,22 +181,20 @@ def _serve_args(p: argparse.ArgumentParser) -> Handler:
             "serving %s on http://%s:%d/ (context %d tokens, a sequence's state %.1f MiB at that length; "
             "open it in a browser for the page)",
             config.model_name,
-            a.host,
-            a.port,
+            f"[{a.host}]" if ":" in a.host else a.host,
+            sockets[0].getsockname()[1],
             engine.max_context,
             state_nbytes(engine.cfg, range(engine.cfg.num_layers), engine.max_context, engine.dtype) / 2**20,
         )
         graceful = math.ceil(a.shutdown_timeout) + STOP_GRACE_S
         config = uvicorn.Config(
             app,
-            host=a.host,
-            port=a.port,
             log_level="info",
             http=IdleClosingH11,
             timeout_keep_alive=a.idle_timeout_s,
             timeout_graceful_shutdown=graceful,
         )
-        GracefulServer(config, app.state.server).run()
+        GracefulServer(config, app.state.server).run(sockets)
         return 0
 
     return run

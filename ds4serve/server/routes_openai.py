@@ -505,8 +505,7 @@ def completion_prompts(server, body: CompletionRequest, add_bos: bool = True) ->
     out = []
     for p in prompt if many else [prompt]:
         if isinstance(p, str):
-            text = p if p.startswith(BOS) or not add_bos else BOS + p
-            out.append(server.engine.tokenizer.encode(text))
+            out.append(server.engine.tokenizer.encode_completion(p, add_bos))
         else:
             out.append(list(p))
     return out
