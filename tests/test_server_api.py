@@ -247,6 +247,41 @@ def test_a_predicted_output_drafts_the_answer_and_leaves_it_unchanged(oai):
             assert details.rejected_prediction_tokens <= 1
 
 
+def test_a_stop_string_inside_a_verify_step_ends_the_count_where_plain_decoding_does(oai):
+    """A predicted answer's verify steps emit several tokens at once, past the stop string before the server sees
+    it: the content and the tokens counted in usage are still plain decoding's."""
+    whole = chat(oai, "Repeat after me", max_tokens=16, temperature=0).choices[0].message.content
+    at = next(k for k in range(len(whole) // 3, len(whole) - 4) if whole.find(whole[k : k + 4]) == k)
+    stop = [whole[at : at + 4]]
+    plain = chat(oai, "Repeat after me", max_tokens=16, temperature=0, stop=stop)
+    predicted = chat(
+        oai,
+        "Repeat after me",
+        max_tokens=16,
+        temperature=0,
+        stop=stop,
+        prediction={"type": "content", "content": whole},
+    )
+    assert predicted.choices[0].message.content == plain.choices[0].message.content == whole[:at]
+    assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert predicted.usage.completion_tokens == plain.usage.completion_tokens < 16
+
+
+def test_n_beyond_the_running_and_waiting_places_is_a_400_not_a_429(base, oai):
+    """ROWS running + 1 waiting: a request of more choices (or prompts) could never be queued whole, so it is a
+    400 naming the field, which no retry would clear; one that fits is served."""
+    for body, path, param in (
+        ({"messages": [{"role": "user", "content": "Hi"}], "n": ROWS + 2}, "chat/completions", "n"),
+        ({"prompt": ["a", "b", "c", "d"]}, "completions", "prompt"),
+    ):
+        r = httpx.post(
+            f"{base}/v1/{path}", json={"model": "tiny", "max_tokens": 2, **body}, headers=AUTH, timeout=60
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "--max-batch" in r.json()["error"]["message"]
+    assert len(chat(oai, "Hi", max_tokens=2, n=ROWS + 1).choices) == ROWS + 1
+
+
 def test_tokenize_and_detokenize_match_what_the_routes_encode(base, engine):
     msgs = [{"role": "user", "content": "Hello"}]
     text = encode_messages(msgs, thinking=False).text

@@ -118,6 +118,7 @@ class Completion:
             speculative=server.config.speculative if spec.speculative is None else spec.speculative,
         )
         self.result: GenerateResult | None = None
+        self.stop_tokens: int | None = None  # the tokens up to the one whose text completed a stop string
         self._watcher: asyncio.Task | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -156,6 +157,8 @@ class Completion:
             text = self.stopper.feed(text, count >= self.spec.params.min_tokens)
             released += len(text)
             if self.stopper.hit is not None:
+                if self.stop_tokens is None:
+                    self.stop_tokens = count
                 pending = [(lp, at) for lp, at in pending if at < released]
                 if not self.job.cancelled:
                     self.server.scheduler.withdraw(self.job, STOP_SEQUENCE)
@@ -227,6 +230,12 @@ class Completion:
     def stop_sequence(self) -> str | None:
         return self.stopper.hit
 
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens the answer took: up to the one that completed its stop string, if one did (the engine may
+        have gone on before the stop reached it: a speculative step emits several tokens at once), else all."""
+        return len(self.result.tokens) if self.stop_tokens is None else self.stop_tokens
+
     def usage(self) -> dict:
         return usage([self])
 
@@ -237,7 +246,7 @@ def usage(completions: list[Completion]) -> dict:
     summed; a draft's statistics only when there is one choice."""
     first = completions[0].result
     results = [c.result for c in completions]
-    completion_tokens = sum(len(r.tokens) for r in results)
+    completion_tokens = sum(c.generated_tokens for c in completions)
     prompt = len(completions[0].spec.prompt)
     spec = first.stats.speculative if len(results) == 1 else None
     predicted = [

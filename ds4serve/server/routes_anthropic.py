@@ -287,7 +287,7 @@ def _input_usage(completion: Completion, cached: int) -> dict:
 
 def _usage(completion: Completion) -> dict:
     res = completion.result
-    return {**_input_usage(completion, res.stats.cached_tokens), "output_tokens": len(res.tokens)}
+    return {**_input_usage(completion, res.stats.cached_tokens), "output_tokens": completion.generated_tokens}
 
 
 def _event(kind: str, data: dict) -> str:

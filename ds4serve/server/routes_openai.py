@@ -365,6 +365,7 @@ def _function_call_delta(chunks: list[dict]) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatRequest = Depends(json_body(ChatRequest))):
     server = request.app.state.server
+    server.scheduler.check_fits(body.n, "n")
     choices = Choices(server, request, await offload(request, chat_spec, server, body), body.n)
     choices.start()
     model = server.config.model_name
@@ -660,6 +661,7 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     server = request.app.state.server
     prompts, specs = await offload(request, completion_specs, server, body)
     groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
+    server.scheduler.check_fits(len(groups) * body.n, "n" if body.n > 1 else "prompt")
     _start_all(groups)
     echoes = await _echoes(server, body, prompts)
     model = server.config.model_name

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 
 from ..engine import Engine, GenerateResult, RequestHandle, SamplingParams, TokenLogprob
 from ..engine.prefix_cache import PrefixCache
-from .errors import APIError, unavailable
+from .errors import APIError, invalid, unavailable
 from .live_stats import LiveStats
 from .metrics import Metrics
 
@@ -142,6 +142,18 @@ class Scheduler:
     def running(self) -> int:
         return self.engine.running
 
+    def check_fits(self, jobs: int, param: str) -> None:
+        """A 400 naming ``param`` when one request's ``jobs`` generations are more than the engine's rows and the
+        queue's places together: :meth:`submit` would refuse one of them however long the client waited, so a
+        429 would invite retries that cannot succeed."""
+        rows = self.engine.max_batch
+        if jobs > rows + self.max_queue:
+            raise invalid(
+                f"{param}: {jobs} generations at once are more than this server holds ({rows} running, "
+                f"--max-batch, and {self.max_queue} waiting, --max-queue)",
+                param,
+            )
+
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the engine; raises a 429 :class:`APIError` (with Retry-After) when the queue is full
         (jobs a free row takes at once do not count as waiting)."""
@@ -152,7 +164,8 @@ class Scheduler:
             if self.engine.waiting >= self.max_queue + free:
                 raise APIError(
                     429,
-                    f"the request queue is full ({self.max_queue} waiting); retry later",
+                    f"the request queue is full ({self.engine.waiting} waiting, {self.engine.running} running); "
+                    "retry later",
                     "queue_full",
                     headers={"Retry-After": "1"},
                 )
