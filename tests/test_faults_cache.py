@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -116,6 +117,17 @@ def test_bad_entry_while_running_is_removed_with_a_warning(tmp_path, caplog, fau
     assert cache.stats.disk_dropped == 1
 
 
+def test_a_cache_folder_removed_while_running_is_made_again_and_its_entries_miss(tmp_path):
+    """The disk tier's folder deleted under a running server: the entries it held are misses, and the next
+    snapshot makes the folder again and is read back."""
+    cache = PrefixCache(0, disk_dir=tmp_path / "cache", model_id="m")
+    cache.insert(snap([1, 2, 3]))
+    shutil.rmtree(tmp_path / "cache")
+    assert cache.lookup([1, 2, 3, 4]) is None
+    cache.insert(snap([5, 6]))
+    assert entry(cache, [5, 6]).exists() and cache.lookup([5, 6, 7]).tokens == [5, 6]
+
+
 def test_start_cleans_temporaries_and_applies_the_disk_budget(tmp_path):
     cache = PrefixCache(0, disk_dir=tmp_path, model_id="m")
     for i in range(4):
@@ -166,14 +178,14 @@ def test_server_with_damaged_entries_answers_as_uncached(engine_1k, uncached, tm
     server, cache = serve()
     with server as base:
         for fault in (flip_bits, foreign_tensors, truncate):
-            before = set(cache.disk_dir.iterdir())
-            completion(base, PROMPT, max_tokens=1)  # caches PROMPT on disk
-            files = sorted(set(cache.disk_dir.iterdir()) - before)
-            assert files
+            completion(base, PROMPT, max_tokens=1)  # caches PROMPT (and PROMPT + its token) on disk
+            files = sorted(cache.disk_dir.iterdir())  # with the last round's PROMPT + [11, 12]: all damaged
+            read = entry(cache, PROMPT)  # what the next prompts restore, once their own entry is found bad
+            assert read in files
             for path in files:
                 fault(path, other)
             assert [completion(base, PROMPT + [11, 12], **s) for s in SAMPLINGS] == uncached
-            assert all(not p.exists() for p in files), fault.__name__
+            assert not read.exists(), fault.__name__
     server, cache = serve()
     with server as base:
         for n in (10, 20, 30, 40):  # four nested prefixes of the prompt, each its own entry

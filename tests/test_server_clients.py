@@ -69,6 +69,20 @@ def test_the_sampler_moves_logits_to_its_device(temperature):
     assert elsewhere.moved_to == [sampler.device]
 
 
+def test_a_text_completion_prompt_sent_again_is_restored_whole(oai):
+    """A text completion's prompt is cached where it ends: the same prompt again (a retry, more samples, an
+    evaluation's shared shots) restores all of it and gives the same tokens; a longer one restores it as a prefix."""
+    prompt = "def cached_completion(x):\n    return"
+    kw = dict(model="tiny", max_tokens=6, temperature=0)
+    first = oai.completions.create(prompt=prompt, **kw)
+    second = oai.completions.create(prompt=prompt, **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+    longer = oai.completions.create(prompt=prompt + " x + 1\n\ndef other(y):", **kw)
+    assert longer.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
 def test_a_seeded_sampled_request_on_a_fully_cached_prompt_is_the_uncached_one(oai):
     """The second request restores its whole prompt from the prefix cache and samples its first token from the
     snapshot's host copy of the logits: the same seeded tokens as the first, which prefilled it."""

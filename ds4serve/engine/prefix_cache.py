@@ -266,7 +266,9 @@ class PrefixCache:
         return h.hexdigest()
 
     def _write(self, snap: Snapshot) -> Path | None:
+        """Write ``snap``'s file (the folder made again if it was removed); None, with a warning, on failure."""
         try:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
             return write_entry(self.disk_dir, self.key(snap.tokens), snap, self.model_id)
         except OSError as exc:
             log.warning("prefix cache: could not write %s: %s", self.disk_dir / self.key(snap.tokens), exc)

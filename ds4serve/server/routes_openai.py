@@ -542,6 +542,7 @@ def completion_spec(server, body: CompletionRequest, prompt: list[int], param: s
         stops=_stops(body.stop),
         skip_special_tokens=body.skip_special_tokens,
         priority=body.priority,
+        cache_at=(len(prompt),),  # the same prompt again (a retry, more samples) restores it whole
     )
 
 
