@@ -86,11 +86,16 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it become their special ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    @staticmethod
+    def completion_adds_bos(text: str, add_bos: bool = True) -> bool:
+        """Whether :meth:`encode_completion` puts a BOS before ``text`` (one the text itself does not hold)."""
+        return add_bos and not text.startswith(BOS)
+
     def encode_completion(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a text completion prompt (no chat template), as ``/v1/completions`` and
         ``ds4serve generate --raw`` take it: :meth:`encode` of the text with BOS put first, unless ``add_bos``
         is off or the text already begins with BOS."""
-        return self.encode(text if text.startswith(BOS) or not add_bos else BOS + text)
+        return self.encode(BOS + text if self.completion_adds_bos(text, add_bos) else text)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` as plain text: the strings of special and added tokens in it (``<｜User｜>``,

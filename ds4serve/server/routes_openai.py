@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import ErrorCode
 from ..engine.drafts import PredictionProposer
-from .chat_format import BOS, EncodedPrompt, cache_points, encode_messages, shared_prefix_length
+from .chat_format import EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
     Choices,
     Completion,
@@ -637,7 +637,7 @@ async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> 
                 raise APIError.from_code(
                     ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
                 )
-            added = int(from_text and not text.startswith(BOS))  # completion_prompts put a BOS before it
+            added = int(from_text and tok.completion_adds_bos(text))  # completion_prompts put one before it
             lps = await asyncio.to_thread(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
         out.append(_Echo(text, lps))
     return out
