@@ -5,7 +5,10 @@ registers and a stack runs few warps on each SM, which a streaming kernel needs 
 many instructions on each weight it decodes is bound by issuing them; this shows both before any device time.
 The local Triton's compiler may allocate differently from the GPU machine's (check a change there too).
 
-    PYTHONPATH=. python3 bench/expert_tile_resources.py [--format fp4] [--tiles 128x128x4x3,128x64x4x3]
+    PYTHONPATH=. python3 bench/expert_tile_resources.py [--format fp8] [--tiles 128x128x4x3,128x64x4x3]
+
+MXFP4 experts run in ``ds4serve.kernels.expert_fma`` (no tensor-core tile is shipped for them); ``--format fp4``
+with ``--tiles`` still compiles this kernel over MXFP4 weights, as it was measured (docs/KERNELS.md).
 
 Prints one line per (tile, launch): gate-up (two products and the SwiGLU) or down, with the instructions a
 thread issues in the loop over the inputs (the shortest loop holding a tensor-core product) per weight it
@@ -106,13 +109,15 @@ def loop_opcodes(cubin: bytes) -> collections.Counter:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--format", default="fp4", choices=sorted(FORMATS))
+    p.add_argument("--format", default="fp8", choices=sorted(FORMATS))
     p.add_argument(
         "--tiles", help="cols x inputs x warps x stages, comma-separated (default: the shipped tile)"
     )
     args = p.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    tiles = [et.TILES[args.format][0]]
+    if args.format not in et.TILES and not args.tiles:
+        p.error(f"--format {args.format}: no shipped tile (MXFP4 experts run in expert_fma); give --tiles")
+    tiles = [et.TILES[args.format][0]] if args.format in et.TILES else []
     if args.tiles:
         tiles = [et.ExpertTile(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
     for tile in tiles:

@@ -7,7 +7,9 @@ proxy's fp8+fp4). Calls alternate between two copies of the layer's experts (far
 a batch of calls is replayed as one CUDA graph and timed with CUDA events. A candidate is one tile for both
 launches of the format; ``--spreads`` also times programs a routed expert gets (:func:`programs_per_expert`:
 ``pairs``, the shipped rule; ``rows``, one a tile of R; a number). Prints ms a call per (tile, spread, R) and the
-best; tiles past the shared memory are skipped; ``--out`` writes them as JSON.
+best; tiles past the shared memory are skipped; ``--out`` writes them as JSON. ``--fma`` times the CUDA-core
+tiles of :mod:`ds4serve.kernels.expert_fma` instead (which MXFP4 experts run in), ``--check`` also compares each
+one's rows alone with a 128-row call, bitwise.
 
     PYTHONPATH=. python3 bench/sweep_expert_tiles.py --format fp4 --experts 256 --rows 1,64,128 --out $OUT/s.json
 """
@@ -23,8 +25,9 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from ds4serve.kernels import expert_tiles as et
-from ds4serve.kernels.expert_tiles import ExpertTile, expert_tiles
-from ds4serve.kernels.moe import ExpertStack, moe_fused
+from ds4serve.kernels.expert_fma import FmaConfig, expert_fma
+from ds4serve.kernels.expert_tiles import ExpertTile, tensor_tiles
+from ds4serve.kernels.moe import ExpertStack, Tile, moe_fused
 from ds4serve.quant import FP4Weight, FP8Weight, Weight
 
 K, D, INTER, LIMIT = 6, 4096, 2048, 10.0
@@ -90,7 +93,7 @@ def _time(call, calls: int) -> float:
     return best
 
 
-def _calls(rows: int, experts: int, layers, kernel: str):
+def _calls(rows: int, experts: int, layers, kernel: str | FmaConfig):
     gen = torch.Generator(device="cuda").manual_seed(rows)
     inputs = []
     for c in range(CALLS):
@@ -103,8 +106,10 @@ def _calls(rows: int, experts: int, layers, kernel: str):
     def call() -> None:
         x, idx, weights, (routed, shared) = inputs[state["i"] % CALLS]
         state["i"] += 1
-        if kernel == "tiles":
-            expert_tiles(x, idx, weights, tuple(routed), tuple(shared), LIMIT, summed=False)
+        if isinstance(kernel, FmaConfig):
+            expert_fma(x, idx, weights, tuple(routed), tuple(shared), LIMIT, summed=False, config=kernel)
+        elif kernel == "tiles":
+            tensor_tiles(x, idx, weights, tuple(routed), tuple(shared), LIMIT, summed=False)
         else:
             stacks = [_stack(m) for m in routed]
             moe_fused(x, idx, weights, *stacks, LIMIT, shared=tuple(_stack(m) for m in shared), summed=False)
@@ -129,6 +134,12 @@ def main() -> None:
     ap.add_argument(
         "--tiles", help="only these tiles, as cols x inputs x warps x stages: 128x128x4x3,64x64x4x3"
     )
+    ap.add_argument(
+        "--fma",
+        help="CUDA-core tiles (ds4serve.kernels.expert_fma) to time instead of the tensor-core ones, as "
+        "pairs:rows x block_k x warps (gate-up):rows x block_k x warps (down): 4:8x512x4:16x512x4,...",
+    )
+    ap.add_argument("--check", action="store_true", help="also check each --fma tile's rows bitwise alone")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     layers = _layers(args.format, args.experts, 2)
@@ -137,6 +148,9 @@ def main() -> None:
     for r in rows:
         results["per_pair"][r] = _time(_calls(r, args.experts, layers, "pairs"), CALLS)
         print(f"per-pair fused R={r}: {results['per_pair'][r]:.3f} ms", flush=True)
+    if args.fma:
+        _sweep_fma(args, layers, rows, results)
+        return
     candidates = CANDIDATES
     if args.tiles:
         candidates = [ExpertTile(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
@@ -156,6 +170,65 @@ def main() -> None:
         print(f"best at R={r}: {best['tile']} {best['spread']} {best['ms'][r]:.3f} ms", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def _fma_config(text: str) -> FmaConfig:
+    pairs, up, down = text.split(":")
+    return FmaConfig(int(pairs), *(Tile(*(int(v) for v in t.split("x"))) for t in (up, down)))
+
+
+def _sweep_fma(args, layers, rows: list[int], results: dict) -> None:
+    """Time each ``--fma`` tile at every R (and with ``--check`` compare 3 rows alone against the batch)."""
+    results["fma"] = []
+    for text in args.fma.split(","):
+        config = _fma_config(text)
+        try:
+            ms = {r: _time(_calls(r, args.experts, layers, config), CALLS) for r in rows}
+        except OutOfResources as exc:
+            print(text, f"skipped: {exc}", flush=True)
+            continue
+        entry = {"config": text, "ms": ms}
+        if args.check:
+            entry["alone_equal"] = _alone_equal(args.experts, layers, config)
+        results["fma"].append(entry)
+        print(
+            "fma",
+            text,
+            " ".join(f"R={r}: {v:.3f}" for r, v in ms.items()),
+            entry.get("alone_equal", ""),
+            flush=True,
+        )
+    for r in rows:
+        best = min(results["fma"], key=lambda t: t["ms"][r])
+        print(f"best fma at R={r}: {best['config']} {best['ms'][r]:.3f} ms", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def _alone_equal(experts: int, layers, config: FmaConfig) -> bool:
+    """Whether rows 0, 33 and 127 of a 128-row call give bitwise the same slot terms alone."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    idx = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:K] for _ in range(128)])
+    weights = torch.rand(128, K, device="cuda", generator=gen).to(torch.bfloat16)
+    routed, shared = (tuple(m) for m in layers[0])
+    full = expert_fma(x, idx, weights, routed, shared, LIMIT, summed=False, config=config)
+    return all(
+        torch.equal(
+            expert_fma(
+                x[r : r + 1],
+                idx[r : r + 1],
+                weights[r : r + 1],
+                routed,
+                shared,
+                LIMIT,
+                summed=False,
+                config=config,
+            )[0],
+            full[r],
+        )
+        for r in (0, 33, 127)
+    )
 
 
 if __name__ == "__main__":

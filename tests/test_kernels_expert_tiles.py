@@ -1,5 +1,6 @@
-"""The batched step's expert tiles (:mod:`ds4serve.kernels.expert_tiles`) against the fp32 torch reference, and
-each row's result bitwise independent of the rows beside it.
+"""The batched step's experts (:func:`ds4serve.kernels.expert_tiles.expert_tiles`: tensor-core tiles, MXFP4 experts
+on CUDA cores in :mod:`ds4serve.kernels.expert_fma`) against the fp32 torch reference, and each row's result
+bitwise independent of the rows beside it.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py).
 Allocations made during a call start as NaN, so an element no program writes shows up as non-finite.
@@ -7,11 +8,14 @@ Allocations made during a call start as NaN, so an element no program writes sho
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the kernels cannot run (CPU CI installs it)")
 
+from ds4serve.kernels import expert_fma as ef  # noqa: E402
 from ds4serve.kernels import expert_tiles as et  # noqa: E402
 from ds4serve.kernels.moe import moe_ref  # noqa: E402
 from ds4serve.model.hyper import sum_terms  # noqa: E402
@@ -51,7 +55,7 @@ def test_expert_tiles_match_the_reference_and_their_terms_sum_to_the_output(fmt)
 @pytest.mark.parametrize("fmt", ["bf16", "fp4+fp8"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
     """Each of 20 rows (more pairs on an expert than one tile holds) gives bitwise the same terms alone, in the
-    full batch, and in a reversed subset: tiles, ranks and neighbours change, a row's bits do not."""
+    full batch, and in a reversed subset: tiles, places in a tile and neighbours change, a row's bits do not."""
     case = _case(fmt, 20)
     full = _run(case, summed=False)
     alone = [_run(case, [r], summed=False)[0] for r in (0, 7, 19)]
@@ -60,20 +64,34 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
     assert all(torch.equal(subset[i], full[r]) for i, r in enumerate((19, 11, 7, 3, 0)))
 
 
-def test_an_expert_chosen_twice_by_a_token_and_by_every_token():
-    """Hash routing may give a token the same expert twice, and 40 rows on one expert take three tiles, which
-    its one program (:func:`programs_per_expert` expects one tile here) runs in turn: every pair is still
-    computed once, against the reference."""
-    x, idx, weights, w, routed, shared = _case("fp32", 40)
-    assert et.programs_per_expert(*idx.shape, w.w1.shape[0]) == 1
+@pytest.mark.parametrize("fmt", ["fp32", "fp4"])
+def test_an_expert_chosen_twice_by_a_token_and_by_every_token(fmt):
+    """Hash routing may give a token the same expert twice, and 40 rows on one expert take several tiles (one
+    program runs them in turn; MXFP4: twenty tiles of two): every pair is still computed once, against the
+    reference."""
+    x, idx, weights, w, routed, shared = _case(fmt, 40)
     idx = torch.zeros_like(idx)
     idx[:5, 1] = 3
     ref = moe_ref(x, idx, weights, *routed, LIMIT, shared=tuple(shared))
-    assert norm_rel(_run((x, idx, weights, w, routed, shared)), ref) <= 1e-5
+    assert norm_rel(_run((x, idx, weights, w, routed, shared)), ref) <= (1e-5 if fmt == "fp32" else 1e-2)
+
+
+@pytest.mark.parametrize("per_tile", [1, 2, 3, 4])
+def test_the_grid_holds_the_tiles_of_every_routing(per_tile):
+    """:func:`routed_tiles` is the most tiles any routing of up to 10 pairs over 1 to 4 experts needs: every split
+    of the pairs into per-expert counts fits, and one needs them all."""
+    for experts in range(1, 5):
+        for pairs in range(1, 11):
+            need = [
+                sum(-(-c // per_tile) for c in counts)
+                for counts in itertools.product(range(pairs + 1), repeat=experts)
+                if sum(counts) == pairs
+            ]
+            assert ef.routed_tiles(pairs, experts, per_tile) == max(need), (pairs, experts)
 
 
 def test_refuses_dense_experts_of_other_dtypes():
     x, idx, weights, w, _, _ = _case("fp32", 1)
     half = tuple(m.half() for m in (w.w1, w.w3, w.w2))
     with pytest.raises(ValueError, match="bf16 or fp32"):
-        et.expert_tiles(x, idx, weights, half, half, LIMIT)
+        ef.expert_fma(x, idx, weights, half, half, LIMIT)

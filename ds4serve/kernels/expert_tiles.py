@@ -15,7 +15,11 @@ summed over the inputs in the same order whatever the other rows of the tile hol
 depends on its token and expert alone. The gate-up writes ``h`` in the activations' dtype (rounded where the
 torch code rounds); the down writes each pair's fp32 ``weight * w2 h`` to its token's slot, the shared slot
 last with weight 1, and the slots are summed in a fixed order (as :mod:`.moe`'s are). When the shared
-expert's format differs from the routed experts' (MXFP4 routed, FP8 shared), it runs in launches of its own.
+expert's format differs from the routed experts', it runs in launches of its own.
+
+MXFP4 routed experts go to :mod:`.expert_fma` instead: decoding their codes, not reading them, bounds these
+tiles, and CUDA-core programs that decode a step of an expert's weights once for two pairs are faster up to
+64 rows (docs/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import triton.language as tl
 
 from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
+from .expert_fma import expert_fma
 from .grouped_experts import dequant_tile, gated_rounded, tile_product
 from .moe import sum_slots_kernel
 from .tl_common import DENSE, FP4, FP8, round_bf16
@@ -47,11 +52,11 @@ class ExpertTile:
 
 
 # By the weights' format, (gate-up, down): one shape for every batch size (a row's bits must not depend on it).
+# MXFP4 experts run in expert_fma.
 TILES: dict[str, tuple[ExpertTile, ExpertTile]] = {
     "bf16": (ExpertTile(64, 128), ExpertTile(64, 128)),
     "fp32": (ExpertTile(64, 32, stages=2), ExpertTile(64, 32, stages=2)),
     "fp8": (ExpertTile(64, 128), ExpertTile(64, 128)),
-    "fp4": (ExpertTile(128, 128), ExpertTile(128, 128)),
 }
 
 
@@ -269,7 +274,23 @@ def expert_tiles(
     (weight 1) for tokens ``x [R, D]`` (bf16 / fp32) routed to ``idx [R, k]``; ``experts`` and ``shared`` are
     ``(w1, w3, w2)``, stacked ``[E, out, in]`` and ``[out, in]``, dense, FP8 or MXFP4. ``summed=False`` returns
     the fp32 slot terms ``[R, k + 1, D]`` (the shared expert last) as :func:`ds4serve.kernels.moe.moe_fused`
-    does. Row ``r``'s result depends on ``x[r]``, ``idx[r]`` and ``weights[r]`` alone (bitwise)."""
+    does. Row ``r``'s result depends on ``x[r]``, ``idx[r]`` and ``weights[r]`` alone (bitwise). MXFP4 routed
+    experts run in :func:`~.expert_fma.expert_fma`, the others in :func:`tensor_tiles`."""
+    tiles = expert_fma if isinstance(experts[0], FP4Weight) else tensor_tiles
+    return tiles(x, idx, weights, experts, shared, limit, summed)
+
+
+def tensor_tiles(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    experts: tuple[Weight, Weight, Weight],
+    shared: tuple[Weight, Weight, Weight],
+    limit: float,
+    summed: bool = True,
+) -> torch.Tensor:
+    """:func:`expert_tiles` on the tensor cores (module docstring) with the format's tile of :data:`TILES` (MXFP4
+    has none; ``bench/sweep_expert_tiles.py`` sets one to time it)."""
     R, D = x.shape
     k = idx.shape[1]
     w1, w3, w2 = (_Operand.of(w) for w in experts)

@@ -131,22 +131,38 @@ def step_scales(
 
 
 @triton.jit
-def accumulate(acc, w, scales, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc [R, BLOCK_K / VEC]`` plus one step's products of the weight tile ``w`` (:func:`weight_tile`) and
-    its ``scales`` (:func:`step_scales`) with the activations from :func:`activations`, summed over each
-    thread's 16-byte vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a small accumulator
-    and a chain of FMAs, in the registers that hold the vector. FP8 block scales multiply the activations
-    (a program's rows lie in one scale row), not every weight."""
-    R: tl.constexpr = w.shape[0]
+def decoded(w, QUANT: tl.constexpr):
+    """A step's weights (:func:`weight_tile`) as fp32 values for :func:`products`: MXFP4 ``[R, BLOCK_K / 2, 2]``
+    (the codes of each byte, times 2^-126, :func:`e2m1`), the others cast."""
     if QUANT == 2:
         lo, hi = e2m1(w)
-        part = tl.sum(tl.reshape(tl.join(lo, hi) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
-        acc += part * group_scale(scales)
+        v = tl.join(lo, hi)
+    else:
+        v = w.to(tl.float32)
+    return v
+
+
+@triton.jit
+def products(wd, scales, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[R, BLOCK_K / VEC]``: one step's products of the :func:`decoded` weights ``wd`` and their ``scales``
+    (:func:`step_scales`) with the activations from :func:`activations`, summed over each thread's 16-byte
+    vector (``VEC`` inputs, for MXFP4 the 32 inputs of a scale group): a chain of FMAs in the registers that
+    hold the vector. FP8 block scales multiply the activations (a program's rows lie in one scale row), not
+    every weight."""
+    R: tl.constexpr = wd.shape[0]
+    if QUANT == 2:
+        part = tl.sum(tl.reshape(wd * xv, [R, BLOCK_K // VEC, VEC]), axis=2) * group_scale(scales)
     else:
         if QUANT == 1:
             xv = xv * scales
-        acc += tl.sum(tl.reshape(w.to(tl.float32) * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
-    return acc
+        part = tl.sum(tl.reshape(wd * xv, [R, BLOCK_K // VEC, VEC]), axis=2)
+    return part
+
+
+@triton.jit
+def accumulate(acc, w, scales, xv, QUANT: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc [R, BLOCK_K / VEC]`` plus one step's :func:`products` of the weight tile ``w`` (:func:`weight_tile`)."""
+    return acc + products(decoded(w, QUANT), scales, xv, QUANT, VEC, BLOCK_K)
 
 
 @triton.jit

@@ -103,8 +103,8 @@ def batch_experts(
     experts are not run (their result is zeros on the kernels' devices, the shared expert's elsewhere). A row's
     result depends on that row alone.
 
-    On the kernels' devices, the routed and shared experts of every real row in two launches, each expert's
-    weights read once for all the rows that chose it (:mod:`ds4serve.kernels.expert_tiles`). Elsewhere tile by
+    On the kernels' devices, the routed and shared experts of every real row in a few launches, each expert's
+    weights read once for the rows that chose it (:mod:`ds4serve.kernels.expert_tiles`). Elsewhere tile by
     tile: the routed experts row by row (the grouped path's group sizes depend on every row's routing), the
     shared expert over the whole tile."""
     size = tiles[0][0].shape[0]
