@@ -66,14 +66,6 @@ def _layers(fmt: str, experts: int, copies: int) -> list[tuple[list[Weight], lis
     return [(mats(fmt, experts), mats(shared_fmt)) for _ in range(copies)]
 
 
-def _stack(w: Weight) -> ExpertStack:
-    if isinstance(w, FP8Weight):
-        return ExpertStack(w.data, w.scale, w.block)
-    if isinstance(w, FP4Weight):
-        return ExpertStack(w.data, w.scale)
-    return ExpertStack(w)
-
-
 def _time(call, calls: int) -> float:
     """ms a call: ``calls`` calls captured in one graph, best of 5 replays."""
     call()
@@ -111,8 +103,10 @@ def _calls(rows: int, experts: int, layers, kernel: str | FmaConfig):
         elif kernel == "tiles":
             tensor_tiles(x, idx, weights, tuple(routed), tuple(shared), LIMIT, summed=False)
         else:
-            stacks = [_stack(m) for m in routed]
-            moe_fused(x, idx, weights, *stacks, LIMIT, shared=tuple(_stack(m) for m in shared), summed=False)
+            stacks = [ExpertStack.of(m) for m in routed]
+            moe_fused(
+                x, idx, weights, *stacks, LIMIT, shared=tuple(ExpertStack.of(m) for m in shared), summed=False
+            )
 
     return call
 

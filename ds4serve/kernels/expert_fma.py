@@ -26,7 +26,7 @@ import triton.language as tl
 from ..quant import Weight
 from . import pdl
 from .grouped_experts import gated_rounded
-from .moe import ExpertStack, Tile, _formats, _shape, sum_slots_kernel
+from .moe import ExpertStack, Tile, _formats, _shape, sum_slots
 from .tl_common import (
     X_SCALE,
     activations,
@@ -268,18 +268,6 @@ def routed_tiles(pairs: int, experts: int, per_tile: int) -> int:
     return min(pairs, (pairs + (per_tile - 1) * min(experts, pairs)) // per_tile)
 
 
-def _stack(w: Weight) -> ExpertStack:
-    from ..quant import FP4Weight, FP8Weight
-
-    if isinstance(w, FP8Weight):
-        return ExpertStack(w.data, w.scale, tuple(w.block))
-    if isinstance(w, FP4Weight):
-        return ExpertStack(w.data, w.scale)
-    if w.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"expert tiles: dense experts must be bf16 or fp32, not {w.dtype}")
-    return ExpertStack(w)
-
-
 def expert_fma(
     x: torch.Tensor,
     idx: torch.Tensor,
@@ -294,8 +282,8 @@ def expert_fma(
     (default :data:`CONFIG`). Row ``r``'s result depends on ``x[r]``, ``idx[r]`` and ``weights[r]`` alone."""
     R, D = x.shape
     k = idx.shape[1]
-    w1, w3, w2 = (_stack(w) for w in experts)
-    s1, s3, s2 = (_stack(w) for w in shared)
+    w1, w3, w2 = (ExpertStack.of(w) for w in experts)
+    s1, s3, s2 = (ExpertStack.of(w) for w in shared)
     if (s1.out, s1.inp, s2.out, s2.inp) != (w1.out, w1.inp, w2.out, w2.inp):
         raise ValueError("expert tiles: the shared expert's shapes differ from the routed experts'")
     config = config or CONFIG
@@ -352,8 +340,4 @@ def expert_fma(
             num_stages=tile.stages,
             **pdl.launch(x),
         )
-    if not summed:
-        return part
-    out = torch.empty_like(x)
-    sum_slots_kernel[(triton.cdiv(D, 1024), R)](part, out, D, k + 1, BLOCK=1024, num_warps=4, **pdl.launch(x))
-    return out
+    return part if not summed else sum_slots(part, x)

@@ -34,7 +34,7 @@ from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
 from .expert_fma import expert_fma
 from .grouped_experts import dequant_tile, gated_rounded, tile_product
-from .moe import sum_slots_kernel
+from .moe import sum_slots
 from .tl_common import DENSE, FP4, FP8, round_bf16
 
 BLOCK_M = 16  # pairs a program takes (the products' narrow side): one for every format and batch size
@@ -310,8 +310,4 @@ def tensor_tiles(
         else:
             _launch(a, idx, weights, target, routed, None, limit, gate_up)
             _launch(a, idx, weights, target, None, common, limit, gate_up)
-    if not summed:
-        return part
-    out = torch.empty_like(x)
-    sum_slots_kernel[(triton.cdiv(D, 1024), R)](part, out, D, k + 1, BLOCK=1024, num_warps=4, **pdl.launch(x))
-    return out
+    return part if not summed else sum_slots(part, x)

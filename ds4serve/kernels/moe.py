@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import FP4Weight, FP8Weight, Weight
 from . import pdl
 from .tl_common import (
     DENSE,
@@ -378,6 +379,14 @@ def sum_slots_kernel(part_ptr, out_ptr, n_out, n_slots, BLOCK: tl.constexpr, PDL
     tl.store(out_ptr + token * n_out + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+def sum_slots(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The fp32 slot terms ``part [N, S, D]`` summed over the slots in order, in ``like``'s dtype: ``[N, D]``."""
+    N, S, D = part.shape
+    out = torch.empty(N, D, device=part.device, dtype=like.dtype)
+    sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, S, BLOCK=1024, num_warps=4, **pdl.launch(like))
+    return out
+
+
 class ExpertStack:
     """The kernel's view of one expert matrix, stacked ``[E, out, in]`` or single ``[out, in]`` (the
     shared expert): dense, FP8 (``scale`` fp32 blocks of ``block``) or MXFP4 (int8 / uint8 packed
@@ -402,6 +411,18 @@ class ExpertStack:
         self.row_len = data.shape[2]  # elements (MXFP4: bytes) of a row
         dense = self.quant == DENSE
         self.s_stride, self.s_cols = (0, 0) if dense else (self.scale.stride(0), self.scale.shape[2])
+
+    @classmethod
+    def of(cls, w: Weight) -> "ExpertStack":
+        """The stack of a model's expert weight (dense bf16 / fp32, :class:`~ds4serve.quant.FP8Weight` or
+        :class:`~ds4serve.quant.FP4Weight`); raises ValueError for dense weights of another dtype."""
+        if isinstance(w, FP8Weight):
+            return cls(w.data, w.scale, tuple(w.block))
+        if isinstance(w, FP4Weight):
+            return cls(w.data, w.scale)
+        if w.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"expert tiles: dense experts must be bf16 or fp32, not {w.dtype}")
+        return cls(w)
 
     @property
     def format(self) -> str:
@@ -557,11 +578,7 @@ def moe_fused(
         num_stages=config.down.stages,
         **pdl.launch(x),
     )
-    if not summed:
-        return part
-    out = torch.empty_like(x)
-    sum_slots_kernel[(triton.cdiv(D, 1024), N)](part, out, D, slots, BLOCK=1024, num_warps=4, **pdl.launch(x))
-    return out
+    return part if not summed else sum_slots(part, x)
 
 
 def moe_ref(
