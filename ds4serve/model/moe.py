@@ -104,7 +104,8 @@ def batch_experts(
     result depends on that row alone.
 
     On the kernels' devices, the routed and shared experts of every real row in a few launches, each expert's
-    weights read once for the rows that chose it (:mod:`ds4serve.kernels.expert_tiles`). Elsewhere tile by
+    weights read once for all the rows that chose it (MXFP4: once for every two, decoded once for them;
+    :mod:`ds4serve.kernels.expert_tiles`). Elsewhere tile by
     tile: the routed experts row by row (the grouped path's group sizes depend on every row's routing), the
     shared expert over the whole tile."""
     size = tiles[0][0].shape[0]
