@@ -167,6 +167,16 @@ def test_markup_cut_off_before_any_call_formed_is_dropped(tail):
         assert out.tool_calls == [] and out.content == "ok" and not parser.cut_call
 
 
+@pytest.mark.parametrize("tail", ["\n\n", "\n\n<", "\n\n<｜DSML｜"])
+def test_a_forced_call_cut_off_before_it_opened_leaves_no_content(tail):
+    """A forced call's answer is the call: what the end of generation leaves of its opening markup (one or two
+    tokens of it) is no content, streamed or whole; without forcing, the same text stays content."""
+    for step in (1, 2, 1000):
+        out = _all(OutputParser(thinking=False, tools={"f"}, forced=True), tail, step)
+        assert not out.content and out.tool_calls == []
+    assert _all(OutputParser(thinking=False, tools={"f"}), "\n\n<", 1).content == "\n\n<"
+
+
 def test_a_held_back_text_that_is_not_dsml_stays_content_at_the_end():
     out = _all(OutputParser(thinking=False, tools={"f"}), "a < b\n\n<｜DS", 3)
     assert out.content == "a < b\n\n<｜DS"

@@ -237,9 +237,7 @@ def _ask(oai, **kw):
     return oai.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=200,
-        tools=TOOLS,
-        **kw,
+        **{"max_tokens": 200, "tools": TOOLS, **kw},
     )
 
 
@@ -258,6 +256,59 @@ def test_openai_required_and_named_tool_choice(oai):
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     _check_weather(json.loads(call.function.arguments))
+
+
+def test_a_forced_call_cut_off_in_its_first_tokens_answers_no_text(oai, base):
+    """max_tokens 1 and 2 end a forced call inside its opening markup: no content (chat, streamed or not), no
+    text block (Messages), and the finish reason says the length ran out."""
+    for max_tokens in (1, 2):
+        r = _ask(oai, tool_choice="required", max_tokens=max_tokens, extra_body={"temperature": 0})
+        assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content
+        stream = _ask(oai, tool_choice="required", max_tokens=max_tokens, stream=True)
+        assert not "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        msg = _claude_ask(base, max_tokens=max_tokens)
+        assert msg.content == [] and msg.stop_reason == "max_tokens"
+
+
+def test_a_held_call_must_define_its_required_parameters(oai, base):
+    """A forced or strict call writes every required parameter from ``properties``: a required name missing
+    there is a 400 naming the field (OpenAI refuses it for strict functions), on both APIs."""
+    params = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s", "zz"]}
+    tool = {"type": "function", "function": {"name": "a", "parameters": params}}
+    for kw in (
+        {"tool_choice": "required"},
+        {"tool_choice": "auto", "tools": [{**tool, "function": {**tool["function"], "strict": True}}]},
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "?"}],
+                max_tokens=4,
+                **{"tools": [tool], **kw},
+            )
+        assert (
+            err.value.body["param"] == "tools.0.function.parameters.required"
+            and "'zz'" in err.value.body["message"]
+        )
+    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(
+            model="tiny",
+            max_tokens=4,
+            tools=[{"name": "a", "input_schema": params}],
+            messages=[{"role": "user", "content": "?"}],
+            tool_choice={"type": "any"},
+        )
+    assert err.value.body["error"]["message"].startswith("tools.0.input_schema.required: 'zz'")
+    # not held (auto, not strict): the schema is the model's hint, not a grammar
+    r = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "?"}],
+        max_tokens=2,
+        tools=[tool],
+        tool_choice="auto",
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_openai_streamed_forced_call_without_parallel_calls(oai):
@@ -316,12 +367,11 @@ def _claude_ask(base, **kw):
     claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
     return claude.messages.create(
         model="tiny",
-        max_tokens=200,
         tools=ANTHROPIC_TOOLS,
         messages=[{"role": "user", "content": "?"}],
         tool_choice={"type": "tool", "name": "get_weather"},
         extra_body={"temperature": 0},
-        **kw,
+        **{"max_tokens": 200, **kw},
     )
 
 

@@ -33,6 +33,7 @@ class CompletionSpec:
     stops: list[str] = field(default_factory=list)
     thinking: bool = False
     tools: set[str] | None = None  # callable tool names; None: no tool-call parsing
+    forced_call: bool = False  # tool_choice forces a call: the answer is the call, no text (no stop strings)
     cache_at: tuple[int, ...] = ()  # prompt positions to snapshot at (ascending; chat_format.cache_points)
     speculative: object | None = None  # this request's draft (a predicted output); None: the server's
     skip_special_tokens: bool = True  # special tokens (BOS, placeholders) leave no text
@@ -107,8 +108,8 @@ class Completion:
             {server.engine.cfg.eos_token_id} if not spec.params.ignore_eos else set()
         )
         self.detok = Detokenizer(tok, hidden, spec.skip_special_tokens)
-        self.stopper = StopMatcher(spec.stops)
-        self.parser = OutputParser(spec.thinking, spec.tools)
+        self.stopper = StopMatcher([] if spec.forced_call else spec.stops)
+        self.parser = OutputParser(spec.thinking, spec.tools, spec.forced_call)
         self.job = Job(
             prompt=spec.prompt,
             params=spec.params,

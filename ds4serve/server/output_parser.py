@@ -260,12 +260,15 @@ class OutputParser:
 
     Feed text as it is decoded (special tokens kept); each call returns what became certain. Text
     that may be the start of ``</think>`` or of a tool-call block is held back until it is decided.
-    ``tools`` is the set of callable names (None: tool calls are not parsed, DSML stays content).
+    ``tools`` is the set of callable names (None: tool calls are not parsed, DSML stays content). ``forced``: the
+    answer is held to a tool call (``tool_choice`` forces one), so no text outside a call is content: what the
+    end of generation leaves before a call opened is the call's cut-off markup.
     """
 
-    def __init__(self, thinking: bool, tools: set[str] | None = None):
+    def __init__(self, thinking: bool, tools: set[str] | None = None, forced: bool = False):
         self.state = "reasoning" if thinking else "content"
         self.tools = tools
+        self.forced = forced
         self.buf = ""
         self.block: _ToolBlock | None = None
         self.calls = 0  # calls opened so far
@@ -289,6 +292,8 @@ class OutputParser:
             held = _partial_suffix(self.buf, (TOOL_CALLS_START,))
             if held > len(DSML):  # "<｜DSML｜" at least: a tool-call tag the end of generation cut off
                 self.buf = self.buf[: len(self.buf) - held].rstrip()
+            if self.forced and self.state == "content":  # the call's opening "\n\n<", cut off
+                self.buf = ""
         if self.state == "reasoning":
             out.reasoning(self.buf)
         else:

@@ -259,9 +259,10 @@ def messages_spec(server, body: MessagesRequest) -> CompletionSpec:
     return CompletionSpec(
         prompt=prompt,
         params=params,
-        stops=[] if _forces_call(body, tools) else list(body.stop_sequences or []),  # the answer is the call
+        stops=list(body.stop_sequences or []),
         thinking=encoded.thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
+        forced_call=_forces_call(body, tools),
         cache_at=cache_points(
             prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
         ),

@@ -291,9 +291,10 @@ def chat_spec(server, body: ChatRequest) -> CompletionSpec:
     return CompletionSpec(
         prompt=prompt,
         params=params,
-        stops=[] if _forces_call(body, tools) else _stops(body.stop),  # the answer is the call, not text
+        stops=_stops(body.stop),
         thinking=thinking,
         tools={t["function"]["name"] for t in tools} if tools else None,
+        forced_call=_forces_call(body, tools),
         cache_at=cache_points(
             prompt, tok.user_id, shared_prefix_length(len(prompt), encoded, prompt[-1] == tok.think_start_id)
         ),

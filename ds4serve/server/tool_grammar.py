@@ -204,6 +204,8 @@ class _Grammar:
         params = function.get("parameters") or {}
         props = params.get("properties") if isinstance(params, dict) else None
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        if held:
+            _check_required(params, props or {}, where)
         if props and held:
             required = set(params.get("required") or [])
             parts = [
@@ -265,6 +267,24 @@ class _Grammar:
             f'{self.json({}, "tools")} "</") {self.token} "parameter>\\n<"',
         )
         return "\n".join([f"start: {start}", *self.rules])
+
+
+def _check_required(params: dict, props: dict, where: str) -> None:
+    """A held call writes its required parameters from ``properties``: ``required`` must be a list of names
+    there (a 400 naming ``where.required`` otherwise, as OpenAI's strict functions and this server's
+    ``response_format`` refuse such a schema)."""
+    required = params.get("required") if isinstance(params, dict) else None
+    if required is None:
+        return
+    if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+        raise invalid(f"{where}.required: expected a list of property names", f"{where}.required")
+    missing = [k for k in required if k not in props]
+    if missing:
+        raise invalid(
+            f"{where}.required: {', '.join(map(repr, missing))} not in properties; a forced or strict call "
+            "writes every required parameter, so each must be a property",
+            f"{where}.required",
+        )
 
 
 def forced_tool_call(
