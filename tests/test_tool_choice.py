@@ -318,6 +318,9 @@ def test_openai_streamed_forced_call_without_parallel_calls(oai):
     calls = [c for chunk in chunks for d in chunk.choices for c in (d.delta.tool_calls or [])]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert len({c.index for c in calls}) == 1 and calls[0].function.name in ("get_weather", "now", "note")
+    # the answer is the call: its first delta says no content (the SDK's stream helper then assembles None)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
+    assert all(not d.delta.content for chunk in chunks for d in chunk.choices)
 
 
 def test_openai_a_forced_call_with_a_response_format(oai):

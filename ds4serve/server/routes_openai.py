@@ -454,7 +454,9 @@ async def _stream_chat(
         async for i, piece in stream:
             if i not in ids:
                 ids[i] = {}
-                yield chunk(i, {"role": "assistant", "content": ""})
+                # a forced call's answer is the call: no content, as OpenAI's tool-call turns have none
+                content = None if choices.completions[i].spec.forced_call else ""
+                yield chunk(i, {"role": "assistant", "content": content})
             if piece is None:
                 yield chunk(i, {}, finish=_finish_reason(choices.completions[i], legacy))
                 continue
