@@ -513,6 +513,23 @@ def test_structured_outputs_hold_chat_and_text_answers(oai, rule, holds, tempera
     assert holds(text), text
 
 
+def test_a_pattern_the_grammar_cannot_hold_is_named_with_its_reason(oai):
+    """llguidance's regex errors span lines; the 400 keeps the reason, not only "regex parse error:"."""
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "(?=a)b"}},
+        "required": ["s"],
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "?"}],
+            max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+    assert err.value.body["param"] == "response_format" and "look-around" in err.value.body["message"]
+
+
 @pytest.mark.parametrize(
     "rule,param",
     [

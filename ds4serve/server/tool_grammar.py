@@ -97,12 +97,19 @@ def lark_regex(regex: str) -> str:
     return "/" + _slashes_escaped(regex[1 if start else 0 : len(regex) - (1 if end else 0)]) + "/"
 
 
+def _one_line(problem: str) -> str:
+    """llguidance's message on one line: its first line, and a regex error's own ``error:`` line after it."""
+    lines = [line.strip() for line in problem.strip().splitlines() if line.strip()]
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] if detail is None else f"{lines[0]} {detail.removeprefix('error:').strip()}"
+
+
 def validate_lark(grammar: str, where: str) -> None:
     """A 400 naming ``where`` when llguidance cannot compile ``grammar``."""
     llg = _llguidance(where)
     problem = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar))
     if problem:
-        raise invalid(f"{where}: not a rule the grammar can hold ({problem.strip().splitlines()[0]})", where)
+        raise invalid(f"{where}: not a rule the grammar can hold ({_one_line(problem)})", where)
 
 
 def validate_schema(schema: dict, where: str) -> None:
@@ -116,9 +123,7 @@ def validate_schema(schema: dict, where: str) -> None:
     except (ValueError, TypeError) as exc:
         problem = str(exc) or type(exc).__name__
     if problem:
-        raise invalid(
-            f"{where}: not a schema the grammar can hold ({problem.strip().splitlines()[0]})", where
-        )
+        raise invalid(f"{where}: not a schema the grammar can hold ({_one_line(problem)})", where)
 
 
 class _Grammar:
