@@ -322,6 +322,7 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
         _check_device(device)
     first = devices[0] if devices else a.device
     dtype = a.dtype or ("float32" if first == "cpu" else "bfloat16")
+    _check_draft(model, getattr(a, "speculative", None))
     engine = Engine.from_pretrained(
         model,
         device=a.device,
@@ -340,6 +341,25 @@ def load_engine(a: argparse.Namespace) -> tuple[Engine, Path, str]:
     return engine, model, dtype
 
 
+def _check_draft(model: Path, speculative: str | None) -> None:
+    """ValueError when ``--speculative`` names a draft (mtp, dspark) that the checkpoint at ``model`` lacks or cannot
+    serve: from its config and its headers, before anything loads."""
+    from .engine.drafts import check_draft, parse_speculative
+    from .engine.request import GenerateError
+    from .weights import Checkpoint
+
+    if speculative is None:
+        return
+    name, _ = parse_speculative(speculative)
+    if name in ("mtp", "dspark"):
+        try:
+            check_draft(Checkpoint(model), name)
+        except GenerateError as exc:
+            raise ValueError(
+                f"--speculative {speculative}: {exc.message.removeprefix('speculative: ')}"
+            ) from None
+
+
 def _check_device(name: str) -> None:
     """ValueError naming ``name`` when this machine has no such device (before anything loads)."""
     import torch
@@ -348,6 +368,8 @@ def _check_device(name: str) -> None:
         device = torch.device(name)
     except RuntimeError as exc:
         raise ValueError(f"device {name!r}: {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: expected cpu, cuda or cuda:N")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

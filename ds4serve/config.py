@@ -30,6 +30,24 @@ class ConfigError(ValueError):
     """A config.json field is missing or invalid. The message names the field."""
 
 
+ARCHITECTURE, MODEL_TYPE = "DeepseekV4ForCausalLM", "deepseek_v4"  # what released configs declare
+
+
+def _check_architecture(raw: dict[str, Any]) -> None:
+    """A config that declares another model (``architectures``, ``model_type``) is refused; one that declares
+    none is read as DeepSeek-V4."""
+    model_type = raw.get("model_type", MODEL_TYPE)
+    if model_type != MODEL_TYPE:
+        raise ConfigError(
+            f"model_type: expected {MODEL_TYPE!r} (a DeepSeek-V4 checkpoint), got {model_type!r}"
+        )
+    archs = raw.get("architectures", [ARCHITECTURE])
+    if not isinstance(archs, list) or ARCHITECTURE not in archs:
+        raise ConfigError(
+            f"architectures: expected [{ARCHITECTURE!r}] (a DeepSeek-V4 checkpoint), got {archs!r}"
+        )
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """One RoPE table: base, and the YaRN parameters when YaRN is on (``factor`` > 1)."""
@@ -155,6 +173,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         if not isinstance(raw, dict):
             raise ConfigError("config.json: expected a JSON object at the top level")
+        _check_architecture(raw)
         r = _Reader(raw)
         n_layers = r.int("num_hidden_layers", minimum=1)
         hidden = r.int("hidden_size", minimum=1)
@@ -246,8 +265,8 @@ class ModelConfig:
         """The official-layout config.json for this config (used by ``make-tiny``)."""
         ratio = {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}
         out: dict[str, Any] = {
-            "architectures": ["DeepseekV4ForCausalLM"],
-            "model_type": "deepseek_v4",
+            "architectures": [ARCHITECTURE],
+            "model_type": MODEL_TYPE,
             **self._common_dict(),
             "qk_rope_head_dim": self.rope_dim,
             "compress_ratios": [ratio[t] for t in self.layer_types] + [0] * self.n_mtp_layers,
@@ -276,8 +295,8 @@ class ModelConfig:
         factor = self.rope_dim / self.head_dim
         compress["partial_rotary_factor"] = factor
         out: dict[str, Any] = {
-            "architectures": ["DeepseekV4ForCausalLM"],
-            "model_type": "deepseek_v4",
+            "architectures": [ARCHITECTURE],
+            "model_type": MODEL_TYPE,
             **self._common_dict(),
             "partial_rotary_factor": factor,
             "layer_types": list(self.layer_types),

@@ -241,8 +241,6 @@ def write_checkpoint(
     as :func:`_shard_groups`) with ``model.safetensors.index.json``, and the tokenizer files."""
     if fmt not in FORMATS:
         raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         if cfg.quant.fp8_block is not None:
             raise ValueError(
@@ -252,6 +250,11 @@ def write_checkpoint(
         config = cfg.to_hf_dict()
     else:
         config = cfg.to_official_dict()
+    ModelConfig.from_dict(
+        config
+    )  # what a load would refuse (a negative --mtp, a zero --window) is refused here
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     groups = _shard_groups(sorted(tensors))
     weight_map: dict[str, str] = {}

@@ -43,7 +43,10 @@ class Tokenizer:
         if file is None or not file.is_file():
             file = bundled_tokenizer_dir() / "tokenizer.json"
         self.source = file
-        self._tok = _HFTokenizer.from_file(str(file))
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises a bare Exception for a file it cannot read
+            raise ValueError(f"{file}: not a tokenizer the tokenizers library can read ({exc})") from None
         self._plain = _HFTokenizer(self._tok.model)  # the same BPE without the added tokens: text only
         self._plain.normalizer = self._tok.normalizer
         self._plain.pre_tokenizer = self._tok.pre_tokenizer

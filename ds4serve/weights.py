@@ -339,8 +339,15 @@ class Checkpoint:
         self.sources[name] = src
 
     def _handle(self, shard: Path):
+        """The shard opened for reading its tensors; CheckpointError naming it when its data is not all there (the
+        headers, all that inspecting needs, may be)."""
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
+            try:
+                self._handles[shard] = safe_open(str(shard), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error type, not an OSError
+                raise CheckpointError(
+                    f"{shard.name}: cannot read its tensors, truncated or damaged ({exc})"
+                ) from None
         return self._handles[shard]
 
     # ---- validation ----------------------------------------------------------------------------
@@ -373,15 +380,17 @@ class Checkpoint:
             actual = self._logical_shape(name)
             if actual != shape:
                 problems.append(f"tensor {name}: expected shape {list(shape)}, got {list(actual)}")
-            if self.stored_dtype(name) == "F8_E4M3" and _scale_name(name) not in self.sources:
-                problems.append(f"tensor {name} is FP8 but {_scale_name(name)} is missing")
+            quant = self.storage_format(name)
+            if quant is not None and _scale_name(name) not in self.sources:
+                problems.append(f"tensor {name} is {quant.upper()} but {_scale_name(name)} is missing")
         for name in self.sources:
             if name in expected or name.endswith(".scale") or name.startswith("mtp."):
                 continue
             problems.append(f"unexpected tensor {name} (shape {list(self.stored_shape(name))})")
         if problems:
             head = f"{self.path}: checkpoint does not match its config.json ({len(problems)} problem(s)):\n  "
-            raise CheckpointError(head + "\n  ".join(problems[:50]))
+            more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+            raise CheckpointError(head + "\n  ".join(problems[:50]) + more)
 
     # ---- reading -------------------------------------------------------------------------------
     def names(self) -> Iterator[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -145,6 +146,77 @@ def test_make_tiny_refuses_a_path_it_cannot_make_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"ds4serve: error: {says}") and err.count("\n") == 1, err
     assert not (tmp_path / "no").exists() and afile.read_text() == "kept"
+
+
+def _drop_from_index(path, name: str) -> None:
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    del data["weight_map"][name]
+    index.write_text(json.dumps(data))
+
+
+def _truncate_a_shard(path) -> None:
+    shard = sorted(path.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2 + 16])
+
+
+def _set_config(path, **fields) -> None:
+    config = path / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **fields}))
+
+
+@pytest.mark.parametrize(
+    "damage,argv,says",
+    [
+        (
+            lambda p: _drop_from_index(p, "layers.0.ffn.experts.1.w1.scale"),
+            ["inspect"],
+            "tensor layers.0.ffn.experts.1.w1.weight is FP4 but layers.0.ffn.experts.1.w1.scale is missing",
+        ),
+        (_truncate_a_shard, ["generate", "hi"], "cannot read its tensors, truncated or damaged"),
+        (
+            lambda p: (p / "tokenizer.json").write_text("xx"),
+            ["generate", "hi"],
+            "not a tokenizer the tokenizers",
+        ),
+        (
+            lambda p: _set_config(p, architectures=["LlamaForCausalLM"], model_type="llama"),
+            ["inspect"],
+            "model_type: expected 'deepseek_v4'",
+        ),
+        (
+            lambda p: None,
+            ["generate", "--speculative", "dspark", "hi"],
+            "--speculative dspark: 'dspark' needs",
+        ),
+        (lambda p: None, ["generate", "--device", "mps", "hi"], "device 'mps': expected cpu, cuda or cuda:N"),
+    ],
+)
+def test_damaged_checkpoints_and_unusable_options_are_one_line(
+    tiny_factory, tmp_path, capsys, damage, argv, says
+):
+    """What a user points the CLI at: a missing MXFP4 scale, a truncated shard (its headers, all inspecting
+    needs, intact), a tokenizer file that is not one, another model's config, a draft the checkpoint lacks, a
+    device this tool does not run on. One line naming it, status 2, no traceback."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_factory(seed=8, quantize="fp8+fp4"), path)
+    damage(path)
+    command, *rest = argv
+    if command == "inspect":
+        argv = [command, str(path)]
+    else:
+        argv = [command, "--model", str(path), *([] if "--device" in rest else ["--device", "cpu"]), *rest]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds4serve: error: ") and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--mtp", "-1"], ["--window", "0"], ["--format", "hf", "--quantize", "fp8"]]
+)
+def test_make_tiny_refuses_what_a_load_would_refuse_and_writes_nothing(tmp_path, capsys, argv):
+    assert main(["make-tiny", str(tmp_path / "x"), *argv]) == 2
+    assert capsys.readouterr().err.startswith("ds4serve: error: ") and not (tmp_path / "x").exists()
 
 
 def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys, caplog):
