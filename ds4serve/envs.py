@@ -10,6 +10,7 @@ anything else is an error naming the variable.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ class EnvError(ValueError):
 @dataclass(frozen=True)
 class EnvVar:
     name: str
-    kind: str  # "bool" | "int" | "float" | "str" | "path"
+    kind: str  # "bool" | "int" | "float" | "str" | "path" | "log_level"
     default: Any
     doc: str
 
@@ -60,12 +61,20 @@ def _parse_float(name: str, raw: str) -> float:
         raise EnvError(f"{name}={raw!r}: expected a number") from exc
 
 
+def _parse_log_level(name: str, raw: str) -> str:
+    levels = [n for n in logging.getLevelNamesMapping() if n not in ("NOTSET", "WARN", "FATAL")]
+    if raw.upper() not in levels:
+        raise EnvError(f"{name}={raw!r}: expected one of {', '.join(levels)}")
+    return raw.upper()
+
+
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "bool": _parse_bool,
     "int": _parse_int,
     "float": _parse_float,
     "str": lambda _name, raw: raw,
     "path": lambda _name, raw: Path(raw).expanduser(),
+    "log_level": _parse_log_level,
 }
 
 REGISTRY: dict[str, EnvVar] = {}
@@ -104,7 +113,7 @@ GPU_PROFILE_FILE = _declare(
 )
 LOG_LEVEL = _declare(
     "DS4SERVE_LOG_LEVEL",
-    "str",
+    "log_level",
     "INFO",
     "Python logging level for ds4serve's loggers (DEBUG, INFO, WARNING, ...). At DEBUG the command line also "
     "prints the traceback of a bad option or input, which it otherwise reports in one line.",

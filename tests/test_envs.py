@@ -156,3 +156,13 @@ def test_declaring_twice_or_with_an_unknown_kind_fails():
     with pytest.raises(ValueError, match="DS4SERVE_NEW: kind"):
         envs._declare("DS4SERVE_NEW", "list", None, "bad kind")
     assert "DS4SERVE_NEW" not in envs.REGISTRY
+
+
+def test_a_log_level_is_one_of_loggings_and_a_bad_one_names_the_variable(monkeypatch):
+    monkeypatch.setenv("DS4SERVE_LOG_LEVEL", "warning")
+    assert envs.get(envs.LOG_LEVEL) == "WARNING"
+    monkeypatch.setenv("DS4SERVE_LOG_LEVEL", "LOUD")
+    with pytest.raises(
+        ValueError, match=r"DS4SERVE_LOG_LEVEL='LOUD': expected one of CRITICAL, ERROR, WARNING"
+    ):
+        envs.get(envs.LOG_LEVEL)
