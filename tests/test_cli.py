@@ -250,3 +250,18 @@ def test_output_closed_by_its_reader_ends_quietly(tiny_dir):
     finally:
         os.close(write_end)
     assert proc.returncode == cli.BROKEN_PIPE_STATUS and proc.stderr == ""
+
+
+def test_a_context_past_the_trained_positions_is_warned_of(tiny_dir, caplog):
+    """--max-context past max_position_embeddings runs (a user may want it) but says so in the log."""
+    from ds4serve import Engine
+    from ds4serve.config import ModelConfig
+
+    trained = ModelConfig.from_dir(tiny_dir).max_position_embeddings
+    with caplog.at_level("WARNING", logger="ds4serve.engine"):
+        Engine.from_pretrained(tiny_dir, max_context=trained)
+        assert not caplog.records
+        Engine.from_pretrained(tiny_dir, max_context=trained + 1)
+    assert (
+        f"max_context {trained + 1} is past the checkpoint's max_position_embeddings {trained}" in caplog.text
+    )

@@ -112,6 +112,13 @@ class Engine:
         self.device = model.device
         self.dtype = model.dtype
         self.max_context = max_context or self.cfg.max_position_embeddings
+        if self.max_context > self.cfg.max_position_embeddings:
+            log.warning(
+                "max_context %d is past the checkpoint's max_position_embeddings %d: positions beyond it are "
+                "outside what the model was trained on",
+                self.max_context,
+                self.cfg.max_position_embeddings,
+            )
         self.chunk_size = chunk_size
         self.draft = None  # a draft model with park()/unpark(), set by speculative decoding
         self.prefix_cache = None  # a PrefixCache the step loop restores from and fills (set by the server)
