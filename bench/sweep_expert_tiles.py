@@ -85,14 +85,17 @@ def _time(call, calls: int) -> float:
     return best
 
 
+def _routed(rows: int, experts: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows`` random tokens, each routed to K distinct experts with random weights: (x, idx, weights)."""
+    x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    idx = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:K] for _ in range(rows)])
+    weights = torch.rand(rows, K, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, idx, weights
+
+
 def _calls(rows: int, experts: int, layers, kernel: str | FmaConfig):
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    inputs = []
-    for c in range(CALLS):
-        x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        idx = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:K] for _ in range(rows)])
-        weights = torch.rand(rows, K, device="cuda", generator=gen).to(torch.bfloat16)
-        inputs.append((x, idx, weights, layers[c % len(layers)]))
+    inputs = [(*_routed(rows, experts, gen), layers[c % len(layers)]) for c in range(CALLS)]
     state = {"i": 0}
 
     def call() -> None:
@@ -201,10 +204,7 @@ def _sweep_fma(args, layers, rows: list[int], results: dict) -> None:
 
 def _alone_equal(experts: int, layers, config: FmaConfig) -> bool:
     """Whether rows 0, 33 and 127 of a 128-row call give bitwise the same slot terms alone."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    idx = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:K] for _ in range(128)])
-    weights = torch.rand(128, K, device="cuda", generator=gen).to(torch.bfloat16)
+    x, idx, weights = _routed(128, experts, torch.Generator(device="cuda").manual_seed(7))
     routed, shared = (tuple(m) for m in layers[0])
     full = expert_fma(x, idx, weights, routed, shared, LIMIT, summed=False, config=config)
     return all(

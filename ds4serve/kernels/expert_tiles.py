@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import FP4Weight, FP8Weight, Weight
+from ..quant import FP4Weight, Weight
 from . import pdl
 from .expert_fma import expert_fma
 from .grouped_experts import dequant_tile, gated_rounded, tile_product
-from .moe import sum_slots
-from .tl_common import DENSE, FP4, FP8, round_bf16
+from .moe import ExpertStack, sum_slots
+from .tl_common import FP4, FP8, round_bf16
 
 BLOCK_M = 16  # pairs a program takes (the products' narrow side): one for every format and batch size
 
@@ -154,31 +154,6 @@ def _expert_tiles_kernel(
             tl.store(out, acc * weight[None, :], mask=out_ok)
 
 
-@dataclass(frozen=True)
-class _Operand:
-    """A weight (stacked ``[E, N, K]`` or the shared ``[N, K]``) as the kernel reads it."""
-
-    data: torch.Tensor
-    scale: torch.Tensor  # the data itself when dense (an unused pointer)
-    quant: int
-    block: tuple[int, int]
-    fmt: str
-
-    @classmethod
-    def of(cls, w: Weight) -> "_Operand":
-        if isinstance(w, FP8Weight):
-            return cls(w.data.contiguous(), w.scale.contiguous(), FP8, tuple(w.block), "fp8")
-        if isinstance(w, FP4Weight):
-            return cls(w.data.contiguous().view(torch.uint8), w.scale.contiguous(), FP4, (1, 32), "fp4")
-        if w.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"expert tiles: dense experts must be bf16 or fp32, not {w.dtype}")
-        data = w.contiguous()
-        return cls(data, data, DENSE, (1, 1), "bf16" if w.dtype == torch.bfloat16 else "fp32")
-
-    def same_format(self, other: "_Operand") -> bool:
-        return (self.quant, self.data.dtype, self.block) == (other.quant, other.data.dtype, other.block)
-
-
 def programs_per_expert(R: int, k: int, E: int) -> int:
     """Programs a routed expert gets: its expected tiles (``R * k / E`` pairs an expert), at least one, at most
     the tiles of ``R`` pairs; an expert with more tiles than programs loops over them. Which program runs a
@@ -186,7 +161,7 @@ def programs_per_expert(R: int, k: int, E: int) -> int:
     return max(1, min(triton.cdiv(R * k, E * BLOCK_M), triton.cdiv(R, BLOCK_M)))
 
 
-def _step(op: _Operand, K: int, tile: ExpertTile) -> int:
+def _step(op: ExpertStack, K: int, tile: ExpertTile) -> int:
     """The loop step: a power of two of at most ``tile.inputs`` dividing ``K`` (FP8: within a scale column;
     MXFP4: whole exponent groups)."""
     step, least = tile.inputs, 32 if op.quant == FP4 else 16
@@ -195,7 +170,7 @@ def _step(op: _Operand, K: int, tile: ExpertTile) -> int:
     while step >= least and K % step:
         step //= 2
     if step < least or (op.quant == FP8 and op.block[1] % step):
-        raise ValueError(f"expert tiles: no loop step of at least {least} inputs divides K={K} ({op.fmt})")
+        raise ValueError(f"expert tiles: no loop step of at least {least} inputs divides K={K} ({op.format})")
     return step
 
 
@@ -204,8 +179,8 @@ def _launch(
     idx: torch.Tensor,
     weights: torch.Tensor,
     out: torch.Tensor,
-    routed: tuple[_Operand, _Operand] | None,
-    shared: tuple[_Operand, _Operand] | None,
+    routed: tuple[ExpertStack, ExpertStack] | None,
+    shared: tuple[ExpertStack, ExpertStack] | None,
     limit: float,
     gate_up: bool,
 ) -> None:
@@ -215,7 +190,7 @@ def _launch(
     w, v = routed or shared
     sw, sv = shared or routed
     N, K = w.data.shape[-2], a.shape[1]
-    tile = TILES[w.fmt][0 if gate_up else 1]
+    tile = TILES[w.format][0 if gate_up else 1]
     # routed programs per expert (1, unused, when the launch has no routed experts)
     T = programs_per_expert(R, k, w.data.shape[0]) if routed is not None else 1
     n_routed = w.data.shape[0] * T if routed is not None else 0
@@ -293,8 +268,8 @@ def tensor_tiles(
     has none; ``bench/sweep_expert_tiles.py`` sets one to time it)."""
     R, D = x.shape
     k = idx.shape[1]
-    w1, w3, w2 = (_Operand.of(w) for w in experts)
-    s1, s3, s2 = (_Operand.of(w) for w in shared)
+    w1, w3, w2 = (ExpertStack.of(w) for w in experts)
+    s1, s3, s2 = (ExpertStack.of(w) for w in shared)
     if (w1.data.shape[-2], w2.data.shape[-2]) != (s1.data.shape[-2], s2.data.shape[-2]):
         raise ValueError("expert tiles: the shared expert's shapes differ from the routed experts'")
     x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
