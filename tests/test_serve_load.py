@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import load_client  # noqa: E402
 import serve_load  # noqa: E402
 
 OUTPUT = 4
@@ -118,10 +119,10 @@ def test_errors_and_the_time_limit_are_counted(engine, args):
 
 
 def test_summary_splits_ok_errors_and_unfinished():
-    ok = serve_load.RequestRecord(status=200, finished=True, ttft_s=0.5, gaps_s=[0.1, 0.3], tokens=3)
-    failed = serve_load.RequestRecord(status=200, finished=True, error="error event", tokens=1)
-    cancelled = serve_load.RequestRecord(status=200, ttft_s=0.1, gaps_s=[9.0])
-    s = serve_load.summarize([ok, failed, cancelled], wall_s=2.0)
+    ok = load_client.RequestRecord(status=200, finished=True, ttft_s=0.5, gaps_s=[0.1, 0.3], tokens=3)
+    failed = load_client.RequestRecord(status=200, finished=True, error="error event", tokens=1)
+    cancelled = load_client.RequestRecord(status=200, ttft_s=0.1, gaps_s=[9.0])
+    s = load_client.summarize([ok, failed, cancelled], wall_s=2.0)
     assert (s["requests"], s["ok"], s["errors"], s["unfinished"]) == (3, 1, 1, 1)
     assert s["output_tokens"] == 3 and s["aggregate_tok_s"] == 1.5
     assert s["ttft_ms_p50"] == s["ttft_ms_p99"] == 500.0
@@ -130,10 +131,10 @@ def test_summary_splits_ok_errors_and_unfinished():
 
 def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(100, 0, -1)]
-    assert serve_load.percentile(values, 50) == 50.0
-    assert serve_load.percentile(values, 99) == 99.0
-    assert serve_load.percentile([7.0], 99) == 7.0
-    assert serve_load.percentile([], 50) is None
+    assert load_client.percentile(values, 50) == 50.0
+    assert load_client.percentile(values, 99) == 99.0
+    assert load_client.percentile([7.0], 99) == 7.0
+    assert load_client.percentile([], 50) is None
 
 
 def test_roofline_counts_experts_once_a_step_and_token_wise_weights_once_a_tile(engine):
