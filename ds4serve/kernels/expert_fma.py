@@ -28,6 +28,7 @@ from . import pdl
 from .grouped_experts import gated_rounded
 from .moe import ExpertStack, Tile, _formats, _shape, sum_slots
 from .tl_common import (
+    FP4,
     X_SCALE,
     activations,
     decoded,
@@ -125,9 +126,9 @@ def _tile_rows(
     STAGES: tl.constexpr,
 ):
     """``[M, BLOCK_R]``: weight rows ``[row0, row0 + BLOCK_R)`` of ``w`` (and of ``v`` when ``GATED``) times the
-    activations of the rows ``a_rows [M]`` of ``a``, each step's weights decoded once for the ``M`` rows. Each
-    row's products and sums are the same whatever the other rows (absent ones included: their results are
-    not stored)."""
+    activations of the rows ``a_rows [M]`` of ``a`` (for MXFP4 weights already times 2^64, :func:`~.tl_common.e2m1`),
+    each step's weights decoded once for the ``M`` rows. Each row's products and sums are the same whatever the
+    other rows (absent ones included: their results are not stored)."""
     s_ptr = scale_row(s_ptr, row0, s_cols, QUANT, SB_R)
     vs_ptr = scale_row(vs_ptr, row0, s_cols, QUANT, SB_R)
     rows = row0 + tl.arange(0, BLOCK_R)
@@ -141,11 +142,7 @@ def _tile_rows(
             v = decoded(weight_tile(v_ptr, rows, k0, row_len, QUANT, BLOCK_K), QUANT)
             vs = step_scales(vs_ptr, rows, k0, s_cols, QUANT, SB_C, VEC, BLOCK_K)
         for j in tl.static_range(M):
-            a_row = a_ptr + _pick(a_rows, m, j) * n_in
-            if QUANT == 2:  # MXFP4: the activations carry the 2^64 (tl_common.e2m1)
-                xv = activations(a_row, rows, k0, QUANT, BLOCK_K, X_SCALE)
-            else:
-                xv = activations(a_row, rows, k0, QUANT, BLOCK_K, 1.0)
+            xv = activations(a_ptr + _pick(a_rows, m, j) * n_in, rows, k0, QUANT, BLOCK_K, 1.0)
             mine = (m == j)[:, None, None]
             acc = tl.where(mine, acc + products(w, ws, xv, QUANT, VEC, BLOCK_K)[None, :, :], acc)
             if GATED:
@@ -156,6 +153,7 @@ def _tile_rows(
 @triton.jit
 def _fma_kernel(
     a_ptr,
+    ra_ptr,
     plan_ptr,
     idx_ptr,
     wt_ptr,
@@ -198,8 +196,10 @@ def _fma_kernel(
     PDL: tl.constexpr,
 ):
     """One tile (module docstring) times weight rows ``[program_id(1) * BLOCK_R, ..)``. ``GATE_UP``: ``a`` the
-    tokens ``[R, K]``, out ``h`` the gated products by (token, slot) in the tokens' dtype; else ``a`` is ``h``
-    and out the fp32 ``weight * w2 h``. The shared expert's stacks are the S-prefixed ones."""
+    tokens ``[R, K]`` as the shared expert's tiles read them and ``ra`` as the routed tiles do (times 2^64 for
+    MXFP4 weights), out ``h`` the gated products by (token, slot) in the tokens' dtype (times 2^64 where MXFP4
+    weights read them); else ``a`` and ``ra`` are ``h`` and out the fp32 ``weight * w2 h``. The shared expert's
+    stacks are the S-prefixed ones."""
     pdl.start(PDL)
     expert, shared, token, dest, weight, ok = _tile_pairs(plan_ptr, idx_ptr, wt_ptr, R, k, ROUTED, M)
     if tl.sum(ok.to(tl.int32), 0) > 0:
@@ -229,7 +229,7 @@ def _fma_kernel(
             )
         else:
             y, y_v = _tile_rows(
-                a_ptr,
+                ra_ptr,
                 a_rows,
                 K,
                 w_ptr + expert * w_stride,
@@ -252,8 +252,10 @@ def _fma_kernel(
         n = row0 + tl.arange(0, BLOCK_R)
         out = out_ptr + dest[:, None] * N + n[None, :]
         if GATE_UP:
-            h = gated_rounded(y, y_v, limit, CLAMP, BF16)
-            tl.store(out, round_bf16(h, BF16).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+            h = round_bf16(gated_rounded(y, y_v, limit, CLAMP, BF16), BF16)
+            # the down launch's MXFP4 products take them times 2^64; exact (a power of two)
+            h = tl.where(shared, h * X_SCALE if SQUANT == 2 else h, h * X_SCALE if QUANT == 2 else h)
+            tl.store(out, h.to(out_ptr.dtype.element_ty), mask=ok[:, None])
         else:
             tl.store(out, y * weight[:, None], mask=ok[:, None])
 
@@ -297,13 +299,24 @@ def expert_fma(
     grid0 = routed + triton.cdiv(R, M)
     h = torch.empty(R * (k + 1), w1.out, device=x.device, dtype=x.dtype)
     part = torch.empty(R, k + 1, D, device=x.device, dtype=torch.float32)
-    for target, a, gate_up, (w, v), (sw, sv), tile in (
-        (h, x, True, (w1, w3), (s1, s3), config.gate_up),
-        (part, h, False, (w2, w2), (s2, s2), config.down),
+    # MXFP4 products take the activations times 2^64 (exact), scaled once here, not in every program
+    x64 = x * 2.0**64 if FP4 in (w1.quant, s1.quant) else x
+    for target, a, ra, gate_up, (w, v), (sw, sv), tile in (
+        (
+            h,
+            x64 if s1.quant == FP4 else x,
+            x64 if w1.quant == FP4 else x,
+            True,
+            (w1, w3),
+            (s1, s3),
+            config.gate_up,
+        ),
+        (part, h, h, False, (w2, w2), (s2, s2), config.down),
     ):
         rows, block_k = _shape(tile, (w, sw))
         _fma_kernel[(grid0, w.out // rows)](
             a,
+            ra,
             plan,
             idx,
             weights,
