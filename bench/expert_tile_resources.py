@@ -86,7 +86,7 @@ def compile_fma(config: ef.FmaConfig, gate_up: bool) -> bytes:
     """The cubin of one launch of :mod:`ds4serve.kernels.expert_fma` on sm_90: MXFP4 routed experts, the FP8
     shared expert (DeepSeek-V4-Flash's formats), ``config``'s tiles."""
     tile = config.gate_up if gate_up else config.down
-    sig = {"a_ptr": "*bf16", "plan_ptr": "*i32", "idx_ptr": "*i64", "wt_ptr": "*bf16"}
+    sig = {"a_ptr": "*bf16", "ra_ptr": "*bf16", "plan_ptr": "*i32", "idx_ptr": "*i64", "wt_ptr": "*bf16"}
     sig["out_ptr"] = "*bf16" if gate_up else "*fp32"
     sig.update(w_ptr="*u8", s_ptr="*u8", v_ptr="*u8", vs_ptr="*u8", w_stride="i64", s_stride="i64")
     sig.update(row_len="i32", s_cols="i32", sw_ptr="*fp8e4nv", ss_ptr="*fp32", sv_ptr="*fp8e4nv")
@@ -122,18 +122,24 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def loop_opcodes(cubin: bytes, fma: bool = False) -> collections.Counter:
     """Opcodes of the loop over the inputs in the SASS: of the spans from a backward branch's target to the
-    branch, the shortest that holds a tensor-core product (HGMMA), or with ``fma`` the longest holding FMAs."""
+    branch that holds no other such span, the shortest that holds a tensor-core product (HGMMA), or with ``fma``
+    the longest holding FMAs."""
     lines = re.findall(
         r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", _cuobjdump(cubin, "-sass")
     )
     code = [(int(addr, 16), op, rest) for addr, _, op, rest in lines]
-    spans = []
+    loops = []
     for end, op, rest in code:
         target = re.match(r"\s*(0x[0-9a-f]+)", rest)
         if op == "BRA" and target and int(target.group(1), 16) < end:
-            ops = collections.Counter(o for addr, o, _ in code if int(target.group(1), 16) <= addr <= end)
-            if ops["FFMA" if fma else "HGMMA"]:
-                spans.append(ops)
+            loops.append((int(target.group(1), 16), end))
+    spans = []
+    for start, end in loops:  # innermost only: a branch back over other loops is not a loop step
+        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops):
+            continue
+        ops = collections.Counter(o for addr, o, _ in code if start <= addr <= end)
+        if ops["FFMA" if fma else "HGMMA"]:
+            spans.append(ops)
     pick = max if fma else min
     return pick(spans, key=lambda ops: sum(ops.values()), default=collections.Counter())
 

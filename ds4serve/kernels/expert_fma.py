@@ -2,17 +2,21 @@
 the (token, slot) pairs routed to it, each pair's result independent of the other pairs.
 
 :func:`ds4serve.kernels.expert_tiles.expert_tiles` sends MXFP4 routed experts here, with its contract and
-outputs: ``h [R * (k + 1), N]`` in the activations' dtype (rounded where the torch code rounds), then the fp32
-slot terms ``[R, k + 1, D]``, the shared expert (one more slot, in any format) last. The tensor-core tiles there
-spend their time decoding codes into the operand layout; here a program decodes once and takes each pair's
-products as :mod:`.moe`'s per-pair programs do.
+outputs: ``h [R * (k + 1), N]`` in the activations' dtype (rounded where the torch code rounds; here times 2^64
+where MXFP4 weights read it), then the fp32 slot terms ``[R, k + 1, D]``, the shared expert (one more slot, in any
+format) last. The tensor-core tiles there spend their time decoding codes into the operand layout; here a program
+decodes once and takes each pair's products as :mod:`.moe`'s per-pair programs do.
 
 A plan launch sorts the pairs by expert (then row-major) and cuts each expert's run into tiles of ``M``; the
 gate-up and the down launches run one program per (tile, block of ``BLOCK_R`` weight rows), the shared
 expert's tiles (``M`` tokens each) after the routed ones. A program's products for each of its ``M`` places
 are the same code (:func:`~.tl_common.products`, a CUDA-core FMA chain a pair, a place's own accumulator), so a
-pair's bits depend on its token and expert alone, never on its tile or its place there. The grid is fixed by
-the shapes (:func:`routed_tiles`); programs past the routing's tiles exit. No host read: CUDA-graph safe.
+pair's bits depend on its token and expert alone, never on its tile or its place there; a routed tile holding one
+pair (an expert's last, where its run is odd) takes that place's products alone. The MXFP4 products take their
+activations times 2^64 (:func:`~.tl_common.e2m1`): the tokens are scaled once before the launches and the gate-up
+launch stores those rows of ``h`` scaled, exactly (a power of two), rather than every program scaling each
+activation it reads. The grid is fixed by the shapes (:func:`routed_tiles`); programs past the routing's tiles
+exit. No host read: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -202,62 +206,171 @@ def _fma_kernel(
     stacks are the S-prefixed ones."""
     pdl.start(PDL)
     expert, shared, token, dest, weight, ok = _tile_pairs(plan_ptr, idx_ptr, wt_ptr, R, k, ROUTED, M)
-    if tl.sum(ok.to(tl.int32), 0) > 0:
-        row0 = tl.program_id(1) * BLOCK_R
-        a_rows = token if GATE_UP else dest
-        if shared:
-            y, y_v = _tile_rows(
-                a_ptr,
-                a_rows,
-                K,
-                sw_ptr,
-                ss_ptr,
-                sv_ptr,
-                svs_ptr,
-                row0,
-                srow_len,
-                ss_cols,
-                SQUANT,
-                SSB_R,
-                SSB_C,
-                SVEC,
-                GATE_UP,
-                M,
-                BLOCK_R,
-                BLOCK_K,
-                STAGES,
-            )
-        else:
-            y, y_v = _tile_rows(
-                ra_ptr,
-                a_rows,
-                K,
-                w_ptr + expert * w_stride,
-                s_ptr + expert * s_stride,
-                v_ptr + expert * w_stride,
-                vs_ptr + expert * s_stride,
-                row0,
-                row_len,
-                s_cols,
-                QUANT,
-                SB_R,
-                SB_C,
-                VEC,
-                GATE_UP,
-                M,
-                BLOCK_R,
-                BLOCK_K,
-                STAGES,
-            )
-        n = row0 + tl.arange(0, BLOCK_R)
-        out = out_ptr + dest[:, None] * N + n[None, :]
-        if GATE_UP:
-            h = round_bf16(gated_rounded(y, y_v, limit, CLAMP, BF16), BF16)
-            # the down launch's MXFP4 products take them times 2^64; exact (a power of two)
-            h = tl.where(shared, h * X_SCALE if SQUANT == 2 else h, h * X_SCALE if QUANT == 2 else h)
-            tl.store(out, h.to(out_ptr.dtype.element_ty), mask=ok[:, None])
-        else:
-            tl.store(out, y * weight[:, None], mask=ok[:, None])
+    filled = tl.sum(ok.to(tl.int32), 0)
+    row0 = tl.program_id(1) * BLOCK_R
+    a_rows = token if GATE_UP else dest
+    w_ptr += expert * w_stride
+    s_ptr += expert * s_stride
+    v_ptr += expert * w_stride
+    vs_ptr += expert * s_stride
+    if shared:
+        _tile_out(
+            a_ptr,
+            a_rows,
+            dest,
+            weight,
+            ok,
+            out_ptr,
+            sw_ptr,
+            ss_ptr,
+            sv_ptr,
+            svs_ptr,
+            row0,
+            srow_len,
+            ss_cols,
+            K,
+            N,
+            limit,
+            SQUANT,
+            SSB_R,
+            SSB_C,
+            SVEC,
+            GATE_UP,
+            CLAMP,
+            BF16,
+            BLOCK_R,
+            BLOCK_K,
+            STAGES,
+        )
+    elif filled == 1:  # a tile's places fill in order: its one pair alone, without the empty places' products
+        _tile_out(
+            ra_ptr,
+            _first(a_rows, 1),
+            _first(dest, 1),
+            _first(weight, 1),
+            _first(ok.to(tl.int32), 1) > 0,
+            out_ptr,
+            w_ptr,
+            s_ptr,
+            v_ptr,
+            vs_ptr,
+            row0,
+            row_len,
+            s_cols,
+            K,
+            N,
+            limit,
+            QUANT,
+            SB_R,
+            SB_C,
+            VEC,
+            GATE_UP,
+            CLAMP,
+            BF16,
+            BLOCK_R,
+            BLOCK_K,
+            STAGES,
+        )
+    elif filled > 1:
+        _tile_out(
+            ra_ptr,
+            a_rows,
+            dest,
+            weight,
+            ok,
+            out_ptr,
+            w_ptr,
+            s_ptr,
+            v_ptr,
+            vs_ptr,
+            row0,
+            row_len,
+            s_cols,
+            K,
+            N,
+            limit,
+            QUANT,
+            SB_R,
+            SB_C,
+            VEC,
+            GATE_UP,
+            CLAMP,
+            BF16,
+            BLOCK_R,
+            BLOCK_K,
+            STAGES,
+        )
+
+
+@triton.jit
+def _first(v, P: tl.constexpr):
+    """The first ``P`` elements of the vector ``v``."""
+    i = tl.arange(0, v.shape[0])
+    return tl.sum(tl.where(tl.arange(0, P)[:, None] == i[None, :], v[None, :], 0), 1)
+
+
+@triton.jit
+def _tile_out(
+    a_ptr,
+    a_rows,
+    dest,
+    weight,
+    ok,
+    out_ptr,
+    w_ptr,
+    s_ptr,
+    v_ptr,
+    vs_ptr,
+    row0,
+    row_len,
+    s_cols,
+    K,
+    N,
+    limit,
+    QUANT: tl.constexpr,
+    SB_R: tl.constexpr,
+    SB_C: tl.constexpr,
+    VEC: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """:func:`_tile_rows` of the places ``a_rows`` (their output rows ``dest``, down weights ``weight``, ``ok`` where
+    a pair is) stored: gated and rounded into ``h`` (times 2^64 for MXFP4 weights, which the down launch's products
+    take so; exact, a power of two), or the down products times the pair's weight."""
+    y, y_v = _tile_rows(
+        a_ptr,
+        a_rows,
+        K,
+        w_ptr,
+        s_ptr,
+        v_ptr,
+        vs_ptr,
+        row0,
+        row_len,
+        s_cols,
+        QUANT,
+        SB_R,
+        SB_C,
+        VEC,
+        GATE_UP,
+        a_rows.shape[0],
+        BLOCK_R,
+        BLOCK_K,
+        STAGES,
+    )
+    n = row0 + tl.arange(0, BLOCK_R)
+    out = out_ptr + dest[:, None] * N + n[None, :]
+    if GATE_UP:
+        h = round_bf16(gated_rounded(y, y_v, limit, CLAMP, BF16), BF16)
+        if QUANT == 2:
+            h = h * X_SCALE
+        tl.store(out, h.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    else:
+        tl.store(out, y * weight[:, None], mask=ok[:, None])
 
 
 def _kernel_formats(w: ExpertStack, sw: ExpertStack) -> dict:
