@@ -395,6 +395,35 @@ def test_stop_string_truncates_and_finishes_with_stop(oai, base):
     assert metric(base, "ds4serve_cancelled_total", AUTH, reason="stop_sequence") == counts[2] == 0
 
 
+def _first_own_piece(pieces: list[str]) -> int:
+    """The index of the first piece whose text first appears in the joined pieces exactly where that piece is."""
+    text = "".join(pieces)
+    return next(i for i, p in enumerate(pieces) if p.strip() and text.index(p) == len("".join(pieces[:i])))
+
+
+def test_a_stop_string_ended_by_the_last_allowed_token_finishes_with_stop(oai):
+    """The token that completes the stop string is the last ``max_tokens`` allows: the answer stopped at the
+    string, so ``finish_reason`` is stop (not length), in chat and completions, streamed or not."""
+    full = chat(oai, "Stop test", max_tokens=8, temperature=0, logprobs=True).choices[0]
+    pieces = [e.token for e in full.logprobs.content]
+    k = _first_own_piece(pieces)
+    assert chat(oai, "Stop test", max_tokens=k + 1, temperature=0).choices[0].finish_reason == "length"
+    r = chat(oai, "Stop test", max_tokens=k + 1, temperature=0, stop=[pieces[k]]).choices[0]
+    assert (r.finish_reason, r.message.content) == ("stop", "".join(pieces[:k]))
+    streamed = chat(oai, "Stop test", max_tokens=k + 1, temperature=0, stop=[pieces[k]], stream=True)
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == [
+        "stop"
+    ]
+    prompt = "Once upon a time"
+    tokens = oai.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
+    tokens = tokens.choices[0].logprobs.tokens
+    j = _first_own_piece(tokens)
+    done = oai.completions.create(
+        model="tiny", prompt=prompt, max_tokens=j + 1, temperature=0, stop=[tokens[j]]
+    )
+    assert (done.choices[0].finish_reason, done.choices[0].text) == ("stop", "".join(tokens[:j]))
+
+
 def test_completions_plain_and_streaming(oai):
     r = oai.completions.create(
         model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1

@@ -220,10 +220,11 @@ class Completion:
     # ---- summary -------------------------------------------------------------------------------
     @property
     def finish_reason(self) -> str:
-        """OpenAI vocabulary: stop, length, tool_calls (not when a call was cut off)."""
+        """OpenAI vocabulary: stop, length, tool_calls (not when a call was cut off). A stop string completed by
+        the last token ``max_tokens`` allowed is a stop, as OpenAI and vLLM report it."""
         if self.parser.saw_tool_calls and not self.parser.cut_call:
             return "tool_calls"
-        if self.result is not None and self.result.finish_reason == "length":
+        if self.stopper.hit is None and self.result is not None and self.result.finish_reason == "length":
             return "length"
         return "stop"
 
