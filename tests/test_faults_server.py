@@ -1,5 +1,5 @@
 """Faults at the server: a client leaving during a long prefill frees the engine within one chunk (the
-prefix cache's staged prefill included)."""
+prefix cache's staged prefill included), and so does one leaving while its echoed prompt is scored."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from ds4serve import Engine
+from ds4serve.engine import ErrorCode, GenerateError
 from ds4serve.engine.prefix_cache import PrefixCache
 from ds4serve.server.app import ServerConfig, create_app
 
@@ -99,6 +100,37 @@ def test_disconnect_during_prefill_frees_the_engine_within_one_chunk(gated, path
         )
         assert metric(base, "ds4serve_generations_total", finish_reason="cancelled") == 1
         assert gated.calls == 3
+        gated.arm(hold_at=0)
+        r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_disconnect_while_an_echo_is_scored_stops_it_within_one_chunk(gated, monkeypatch):
+    """An echoed prompt's logprobs are scored chunk by chunk; the client leaving during the third chunk stops the
+    scoring before the fourth, and the engine serves the next request."""
+    app = create_app(gated.engine, ServerConfig(model_name="tiny"))
+    seen: dict = {"outcome": None}
+    scores = gated.engine.prompt_scores
+
+    def noting(prompt, top, cancel=None):
+        seen["cancel"] = cancel
+        try:
+            return scores(prompt, top, cancel)
+        except GenerateError as exc:
+            seen["outcome"] = exc
+            raise
+
+    monkeypatch.setattr(gated.engine, "prompt_scores", noting)
+    with running(app) as base:
+        gated.arm(hold_at=3)
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 0, "echo": True, "logprobs": 1}
+        sock = post_and_leave(base, "/v1/completions", body)
+        assert gated.holding.wait(60), "the scoring never reached its third chunk"
+        sock.close()
+        wait_for(lambda: seen["cancel"].is_set())
+        gated.go.set()
+        wait_for(lambda: seen["outcome"] is not None)
+        assert seen["outcome"].code is ErrorCode.CANCELLED and gated.calls == 3
         gated.arm(hold_at=0)
         r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

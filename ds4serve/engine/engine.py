@@ -296,6 +296,40 @@ class Engine:
             state = self.require_model().new_state(len(ids))
             return self.prefill(state, ids, chunk_sizes or [len(ids)], all_logits=True)
 
+    def prompt_scores(
+        self, token_ids: list[int], top: int, cancel: threading.Event | None = None
+    ) -> PromptScores:
+        """What each token after the first of ``token_ids`` scored at its position (the legacy ``echo`` logprobs):
+        its log-probability and the ``top`` most likely tokens there.
+
+        The prompt is prefilled in the engine's chunks (:func:`even_chunks`) on a state of its own, holding the
+        engine's lock for one chunk at a time, so the step loop runs between chunks; of a chunk's logits only those
+        numbers are kept, ``SCORE_ROWS`` rows' log-probabilities at a time. ``cancel`` set before a chunk raises a
+        CANCELLED :class:`GenerateError`. ValueError for no tokens or a negative ``top``."""
+        ids = [int(t) for t in token_ids]
+        if not ids or top < 0:
+            raise ValueError(
+                f"token_ids, top: expected at least one token and top >= 0, got {len(ids)}, {top}"
+            )
+        with self._lock:
+            state = self.require_model().new_state(len(ids))
+        scores = PromptScores([], [], [])
+        offset = 0
+        for size in even_chunks(len(ids), self.chunk_size):
+            with self._lock, torch.inference_mode():
+                logits = self.prefill(
+                    state, ids[offset : offset + size], [size], all_logits=True, cancel=cancel
+                )
+                following = torch.tensor(ids[offset + 1 : offset + size + 1], device=logits.device)
+                for r in range(0, len(following), SCORE_ROWS):
+                    lp = torch.log_softmax(logits[r : r + SCORE_ROWS].float(), dim=-1)[: len(following) - r]
+                    scores.logprobs += lp.gather(1, following[r : r + SCORE_ROWS, None])[:, 0].tolist()
+                    values, top_ids = lp.topk(top, dim=-1)
+                    scores.top_ids += top_ids.tolist()
+                    scores.top_logprobs += values.tolist()
+            offset += size
+        return scores
+
     # ---- generation ----------------------------------------------------------------------------
     def stream(
         self,
@@ -793,6 +827,19 @@ class Engine:
                 ErrorCode.MODEL_PARKED, "the model is parked; unpark it first (POST /admin/unpark)"
             )
         return self.model
+
+
+SCORE_ROWS = 256  # prompt positions whose log-probabilities Engine.prompt_scores holds at once
+
+
+@dataclasses.dataclass
+class PromptScores:
+    """:meth:`Engine.prompt_scores` of a prompt of S tokens: for each token after the first, its log-probability
+    and the ``top`` most likely tokens at its position (ids and log-probabilities, best first)."""
+
+    logprobs: list[float]  # [S - 1]
+    top_ids: list[list[int]]  # [S - 1][top]
+    top_logprobs: list[list[float]]  # [S - 1][top]
 
 
 @dataclasses.dataclass

@@ -4,7 +4,9 @@ A route's body comes through :func:`json_body` and its prompt through :func:`off
 server's small pool of worker threads (``Server.prep``, a fixed number of them), so a large request
 never stalls ``/health`` or another client's stream, and at most that many requests are being
 prepared (holding their parsed forms in memory) at once. A body nested deeper than
-:data:`MAX_JSON_DEPTH` is refused with a 400 before validation, without recursion in Python.
+:data:`MAX_JSON_DEPTH` is refused with a 400 before validation, without recursion in Python. Longer work a route
+waits for (scoring an echoed prompt) runs on a thread of its own through :func:`while_connected`, told to stop
+when its client goes away.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -30,6 +33,21 @@ async def offload(request: Request, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on the server's preparation threads; its exceptions propagate to the route."""
     pool = request.app.state.server.prep
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+
+async def while_connected(request: Request, fn: Callable[[threading.Event], T], poll_s: float = 0.2) -> T:
+    """``fn(cancel)`` on a thread of its own; ``cancel`` is set once the client has disconnected (checked every
+    ``poll_s`` seconds) or this coroutine is cancelled, for ``fn`` to stop at its next check."""
+    cancel = threading.Event()
+    work = asyncio.ensure_future(asyncio.to_thread(fn, cancel))
+    try:
+        while not work.done():
+            await asyncio.wait({work}, timeout=poll_s)
+            if not work.done() and await request.is_disconnected():
+                cancel.set()
+        return work.result()
+    finally:
+        cancel.set()
 
 
 def json_body(model: type[BaseModel] | type[dict]) -> Callable[[Request], Awaitable[Any]]:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable
 
-import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine import ErrorCode
+from ..engine import ErrorCode, GenerateError
 from ..engine.drafts import PredictionProposer
 from .chat_format import EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
@@ -28,7 +28,7 @@ from .completion import (
 )
 from .errors import APIError, context_overflow, invalid, openai_body
 from .output_parser import merged
-from .prepare import json_body, offload
+from .prepare import json_body, offload, while_connected
 from .schemas import (
     AllowedToolsChoice,
     ChatMessage,
@@ -589,20 +589,18 @@ def _text_offsets(tok, ids: list[int], start: int, skip_special: bool) -> list[i
     return offsets
 
 
-def _prompt_logprobs(engine, prompt: list[int], top: int, added: int) -> dict:
-    """The legacy logprobs of the prompt's own tokens (``echo``): ``log_softmax`` of :meth:`Engine.score` at the
-    position before each token, and its ``top`` alternatives there; the first token has none (null). The first
-    ``added`` tokens (a BOS the server put before the text) are not in the echoed text: their ``text_offset`` is
-    0 and they take no room in it."""
+def _prompt_logprobs(engine, prompt: list[int], top: int, added: int, cancel: threading.Event) -> dict:
+    """The legacy logprobs of the prompt's own tokens (``echo``, :meth:`Engine.prompt_scores`): each token's
+    log-probability at its position and its ``top`` alternatives there; the first token has none (null). The
+    first ``added`` tokens (a BOS the server put before the text) are not in the echoed text: their
+    ``text_offset`` is 0 and they take no room in it. ``cancel`` stops the scoring before its next chunk."""
     tok = engine.tokenizer
-    lp = torch.log_softmax(engine.score(prompt).float(), dim=-1).cpu()
+    scores = engine.prompt_scores(prompt, top, cancel)
     tokens = [tok.decode([t]) for t in prompt]
-    token_lps: list[float | None] = [None]
+    token_lps: list[float | None] = [None, *scores.logprobs]
     tops: list[dict | None] = [None]
-    for i, t in enumerate(prompt[1:]):
-        token_lps.append(float(lp[i, t]))
-        vals, ids = lp[i].topk(top) if top else (lp[i, :0], lp[i, :0])
-        tops.append(_top_with_chosen(tok, zip(ids.tolist(), vals.tolist()), t, token_lps[-1]))
+    for t, lp, ids, values in zip(prompt[1:], scores.logprobs, scores.top_ids, scores.top_logprobs):
+        tops.append(_top_with_chosen(tok, zip(ids, values), t, lp))
     offsets = [0] * added + _text_offsets(tok, prompt[added:], 0, skip_special=False)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -626,7 +624,7 @@ class _Echo:
         return len(self.text)
 
 
-async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> list[_Echo]:
+async def _echoes(request: Request, server, body: CompletionRequest, prompts: list[list[int]]) -> list[_Echo]:
     if not body.echo:
         return [_Echo() for _ in prompts]
     tok, out = server.engine.tokenizer, []
@@ -641,7 +639,11 @@ async def _echoes(server, body: CompletionRequest, prompts: list[list[int]]) -> 
                     ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
                 )
             added = int(from_text and tok.completion_adds_bos(text))  # completion_prompts put one before it
-            lps = await asyncio.to_thread(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
+            scoring = functools.partial(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
+            try:
+                lps = await while_connected(request, scoring)
+            except GenerateError as exc:  # the client went away (CANCELLED): nobody reads the answer
+                raise APIError.from_code(exc.code, exc.message) from None
         out.append(_Echo(text, lps))
     return out
 
@@ -667,7 +669,12 @@ async def completions(request: Request, body: CompletionRequest = Depends(json_b
     groups = [Choices(server, request, spec, body.n) for spec in specs if spec is not None]
     server.scheduler.check_fits(len(groups) * body.n, "n" if body.n > 1 else "prompt")
     _start_all(groups)
-    echoes = await _echoes(server, body, prompts)
+    try:
+        echoes = await _echoes(request, server, body, prompts)
+    except BaseException:  # a refused or cancelled echo: the choices queued beside it stop too
+        for group in groups:
+            group.close()
+        raise
     model = server.config.model_name
     rid, created = mint_id("cmpl-"), int(time.time())
     tok = server.engine.tokenizer
