@@ -322,6 +322,23 @@ def test_a_list_of_prompts_without_echo(oai):
         )
 
 
+def test_add_special_tokens_false_leaves_the_bos_off_a_text_prompt(base, engine):
+    """vLLM's ``add_special_tokens: false``: the text prompt is its own tokens (no BOS), as a harness that counts
+    its context with the checkpoint's tokenizer expects; the echoed logprobs then start at the text's first
+    token, whose offset is 0. A non-boolean is a 400 naming the field."""
+    kw = {"prompt": "import os", "max_tokens": 0, "echo": True, "logprobs": 1}
+    on = httpx.post(f"{base}/v1/completions", json=kw, timeout=60).json()
+    off = httpx.post(f"{base}/v1/completions", json={**kw, "add_special_tokens": False}, timeout=60).json()
+    ids = engine.tokenizer.encode("import os")
+    assert on["usage"]["prompt_tokens"] == len(ids) + 1 and off["usage"]["prompt_tokens"] == len(ids)
+    lps = off["choices"][0]["logprobs"]
+    assert lps["tokens"] == [engine.tokenizer.decode([t]) for t in ids] and lps["text_offset"][0] == 0
+    assert off["choices"][0]["text"] == "import os"
+    assert lps["token_logprobs"][1:] == pytest.approx(_expected_prompt_logprobs(engine, ids)[1:], abs=1e-5)
+    bad = httpx.post(f"{base}/v1/completions", json={**kw, "add_special_tokens": "no"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
+
+
 def test_max_tokens_zero_needs_echo(base):
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]

@@ -501,15 +501,15 @@ def _sse_response(choices: Choices, events: AsyncIterator[str], usage_head: dict
 # ---- /v1/completions ------------------------------------------------------------------------------
 
 
-def completion_prompts(server, body: CompletionRequest, add_bos: bool = True) -> list[list[int]]:
+def completion_prompts(server, body: CompletionRequest) -> list[list[int]]:
     """The request's prompts as token ids: one text or id list, or a list of them. BOS is prepended to a text
-    that lacks it (unless ``add_bos`` is off); ids are taken as they are."""
+    that lacks it (unless ``add_special_tokens`` is off); ids are taken as they are."""
     prompt = body.prompt
     many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
     out = []
     for p in prompt if many else [prompt]:
         if isinstance(p, str):
-            out.append(server.engine.tokenizer.encode_completion(p, add_bos))
+            out.append(server.engine.tokenizer.encode_completion(p, body.add_special_tokens))
         else:
             out.append(list(p))
     return out
@@ -638,7 +638,8 @@ async def _echoes(request: Request, server, body: CompletionRequest, prompts: li
                 raise APIError.from_code(
                     ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
                 )
-            added = int(from_text and tok.completion_adds_bos(text))  # completion_prompts put one before it
+            # completion_prompts put one before it
+            added = int(from_text and tok.completion_adds_bos(text, body.add_special_tokens))
             scoring = functools.partial(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
             try:
                 lps = await while_connected(request, scoring)

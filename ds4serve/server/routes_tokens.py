@@ -45,9 +45,7 @@ def _tokens(server, body: dict) -> list[int]:
     if "messages" in body:
         _, tokens, _, _ = chat_prompt(server, _validated(ChatRequest, body))
     elif "prompt" in body:
-        prompts = completion_prompts(
-            server, _validated(CompletionRequest, {**body, "max_tokens": 1}), add_special_tokens
-        )
+        prompts = completion_prompts(server, _validated(CompletionRequest, {**body, "max_tokens": 1}))
         if len(prompts) != 1:
             raise invalid("prompt: expected one prompt (text or token ids)", "prompt")
         tokens = prompts[0]

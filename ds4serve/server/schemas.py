@@ -353,6 +353,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int = Field(default=16, ge=0, strict=True)  # 0 only with echo: the prompt's own logprobs
     logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     echo: bool = Field(default=False, strict=True)
+    # vLLM's: false leaves out the BOS a text prompt gets (a harness that counts the prompt's tokens itself)
+    add_special_tokens: bool = Field(default=True, strict=True)
     suffix: str | None = None
     user: str | None = None
 
