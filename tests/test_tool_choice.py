@@ -108,6 +108,54 @@ def test_calls_outside_the_schemas_do_not(tok, calls):
     assert not _accepts(tok, forced_tool_call(TOOLS, tok), calls)
 
 
+NODE = {  # pydantic's schema of a self-referencing model: the root is a $ref
+    "type": "function",
+    "function": {
+        "name": "node",
+        "parameters": {
+            "$ref": "#/$defs/Node",
+            "$defs": {
+                "Node": {
+                    "type": "object",
+                    "required": ["z"],
+                    "properties": {
+                        "z": {"type": "integer", "minimum": 0, "maximum": 4},
+                        "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+                    },
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "calls,ok",
+    [
+        ([_call("node", z=3)], True),
+        ([_call("node", z=1, next={"next": None, "z": 4})], True),
+        ([_call("node")], False),  # its required parameter missing
+        ([_call("node", z=7)], False),  # over the maximum
+        ([_call("node", z=1, next={"next": None, "z": 9})], False),  # the referenced schema, one level down
+    ],
+)
+def test_a_root_ref_is_held_as_the_object_it_names(tok, calls, ok):
+    assert _accepts(tok, forced_tool_call([NODE], tok), calls) == ok
+
+
+def test_a_root_ref_that_names_no_definition_is_a_400(oai):
+    tool = {"type": "function", "function": {"name": "a", "parameters": {"$ref": "#/$defs/Missing"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "?"}],
+            max_tokens=4,
+            tools=[tool],
+            tool_choice="required",
+        )
+    assert err.value.body["param"] == "tools.0.function.parameters.$ref"
+
+
 @pytest.mark.parametrize(
     "pattern,value,ok",
     [

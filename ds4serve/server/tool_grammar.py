@@ -207,8 +207,14 @@ class _Grammar:
         """``invoke name="f">\\n`` (after ``<｜DSML｜``), the parameters, then ``</｜DSML｜invoke>``. Without
         parameters the layout is render_tool_calls' ``>\\n\\n</``; with them each is ``<…parameter>\\n``."""
         params = function.get("parameters") or {}
+        defs = (
+            {k: params[k] for k in ("$defs", "definitions") if k in params}
+            if isinstance(params, dict)
+            else {}
+        )
+        if held:
+            params = _root(params, defs, where)
         props = params.get("properties") if isinstance(params, dict) else None
-        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         if held:
             _check_required(params, props or {}, where)
         if props and held:
@@ -272,6 +278,29 @@ class _Grammar:
             f'{self.json({}, "tools")} "</") {self.token} "parameter>\\n<"',
         )
         return "\n".join([f"start: {start}", *self.rules])
+
+
+def _root(params: dict, defs: dict, where: str) -> dict:
+    """The object schema of a tool's parameters: ``params``, or where its root is only a ``$ref`` (pydantic's
+    schema of a self-referencing model: ``{"$ref": "#/$defs/Node", "$defs": ...}``) the definition it names, so
+    that a held call writes that object's properties. A root reference outside ``$defs`` / ``definitions`` is a
+    400 naming ``where.$ref``."""
+    seen: set[str] = set()
+    while isinstance(params, dict) and "$ref" in params and "properties" not in params:
+        ref = params["$ref"]
+        group, _, name = (
+            ref[2:].partition("/") if isinstance(ref, str) and ref.startswith("#/") else ("", "", "")
+        )
+        target = defs.get(group)
+        target = target.get(name) if isinstance(target, dict) else None
+        if not isinstance(target, dict) or ref in seen:
+            raise invalid(
+                f"{where}.$ref: {ref!r} does not name an object schema in the parameters' $defs or definitions",
+                f"{where}.$ref",
+            )
+        seen.add(ref)
+        params = target
+    return params
 
 
 def _check_required(params: dict, props: dict, where: str) -> None:
