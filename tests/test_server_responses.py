@@ -262,6 +262,9 @@ def test_max_output_tokens_makes_the_response_incomplete(live):
         (dict(input="x", text={"format": {"type": "json_schema", "name": "v"}}), "text.format.schema"),
         (dict(input="word " * 1200), "input"),
         (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "18"}]), "input"),
+        # not kept by this server: refused, rather than answered without the turns they stand for
+        (dict(input="x", conversation="conv_123"), "conversation"),
+        (dict(input="x", extra_body={"prompt": {"id": "pmpt_1"}}), "prompt"),
     ],
 )
 def test_errors_name_the_responses_field(client, kwargs, param):

@@ -515,6 +515,17 @@ def test_anthropic_structured_output(base, engine):
         "required": ["kind"],
         "additionalProperties": False,
     }
+    # the structured-outputs beta's top-level name holds the answer the same way; both at once is a 400
+    beta = {**ask, "extra_body": {"output_format": ask["extra_body"]["output_config"]["format"]}}
+    greedy = {"temperature": 0}
+    plain = claude.messages.create(**{**ask, "extra_body": {**ask["extra_body"], **greedy}})
+    held = claude.messages.create(**{**beta, "extra_body": {**beta["extra_body"], **greedy}})
+    assert held.content[0].text == plain.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(**{**ask, "extra_body": {**ask["extra_body"], **beta["extra_body"]}})
+    assert err.value.body["error"]["message"].startswith(
+        "output_format: give one of output_format and output_config"
+    )
     tools = [{"name": "note", "input_schema": shape}]
     forced = claude.messages.create(**{**ask, "max_tokens": 100}, tools=tools, tool_choice={"type": "any"})
     assert forced.stop_reason == "tool_use" and forced.content[-1].name == "note"

@@ -516,6 +516,21 @@ class ResponsesRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    conversation: Any = (
+        None  # refused when given (below): taken silently, a conversation's turns would be lost
+    )
+    prompt: Any = None
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            instead = {
+                "conversation": "chain turns with previous_response_id or send the whole conversation as input",
+                "prompt": "send the prompt's text as instructions and input",
+            }[info.field_name]
+            raise ValueError(f"stored {info.field_name}s are not supported by this server; {instead}")
+        return value
 
     @field_validator("input", mode="before")
     @classmethod
@@ -636,6 +651,26 @@ class CountTokensRequest(_Request):
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
     output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicOutputFormat | None = (
+        None  # the structured-outputs beta's name of output_config.format
+    )
+
+    @field_validator("output_format")
+    @classmethod
+    def _one_output_format(cls, value: AnthropicOutputFormat, info: ValidationInfo) -> AnthropicOutputFormat:
+        config = info.data.get("output_config")
+        if value is not None and config is not None and config.format is not None:
+            raise ValueError(
+                "give one of output_format and output_config.format (output_format is the beta's name)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _output_format_as_config(self) -> "CountTokensRequest":
+        if self.output_format is not None:
+            effort = self.output_config.effort if self.output_config is not None else None
+            self.output_config = AnthropicOutputConfig(format=self.output_format, effort=effort)
+        return self
 
 
 class MessagesRequest(CountTokensRequest):
