@@ -407,7 +407,9 @@ def _chat_choice(
         {"id": mint_id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in total.tool_calls
     ]
-    message: dict = {"role": "assistant", "content": total.content if total.content or not calls else None}
+    # a call's turn, or a forced call's answer (cut off before its call opened, too), has no content, as OpenAI's
+    held = calls or completion.spec.forced_call
+    message: dict = {"role": "assistant", "content": total.content if total.content or not held else None}
     if total.reasoning:
         message["reasoning_content"] = total.reasoning
     if calls and legacy:
