@@ -133,10 +133,14 @@ NODE = {  # pydantic's schema of a self-referencing model: the root is a $ref
     "calls,ok",
     [
         ([_call("node", z=3)], True),
-        ([_call("node", z=1, next={"next": None, "z": 4})], True),
+        ([_call("node", z=1, next={"z": 4, "next": None})], True),
+        (
+            [_call("node", z=1, next={"next": None, "z": 4})],
+            False,
+        ),  # a nested object's keys in its schema's order
         ([_call("node")], False),  # its required parameter missing
         ([_call("node", z=7)], False),  # over the maximum
-        ([_call("node", z=1, next={"next": None, "z": 9})], False),  # the referenced schema, one level down
+        ([_call("node", z=1, next={"z": 9, "next": None})], False),  # the referenced schema, one level down
     ],
 )
 def test_a_root_ref_is_held_as_the_object_it_names(tok, calls, ok):

@@ -188,8 +188,9 @@ class _Grammar:
 
     def json(self, schema: dict, where: str) -> str:
         """A rule for JSON values of ``schema``: one per distinct schema (each is a sub-grammar for llguidance to
-        compile, and tools repeat their parameters' types)."""
-        text = json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False, sort_keys=True)
+        compile, and tools repeat their parameters' types). The schema's keys keep their order: llguidance holds an
+        object's properties in the order its schema lists them, as the parameters of a call are."""
+        text = json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
         if text not in self.schemas:
             problem = self.llg.LLMatcher.validate_grammar(self.llg.LLMatcher.grammar_from_json_schema(text))
             if problem:
