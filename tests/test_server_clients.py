@@ -355,6 +355,17 @@ def test_tokenize_honours_add_special_tokens(base, engine):
     assert on == [engine.tokenizer.bos_id, *off] and off == engine.tokenizer.encode("Hello")
 
 
+def test_tokenizer_info_names_the_special_tokens_a_remote_tokenizer_reads(base, engine):
+    """vLLM's ``GET /tokenizer_info``, as lm-evaluation-harness's remote tokenizer reads it: the special tokens'
+    texts (each /tokenize-s to its one id) and the context."""
+    info = httpx.get(f"{base}/tokenizer_info").json()
+    tok = engine.tokenizer
+    for key, want in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.eos_id)):
+        ids = httpx.post(f"{base}/tokenize", json={"prompt": info[key], "add_special_tokens": False}).json()
+        assert ids["tokens"] == [want], key
+    assert info["model_max_length"] == engine.max_context and info["add_bos_token"] is True
+
+
 def test_context_overflow_reports_the_completion_asked_for(oai):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model="tiny", prompt=list(range(1, 300)), max_tokens=10)

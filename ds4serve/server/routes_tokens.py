@@ -6,6 +6,8 @@ answers ``{"count", "max_model_len", "tokens"}``; a prompt longer than the conte
 ``add_special_tokens: false`` leaves out the BOS a text ``prompt`` would get (a chat prompt's BOS is part of its
 encoding and stays).
 ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}`` (special tokens kept).
+``GET /tokenizer_info`` answers the tokenizer's special tokens, whether a text prompt gets a BOS and the context
+(vLLM's endpoint, which lm-evaluation-harness's remote tokenizer reads before it tokenizes through ``/tokenize``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def _tokens(server, body: dict) -> list[int]:
     else:
         raise invalid("expected a 'prompt' (text or token ids) or chat 'messages'", "prompt")
     return tokens
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    server = request.app.state.server
+    tok = server.engine.tokenizer
+    eos = tok.decode([tok.eos_id])
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok.decode([tok.bos_id]),
+        "eos_token": eos,
+        "pad_token": eos,
+        "add_bos_token": True,  # a text prompt's, as /v1/completions and /tokenize give it by default
+        "model_max_length": server.engine.max_context,
+    }
 
 
 @router.post("/detokenize")
