@@ -4,7 +4,8 @@ their own (as real clients are), and the summary of what they saw.
 :func:`run_level` takes the request bodies of one level (client ``c`` sends ``bodies[c]`` one after the other) and
 returns each request's :class:`RequestRecord` and the level's wall seconds; it runs :func:`level` in a spawned
 process, so that parsing the streams does not share the server's interpreter (and its lock) with the server
-and the engine. Imports nothing of ``ds4serve`` or torch: the child starts in a fraction of a second.
+and the engine. The module imports nothing of ``ds4serve`` or torch (a spawned child still re-imports the
+parent's main script, before the level's clock starts).
 """
 
 from __future__ import annotations

@@ -695,6 +695,11 @@ def test_park_makes_requests_503_until_unpark(base):
         assert r.json()["error"]["code"] == "model_parked" and r.headers["retry-after"]
         r = post(base, MSGS, OK_MSGS)
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        echo = {"prompt": [0, 5, 6], "max_tokens": 0, "echo": True, "logprobs": 1}  # scored, not generated
+        r = post(base, "/v1/completions", echo)
+        assert (
+            r.status_code == 503 and r.json()["error"]["code"] == "model_parked" and r.headers["retry-after"]
+        )
         assert post(base, "/admin/park", {"what": "target"}).json()["parked"] == []
     finally:
         r = post(base, "/admin/unpark", b"")

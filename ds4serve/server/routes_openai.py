@@ -13,7 +13,7 @@ from typing import AsyncIterator, Iterable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine import ErrorCode, GenerateError
+from ..engine import GenerateError
 from ..engine.drafts import PredictionProposer
 from .chat_format import EncodedPrompt, cache_points, encode_messages, shared_prefix_length
 from .completion import (
@@ -636,16 +636,14 @@ async def _echoes(request: Request, server, body: CompletionRequest, prompts: li
         text = body.prompt if isinstance(body.prompt, str) else texts[i] if texts else tok.decode(prompt)
         lps = None
         if body.logprobs is not None:
-            if server.engine.parked:
-                raise APIError.from_code(
-                    ErrorCode.MODEL_PARKED, "the model is parked; POST /admin/unpark to load it"
-                )
             # completion_prompts put one before it
             added = int(from_text and tok.completion_adds_bos(text, body.add_special_tokens))
             scoring = functools.partial(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
             try:
                 lps = await while_connected(request, scoring)
-            except GenerateError as exc:  # the client went away (CANCELLED): nobody reads the answer
+            except (
+                GenerateError
+            ) as exc:  # the model is parked (503), or the client went away (nobody reads it)
                 raise APIError.from_code(exc.code, exc.message) from None
         out.append(_Echo(text, lps))
     return out
