@@ -156,8 +156,10 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
         "ttft_ms_p50": _ms(percentile(ttfts, 50)),
         "ttft_ms_p99": _ms(percentile(ttfts, 99)),
+        "ttft_ms_max": _ms(max(ttfts, default=None)),
         "itl_ms_p50": _ms(percentile(gaps, 50)),
         "itl_ms_p99": _ms(percentile(gaps, 99)),
+        "itl_ms_max": _ms(max(gaps, default=None)),
     }
 
 

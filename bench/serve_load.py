@@ -8,8 +8,9 @@ engine's tokenizer through the chat template) that starts with a tag no other re
 prefix cache shares nothing but the template's first tokens. A level stops issuing requests after
 ``--time-limit`` seconds and cancels what is still running ``--drain`` seconds later (counted as unfinished).
 Per (mode, concurrency, prompt length): aggregate output tok/s (the finished requests' usage tokens over the
-level's wall time), time to first token and inter-chunk latency p50 / p99, requests, errors (a non-200 answer
-or an error event), unfinished.
+level's wall time), time to first token and inter-chunk latency p50 / p99 / max, requests, errors (a non-200
+answer or an error event), unfinished. With several ``--max-prefill-tokens`` the served levels run under each
+budget in turn (set on the engine between levels).
 
 *Engine*: B sequences (B = min(C, ``--max-batch``)) prefilled with ``--prompt-tokens`` random ids, entered into
 decode slots, then ``--steps`` timed ``Engine.decode_rows`` steps on random tokens (the median of all but the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -369,7 +371,7 @@ def load_engine(args: argparse.Namespace) -> Engine:
 
 
 def _limits(args: argparse.Namespace) -> dict:
-    return {"max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens}
+    return {"max_batch": args.max_batch}
 
 
 def run(engine: Engine, args: argparse.Namespace, out: dict, save) -> dict:  # noqa: ANN001
@@ -399,29 +401,31 @@ def run(engine: Engine, args: argparse.Namespace, out: dict, save) -> dict:  # n
     by_key = {(r["prompt_tokens"], r["batch"]): r for r in steps}
     served = out.setdefault("served", [])
     tags = Tags()
+    budgets = args.max_prefill_tokens or [engine.max_prefill_tokens]
     with serving(engine, max_queue=max(args.concurrency)) as url:
-        for mode in args.modes:
-            for length in args.prompt_tokens:
-                text = prompt_body(engine.tokenizer, length, args.seed)
-                for c in args.concurrency:
-                    rec = served_level(
-                        url, engine.tokenizer, text, tags, mode=mode, concurrency=c,
-                        requests_per_client=args.requests_per_client, output_tokens=args.output_tokens,
-                        time_limit=args.time_limit, drain=args.drain, seed=args.seed,
-                    )  # fmt: skip
-                    step = by_key[(length, min(c, args.max_batch))]
-                    rec = {
-                        "prompt_tokens": length,
-                        **rec,
-                        "engine_batch": step["batch"],
-                        "engine_tok_s": step["tok_s"],
-                        "roofline_tok_s": step["roofline_tok_s"],
-                        "served_over_engine": rec["aggregate_tok_s"] / step["tok_s"],
-                    }
-                    rec["idle_after"] = wait_idle(engine, args.drain)
-                    served.append(rec)
-                    save()
-                    log(_served_line(rec))
+        for budget, mode, length in itertools.product(budgets, args.modes, args.prompt_tokens):
+            engine.max_prefill_tokens = budget
+            text = prompt_body(engine.tokenizer, length, args.seed)
+            for c in args.concurrency:
+                rec = served_level(
+                    url, engine.tokenizer, text, tags, mode=mode, concurrency=c,
+                    requests_per_client=args.requests_per_client, output_tokens=args.output_tokens,
+                    time_limit=args.time_limit, drain=args.drain, seed=args.seed,
+                )  # fmt: skip
+                step = by_key[(length, min(c, args.max_batch))]
+                rec = {
+                    "prompt_tokens": length,
+                    "max_prefill_tokens": budget,
+                    **rec,
+                    "engine_batch": step["batch"],
+                    "engine_tok_s": step["tok_s"],
+                    "roofline_tok_s": step["roofline_tok_s"],
+                    "served_over_engine": rec["aggregate_tok_s"] / step["tok_s"],
+                }
+                rec["idle_after"] = wait_idle(engine, args.drain)
+                served.append(rec)
+                save()
+                log(_served_line(rec))
     return out
 
 
@@ -430,10 +434,12 @@ def _served_line(rec: dict) -> str:
         return "-" if v is None else f"{v:.1f}"
 
     return (
-        f"served {rec['mode']} concurrency {rec['concurrency']} prompt {rec['prompt_tokens']}: "
+        f"served {rec['mode']} concurrency {rec['concurrency']} prompt {rec['prompt_tokens']} "
+        f"prefill budget {rec['max_prefill_tokens']}: "
         f"{rec['aggregate_tok_s']:.1f} tok/s ({100 * rec['served_over_engine']:.0f}% of the engine's), "
-        f"ttft p50 {f(rec['ttft_ms_p50'])} p99 {f(rec['ttft_ms_p99'])} ms, "
-        f"itl p50 {f(rec['itl_ms_p50'])} p99 {f(rec['itl_ms_p99'])} ms, requests {rec['requests']} "
+        f"ttft p50 {f(rec['ttft_ms_p50'])} p99 {f(rec['ttft_ms_p99'])} max {f(rec['ttft_ms_max'])} ms, "
+        f"itl p50 {f(rec['itl_ms_p50'])} p99 {f(rec['itl_ms_p99'])} max {f(rec['itl_ms_max'])} ms, "
+        f"requests {rec['requests']} "
         f"(ok {rec['ok']}, errors {rec['errors']}, unfinished {rec['unfinished']})"
     )
 
@@ -453,9 +459,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument(
         "--max-prefill-tokens",
-        type=int,
-        default=None,
-        help="prompt tokens a step forwards (the engine's default)",
+        type=_ints,
+        default=[],
+        help="prompt tokens a step forwards, comma-separated: the served levels run under each (default: the "
+        "engine's)",
     )
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16])

@@ -73,14 +73,23 @@ def test_served_levels_account_for_every_request(report):
         assert r["output_tokens"] == r["requests"] * OUTPUT
         assert abs(r["prompt_tokens_measured"][0] - PROMPT) <= 3
         assert r["prompt_tokens_measured"][0] <= r["prompt_tokens_measured"][1]
-        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"]
-        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] <= r["ttft_ms_max"]
+        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] <= r["itl_ms_max"]
+        assert r["max_prefill_tokens"] == PREFILL_BUDGET
         assert r["aggregate_tok_s"] > 0 and r["engine_tok_s"] > 0 and r["roofline_tok_s"] > 0
         assert r["idle_after"]
 
 
-def test_the_prefill_budget_reaches_the_engine(engine):
-    assert engine._loop.max_prefill_tokens == PREFILL_BUDGET
+def test_the_prefill_budget_reaches_the_engine(report, engine):
+    assert engine.max_prefill_tokens == PREFILL_BUDGET
+
+
+def test_a_prefill_budget_is_an_integer_of_at_least_one(engine):
+    before = engine.max_prefill_tokens
+    for bad in (0, -4, 1.5, True):
+        with pytest.raises(ValueError, match="max_prefill_tokens"):
+            engine.max_prefill_tokens = bad
+    assert engine.max_prefill_tokens == before
 
 
 def test_no_modes_runs_the_engine_steps_alone(engine, args):

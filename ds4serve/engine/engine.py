@@ -45,7 +45,7 @@ from .prefill_graphs import graphs_apply as prefill_graphs_apply
 from .request import ErrorCode, GenerateError, GenerateResult, SamplingParams
 from .speculative import PromptFeed
 from .state_pool import StatePool
-from .step_loop import RequestHandle, StepLoop, StepReport, even_chunks
+from .step_loop import RequestHandle, StepLoop, StepReport, check_prefill_tokens, even_chunks
 
 log = logging.getLogger("ds4serve.engine")
 WARM_UP_PROMPT, WARM_UP_TOKENS = 16, 4  # Engine.warm_up's request: a prefill chunk and a few decode steps
@@ -413,6 +413,15 @@ class Engine:
     @property
     def idle(self) -> bool:
         return self._loop.idle
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """Prompt tokens a step of the loop forwards (at least one chunk); settable between steps."""
+        return self._loop.max_prefill_tokens
+
+    @max_prefill_tokens.setter
+    def max_prefill_tokens(self, tokens: int) -> None:
+        self._loop.max_prefill_tokens = check_prefill_tokens(tokens)
 
     def warm_up(self, speculative: object | None = None) -> float:
         """Serve one short request and drop it, so that the first client does not wait for what the first

@@ -192,11 +192,9 @@ class StepLoop:
     def __init__(self, engine: "Engine", max_batch: int, max_prefill_tokens: int):
         if max_batch < 1:
             raise ValueError(f"max_batch: expected an integer >= 1, got {max_batch}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens: expected an integer >= 1, got {max_prefill_tokens}")
         self.engine = engine
         self.max_batch = max_batch
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = check_prefill_tokens(max_prefill_tokens)
         self.rows: list[_Row] = []
         self._preempted: list[_Row] = []  # admitted rows whose state waits on the host to resume
         self._waiting: collections.deque[RequestHandle] = collections.deque()
@@ -659,6 +657,13 @@ def _usable(snapshot: Snapshot, prompt: list[int]) -> bool:
     if snapshot.pos > len(prompt) or prompt[: snapshot.pos] != snapshot.tokens:
         return False
     return snapshot.pos < len(prompt) or snapshot.last_logits is not None
+
+
+def check_prefill_tokens(tokens: int) -> int:
+    """``tokens`` as a per-step prefill budget; ValueError unless it is an integer >= 1."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"max_prefill_tokens: expected an integer >= 1, got {tokens!r}")
+    return tokens
 
 
 def even_chunks(n: int, size: int) -> list[int]:
