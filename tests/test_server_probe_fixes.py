@@ -3,11 +3,14 @@ APIs that was fixed."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
+from ds4serve.server.tool_grammar import closed_objects
 
 from .server_harness import running
 
@@ -92,3 +95,98 @@ def test_an_empty_anthropic_text_block_is_refused_as_anthropic_does(base):
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "messages: text content blocks must be non-empty"
     assert _count(base, [{"role": "user", "content": [{"type": "text", "text": " "}]}]).status_code == 200
+
+
+def _chat(base: str, **fields) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "name a song"}], **fields}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token(base):
+    """OpenAI and Anthropic take ``top_p`` in [0, 1] (llm's and inspect's ``top_p 0`` was a 400 here): at 0 only
+    the most likely token is left, so sampling gives the greedy answer, on every route."""
+    greedy = _chat(base, max_tokens=6, temperature=0).json()["choices"][0]["message"]["content"]
+    r = _chat(base, max_tokens=6, temperature=1, top_p=0, seed=5)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy
+    r = httpx.post(
+        f"{base}/v1/responses",
+        json={"model": "tiny", "input": "name a song", "max_output_tokens": 6, "top_p": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["output"][-1]["content"][0]["text"] == greedy
+    body = {
+        "model": "tiny",
+        "max_tokens": 6,
+        "top_p": 0,
+        "messages": [{"role": "user", "content": "name a song"}],
+    }
+    assert httpx.post(f"{base}/v1/messages", json=body, timeout=120).status_code == 200
+
+
+SONG = {"type": "object", "properties": {"live": {"type": "boolean"}}, "required": ["live"]}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_strict_schema_without_additional_properties_writes_only_its_keys(base, seed):
+    """OpenAI's strict mode reads an object schema as closed; here a strict schema that did not say
+    ``additionalProperties: false`` let the model add keys of its own (haystack sends such schemas). Chat's
+    ``response_format`` and the Responses API's ``text.format``."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "song", "strict": True, "schema": SONG}}
+    r = _chat(base, max_tokens=24, temperature=1, seed=seed, response_format=fmt)
+    assert r.status_code == 200 and list(json.loads(r.json()["choices"][0]["message"]["content"])) == ["live"]
+    text = {"format": {"type": "json_schema", "name": "song", "strict": True, "schema": SONG}}
+    body = {"model": "tiny", "input": "name a song", "max_output_tokens": 24, "temperature": 1, "seed": seed}
+    r = httpx.post(f"{base}/v1/responses", json={**body, "text": text}, timeout=120)
+    assert r.status_code == 200 and list(json.loads(r.json()["output"][-1]["content"][0]["text"])) == ["live"]
+
+
+def test_responses_allowed_tools_choose_among_the_listed_tools_only(base):
+    """The Responses API's ``tool_choice`` of type ``allowed_tools`` (a 400 here before): ``mode`` over the tools it
+    lists; a name ``tools`` lacks is a 400 naming it as the Responses API writes the field."""
+    tools = [
+        {"type": "function", "name": name, "parameters": {"type": "object", "properties": {}}}
+        for name in ("ls", "pwd")
+    ]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "pwd"}]}
+    body = {
+        "model": "tiny",
+        "input": "where am I",
+        "max_output_tokens": 40,
+        "tools": tools,
+        "tool_choice": choice,
+    }
+    r = httpx.post(f"{base}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200
+    calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert calls and {c["name"] for c in calls} == {"pwd"}
+    assert r.json()["tool_choice"] == choice
+    wrong = {**choice, "tools": [{"type": "function", "name": "cd"}]}
+    r = httpx.post(f"{base}/v1/responses", json={**body, "tool_choice": wrong}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.tools.0.name"
+
+
+def test_closed_objects_closes_listed_properties_only():
+    """What strict mode closes: an object listing properties, at any depth (items, anyOf, $defs), unless it says
+    which other keys it takes; a free-form object and ``allOf``'s members stay as they are."""
+    leaf = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "list": {"type": "array", "items": leaf},
+            "either": {"anyOf": [leaf, {"type": "null"}]},
+            "open": {"type": "object"},
+            "tagged": {**leaf, "additionalProperties": {"type": "string"}},
+            "both": {"allOf": [leaf, {"properties": {"y": {"type": "integer"}}}]},
+            "ref": {"$ref": "#/$defs/node"},
+        },
+        "$defs": {"node": leaf},
+    }
+    closed = closed_objects(schema)
+    shut = {**leaf, "additionalProperties": False}
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["list"]["items"] == shut and props["either"]["anyOf"] == [shut, {"type": "null"}]
+    assert props["open"] == {"type": "object"} and props["both"] == schema["properties"]["both"]
+    assert props["tagged"] == {**leaf, "additionalProperties": {"type": "string"}}
+    assert closed["$defs"]["node"] == shut
+    assert "additionalProperties" not in schema and "additionalProperties" not in leaf  # not changed in place

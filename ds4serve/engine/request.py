@@ -57,7 +57,7 @@ class SamplingParams:
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
             (_finite(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0"),
-            (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+            (_finite(self.top_p) and 0 <= self.top_p <= 1, "top_p", "a number in [0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)"),
             (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]"),
             (

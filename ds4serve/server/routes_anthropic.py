@@ -25,7 +25,7 @@ from .output_parser import merged
 from .prepare import json_body, offload
 from .schemas import AnthropicMessage, CountTokensRequest, MessagesRequest, TextBlock
 from .sse import ANTHROPIC_PING, event_stream
-from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
+from .tool_grammar import closed_objects, forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -174,9 +174,10 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
 
 
 def _output_schema(body: CountTokensRequest) -> dict | None:
-    """``output_config.format``'s JSON schema (Anthropic's structured outputs): the answer is a document of it."""
+    """``output_config.format``'s JSON schema (Anthropic's structured outputs): the answer is a document of it,
+    its objects closed to keys they do not list (:func:`~.tool_grammar.closed_objects`), as Anthropic reads it."""
     config = body.output_config
-    return config.format.schema_ if config is not None and config.format is not None else None
+    return closed_objects(config.format.schema_) if config is not None and config.format is not None else None
 
 
 def _encode(server, body: CountTokensRequest):

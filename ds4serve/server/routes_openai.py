@@ -41,7 +41,7 @@ from .schemas import (
 from .sse import OPENAI_PING, event_stream
 from .structured import requested_rule, structured_rule
 from .textstream import Detokenizer
-from .tool_grammar import forced_tool_call, strict_tool_calls, validate_schema
+from .tool_grammar import closed_objects, forced_tool_call, strict_tool_calls, validate_schema
 
 router = APIRouter()
 
@@ -181,7 +181,7 @@ def _response_format(body: ChatRequest) -> dict | None:
             "response_format.json_schema.schema: expected a JSON schema object",
             "response_format.json_schema.schema",
         )
-    return schema
+    return closed_objects(schema) if rf.json_schema.get("strict") is True else schema
 
 
 def _answer_rule(

@@ -42,11 +42,13 @@ from .routes_openai import chat_spec, token_logprobs
 from .schemas import (
     LOGPROBS_INCLUDED,
     ChatRequest,
+    ResponseAllowedTools,
     ResponseFunctionCall,
     ResponseFunctionCallOutput,
     ResponseInputItem,
     ResponseItemReference,
     ResponseMessage,
+    ResponseNamedTool,
     ResponseReasoning,
     ResponsesRequest,
 )
@@ -58,6 +60,7 @@ router = APIRouter()
 _FIELDS = [
     (re.compile(r"^messages\b[\w.]*"), "input"),
     (re.compile(r"^tools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"^tool_choice\.allowed_tools\.tools\.(\d+)\.function\."), r"tool_choice.tools.\1."),
     (re.compile(r"^max_completion_tokens\b"), "max_output_tokens"),
     (re.compile(r"^response_format\.json_schema\.schema\b"), "text.format.schema"),
     (re.compile(r"^response_format\b[\w.]*"), "text.format"),
@@ -220,17 +223,12 @@ def _chat_body(body: ResponsesRequest) -> dict:
             {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
             for t in body.tools
         ]
-    choice = body.tool_choice
-    chat["tool_choice"] = (
-        choice
-        if isinstance(choice, str) or choice is None
-        else {"type": "function", "function": {"name": choice.name}}
-    )
+    chat["tool_choice"] = _chat_choice(body.tool_choice)
     fmt = body.text.format if body.text else None
     if fmt is not None and fmt.type == "json_schema":
         chat["response_format"] = {
             "type": "json_schema",
-            "json_schema": {"name": fmt.name, "schema": fmt.schema_},
+            "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict},
         }
     elif fmt is not None:
         chat["response_format"] = {"type": fmt.type}
@@ -239,6 +237,16 @@ def _chat_body(body: ResponsesRequest) -> dict:
     if _wants_logprobs(body):
         chat.update(logprobs=True, top_logprobs=body.top_logprobs)
     return chat
+
+
+def _chat_choice(choice: str | ResponseNamedTool | ResponseAllowedTools | None) -> str | dict | None:
+    """A Responses ``tool_choice`` as chat completions writes it."""
+    if isinstance(choice, ResponseNamedTool):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, ResponseAllowedTools):
+        named = [{"type": "function", "function": {"name": t.name}} for t in choice.tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": named}}
+    return choice
 
 
 def _stored_here(server, body: ResponsesRequest) -> bool:

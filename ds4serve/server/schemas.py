@@ -268,7 +268,7 @@ class StructuredOutputs(_Body):
 
 class SamplingFields(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) and 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
@@ -455,6 +455,14 @@ class ResponseNamedTool(_Body):
     name: str
 
 
+class ResponseAllowedTools(_Body):
+    """``tool_choice`` of type ``allowed_tools``: ``mode`` over only the listed ones of ``tools``."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[ResponseNamedTool] = Field(min_length=1)
+
+
 class ResponseReasoningOption(_Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -499,11 +507,11 @@ class ResponsesRequest(_Request):
     input: str | list[ResponseInputItem | ResponseItemReference]
     instructions: str | None = None
     tools: list[ResponseTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | ResponseAllowedTools | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = None  # not in OpenAI's API; as in chat completions
     reasoning: ResponseReasoningOption | None = None
     text: ResponseTextOption | None = None
@@ -678,7 +686,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOPS)
     stream: bool = Field(default=False, strict=True)
     temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
 

@@ -208,6 +208,8 @@ class _Grammar:
         """``invoke name="f">\\n`` (after ``<｜DSML｜``), the parameters, then ``</｜DSML｜invoke>``. Without
         parameters the layout is render_tool_calls' ``>\\n\\n</``; with them each is ``<…parameter>\\n``."""
         params = function.get("parameters") or {}
+        if function.get("strict") is True:
+            params = closed_objects(params)
         defs = (
             {k: params[k] for k in ("$defs", "definitions") if k in params}
             if isinstance(params, dict)
@@ -302,6 +304,35 @@ def _root(params: dict, defs: dict, where: str) -> dict:
         seen.add(ref)
         params = target
     return params
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SAYS_WHICH_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+
+
+def closed_objects(schema: object) -> object:
+    """``schema`` with every object schema that lists ``properties`` but does not say which other keys it takes
+    closed to them (``additionalProperties: false``), as OpenAI's and Anthropic's strict mode read a schema: a
+    strict answer or call writes the properties its schema lists and no others. An object without properties
+    stays any object; ``allOf`` and its members are left as they are (closing each member would refuse the keys
+    of the others)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if "properties" in out and not _SAYS_WHICH_KEYS & out.keys() and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _check_required(params: dict, props: dict, where: str) -> None:
