@@ -208,7 +208,7 @@ def test_no_budget_outside_thinking_mode(engine):
         (torch.tensor([[5, 6]]), SamplingParams(), ErrorCode.INVALID_REQUEST, "got ['list']"),
         ([5], SamplingParams(max_tokens=0), ErrorCode.INVALID_REQUEST, "max_tokens"),
         ([5], SamplingParams(temperature=-1.0), ErrorCode.INVALID_REQUEST, "temperature"),
-        ([5], SamplingParams(top_p=0.0), ErrorCode.INVALID_REQUEST, "top_p"),
+        ([5], SamplingParams(top_p=1.5), ErrorCode.INVALID_REQUEST, "top_p"),
         ([5], SamplingParams(logit_bias={-3: 1.0}), ErrorCode.INVALID_REQUEST, "logit_bias"),
         ([5] * 10, SamplingParams(max_tokens=10**9), ErrorCode.CONTEXT_OVERFLOW, "exceeds the context"),
     ],

@@ -168,7 +168,7 @@ def test_text_verbosity_is_echoed(base):
     [
         ("/v1/chat/completions", "temperature", "NaN", "expected a finite number in [0, 2], got nan"),
         ("/v1/chat/completions", "temperature", "Infinity", "expected a finite number in [0, 2], got inf"),
-        ("/v1/chat/completions", "top_p", "NaN", "expected a finite number in (0, 1], got nan"),
+        ("/v1/chat/completions", "top_p", "NaN", "expected a finite number in [0, 1], got nan"),
         (
             "/v1/chat/completions",
             "presence_penalty",
@@ -182,7 +182,7 @@ def test_text_verbosity_is_echoed(base):
             "Infinity",
             "expected a finite number in (0, inf), got inf",
         ),
-        ("/v1/responses", "top_p", "NaN", "expected a finite number in (0, 1], got nan"),
+        ("/v1/responses", "top_p", "NaN", "expected a finite number in [0, 1], got nan"),
         ("/v1/messages", "temperature", "NaN", "expected a finite number in [0, 1], got nan"),
     ],
 )

@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 MAX_STOPS = 16
-MAX_CHOICES = 16
+MAX_CHOICES = 128  # as OpenAI
 MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -277,7 +277,7 @@ class SamplingFields(_Request):
     seed: int | None = None
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True)  # choices run one after another
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True)  # each choice a job of its own
     structured_outputs: StructuredOutputs | None = None
     stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
