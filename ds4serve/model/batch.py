@@ -6,9 +6,8 @@ MoE router and shared expert, the attention's projections, the head) runs on the
 never changes, so a row's bits do not depend on how many rows run, which ones, or where it sits. The
 attention's core (:func:`~ds4serve.model.attention.attention_core`, what reads the state) runs row by row,
 each exactly a batch of one's (the row's own state, position and
-:class:`~ds4serve.model.attention.ChunkInfo`); on a GPU a layer's cores of all the step's rows are queued at
-once over ``ROW_TILE`` streams, so that the rows' small kernels overlap, across tiles too (what each kernel
-computes is unchanged). The step goes layer by
+:class:`~ds4serve.model.attention.ChunkInfo`); on a GPU each row of a tile runs it on a stream of its own,
+so that the rows' small kernels overlap (what each kernel computes is unchanged). The step goes layer by
 layer over all its tiles, so that the routed and shared experts of every real row run in one launch
 (:func:`~ds4serve.model.moe.batch_experts`), each row's result its own; padding rows' experts are not run.
 A lone sequence is a batch of one: it runs through a tile too. Like :meth:`DeepSeekV4.forward` this writes
@@ -176,20 +175,18 @@ def _batch_block(
     defer: bool,
 ) -> None:
     """One decoder block over every tile (the phases of :func:`~ds4serve.model.deepseek4.block_forward`):
-    every tile's sites, then the attention of all tiles (:func:`_attention`), then each tile's mix and
-    routing, the routed and shared experts of all real rows in one call
-    (:func:`~ds4serve.model.moe.batch_experts`), and each tile's block end. In a static step the tiles' sites
-    and each row's attention core run as compiled regions, as a static block's do."""
+    each tile's sites, attention and routing, then the routed and shared experts of all real rows in one
+    call (:func:`~ds4serve.model.moe.batch_experts`), then each tile's block end. In a static step the tiles'
+    sites and each row's attention core run as compiled regions, as a static block's do."""
     static = any(row is not None and row[1].static for row in tiles[0].rows)
     site, mix, end = (
         (_static_site, _static_ffn_site, _static_end) if static else (attention_site, ffn_site, block_end)
     )
-    sites = [site(b, t.X, t.pending, cfg) for t in tiles]
-    with profiler.phase("attention"):
-        attended = _attention(b.attn, layer, [x for *_, x in sites], tiles, cfg, ropes, static)
     ffn_inputs = []
-    for t, (X, post, comb, _), (a, deltas) in zip(tiles, sites, attended):
-        t.deltas[layer] = deltas
+    for t in tiles:
+        X, post, comb, x = site(b, t.X, t.pending, cfg)
+        with profiler.phase("attention"):
+            a, t.deltas[layer] = _tile_attention(b.attn, layer, x, t.rows, t.real, cfg, ropes, static)
         X, post, comb, x = mix(b, X, a, post, comb, cfg)
         weights, idx = route(b.moe, x, t.ids, cfg.top_k, cfg.routed_scaling_factor)
         ffn_inputs.append((X, post, comb, x, weights, idx))
@@ -209,43 +206,34 @@ _static_core = region(attention_core)
 _static_output = region(output_projection)
 
 
-def _attention(
+def _tile_attention(
     w: AttentionWeights,
     layer: int,
-    xs: list[torch.Tensor],
-    tiles: list[_Tile],
+    x: torch.Tensor,
+    rows: list[Row],
+    real: int,
     cfg: ModelConfig,
     ropes: dict[str, Rope],
     static: bool,
-) -> list[tuple[torch.Tensor, list[LayerDelta | None]]]:
-    """Each tile's attention ``[ROW_TILE, D]`` of its normed input ``xs[i]`` and its rows' deltas: the
-    projections over the whole tile (each weight read once a tile), each real row's core over its own state
-    as a batch of one's, all the step's rows' cores forked at once (on a GPU over the row streams, so that
-    one tile's cores overlap another's), then each tile's output projection; a padding row's core output is
-    zeros."""
-    products = [(_static_products if static else input_products)(w, x, cfg) for x in xs]
-    cores = [(t, r) for t in range(len(tiles)) for r in range(tiles[t].real)]
-    outs: list[list[torch.Tensor]] = [[] for _ in tiles]
-    deltas: list[list[LayerDelta | None]] = [[] for _ in tiles]
-    for (t, r), stream in zip(cores, _fork(xs[0], len(cores))):
+) -> tuple[torch.Tensor, list[LayerDelta | None]]:
+    """The tile's attention ``[ROW_TILE, D]``: its projections over the whole tile (each weight read once a
+    tile), each row's core over its own state as a batch of one's; the padding rows (after the ``real`` ones)
+    have core outputs of zeros."""
+    xs, qs = (_static_products if static else input_products)(w, x, cfg)
+    outs, deltas = [], []
+    for r, (state, chunk), stream in zip(range(real), rows, _fork(x, real)):
         with stream:
             # fresh copies: a row's inputs never depend on where it sits in the tile (offset, alignment)
-            mine = [tuple(y[r : r + 1].clone() for y in ys) for ys in products[t]]
-            state, chunk = tiles[t].rows[r]
+            mine = [tuple(y[r : r + 1].clone() for y in ys) for ys in (xs, qs)]
             out, delta = (_static_core if static else attention_core)(
                 w, *mine, chunk, state.layers[layer], cfg, ropes
             )
-        outs[t].append(out)
-        deltas[t].append(delta)
-    _join(xs[0], len(cores))
-    result = []
-    for x, tile_outs, tile_deltas, tile in zip(xs, outs, deltas, tiles):
-        pad = ROW_TILE - tile.real
-        core = torch.cat([*tile_outs, x.new_zeros(pad, cfg.num_heads, cfg.head_dim)])
-        result.append(
-            ((_static_output if static else output_projection)(w, core, cfg), tile_deltas + [None] * pad)
-        )
-    return result
+        outs.append(out)
+        deltas.append(delta)
+    _join(x, real)
+    outs.append(x.new_zeros(len(rows) - real, cfg.num_heads, cfg.head_dim))
+    deltas += [None] * (len(rows) - real)
+    return (_static_output if static else output_projection)(w, torch.cat(outs), cfg), deltas
 
 
 @functools.cache
@@ -254,18 +242,18 @@ def _row_streams(device: torch.device) -> list[torch.cuda.Stream]:
 
 
 def _fork(x: torch.Tensor, rows: int) -> list[AbstractContextManager]:
-    """A context per row: on a GPU a row stream (row ``i`` on stream ``i % ROW_TILE``), each first waiting for
-    what the current stream has queued (the rows' inputs); elsewhere nothing. :func:`_join` ends the fork."""
+    """A context per row of a tile: on a GPU the row's own stream, which first waits for what the current
+    stream has queued (the tile's products); elsewhere nothing. :func:`_join` ends the fork."""
     if not x.is_cuda:
         return [nullcontext()] * rows
     streams = _row_streams(x.device)[:rows]
     for s in streams:
         s.wait_stream(torch.cuda.current_stream(x.device))
-    return [torch.cuda.stream(streams[i % len(streams)]) for i in range(rows)]
+    return [torch.cuda.stream(s) for s in streams]
 
 
 def _join(x: torch.Tensor, rows: int) -> None:
-    """The current stream waits for the row streams of :func:`_fork`: what follows sees their results."""
+    """The current stream waits for the rows' streams of :func:`_fork`: what follows sees their results."""
     if x.is_cuda:
         for s in _row_streams(x.device)[:rows]:
             torch.cuda.current_stream(x.device).wait_stream(s)
