@@ -218,7 +218,12 @@ CASES = [
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, None),
     (MSGS, msgs(tools=[{"name": "f"}]), 400, None),
     (MSGS, msgs(tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400, "tools.0"),
-    ("/v1/responses", {"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools.0"),
+    (
+        "/v1/responses",
+        {"model": "tiny", "input": "hi", "tools": [{"type": "computer_use_preview"}]},
+        400,
+        "tools.0",
+    ),
     (
         MSGS,
         msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool"}),

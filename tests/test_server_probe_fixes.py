@@ -190,3 +190,62 @@ def test_closed_objects_closes_listed_properties_only():
     assert props["tagged"] == {**leaf, "additionalProperties": {"type": "string"}}
     assert closed["$defs"]["node"] == shut
     assert "additionalProperties" not in schema and "additionalProperties" not in leaf  # not changed in place
+
+
+def _respond(base: str, **fields) -> httpx.Response:
+    return httpx.post(f"{base}/v1/responses", json={"model": "tiny", **fields}, timeout=120)
+
+
+def test_an_anthropic_tool_name_may_be_128_characters_as_claude_code_sends(base):
+    """Claude Code names MCP tools ``mcp__<server>__<tool>``, often past 64 characters; Anthropic takes 128."""
+    long = "mcp__github-enterprise-server__list_pull_request_review_comments_for_repo"
+    tools = [{"name": long, "input_schema": {"type": "object", "properties": {}}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert httpx.post(f"{base}/v1/messages/count_tokens", json=body, timeout=30).status_code == 200
+    body["tools"] = [{**tools[0], "name": "x" * 129}]
+    r = httpx.post(f"{base}/v1/messages/count_tokens", json=body, timeout=30)
+    assert r.status_code == 400 and "tools.0.name" in r.text
+
+
+CODEX_TOOLS = [
+    {"type": "web_search", "external_web_access": False},
+    {
+        "type": "namespace",
+        "name": "agents",
+        "description": "sub-agents",
+        "tools": [
+            {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}
+        ],
+    },
+]
+
+
+def test_responses_namespace_tools_are_functions_and_hosted_tools_are_left_out(base):
+    """Codex sends a ``namespace`` of functions and ``web_search`` on every turn (both a 400 here before, so Codex
+    could not start): the namespace's functions are offered, a call of one names its function and namespace, and
+    that call and its output replay as input."""
+    r = _respond(base, input="close it", max_output_tokens=40, tools=CODEX_TOOLS, tool_choice="required")
+    assert r.status_code == 200, r.text
+    calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert calls and all((c["name"], c["namespace"]) == ("close_agent", "agents") for c in calls)
+    answered = [
+        {"role": "user", "content": "close it"},
+        {k: calls[0][k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+        {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "closed"},
+    ]
+    assert _respond(base, input=answered, max_output_tokens=2, tools=CODEX_TOOLS).status_code == 200
+
+
+def test_a_responses_reasoning_item_without_its_answer_stays_in_the_prompt(base):
+    """A turn that ended while reasoning (an incomplete response, as Codex replays it) is an assistant turn of
+    that reasoning alone; it was dropped without a word."""
+    tools = [{"type": "function", "name": "ls", "parameters": {"type": "object", "properties": {}}}]
+    reasoning = {
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": "the user greets me twice"}],
+    }
+    turns = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    fields = {"max_output_tokens": 1, "tools": tools, "reasoning": {"effort": "high"}}
+    without = _respond(base, input=turns, **fields).json()["usage"]["input_tokens"]
+    with_it = _respond(base, input=[turns[0], reasoning, turns[1]], **fields).json()["usage"]["input_tokens"]
+    assert with_it > without

@@ -51,6 +51,7 @@ from .schemas import (
     ResponseNamedTool,
     ResponseReasoning,
     ResponsesRequest,
+    ResponseTool,
 )
 from .sse import OPENAI_PING, event_stream
 
@@ -96,18 +97,21 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 {
                     "id": item.call_id,
                     "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
+                    "function": {"name": item.called_as, "arguments": item.arguments},
                 }
             )
-        elif item.type == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-        elif item.role == "assistant":
+        elif item.type != "function_call_output" and item.role == "assistant":
             out.append({"role": "assistant", "content": item.text(), "reasoning_content": reasoning})
             reasoning = None
         else:
-            out.append(
-                {"role": "system" if item.role in ("system", "developer") else "user", "content": item.text()}
-            )
+            if reasoning is not None:  # a turn that ended while reasoning (incomplete): its reasoning alone
+                out.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+                reasoning = None
+            if item.type == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            else:
+                role = "system" if item.role in ("system", "developer") else "user"
+                out.append({"role": role, "content": item.text()})
     return out
 
 
@@ -220,7 +224,10 @@ def _chat_body(body: ResponsesRequest) -> dict:
     }
     if body.tools:
         chat["tools"] = [
-            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+            {
+                "type": "function",
+                "function": {**t.model_dump(exclude={"type"}, exclude_none=True), "name": t.called_as},
+            }
             for t in body.tools
         ]
     chat["tool_choice"] = _chat_choice(body.tool_choice)
@@ -274,13 +281,17 @@ class _Items:
     """The output items of one response as it streams: each piece opens, extends and closes items, and
     every change is an event (a dict with its ``type``; the stream numbers them)."""
 
-    def __init__(self, tokenizer=None, summary: bool = False) -> None:
+    def __init__(
+        self, tokenizer=None, summary: bool = False, tools: list[ResponseTool] | None = None
+    ) -> None:
         """``tokenizer``: the output text carries the logprobs of its tokens (None: it carries none). ``summary``:
-        the reasoning goes in the reasoning item's ``summary`` (the client asked for one), else its ``content``."""
+        the reasoning goes in the reasoning item's ``summary`` (the client asked for one), else its ``content``.
+        ``tools``: the request's; a call of a namespace's function names it and its ``namespace``."""
         self.summary = summary
         self.items: list[dict] = []
         self.open: dict | None = None
         self.tokenizer = tokenizer
+        self.namespaced = {t.called_as: t for t in tools or () if t.namespace is not None}
 
     def _event(self, kind: str, **fields: Any) -> dict:
         return {"type": f"response.{kind}", "output_index": len(self.items) - 1, **fields}
@@ -349,12 +360,16 @@ class _Items:
             events += self._text("message", delta.content, logprobs)
         for call in delta.tool_calls:
             if call.name is not None:
+                tool = self.namespaced.get(call.name)
+                named = (
+                    {"name": call.name} if tool is None else {"name": tool.name, "namespace": tool.namespace}
+                )
                 events += self._start(
                     {
                         "type": "function_call",
                         "id": mint_id("fc_"),
                         "call_id": mint_id("call_"),
-                        "name": call.name,
+                        **named,
                         "arguments": "",
                         "status": "in_progress",
                     }
@@ -470,7 +485,9 @@ class _Response:
         self.store = server.responses if _stored_here(server, body) else None
         self.input_items = _own_items(body)
         self.tokenizer = server.engine.tokenizer if _wants_logprobs(body) else None
-        self.items = _Items(self.tokenizer, summary=body.reasoning is not None and body.reasoning.summarised)
+        self.items = _Items(
+            self.tokenizer, summary=body.reasoning is not None and body.reasoning.summarised, tools=body.tools
+        )
         # a streamed background response's numbered events, which any number of streams follow (``grew`` is set,
         # and replaced, at each new one; ``ended`` once the last is in)
         self.log: list[dict] | None = [] if body.background and body.stream else None

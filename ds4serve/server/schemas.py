@@ -26,6 +26,9 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+ANTHROPIC_TOOL_NAME = (
+    r"^[A-Za-z0-9_.\-]{1,128}$"  # Anthropic's names are longer (Claude Code's mcp__server__tool)
+)
 MAX_STOPS = 16
 MAX_CHOICES = 128  # as OpenAI
 MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
@@ -402,6 +405,11 @@ class ResponseFunctionCall(_Body):
     name: str
     arguments: str
     id: str | None = None
+    namespace: str | None = None  # the namespace tool ``name`` is a function of
+
+    @property
+    def called_as(self) -> str:
+        return self.name if self.namespace is None else f"{self.namespace}.{self.name}"
 
 
 class ResponseFunctionCallOutput(_Body):
@@ -440,14 +448,46 @@ class ResponseItemReference(_Body):
     id: str
 
 
+# OpenAI's hosted tools, which OpenAI's servers run: offered by clients such as Codex on every turn, left out here
+HOSTED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26"}
+    | {"file_search", "code_interpreter", "image_generation", "mcp"}
+)
+
+
 class ResponseTool(FunctionDef):
     type: Literal["function"]
     strict: bool = True  # the Responses API holds function calls to their schemas unless told not to
+    namespace: str | None = Field(default=None, exclude=True)  # the namespace tool it came in (below)
 
     @model_validator(mode="before")
     @classmethod
     def _function(cls, value: Any) -> Any:
         return _only_tool_type(value, "function", "function tools")
+
+    @property
+    def called_as(self) -> str:
+        """The name the model calls it by: ``namespace.name`` for a tool of a namespace."""
+        return self.name if self.namespace is None else f"{self.namespace}.{self.name}"
+
+
+def _flat_tools(tools: Any) -> Any:
+    """Responses ``tools`` as function tools: a ``namespace`` tool's functions (Codex sends its MCP servers' and
+    agent tools so) each with its namespace, the hosted tools left out (the model here cannot call them)."""
+    if not isinstance(tools, list):
+        return tools
+    flat: list[Any] = []
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOLS:
+            continue
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            flat += [
+                {**t, "namespace": tool.get("name")} if isinstance(t, dict) else t for t in tool["tools"]
+            ]
+        else:
+            flat.append(tool)
+    return flat
 
 
 class ResponseNamedTool(_Body):
@@ -506,7 +546,7 @@ class ResponsesRequest(_Request):
     model: str | None = None  # any name is served by the one model; responses name it
     input: str | list[ResponseInputItem | ResponseItemReference]
     instructions: str | None = None
-    tools: list[ResponseTool] | None = None
+    tools: list[ResponseTool] | None = None  # a namespace's functions flattened, hosted tools left out
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | ResponseAllowedTools | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
@@ -528,6 +568,11 @@ class ResponsesRequest(_Request):
         None  # refused when given (below): taken silently, a conversation's turns would be lost
     )
     prompt: Any = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _flat(cls, value: Any) -> Any:
+        return _flat_tools(value)
 
     @field_validator("conversation", "prompt")
     @classmethod
@@ -601,7 +646,7 @@ class AnthropicMessage(_Body):
 
 
 class AnthropicTool(_Body):
-    name: str = Field(pattern=TOOL_NAME)
+    name: str = Field(pattern=ANTHROPIC_TOOL_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None
