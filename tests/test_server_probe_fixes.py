@@ -249,3 +249,23 @@ def test_a_responses_reasoning_item_without_its_answer_stays_in_the_prompt(base)
     without = _respond(base, input=turns, **fields).json()["usage"]["input_tokens"]
     with_it = _respond(base, input=[turns[0], reasoning, turns[1]], **fields).json()["usage"]["input_tokens"]
     assert with_it > without
+
+
+def test_an_anthropic_thread_is_refused_so_the_sdk_sends_the_whole_conversation(base):
+    """Anthropic's SDK threads a tool runner's turns (``thread``: create, then continue with only the new
+    messages); taken silently, every later turn lost its history, system prompt and tools. The 400 names the
+    field and carries the details the SDK reads to resend the conversation without a thread."""
+    messages = [{"role": "user", "content": "and now?"}]
+    for thread in ({"type": "create"}, {"type": "continue", "previous_message_id": "msg_1"}):
+        body = {"model": "tiny", "max_tokens": 4, "messages": messages, "thread": thread}
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = httpx.post(f"{base}{path}", json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["message"].startswith("thread: ")
+            assert error["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+    body = {"model": "tiny", "max_tokens": 4, "messages": messages}
+    assert (
+        "details"
+        not in httpx.post(f"{base}/v1/messages", json={**body, "max_tokens": 0}, timeout=60).json()["error"]
+    )

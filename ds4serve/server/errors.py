@@ -51,6 +51,7 @@ class APIError(Exception):
     code: str
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    details: dict | None = None  # Anthropic's error ``details`` (what its SDKs act on), where there are some
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"
@@ -104,7 +105,8 @@ def openai_body(err: APIError) -> dict:
 
 def anthropic_body(err: APIError) -> dict:
     kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    error = {"type": kind, "message": err.message}
+    return {"type": "error", "error": error if err.details is None else {**error, "details": err.details}}
 
 
 def body_for(path: str, err: APIError) -> dict:

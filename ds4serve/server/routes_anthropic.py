@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from typing import AsyncIterator
@@ -180,7 +181,23 @@ def _output_schema(body: CountTokensRequest) -> dict | None:
     return closed_objects(config.format.schema_) if config is not None and config.format is not None else None
 
 
+def _refuse_thread(body: CountTokensRequest) -> None:
+    """Anthropic's server-held threads (``thread``: a conversation the server keeps, continued by sending only the
+    new messages) are not kept here: a 400 naming ``thread``, with the ``details`` Anthropic's SDKs read to send
+    the whole conversation again without one (their tool runner does). Taken silently, the earlier turns, system
+    prompt and tools would be lost."""
+    if (body.model_extra or {}).get("thread") is not None:
+        message = (
+            "thread: server-held conversation threads are not supported here; send the whole conversation"
+        )
+        raise dataclasses.replace(
+            invalid(message, "thread"),
+            details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]},
+        )
+
+
 def _encode(server, body: CountTokensRequest):
+    _refuse_thread(body)
     thinking = body.thinking is not None and body.thinking.on
     effort = body.output_config.effort if body.output_config is not None else None
     tools = _tools(body)
