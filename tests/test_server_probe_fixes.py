@@ -269,3 +269,20 @@ def test_an_anthropic_thread_is_refused_so_the_sdk_sends_the_whole_conversation(
         "details"
         not in httpx.post(f"{base}/v1/messages", json={**body, "max_tokens": 0}, timeout=60).json()["error"]
     )
+
+
+def test_web_search_options_and_mcp_servers_are_refused_by_name(base):
+    """Taken silently before, each answered without what it asks for (a search, a remote MCP server's tools)."""
+    r = _chat(base, max_tokens=2, web_search_options={})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "web_search_options"
+    servers = [{"type": "url", "url": "https://example.com/mcp", "name": "x"}]
+    body = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        "mcp_servers": servers,
+    }
+    r = httpx.post(f"{base}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "mcp_servers: MCP servers are not"
+    )

@@ -328,6 +328,7 @@ class ChatRequest(SamplingFields):
     user: str | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None
+    web_search_options: Any = None  # refused when given (below): taken silently, no search would run
 
     @field_validator("modalities", "audio")
     @classmethod
@@ -335,6 +336,15 @@ class ChatRequest(SamplingFields):
         """Audio output (``modalities`` with "audio", or ``audio``'s voice and format) is a 400 naming the field."""
         if v is not None and (info.field_name == "audio" or "audio" in v):
             raise ValueError("audio output is not supported: this model writes text only")
+        return v
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_search(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError(
+                "web search is not supported by this server: the model answers from the prompt alone"
+            )
         return v
 
     @field_validator("tool_choice", mode="before")
@@ -734,6 +744,16 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
+    mcp_servers: Any = (
+        None  # refused when given (below), as server tools are: nothing here would connect to them
+    )
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _no_mcp_servers(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("MCP servers are not supported by this server: give their tools as tools")
+        return v
 
 
 class ParkRequest(_Body):
