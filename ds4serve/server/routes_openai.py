@@ -641,9 +641,7 @@ async def _echoes(request: Request, server, body: CompletionRequest, prompts: li
             scoring = functools.partial(_prompt_logprobs, server.engine, prompt, body.logprobs, added)
             try:
                 lps = await while_connected(request, scoring)
-            except (
-                GenerateError
-            ) as exc:  # the model is parked (503), or the client went away (nobody reads it)
+            except GenerateError as exc:  # the model is parked (503), or the client left (nobody reads it)
                 raise APIError.from_code(exc.code, exc.message) from None
         out.append(_Echo(text, lps))
     return out

@@ -100,14 +100,14 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                     "function": {"name": item.called_as, "arguments": item.arguments},
                 }
             )
-        elif item.type != "function_call_output" and item.role == "assistant":
+        elif isinstance(item, ResponseMessage) and item.role == "assistant":
             out.append({"role": "assistant", "content": item.text(), "reasoning_content": reasoning})
             reasoning = None
         else:
             if reasoning is not None:  # a turn that ended while reasoning (incomplete): its reasoning alone
                 out.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
                 reasoning = None
-            if item.type == "function_call_output":
+            if isinstance(item, ResponseFunctionCallOutput):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             else:
                 role = "system" if item.role in ("system", "developer") else "user"

@@ -409,6 +409,11 @@ class ResponseMessage(_Body):
         return _joined(self.content)
 
 
+def called_as(name: str, namespace: str | None) -> str:
+    """The name the model calls a Responses function by: ``namespace.name`` for a function of a namespace tool."""
+    return name if namespace is None else f"{namespace}.{name}"
+
+
 class ResponseFunctionCall(_Body):
     type: Literal["function_call"]
     call_id: str
@@ -419,7 +424,7 @@ class ResponseFunctionCall(_Body):
 
     @property
     def called_as(self) -> str:
-        return self.name if self.namespace is None else f"{self.namespace}.{self.name}"
+        return called_as(self.name, self.namespace)
 
 
 class ResponseFunctionCallOutput(_Body):
@@ -477,8 +482,7 @@ class ResponseTool(FunctionDef):
 
     @property
     def called_as(self) -> str:
-        """The name the model calls it by: ``namespace.name`` for a tool of a namespace."""
-        return self.name if self.namespace is None else f"{self.namespace}.{self.name}"
+        return called_as(self.name, self.namespace)
 
 
 def _flat_tools(tools: Any) -> Any:
