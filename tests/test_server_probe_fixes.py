@@ -286,3 +286,16 @@ def test_web_search_options_and_mcp_servers_are_refused_by_name(base):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(
         "mcp_servers: MCP servers are not"
     )
+
+
+def test_every_get_route_answers_head_with_its_headers(base):
+    """Claude Code sends ``HEAD /`` at start, and it was a 405 (FastAPI's GET routes take no HEAD): a GET route
+    answers HEAD with GET's status and headers and no body; a route without GET still answers 405."""
+    for path in ("/", "/v1/models", "/v1/models/tiny", "/tokenizer_info", "/health"):
+        get, head = httpx.get(f"{base}{path}"), httpx.head(f"{base}{path}")
+        assert (head.status_code, head.content) == (200, b""), path
+        for name in ("content-type", "content-length"):
+            assert head.headers[name] == get.headers[name], (path, name)
+    assert httpx.head(f"{base}/v1/models/other").status_code == 404
+    r = httpx.head(f"{base}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"

@@ -1,7 +1,7 @@
 """The FastAPI application: limits and auth, error handling, health, models, metrics, admin routes.
 
 Every route is also served, by the same handler, at its path with a trailing slash (``/v1/chat/completions/``):
-no redirect, which many clients would follow without the POST's body.
+no redirect, which many clients would follow without the POST's body. Every GET route also answers HEAD.
 
 The OpenAI and Anthropic routes live in :mod:`.routes_openai` and :mod:`.routes_anthropic`, the browser page
 and its engine figures in :mod:`.routes_web`.
@@ -132,6 +132,26 @@ class _NoTrailingSlash:
             raw = scope.get("raw_path") or path.encode()
             scope = {**scope, "path": path.rstrip("/") or "/", "raw_path": raw.rstrip(b"/") or b"/"}
         await self.app(scope, receive, send)
+
+
+class _HeadAsGet:
+    """Pure ASGI middleware: a ``HEAD`` request is routed as ``GET`` and answered with that response's status and
+    headers (its ``Content-Length`` included) and no body, as HTTP defines HEAD, so every GET route answers it
+    (Claude Code sends ``HEAD /`` at start); FastAPI's GET routes, unlike Starlette's, take no HEAD of their own."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 def _request_id(scope) -> bytes:
@@ -355,8 +375,9 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
             allow_headers=["*"],
             expose_headers=["Retry-After", "x-request-id", "request-id"],  # _Gate's ids, for browser SDKs
         )
-    # outermost: auth, limits, metrics and routes see the path without the trailing slash
+    # outermost: auth, limits, metrics and routes see the path without the trailing slash, and HEAD as GET
     app.add_middleware(_NoTrailingSlash)
+    app.add_middleware(_HeadAsGet)
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(tokens_router)
@@ -388,7 +409,7 @@ def create_app(engine: Engine, config: ServerConfig, cache: PrefixCache | None =
         log.exception("unhandled error on %s", request.url.path)
         return error_response(request.url.path, APIError(500, f"{type(exc).__name__}: {exc}", "internal"))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health():
         body = {
             "status": "shutting_down" if server.draining else "ok",
