@@ -299,3 +299,34 @@ def test_every_get_route_answers_head_with_its_headers(base):
     assert httpx.head(f"{base}/v1/models/other").status_code == 404
     r = httpx.head(f"{base}/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def _calls(r: httpx.Response) -> list[tuple[str, str | None]]:
+    assert r.status_code == 200, r.text
+    calls = [(i["name"], i.get("namespace")) for i in r.json()["output"] if i["type"] == "function_call"]
+    assert calls
+    return calls
+
+
+def test_a_responses_tool_choice_names_a_namespace_function(base):
+    """A namespace's function is offered to the model as ``namespace.name``, and a named ``tool_choice`` (or an
+    ``allowed_tools`` entry) naming it was a 400. It is named by ``name`` and ``namespace``, as its calls carry
+    them, or by its plain name where one namespace alone has it; an ambiguous or unknown name is a 400 naming the
+    field."""
+    fields = {"input": "close it", "max_output_tokens": 40, "tools": CODEX_TOOLS}
+    named = {"type": "function", "name": "close_agent"}
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [named]}
+    for choice in (named, {**named, "namespace": "agents"}, allowed):
+        r = _respond(base, **fields, tool_choice=choice)
+        assert set(_calls(r)) == {("close_agent", "agents")} and r.json()["tool_choice"] == choice
+    twice = {**fields, "tools": [*CODEX_TOOLS, {**CODEX_TOOLS[1], "name": "helpers"}]}
+    r = _respond(base, **twice, tool_choice={**named, "namespace": "helpers"})
+    assert set(_calls(r)) == {("close_agent", "helpers")}
+    for choice, param in (
+        (named, "tool_choice"),
+        (allowed, "tool_choice.tools.0.name"),
+        ({**named, "namespace": "nowhere"}, "tool_choice"),
+        ({**named, "name": "open_agent"}, "tool_choice"),
+    ):
+        r = _respond(base, **twice, tool_choice=choice)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (choice, r.text)

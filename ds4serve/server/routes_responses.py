@@ -52,6 +52,7 @@ from .schemas import (
     ResponseReasoning,
     ResponsesRequest,
     ResponseTool,
+    called_as,
 )
 from .sse import OPENAI_PING, event_stream
 
@@ -230,7 +231,7 @@ def _chat_body(body: ResponsesRequest) -> dict:
             }
             for t in body.tools
         ]
-    chat["tool_choice"] = _chat_choice(body.tool_choice)
+    chat["tool_choice"] = _chat_choice(body.tool_choice, body.tools or [])
     fmt = body.text.format if body.text else None
     if fmt is not None and fmt.type == "json_schema":
         chat["response_format"] = {
@@ -246,14 +247,38 @@ def _chat_body(body: ResponsesRequest) -> dict:
     return chat
 
 
-def _chat_choice(choice: str | ResponseNamedTool | ResponseAllowedTools | None) -> str | dict | None:
-    """A Responses ``tool_choice`` as chat completions writes it."""
+def _chat_choice(
+    choice: str | ResponseNamedTool | ResponseAllowedTools | None, tools: list[ResponseTool]
+) -> str | dict | None:
+    """A Responses ``tool_choice`` as chat completions writes it, its functions named as the model calls them."""
     if isinstance(choice, ResponseNamedTool):
-        return {"type": "function", "function": {"name": choice.name}}
+        return {"type": "function", "function": {"name": _called_as(choice, tools, "tool_choice")}}
     if isinstance(choice, ResponseAllowedTools):
-        named = [{"type": "function", "function": {"name": t.name}} for t in choice.tools]
+        named = [
+            {"type": "function", "function": {"name": _called_as(t, tools, f"tool_choice.tools.{i}.name")}}
+            for i, t in enumerate(choice.tools)
+        ]
         return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": named}}
     return choice
+
+
+def _called_as(chosen: ResponseNamedTool, tools: list[ResponseTool], param: str) -> str:
+    """The name the model calls the function ``chosen`` names by: the function of ``name`` in ``namespace``, or,
+    without a namespace, the one of that name outside any namespace, else the one namespace function of that name
+    (clients name it by the name its calls carry). A plain name that several namespaces have is a 400 naming
+    ``param``; a function ``tools`` lacks is named as given, and chat's check refuses it."""
+    if chosen.namespace is not None:
+        return called_as(chosen.name, chosen.namespace)
+    spaced = [t for t in tools if t.name == chosen.name]
+    if not spaced or any(t.namespace is None for t in spaced):
+        return chosen.name
+    if len(spaced) > 1:
+        raise invalid(
+            f"{param}: {chosen.name!r} is a function of several namespaces "
+            f"({', '.join(t.namespace for t in spaced)}); give its namespace too",
+            param,
+        )
+    return spaced[0].called_as
 
 
 def _stored_here(server, body: ResponsesRequest) -> bool:
@@ -608,7 +633,7 @@ class _Response:
             "instructions": body.instructions,
             "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "tool_choice": choice.model_dump()
+            "tool_choice": choice.model_dump(exclude_none=True)
             if choice is not None and not isinstance(choice, str)
             else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],

@@ -505,8 +505,12 @@ def _flat_tools(tools: Any) -> Any:
 
 
 class ResponseNamedTool(_Body):
+    """A function ``tool_choice`` names: by ``name`` and the ``namespace`` tool it is in, or by ``name`` alone (see
+    ``routes_responses._called_as``)."""
+
     type: Literal["function"]
     name: str
+    namespace: str | None = None
 
 
 class ResponseAllowedTools(_Body):
