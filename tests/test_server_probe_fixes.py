@@ -12,7 +12,7 @@ from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
 from ds4serve.server.tool_grammar import closed_objects
 
-from .server_harness import running
+from .server_harness import metric, running, wait_for
 
 TOOLS = [{"name": "ls", "input_schema": {"type": "object", "properties": {}}}]
 USE = {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}}
@@ -330,3 +330,29 @@ def test_a_responses_tool_choice_names_a_namespace_function(base):
     ):
         r = _respond(base, **twice, tool_choice=choice)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (choice, r.text)
+
+
+def test_the_generations_metric_counts_the_finish_reason_the_response_gives(base):
+    """A stop string completed by the last token ``max_tokens`` allowed ends the response with ``stop``, and the
+    metric counted the engine's ``length``; a forced call's ``tool_calls`` counted as ``stop``. Each generation is
+    now counted by the finish reason its response gave."""
+
+    def counts() -> dict[str, float]:
+        reasons = ("stop", "length", "tool_calls")
+        return {r: metric(base, "ds4serve_generations_total", finish_reason=r) for r in reasons}
+
+    full = _chat(base, max_tokens=4, temperature=0, logprobs=True).json()["choices"][0]
+    tokens = [e["token"] for e in full["logprobs"]["content"]]
+    stop = tokens[-1]
+    assert stop and stop not in "".join(tokens[:-1])
+    before = counts()
+    r = _chat(base, max_tokens=len(tokens), temperature=0, stop=[stop]).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["message"]["content"] == "".join(tokens[:-1])
+    tools = [
+        {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    r = _chat(base, max_tokens=40, temperature=0, tools=tools, tool_choice="required").json()["choices"][0]
+    assert r["finish_reason"] == "tool_calls"
+    wait_for(
+        lambda: counts() == {**before, "stop": before["stop"] + 1, "tool_calls": before["tool_calls"] + 1}
+    )

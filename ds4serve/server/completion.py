@@ -121,6 +121,7 @@ class Completion:
         self.result: GenerateResult | None = None
         self.stop_tokens: int | None = None  # the tokens up to the one whose text completed a stop string
         self._watcher: asyncio.Task | None = None
+        self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,11 +137,17 @@ class Completion:
             )
 
     def close(self) -> None:
-        """Stop watching; if the job is still going (the consumer gave up), cancel it."""
+        """Stop watching; if the job is still going (the consumer gave up), cancel it. Then the job is released to
+        the scheduler, which counts the generation by the response's finish reason if it got one
+        (:meth:`~.scheduler.Scheduler.release`). Later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
         if self.result is None:
             self.server.scheduler.withdraw(self.job, "disconnect")
+        self.server.scheduler.release(self.job, self.finish_reason if self.answered else None)
 
     # ---- output --------------------------------------------------------------------------------
     async def pieces(self) -> AsyncIterator[Piece]:
@@ -177,12 +184,19 @@ class Completion:
             for piece in _pieces(segments, [lp for lp, _ in pending]):
                 yield piece
 
-    def _raise_for_error(self) -> None:
+    @property
+    def answered(self) -> bool:
+        """The job's result has been read and it is an answer: the generation ended, or a stop string ended it."""
         res = self.result
-        if res.error is None or (
-            res.error is ErrorCode.CANCELLED and self.job.cancel_reason == STOP_SEQUENCE
-        ):
+        return res is not None and (
+            res.error is None
+            or (res.error is ErrorCode.CANCELLED and self.job.cancel_reason == STOP_SEQUENCE)
+        )
+
+    def _raise_for_error(self) -> None:
+        if self.answered:
             return
+        res = self.result
         if res.error is ErrorCode.CANCELLED and self.job.cancel_reason == "shutdown":
             raise unavailable("the server is shutting down; this request did not finish")
         if res.error is ErrorCode.CONTEXT_OVERFLOW:

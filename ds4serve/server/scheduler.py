@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ..engine import Engine, GenerateResult, RequestHandle, SamplingParams, TokenLogprob
 from ..engine.prefix_cache import PrefixCache
@@ -57,12 +57,16 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ended: asyncio.Future = field(init=False)  # the engine's result, once it has reached the event loop
     result: GenerateResult | None = None
     cancel_reason: str | None = None
     tokens_sent: int = 0
     tokens_at_cancel: int | None = None
     last_token: float | None = None
     _handle: RequestHandle | None = None
+
+    def __post_init__(self) -> None:
+        self.ended = self.loop.create_future()
 
     def cancel(self, reason: str) -> None:
         """Stop this job before its next forward (thread-safe, idempotent)."""
@@ -91,6 +95,11 @@ class Job:
                 self.result = item
                 return
             yield item
+
+    def _end(self, result: GenerateResult) -> None:
+        """The engine's result reached the event loop: the last item of :meth:`stream`, and ``ended``'s."""
+        self.events.put_nowait(result)
+        self.ended.set_result(result)
 
 
 class Scheduler:
@@ -184,6 +193,18 @@ class Scheduler:
             self.metrics.queue_depth.set(self.engine.waiting)
             self._cond.notify()
 
+    def release(self, job: Job, finish_reason: str | None) -> None:
+        """``job``'s consumer is done with it (on the event loop); ``finish_reason`` is the one its response gave
+        (None: it gave none, as the generation failed or its client went away). Once the engine has ended the job,
+        ``ds4serve_generations_total`` counts it by that reason, else by the engine's: the one place a generation is
+        counted, so the metric says what the response said. A job withdrawn before it ran is no generation."""
+
+        def count(ended: asyncio.Future) -> None:
+            if job._handle.started:
+                self.metrics.finished.labels(finish_reason or ended.result().finish_reason).inc()
+
+        job.ended.add_done_callback(count)
+
     def withdraw(self, job: Job, reason: str) -> None:
         """Cancel ``job``: if the engine has not admitted it, it ends now (cancelled), else before its next
         forward."""
@@ -224,7 +245,7 @@ class Scheduler:
         job.last_token = now
         logprobs = job._handle.result.logprobs
         job.tokens_sent += 1
-        self._deliver(job, TokenEvent(token, logprobs[-1] if logprobs else None))
+        self._deliver(job, job.events.put_nowait, TokenEvent(token, logprobs[-1] if logprobs else None))
 
     def _on_done(self, job: Job, res: GenerateResult) -> None:
         """``job`` ended, admitted or not (on the thread that ended it)."""
@@ -245,18 +266,18 @@ class Scheduler:
                 time.perf_counter() - job.submitted,
             )
         self.metrics.queue_depth.set(self.engine.waiting)
-        self._deliver(job, res)
+        self._deliver(job, job._end, res)
 
-    def _deliver(self, job: Job, item: TokenEvent | GenerateResult) -> None:
+    def _deliver(self, job: Job, put: Callable[..., None], item: TokenEvent | GenerateResult) -> None:
+        """``put(item)`` on ``job``'s event loop."""
         try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, item)
+            job.loop.call_soon_threadsafe(put, item)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             job.cancel("shutdown")
 
     def _record(self, job: Job, res: GenerateResult) -> None:
         m = self.metrics
         stopped = job.cancel_reason == STOP_SEQUENCE
-        m.finished.labels("stop" if stopped else res.finish_reason).inc()
         m.prompt_tokens.inc(res.stats.prompt_tokens)
         m.prefilled_tokens.inc(res.stats.prefilled_tokens)
         m.cached_tokens.inc(res.stats.cached_tokens)
