@@ -356,3 +356,45 @@ def test_the_generations_metric_counts_the_finish_reason_the_response_gives(base
     wait_for(
         lambda: counts() == {**before, "stop": before["stop"] + 1, "tool_calls": before["tool_calls"] + 1}
     )
+
+
+LS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _chunks(base: str, **fields) -> list[dict]:
+    """The choice of each chunk of a streamed chat (as :func:`_chat` asks)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "name a song"}], "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, **fields}, timeout=120) as r:
+        return [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def _entries(chunk: dict) -> list[dict]:
+    return chunk["logprobs"]["content"] if chunk["logprobs"] else []
+
+
+def _ids(base: str, text: str) -> list[int]:
+    body = {"prompt": text, "add_special_tokens": False}
+    return httpx.post(f"{base}/tokenize", json=body).json()["tokens"]
+
+
+def test_streamed_logprobs_come_with_their_tokens_text(base):
+    """In a chat stream, the tokens whose text the output parser held back (a blank line that may open a tool-call
+    block, tool-call markup) had their logprobs on a chunk of empty content, ahead of their text. A chunk now
+    carries the entries of the tokens whose text starts in it; markup's come with the next chunk (a tool call's), or
+    the finish chunk when none follows: the whole answer's entries, each once, in order."""
+    blank_lines = {str(t): 100 for t in _ids(base, "\n\n") + _ids(base, " April")}  # greedy writes only these
+    forced = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60}
+    for fields in ({"logit_bias": blank_lines, "max_tokens": 12}, forced):
+        fields = {**fields, "temperature": 0, "logprobs": True, "tools": LS}
+        whole = _chat(base, **fields).json()["choices"][0]["logprobs"]["content"]
+        chunks = _chunks(base, **fields)
+        assert [e for c in chunks for e in _entries(c)] == whole
+        for chunk in chunks:
+            tokens = "".join(e["token"] for e in _entries(chunk))
+            if chunk["delta"].get("content"):  # here each token's text starts (and ends) in its chunk's
+                assert tokens == chunk["delta"]["content"]
+            else:  # markup's come with a call, the answer's last (the end of the turn) with the finish chunk
+                assert not tokens or chunk["delta"].get("tool_calls") or chunk["finish_reason"], chunk
+        texts = [c["delta"].get("content") for c in chunks]
+        assert "\n\n April" in texts if "logit_bias" in fields else set(texts) == {None}
+    assert _entries(chunks[-1])[-1]["token"] == "<｜end▁of▁sentence｜>"

@@ -42,7 +42,8 @@ class CompletionSpec:
 
 @dataclass
 class Piece:
-    """Output that became certain: parsed text and calls, and the logprobs of the tokens behind it."""
+    """Output that became certain: parsed text and calls, and the logprobs of the tokens behind it (see
+    :meth:`Completion.pieces`)."""
 
     delta: ParsedDelta
     logprobs: list[TokenLogprob]
@@ -54,10 +55,11 @@ def mint_id(prefix: str) -> str:
 
 
 def _pieces(segments: list[ParsedDelta], logprobs: list[TokenLogprob]) -> list[Piece]:
-    """The parser's segments as pieces, the logprobs of the tokens behind them on the last one."""
+    """The parser's segments as pieces, the logprobs of the tokens behind them on the first one (on an empty piece
+    when there is no segment)."""
     if not segments:
         return [Piece(ParsedDelta(), logprobs)]
-    return [Piece(s, []) for s in segments[:-1]] + [Piece(segments[-1], logprobs)]
+    return [Piece(segments[0], logprobs)] + [Piece(s, []) for s in segments[1:]]
 
 
 def resolve_max_tokens(
@@ -151,9 +153,12 @@ class Completion:
 
     # ---- output --------------------------------------------------------------------------------
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Parsed output as it becomes certain; raises :class:`APIError` if generation fails. The logprobs are
-        those of the tokens behind the text: once a stop string is found, not those of the tokens whose text
-        starts at it or after it."""
+        """Parsed output as it becomes certain; raises :class:`APIError` if generation fails. A piece carries the
+        logprobs of the tokens whose text it starts to carry (text the parser holds back, as a blank line that may
+        open a tool-call block, brings its tokens' when it comes out), after those of the tokens whose text the
+        parser took since the last piece without writing anything of it (markup, whitespace it drops); the last
+        piece, empty if nothing else is left, carries those no text followed (the end of the turn). Once a stop
+        string is found, not those of the tokens whose text starts at it or after it."""
         pending: list[tuple[TokenLogprob, int]] = []  # with where its token's text starts in the stream
         count = fed = released = 0  # tokens; characters into the stop matcher; characters out of it
         async for event in self.job.stream():
@@ -170,19 +175,33 @@ class Completion:
                 pending = [(lp, at) for lp, at in pending if at < released]
                 if not self.job.cancelled:
                     self.server.scheduler.withdraw(self.job, STOP_SEQUENCE)
-            segments = self.parser.feed(text)
-            ready = [lp for lp, at in pending if at < released]  # tokens whose text has begun to come out
-            if segments or ready:
-                for piece in _pieces(segments, ready):
-                    yield piece
-                pending = pending[len(ready) :]
+            for piece in self._parsed(text, released, pending):
+                yield piece
         self.result = self.job.result
         self._raise_for_error()
         tail = self.stopper.feed(self.detok.finish()) + self.stopper.finish()
-        segments = self.parser.feed(tail) + self.parser.finish()
+        for piece in self._parsed(tail, released + len(tail), pending):
+            yield piece
+        segments = self.parser.finish()
         if segments or pending:
             for piece in _pieces(segments, [lp for lp, _ in pending]):
                 yield piece
+
+    def _parsed(self, text: str, end: int, pending: list[tuple[TokenLogprob, int]]) -> list[Piece]:
+        """The pieces the parser makes of ``text``, which ends at ``end`` in the stream, fed to it a token's text at
+        a time. Each takes from ``pending`` the logprobs of the tokens whose text the parser has taken by then;
+        a step that writes nothing leaves them to the next piece."""
+        start = end - len(text)
+        cuts = sorted({at - start for _, at in pending if 0 < at - start < len(text)})
+        pieces = []
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            segments = self.parser.feed(text[a:b])
+            if segments:
+                taken_to = start + b - len(self.parser.buf)  # the parser holds back the rest
+                taken = sum(at < taken_to for _, at in pending)
+                pieces += _pieces(segments, [lp for lp, _ in pending[:taken]])
+                del pending[:taken]
+        return pieces
 
     @property
     def answered(self) -> bool:

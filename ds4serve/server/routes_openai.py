@@ -453,6 +453,7 @@ async def _stream_chat(
 
     async def events() -> AsyncIterator[str]:
         ids: dict[int, dict[int, str]] = {}  # per choice: its tool calls' ids
+        last: dict[int, list | None] = {}  # per choice: the logprobs its finish chunk carries
         async for i, piece in stream:
             if i not in ids:
                 ids[i] = {}
@@ -460,19 +461,28 @@ async def _stream_chat(
                 content = None if choices.completions[i].spec.forced_call else ""
                 yield chunk(i, {"role": "assistant", "content": content})
             if piece is None:
-                yield chunk(i, {}, finish=_finish_reason(choices.completions[i], legacy))
+                yield chunk(
+                    i, {}, finish=_finish_reason(choices.completions[i], legacy), logprobs=last.get(i)
+                )
                 continue
             d = piece.delta
             lps = token_logprobs(tok, piece) if body.logprobs else None
+            if not d:  # the tokens that wrote nothing at the end (Completion.pieces): on the finish chunk
+                last[i] = lps
+                continue
+            # a piece's logprobs go on its first chunk, so no chunk carries logprobs alone
             if d.reasoning:
                 yield chunk(i, {"reasoning_content": d.reasoning}, logprobs=lps)
                 lps = None
-            if d.content or lps:
+            if d.content:
                 yield chunk(i, {"content": d.content}, logprobs=lps)
+                lps = None
             if d.tool_calls and legacy:
-                yield chunk(i, {"function_call": _function_call_delta(_call_chunks(piece, ids[i]))})
+                yield chunk(
+                    i, {"function_call": _function_call_delta(_call_chunks(piece, ids[i]))}, logprobs=lps
+                )
             elif d.tool_calls:
-                yield chunk(i, {"tool_calls": _call_chunks(piece, ids[i])})
+                yield chunk(i, {"tool_calls": _call_chunks(piece, ids[i])}, logprobs=lps)
 
     usage_head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     return _sse_response(choices, events(), usage_head if include_usage else None)
