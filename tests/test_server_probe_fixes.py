@@ -10,6 +10,9 @@ import pytest
 
 from ds4serve import Engine
 from ds4serve.server.app import ServerConfig, create_app
+from ds4serve.server.completion import Piece
+from ds4serve.server.output_parser import ParsedDelta
+from ds4serve.server.routes_responses import _Items
 from ds4serve.server.tool_grammar import closed_objects
 
 from .server_harness import metric, running, wait_for
@@ -398,3 +401,37 @@ def test_streamed_logprobs_come_with_their_tokens_text(base):
         texts = [c["delta"].get("content") for c in chunks]
         assert "\n\n April" in texts if "logit_bias" in fields else set(texts) == {None}
     assert _entries(chunks[-1])[-1]["token"] == "<｜end▁of▁sentence｜>"
+
+
+def test_a_held_answer_comes_after_reasoning_that_may_not_end_the_turn(base):
+    """With thinking on, a forced call or a strict ``response_format`` could end in the reasoning (the end token
+    drawn before ``</think>``, where the rule does not reach yet): no call, no JSON, ``finish_reason: "stop"``.
+    The end token is now masked until ``</think>``: with it made far likelier than anything else the answer still
+    comes, held to its rule."""
+    eos, close = (_ids(base, t) for t in ("<｜end▁of▁sentence｜>", "</think>"))
+    assert len(eos) == 1 and len(close) == 1
+    bias = {str(eos[0]): 30, str(close[0]): 8}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    strict = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}
+    for held in ({"tools": LS, "tool_choice": "required"}, {"response_format": strict}):
+        r = _chat(base, **held, max_tokens=64, seed=5, reasoning_effort="high", logit_bias=bias)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"].get("reasoning_content"), choice
+        if "tools" in held:
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+        else:
+            assert choice["finish_reason"] == "stop" and isinstance(
+                json.loads(choice["message"]["content"])["a"], bool
+            )
+
+
+def test_a_completed_response_that_ended_while_reasoning_has_a_message():
+    """A response whose model ended its turn while reasoning (no answer, no call) was ``completed`` with a
+    reasoning item alone, where the API's contract, and clients reading ``output_text``, have a message. It now
+    gets an empty one; cut off by ``max_output_tokens`` it stays the reasoning alone, as OpenAI's."""
+    for incomplete, kinds in ((False, ["reasoning", "message"]), (True, ["reasoning"])):
+        items = _Items()
+        events = items.piece(Piece(ParsedDelta(reasoning="hm"), [])) + items.finish(incomplete)
+        assert [i["type"] for i in items.items] == kinds
+        assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == kinds

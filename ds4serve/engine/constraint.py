@@ -5,8 +5,9 @@ Before each answer token the tokens that cannot continue a document of the schem
 millisecond a step), so greedy and sampled decoding alike only ever produce a valid document, followed
 by the end-of-sequence token once it is complete. A request gives either ``json_schema`` or ``grammar`` (in
 llguidance's Lark dialect, e.g. the server's forced DSML tool call: server/tool_grammar.py). Reasoning
-(before ``</think>``) is not constrained: :class:`~ds4serve.engine.generation.Generation` applies the mask
-only to answer tokens.
+(before ``</think>``) is not constrained, except that it cannot end the turn:
+:class:`~ds4serve.engine.generation.Generation` applies the mask only to answer tokens and holds the stop tokens
+back while such a request reasons.
 
 The JSON is compact apart from one space after ``:`` and ``,`` (no free whitespace, which a weak model
 would otherwise fill the answer with). llguidance is imported only when a request asks for either:

@@ -106,13 +106,15 @@ class Generation:
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with what cannot continue the answer's schema or grammar masked (answer tokens of a request
         with one), and the stop tokens while fewer than ``min_tokens`` were generated, unless the schema or grammar
-        allows nothing else (a complete answer ends: ``min_tokens`` cannot leave no token to choose)."""
-        stops = frozenset(self.stops) if len(self.output) < self.params.min_tokens else frozenset()
+        allows nothing else (a complete answer ends: ``min_tokens`` cannot leave no token to choose). A request
+        with a schema or grammar cannot end while it reasons: its stop tokens are masked until ``</think>``, so
+        the answer the rule holds always comes (or the request runs out of tokens)."""
+        early = len(self.output) < self.params.min_tokens
         if self.constraint is not None and not self.reasoning:
-            return self.constraint.mask(logits, stops)
-        if not stops:
+            return self.constraint.mask(logits, frozenset(self.stops) if early else frozenset())
+        if not self.stops or not (early or self.constraint is not None):
             return logits
-        ids = torch.tensor(sorted(stops), dtype=torch.long, device=logits.device)
+        ids = torch.tensor(sorted(self.stops), dtype=torch.long, device=logits.device)
         return logits.index_fill(-1, ids, float("-inf"))
 
     def accept(self, token: int, logits: torch.Tensor) -> bool:

@@ -454,9 +454,10 @@ class _Items:
         return events + [self._event("output_item.done", item=_copy(item))]
 
     def finish(self, incomplete: bool) -> list[dict]:
-        """Close the open item (``incomplete``: cut off by ``max_output_tokens``); an answer with no item gets an
-        empty message."""
-        events = [] if self.items else self._start(_new_item("message"))
+        """Close the open item (``incomplete``: cut off by ``max_output_tokens``). A completed answer that wrote no
+        message and called nothing (it ended while reasoning) gets an empty message, as does one with no item."""
+        answered = any(item["type"] in ("message", "function_call") for item in self.items)
+        events = [] if answered or (incomplete and self.items) else self._start(_new_item("message"))
         return events + self._close("incomplete" if incomplete else "completed")
 
 
