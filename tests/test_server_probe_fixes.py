@@ -435,3 +435,95 @@ def test_a_completed_response_that_ended_while_reasoning_has_a_message():
         events = items.piece(Piece(ParsedDelta(reasoning="hm"), [])) + items.finish(incomplete)
         assert [i["type"] for i in items.items] == kinds
         assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == kinds
+
+
+# ---- tool calls and their results pair up, as the official APIs require -------------------------------------------
+
+
+def _call(call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+
+
+UNANSWERED = (
+    "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. "
+    "The following tool_call_ids did not have response messages: "
+)
+
+
+def test_chat_tool_calls_must_be_answered_by_the_tool_messages_right_after(base):
+    """OpenAI refuses an assistant message whose ``tool_calls`` the tool messages right after it do not all answer (a
+    user or assistant message comes first, or the conversation ends there): the model would read a call without its
+    result, and this server took it. The 400 is OpenAI's, naming the message that came instead (OpenAI's ``param``)
+    or, at the end, the calls, and the ids left unanswered. Both directions are one rule: a tool message after
+    another message answers no call before it, even one answered already."""
+    calls = {"role": "assistant", "tool_calls": [_call("c1"), _call("c2")]}
+    asked = [{"role": "user", "content": "ls twice"}, calls]
+    one, two = ({"role": "tool", "tool_call_id": c, "content": f"{c}.py"} for c in ("c1", "c2"))
+    more = {"role": "user", "content": "and?"}
+    for messages, param, ids in (
+        ([*asked, one, more], "messages.3.role", "c2"),
+        ([*asked, more, one, two], "messages.2.role", "c1, c2"),
+        ([*asked, one], "messages.1.tool_calls", "c2"),  # the conversation ends: no results come
+        (asked, "messages.1.tool_calls", "c1, c2"),
+    ):
+        r = _chat(base, messages=messages, tools=LS, max_tokens=2)
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"{param}: {UNANSWERED}{ids}",
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "invalid_request",
+        }
+    answered = [*asked, two, one]  # in any order
+    assert _chat(base, messages=[*answered, more], tools=LS, max_tokens=2).status_code == 200
+    assert _chat(base, messages=answered, tools=LS, max_tokens=2).status_code == 200
+    r = _chat(base, messages=[*answered, more, one], tools=LS, max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "messages.5.tool_call_id: Invalid parameter: messages with role 'tool' must be a response to a preceeding "
+        "message with 'tool_calls' (the call 'c1' of messages.1 was answered right after it, not here)."
+    )
+
+
+CALLED = [  # the stream of a reply that calls ls, for the page
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **_call("call_1")}]}}]},
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+]
+
+
+def test_the_page_says_a_call_it_shows_was_not_run_so_the_chat_goes_on(base):
+    """The browser page shows a tool call and runs nothing, and its next request sent the call without a result,
+    which the rule above refuses: the conversation could not go on. It now answers each call with a tool message
+    saying it was not run."""
+    from . import browser
+
+    if browser.chromium_path() is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    with browser.chromium() as chromium:
+        page = chromium.new_page()
+        sent = []
+
+        def reply(route):  # the first reply calls ls; the server answers the next request
+            sent.append(json.loads(route.request.post_data))
+            if len(sent) > 1:
+                return route.continue_()
+            body = "".join(f"data: {json.dumps(c)}\r\n\r\n" for c in CALLED) + "data: [DONE]\r\n\r\n"
+            route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+        page.route("**/v1/chat/completions", reply)
+        page.goto(base)
+        wait_for(lambda: page.evaluate("document.getElementById('model-name').textContent") == "tiny")
+        page.fill("#tools", json.dumps(LS))
+        page.fill("#max-tokens", "2")
+        for n, text in enumerate(("ls", "go on"), 1):
+            page.fill("#prompt", text)
+            page.click("#send")
+            wait_for(lambda n=n: page.locator(".message.assistant[data-outcome]").count() == n, timeout=60)
+        statuses = page.locator(".message.assistant .status").all_text_contents()
+    assert [s.split(":")[0] for s in statuses] == ["finished", "finished"], statuses
+    assert [(m["role"], m.get("tool_call_id")) for m in sent[1]["messages"]] == [
+        ("user", None),
+        ("assistant", None),
+        ("tool", "call_1"),
+        ("user", None),
+    ]
+    assert sent[1]["messages"][2]["content"] == "Not run: this chat page shows tool calls but runs no tools."

@@ -240,32 +240,67 @@ def _chat_prompt(
     return encoded, encoded.token_ids(server.engine.tokenizer), tools, response_format
 
 
-def _check_tool_results(messages: list[ChatMessage]) -> None:
-    """OpenAI's rule: a ``tool`` message answers, by its ``tool_call_id``, a call in the ``tool_calls`` of an assistant
-    message before it (a 400 in OpenAI's words, naming its ``tool_call_id``, otherwise). A deprecated ``function``
-    message names no call and is not checked."""
-    calls: set[str] = set()
+def _check_tool_turns(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule, both ways: the ``tool_calls`` of an assistant message are answered, each by its id, by the
+    ``tool`` messages right after it, and each of those answers one of them. A 400 in OpenAI's words otherwise:
+
+    * a ``tool`` message without a ``tool_call_id``, or whose id no call of the assistant message its run follows has
+      (none before it at all, or only one whose results ended before it), names its ``tool_call_id``;
+    * calls still unanswered when another message comes name that message's ``role`` (OpenAI's ``param``) and the
+      ids; when the conversation ends instead, the assistant message's ``tool_calls``: the model would read a call
+      without its result.
+
+    A deprecated ``function_call`` has no id and its ``function`` message names none: neither is checked."""
+    made: dict[str, int] = {}  # every call id so far, and the message that made it
+    turn: set[str] = set()  # the calls of the assistant message the tool messages now coming answer
+    waiting: list[str] = []  # those not answered yet, in call order
     for i, m in enumerate(messages):
-        param = f"messages.{i}.tool_call_id"
-        if m.role == "assistant":
-            calls.update(c.id for c in m.tool_calls or () if c.id is not None)
-        elif m.role == "tool" and m.tool_call_id is None:
-            raise invalid(
-                f"{param}: Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'.",
-                param,
-            )
-        elif m.role == "tool" and m.tool_call_id not in calls:
-            raise invalid(  # OpenAI's words, its spelling of "preceeding" too (clients match them)
-                f"{param}: Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
-                f"with 'tool_calls' (no tool call before it has the id {m.tool_call_id!r}).",
-                param,
-            )
+        if m.role == "tool":
+            param = f"messages.{i}.tool_call_id"
+            if m.tool_call_id is None:
+                raise invalid(
+                    f"{param}: Missing parameter 'tool_call_id': messages with role 'tool' must have a "
+                    "'tool_call_id'.",
+                    param,
+                )
+            if m.tool_call_id not in turn:
+                where = made.get(m.tool_call_id)
+                why = (
+                    f"no tool call before it has the id {m.tool_call_id!r}"
+                    if where is None
+                    else f"the call {m.tool_call_id!r} of messages.{where} was answered right after it, not here"
+                )
+                raise invalid(  # OpenAI's words, its spelling of "preceeding" too (clients match them)
+                    f"{param}: Invalid parameter: messages with role 'tool' must be a response to a preceeding "
+                    f"message with 'tool_calls' ({why}).",
+                    param,
+                )
+            waiting = [c for c in waiting if c != m.tool_call_id]
+            continue
+        if waiting:
+            raise _unanswered(waiting, f"messages.{i}.role")
+        ids = [c.id for c in m.tool_calls or () if c.id is not None] if m.role == "assistant" else []
+        made.update((c, i) for c in ids)
+        turn, waiting, caller = set(ids), ids, i
+    if waiting:
+        raise _unanswered(waiting, f"messages.{caller}.tool_calls")
 
 
-def chat_spec(server, body: ChatRequest) -> CompletionSpec:
+def _unanswered(ids: list[str], param: str) -> APIError:
+    """OpenAI's 400 for tool calls left without results (``ids``), naming ``param``."""
+    return invalid(
+        f"{param}: An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(ids)}",
+        param,
+    )
+
+
+def chat_spec(server, body: ChatRequest, *, turns_checked: bool = False) -> CompletionSpec:
     """The completion a chat request asks for: its prompt, sampling parameters, answer rule and stops; a 400 for a
-    request the API refuses."""
-    _check_tool_results(body.messages)
+    request the API refuses. ``turns_checked``: its calls and results were paired already, under another API's rule
+    (a Responses request's items, whose outputs need not follow their calls at once), not chat's."""
+    if not turns_checked:
+        _check_tool_turns(body.messages)
     body = as_tools(body)
     encoded, prompt, tools, response_format = _chat_prompt(server, body)
     thinking = encoded.thinking

@@ -292,7 +292,8 @@ def _wants_logprobs(body: ResponsesRequest) -> bool:
 
 def responses_spec(server, body: ResponsesRequest) -> CompletionSpec:
     try:
-        return chat_spec(server, ChatRequest.model_validate(_chat_body(body)))
+        # its calls and outputs were paired by _check_call_outputs, under this API's rule
+        return chat_spec(server, ChatRequest.model_validate(_chat_body(body)), turns_checked=True)
     except APIError as err:
         raise _renamed(err) from None
     except ValidationError as err:

@@ -150,6 +150,8 @@ function numberIn(id) {
   return text === "" ? undefined : Number(text);
 }
 
+const NOT_RUN = "Not run: this chat page shows tool calls but runs no tools.";
+
 function requestBody() {
   const messages = [];
   const system = $("system-prompt").value.trim();
@@ -158,6 +160,9 @@ function requestBody() {
     const sent = { role: m.role, content: m.content };
     if (m.tool_calls && m.tool_calls.length) sent.tool_calls = m.tool_calls;
     messages.push(sent);
+    // The page shows a call and runs nothing; the API wants each call answered by a tool message right after it
+    // (a call without one is a 400), so the history says that the call was not run.
+    for (const call of sent.tool_calls || []) messages.push({ role: "tool", tool_call_id: call.id, content: NOT_RUN });
   }
   const body = {
     model: state.model || undefined, // a field left undefined is not sent: the server's default applies
