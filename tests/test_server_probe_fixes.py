@@ -527,3 +527,42 @@ def test_the_page_says_a_call_it_shows_was_not_run_so_the_chat_goes_on(base):
         ("user", None),
     ]
     assert sent[1]["messages"][2]["content"] == "Not run: this chat page shows tool calls but runs no tools."
+
+
+def _result(tool_use_id: str) -> dict:
+    return {"type": "tool_result", "tool_use_id": tool_use_id, "content": "a.py"}
+
+
+def test_an_anthropic_tool_use_must_be_answered_in_the_next_message(base):
+    """Anthropic refuses a ``tool_use`` block whose id no ``tool_result`` block of the next message has, naming that
+    message and the ids, and so a final assistant message holding one (which this server continued as a prefill,
+    after a call without its result). Taken before: the model read a call without its result. Consecutive messages
+    of a role are one turn, as Anthropic combines them: results may come in several user messages."""
+    uses = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Listing."}, USE, {**USE, "id": "toolu_2"}],
+    }
+    asked = [{"role": "user", "content": "ls twice"}, uses]
+    more = {"role": "user", "content": "go on"}
+    for messages, at, ids in (
+        ([*asked, {"role": "user", "content": [_result("toolu_1")]}, uses], 2, "toolu_2"),
+        ([*asked, more, {"role": "user", "content": [_result("toolu_1")]}], 2, "toolu_2"),
+        ([*asked, {"role": "assistant", "content": "Done."}, more], 3, "toolu_1, toolu_2"),  # one turn, 1-2
+        (asked, 1, "toolu_1, toolu_2"),  # the final message: no results can come
+    ):
+        for route, extra in (("/count_tokens", {"tools": TOOLS}), ("", {"tools": TOOLS, "max_tokens": 2})):
+            body = {"model": "tiny", "messages": messages, **extra}
+            r = httpx.post(f"{base}/v1/messages{route}", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"] == {
+                "type": "invalid_request_error",
+                "message": f"messages.{at}: `tool_use` ids were found without `tool_result` blocks immediately "
+                f"after: {ids}. Each `tool_use` block must have a corresponding `tool_result` block in the next "
+                "message.",
+            }, (messages, route)
+    both = {
+        "role": "user",
+        "content": [_result("toolu_2"), _result("toolu_1"), {"type": "text", "text": "go on"}],
+    }
+    assert _count(base, [*asked, both]).status_code == 200
+    split = [{"role": "user", "content": [_result(u)]} for u in ("toolu_1", "toolu_2")]
+    assert _count(base, [*asked, *split, {"role": "assistant", "content": "Done."}]).status_code == 200

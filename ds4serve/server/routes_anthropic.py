@@ -40,22 +40,17 @@ def _messages(body: CountTokensRequest) -> list[dict]:
     prompt to say the call failed).
 
     As in Anthropic's API, every message but a final assistant one has content (not ``""`` or ``[]``), no text
-    block is empty, and each ``tool_result`` answers a ``tool_use`` of the assistant message before it; a 400 in
-    Anthropic's words otherwise.
+    block is empty, and tool uses and results pair up (:func:`_check_tool_turns`); a 400 in Anthropic's words
+    otherwise.
     """
     system = [_text(body.system)] if body.system else []
     out: list[dict] = []
     last = len(body.messages) - 1
-    uses: set[str] = set()  # the tool_use ids of the last assistant message
     for i, m in enumerate(body.messages):
         if m.role == "system":
             system.append(_system_text(m, i))
             continue
         _check_content(m, i, final=i == last)
-        if m.role == "user":
-            _check_tool_results(m, i, uses)
-        else:
-            uses = {b.id for b in m.content if b.type == "tool_use"} if isinstance(m.content, list) else set()
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -97,6 +92,7 @@ def _messages(body: CountTokensRequest) -> list[dict]:
                     f"messages.{i}.content",
                 )
         out.append(msg)
+    _check_tool_turns(body.messages)
     if not out:
         raise invalid("messages: expected a user or assistant message besides system ones", "messages")
     if out[-1]["role"] == "assistant":
@@ -117,19 +113,51 @@ def _check_content(m: AnthropicMessage, i: int, final: bool) -> None:
         raise invalid("messages: text content blocks must be non-empty", "messages")
 
 
-def _check_tool_results(m: AnthropicMessage, i: int, uses: set[str]) -> None:
-    """Each ``tool_result`` block of user message ``i`` names a ``tool_use`` of the assistant message before it
-    (``uses``)."""
-    if isinstance(m.content, str):
-        return
-    for j, b in enumerate(m.content):
-        if b.type == "tool_result" and b.tool_use_id not in uses:
-            raise invalid(
-                f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
-                f"{b.tool_use_id}. Each `tool_result` block must have a corresponding `tool_use` block in the "
-                "previous message.",
-                f"messages.{i}.content.{j}",
-            )
+def _check_tool_turns(messages: list[AnthropicMessage]) -> None:
+    """Anthropic's rule, both ways, over turns (consecutive messages of one role are one turn, as Anthropic combines
+    them; ``system`` messages, which join the system prompt, are left out): each ``tool_use`` block of an assistant
+    turn is answered by a ``tool_result`` block with its id in the user turn right after it, and each ``tool_result``
+    block answers a ``tool_use`` of the assistant turn right before it. A 400 in Anthropic's words otherwise, naming
+    the stray result's block, or the ids left unanswered and the message that was to answer them (the first of the
+    next turn, as Anthropic names it). A final assistant turn holding a ``tool_use`` is refused too (naming that
+    message): the prefill would continue after a call without its result."""
+    uses: dict[str, int] = {}  # the tool_use ids of the assistant turn before, and the message holding each
+    answered: set[str] = set()  # those the user turn now read answers
+    role, start = None, 0  # the turn now read, and its first message
+    for i, m in enumerate(messages):
+        if m.role == "system":
+            continue
+        if m.role != role:
+            if role == "user":
+                _check_answered(uses, answered, start)
+            if m.role == "assistant":
+                uses = {}
+            answered, role, start = set(), m.role, i
+        for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
+            if b.type == "tool_use":
+                uses.setdefault(b.id, i)
+            elif b.type == "tool_result" and b.tool_use_id not in uses:
+                raise invalid(
+                    f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                    f"{b.tool_use_id}. Each `tool_result` block must have a corresponding `tool_use` block in the "
+                    "previous message.",
+                    f"messages.{i}.content.{j}",
+                )
+            elif b.type == "tool_result":
+                answered.add(b.tool_use_id)
+    _check_answered(uses, answered, start if role == "user" else min(uses.values(), default=start))
+
+
+def _check_answered(uses: dict[str, int], answered: set[str], i: int) -> None:
+    """The ``tool_use`` ids of ``uses`` are all ``answered``; a 400 naming message ``i`` otherwise."""
+    missing = [u for u in uses if u not in answered]
+    if missing:
+        raise invalid(
+            f"messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+            f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` block in the "
+            "next message.",
+            f"messages.{i}",
+        )
 
 
 def _system_text(m, i: int) -> str:
