@@ -566,3 +566,26 @@ def test_an_anthropic_tool_use_must_be_answered_in_the_next_message(base):
     assert _count(base, [*asked, both]).status_code == 200
     split = [{"role": "user", "content": [_result(u)]} for u in ("toolu_1", "toolu_2")]
     assert _count(base, [*asked, *split, {"role": "assistant", "content": "Done."}]).status_code == 200
+
+
+def test_an_anthropic_prefill_cannot_end_with_whitespace(base):
+    """Anthropic refuses a final assistant message (a prefill) whose content ends with whitespace, a string or its
+    last text block ("messages: final assistant content cannot end with trailing whitespace"); this server took it
+    (the model then continued after a space that its own next token would have begun with). An earlier assistant
+    message ending with a space, and a prefill that is empty or ends with a word, are taken."""
+    ask = {"role": "user", "content": "Name a colour."}
+    blocks = [{"type": "text", "text": "Red"}, {"type": "text", "text": "dish\t"}]
+    for prefill in ("The colour is ", "\n", blocks):
+        body = {"model": "tiny", "messages": [ask, {"role": "assistant", "content": prefill}]}
+        for route, extra in (("/count_tokens", {}), ("", {"max_tokens": 2})):
+            r = httpx.post(f"{base}/v1/messages{route}", json={**body, **extra})
+            assert r.status_code == 400 and r.json()["error"] == {
+                "type": "invalid_request_error",
+                "message": "messages: final assistant content cannot end with trailing whitespace",
+            }, (prefill, route)
+    for messages in (
+        [ask, {"role": "assistant", "content": "The colour is"}],
+        [ask, {"role": "assistant", "content": ""}],
+        [ask, {"role": "assistant", "content": "Red. "}, {"role": "user", "content": "Another?"}],
+    ):
+        assert _count(base, messages).status_code == 200, messages

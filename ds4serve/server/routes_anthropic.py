@@ -101,9 +101,10 @@ def _messages(body: CountTokensRequest) -> list[dict]:
 
 
 def _check_content(m: AnthropicMessage, i: int, final: bool) -> None:
-    """Message ``i`` has content unless it is the final one and the assistant's (a prefill, continued), and none of
-    its text blocks is empty."""
-    if not m.content and not (final and m.role == "assistant"):
+    """Message ``i`` has content unless it is the final one and the assistant's (a prefill, continued), none of
+    its text blocks is empty, and a prefill's text does not end with whitespace."""
+    prefill = final and m.role == "assistant"
+    if not m.content and not prefill:
         raise invalid(
             f"messages.{i}: all messages must have non-empty content except for the optional final "
             "assistant message",
@@ -111,6 +112,15 @@ def _check_content(m: AnthropicMessage, i: int, final: bool) -> None:
         )
     if isinstance(m.content, list) and any(b.type == "text" and not b.text for b in m.content):
         raise invalid("messages: text content blocks must be non-empty", "messages")
+    if prefill and _ending_text(m.content) != _ending_text(m.content).rstrip():
+        raise invalid("messages: final assistant content cannot end with trailing whitespace", "messages")
+
+
+def _ending_text(content: str | list) -> str:
+    """The text ``content`` ends with: all of a string, or its last block's when that is a text block, else ""."""
+    if isinstance(content, str):
+        return content
+    return content[-1].text if content and content[-1].type == "text" else ""
 
 
 def _check_tool_turns(messages: list[AnthropicMessage]) -> None:
