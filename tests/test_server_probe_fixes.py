@@ -589,3 +589,33 @@ def test_an_anthropic_prefill_cannot_end_with_whitespace(base):
         [ask, {"role": "assistant", "content": "Red. "}, {"role": "user", "content": "Another?"}],
     ):
         assert _count(base, messages).status_code == 200, messages
+
+
+def test_a_responses_function_call_must_have_its_output(base):
+    """OpenAI refuses a ``function_call`` item that no ``function_call_output`` after it answers ("No tool output
+    found for function call call_1.", ``param: input``), in ``input`` or in the conversation that
+    ``previous_response_id`` continues (a response that called a function, continued without the output): the model
+    would read a call without its result, and this server took it. Items may stand between a call and its output."""
+    tools = [{"type": "function", "name": "ls", "parameters": {"type": "object", "properties": {}}}]
+    fields = {"tools": tools, "max_output_tokens": 2}
+    ask = {"role": "user", "content": "ls"}
+    call, other = ({"type": "function_call", "call_id": c, "name": "ls", "arguments": "{}"} for c in "12")
+    output = {"type": "function_call_output", "call_id": "1", "output": "a.py"}
+    note = {"role": "assistant", "content": "Listing."}
+    for items, missing in (([ask, call], "1"), ([ask, call, other, output, ask], "2")):
+        r = _respond(base, input=items, **fields)
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"No tool output found for function call {missing}.",
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": "invalid_request",
+        }
+    assert _respond(base, input=[ask, call, note, output], **fields).status_code == 200
+    forced = {"tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 40}
+    called = _respond(base, input="ls", **{**fields, **forced}).json()
+    [made] = [item["call_id"] for item in called["output"] if item["type"] == "function_call"]
+    r = _respond(base, input="go on", previous_response_id=called["id"], **fields)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == f"No tool output found for function call {made}."
+    answered = {**output, "call_id": made}
+    assert _respond(base, input=[answered], previous_response_id=called["id"], **fields).status_code == 200

@@ -2,8 +2,8 @@
 
 A request's ``input`` items become chat messages (``instructions`` the system text; ``function_call`` items
 the tool calls of an assistant turn, a ``reasoning`` item the next assistant turn's reasoning,
-``function_call_output`` items tool results, each answering a call before it; an ``item_reference`` the stored
-item it names) and everything else its chat equivalent, so the prompt, tool grammars (function tools are ``strict`` unless they say otherwise, as in
+``function_call_output`` items tool results, each answering a call before it (and each call answered); an
+``item_reference`` the stored item it names) and everything else its chat equivalent, so the prompt, tool grammars (function tools are ``strict`` unless they say otherwise, as in
 OpenAI's API) and structured output are the chat route's. Errors name the Responses field (``input``, ``tools.0.parameters``,
 ``max_output_tokens``, ``text.format``). The answer is a list of output items: a ``reasoning`` item
 (thinking mode; its text the item's summary where the request asks for one), a ``message`` with one ``output_text`` part, and a ``function_call`` per call; a stream
@@ -166,16 +166,25 @@ def _continued(server, body: ResponsesRequest) -> ResponsesRequest:
 
 
 def _check_call_outputs(items: list[ResponseInputItem]) -> None:
-    """OpenAI's rule: each ``function_call_output`` answers a ``function_call`` item before it (a 400 in OpenAI's
-    words, naming ``input``, otherwise)."""
+    """OpenAI's rule, both ways: each ``function_call_output`` answers a ``function_call`` item before it, and each
+    ``function_call`` is answered by an output after it (other items may stand between). A 400 in OpenAI's words,
+    naming ``input``, otherwise: the first output that answers no call, else the first call left without an output
+    (the model would read a call without its result; a conversation continued from a response that called a
+    function needs its output)."""
     calls: set[str] = set()
+    waiting: dict[str, None] = {}  # the calls without an output so far, in order
     for item in items:
         if isinstance(item, ResponseFunctionCall):
             calls.add(item.call_id)
+            waiting[item.call_id] = None
         elif isinstance(item, ResponseFunctionCallOutput) and item.call_id not in calls:
             raise invalid(
                 f"No tool call found for function call output with call_id {item.call_id}.", "input"
             )
+        elif isinstance(item, ResponseFunctionCallOutput):
+            waiting.pop(item.call_id, None)
+    if waiting:
+        raise invalid(f"No tool output found for function call {next(iter(waiting))}.", "input")
 
 
 def _fitted_spec(server, body: ResponsesRequest) -> CompletionSpec:
