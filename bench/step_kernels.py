@@ -5,7 +5,8 @@
 Builds the proxy (``bench/proxy.py``) behind an engine with decode slots, prefills ``--prompt-tokens`` random
 tokens in each of ``batch`` sequences, replays the captured batched step a few times, then records
 ``--steps`` more under ``torch.profiler`` (CUPTI sees the kernels inside a graph replay). Prints, per batch,
-the step's wall time and the kernels summed by name (ms a step and launches a step), the largest first.
+the step's wall time, its kernel time and launches (a captured step pays a few microseconds a launch), and the
+kernels summed by name (ms a step and launches a step), the largest first.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ def measure(engine: Engine, batch: int, prompt: int, steps: int, top: int) -> di
         engine.leave_slot(slot, state, keep=False)
         engine.release_state(state)
     ms = 1e3 * statistics.median(times[2:])
-    print(f"batch {batch}: {ms:.2f} ms/step, kernels {sum(r['ms_per_step'] for r in table):.2f} ms/step")
+    kernel_ms = sum(r["ms_per_step"] for r in table)
+    launches = sum(r["launches_per_step"] for r in table)
+    print(f"batch {batch}: {ms:.2f} ms/step, kernels {kernel_ms:.2f} ms/step in {launches:.0f} launches")
     for r in table[:top]:
         print(f"  {r['ms_per_step']:8.3f} ms {r['launches_per_step']:7.0f}x  {r['kernel'][:110]}")
-    return {"batch": batch, "ms_per_step": ms, "kernels": table}
+    return {"batch": batch, "ms_per_step": ms, "launches_per_step": launches, "kernels": table}
 
 
 def main() -> None:
