@@ -619,3 +619,11 @@ def test_a_responses_function_call_must_have_its_output(base):
     assert r.json()["error"]["message"] == f"No tool output found for function call {made}."
     answered = {**output, "call_id": made}
     assert _respond(base, input=[answered], previous_response_id=called["id"], **fields).status_code == 200
+
+
+def test_a_responses_tool_type_that_is_no_string_is_a_400(base):
+    """Fuzzing found ``tools: [{"type": {}}]`` a 500 (the hosted-tools test hashed the type): a 400 naming the
+    field, as chat's route answers."""
+    for kind in ({}, [], 5):
+        r = _respond(base, input="hi", tools=[{"type": kind}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0", r.text

@@ -493,7 +493,7 @@ def _flat_tools(tools: Any) -> Any:
     flat: list[Any] = []
     for tool in tools:
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind in HOSTED_TOOLS:
+        if isinstance(kind, str) and kind in HOSTED_TOOLS:  # any other type is refused by name below
             continue
         if kind == "namespace" and isinstance(tool.get("tools"), list):
             flat += [
