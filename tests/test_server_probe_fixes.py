@@ -3,6 +3,7 @@ APIs that was fixed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -627,3 +628,18 @@ def test_a_responses_tool_type_that_is_no_string_is_a_400(base):
     for kind in ({}, [], 5):
         r = _respond(base, input="hi", tools=[{"type": kind}])
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0", r.text
+
+
+def test_two_deletes_of_a_running_background_response_delete_it_once(base):
+    """Fuzzing found two concurrent DELETEs of a running background response both answered 200 (each passed the
+    check before either's cancellation ended): one deletes it, the other is a 404."""
+    r = _respond(base, input="class A:", background=True, max_output_tokens=64, temperature=0)
+    assert r.status_code == 200 and r.json()["status"] in ("queued", "in_progress"), r.text
+    url = f"{base}/v1/responses/{r.json()['id']}"
+
+    async def both() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return sorted(r.status_code for r in await asyncio.gather(client.delete(url), client.delete(url)))
+
+    assert asyncio.run(both()) == [200, 404]
+    assert httpx.get(url).status_code == 404

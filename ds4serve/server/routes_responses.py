@@ -758,6 +758,7 @@ async def delete(response_id: str, request: Request):
     running = server.background.get(response_id)
     if running is not None:
         await running.cancel(server)
+        _stored(request, response_id)  # another delete may have taken it meanwhile: this one is a 404
     server.responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
