@@ -112,7 +112,7 @@ def _check_content(m: AnthropicMessage, i: int, final: bool) -> None:
         )
     if isinstance(m.content, list) and any(b.type == "text" and not b.text for b in m.content):
         raise invalid("messages: text content blocks must be non-empty", "messages")
-    if prefill and _ending_text(m.content) != _ending_text(m.content).rstrip():
+    if prefill and _ending_text(m.content)[-1:].isspace():
         raise invalid("messages: final assistant content cannot end with trailing whitespace", "messages")
 
 
